@@ -1,0 +1,3 @@
+from forkd.cli.main import main
+
+main()

@@ -1,0 +1,389 @@
+"""The ``forkd`` command line: a front end over the REST API (it starts the local daemon if needed)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from forkd.cli.quickstart import quickstart
+from forkd.config import paths_from_env
+from forkd.sdk.autostart import ensure_daemon
+from forkd.sdk.controller import Controller, ForkdError
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def reports_errors(func: F) -> F:
+    """Turn daemon errors into one readable line and exit status 1, not a traceback."""
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except ForkdError as exc:
+            err_console.print(f"[red]error:[/red] {exc.message}")
+            sys.exit(1)
+    return wrapper  # type: ignore[return-value]
+
+
+def daemon() -> Controller:
+    return ensure_daemon(paths_from_env())
+
+
+def progress_printer(prefix: str = "") -> Callable[[str], None]:
+    started = time.monotonic()
+    return lambda line: err_console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {prefix}{line}")
+
+
+def print_json(data: Any) -> None:
+    console.print_json(json.dumps(data))
+
+
+@click.group()
+@click.version_option(package_name="forkd")
+def cli() -> None:
+    """Fork warm microVMs copy-on-write: a fresh, isolated Linux VM per task in milliseconds."""
+
+
+@cli.command("daemon")
+@click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto", show_default=True)
+def daemon_command(accel: str) -> None:
+    """Run the daemon in the foreground (the CLI starts one in the background when needed)."""
+    from forkd.daemon.server import DaemonAlreadyRunning, run
+    try:
+        run(paths_from_env(), accel)
+    except DaemonAlreadyRunning as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+# images ------------------------------------------------------------------------------------------
+
+@cli.group()
+def image() -> None:
+    """Guest images: kernel, initramfs and root filesystem with the forkd agent."""
+
+
+@image.command("build")
+@click.option("--name", default="default", show_default=True)
+@click.option("--package", "packages", multiple=True, help="extra Debian package (repeatable)")
+@click.option("--mirror", help="Debian mirror URL (default: from this machine's apt sources)")
+@click.option("--from-dir", "source_dir", type=click.Path(exists=True, file_okay=False), help="use this root tree")
+@click.option("--from-oci", "source_oci", type=click.Path(exists=True, dir_okay=False),
+              help="use an OCI image tarball (docker save or OCI layout)")
+@click.option("--disk-size-mib", type=int)
+@click.option("--force", is_flag=True, help="rebuild even if the cached image is current")
+@reports_errors
+def image_build(name: str, packages: tuple[str, ...], mirror: str | None, source_dir: str | None,
+                source_oci: str | None, disk_size_mib: int | None, force: bool) -> None:
+    """Build (or reuse from cache) a guest image."""
+    spec: dict[str, Any] = {"name": name, "packages": list(packages), "force": force}
+    for key, value in (("mirror", mirror), ("source_dir", source_dir), ("source_oci", source_oci),
+                       ("disk_size_mib", disk_size_mib)):
+        if value is not None:
+            spec[key] = value
+    result = daemon().build_image(on_progress=progress_printer(), **spec)
+    console.print(f"image [bold]{result['name']}[/bold] ready: kernel {result['kernel_version']}, "
+                  f"{result['size_bytes'] / 2**20:.0f} MiB at {result['path']}")
+
+
+@image.command("ls")
+@reports_errors
+def image_ls() -> None:
+    """List guest images."""
+    table = Table("name", "kernel", "agent", "size", "key")
+    for item in daemon().images():
+        table.add_row(item["name"], item["kernel_version"], item["agent_version"],
+                      f"{item['size_bytes'] / 2**20:.0f} MiB", item["key"][:12])
+    console.print(table)
+
+
+@image.command("rm")
+@click.argument("name")
+@reports_errors
+def image_rm(name: str) -> None:
+    """Remove a guest image (snapshots made from it keep their own copy)."""
+    daemon().remove_image(name)
+    console.print(f"removed image {name}")
+
+
+# snapshots ---------------------------------------------------------------------------------------
+
+@cli.group()
+def snapshot() -> None:
+    """Snapshots: a booted, warmed, paused parent that children fork from."""
+
+
+@snapshot.command("create")
+@click.option("--tag", required=True)
+@click.option("--image", "image_name", default="default", show_default=True)
+@click.option("--memory-mib", default=1024, show_default=True)
+@click.option("--vcpus", default=1, show_default=True)
+@click.option("--warm", "warm_modules", multiple=True, help="Python module to import before saving "
+              "(repeatable; default numpy)")
+@click.option("--warmup-cmd", help='shell command run before saving; saving waits for it to print {"ready": true}')
+@reports_errors
+def snapshot_create(tag: str, image_name: str, memory_mib: int, vcpus: int, warm_modules: tuple[str, ...],
+                    warmup_cmd: str | None) -> None:
+    """Boot a parent, warm it and save it as TAG."""
+    options: dict[str, Any] = {"image": image_name, "memory_mib": memory_mib, "vcpus": vcpus}
+    if warm_modules:
+        options["warm_modules"] = list(warm_modules)
+    if warmup_cmd:
+        options["warmup_cmd"] = warmup_cmd
+    result = daemon().create_snapshot(tag, on_progress=progress_printer(), **options)
+    console.print(f"snapshot [bold]{result['tag']}[/bold] ready (parent booted in {result['boot_seconds']:.1f} s, "
+                  f"saved in {result['save_seconds'] * 1000:.0f} ms)")
+
+
+def _list_snapshots() -> None:
+    table = Table("tag", "status", "image", "memory", "vcpus", "created")
+    for item in daemon().snapshots():
+        table.add_row(item["tag"], item["status"], item["image"], f"{item['boot']['memory_mib']} MiB",
+                      str(item["boot"]["vcpus"]), time.strftime("%Y-%m-%d %H:%M", time.localtime(item["created_at"])))
+    console.print(table)
+
+
+@cli.command("snapshots")
+@reports_errors
+def snapshots() -> None:
+    """List snapshots."""
+    _list_snapshots()
+
+
+@cli.command("images")
+@reports_errors
+def images() -> None:
+    """List snapshots (the name the reference forkd uses; guest images are `forkd image ls`)."""
+    _list_snapshots()
+
+
+@cli.command("rmi")
+@click.argument("tag")
+@reports_errors
+def rmi(tag: str) -> None:
+    """Remove a snapshot (refused while sandboxes forked from it run)."""
+    daemon().remove_snapshot(tag)
+    console.print(f"removed snapshot {tag}")
+
+
+# sandboxes ---------------------------------------------------------------------------------------
+
+@cli.command("fork")
+@click.option("--tag", required=True, help="snapshot to fork from")
+@click.option("-n", "count", default=1, show_default=True, help="number of children")
+@click.option("--json", "as_json", is_flag=True)
+@reports_errors
+def fork(tag: str, count: int, as_json: bool) -> None:
+    """Fork N children from a snapshot; one line per child with its time to first answer."""
+    started = time.monotonic()
+    result = daemon().fork(tag, count)
+    total = time.monotonic() - started
+    if as_json:
+        print_json({**result, "total_seconds": total})
+    else:
+        for child in result["sandboxes"]:
+            console.print(f"{child['id']}  answered in {child['seconds_to_answer'] * 1000:7.0f} ms")
+        for error in result["errors"]:
+            err_console.print(f"[red]failed:[/red] {error}")
+        console.print(f"{len(result['sandboxes'])}/{count} children answering, {total:.2f} s in all")
+    if result["errors"]:
+        sys.exit(1)
+
+
+@cli.command("ls")
+@click.option("--json", "as_json", is_flag=True)
+@reports_errors
+def ls(as_json: bool) -> None:
+    """List running sandboxes."""
+    items = daemon().sandboxes()
+    if as_json:
+        print_json(items)
+        return
+    table = Table("id", "snapshot", "status", "pid", "answered in", "age")
+    for item in items:
+        answered = item.get("seconds_to_answer")
+        table.add_row(item["id"], item["snapshot_tag"], item["status"], str(item["pid"]),
+                      f"{answered * 1000:.0f} ms" if answered else "-", f"{time.time() - item['created_at']:.0f} s")
+    console.print(table)
+
+
+@cli.command("kill")
+@click.argument("sandbox_ids", nargs=-1)
+@click.option("--all", "kill_all", is_flag=True, help="kill every sandbox")
+@reports_errors
+def kill(sandbox_ids: tuple[str, ...], kill_all: bool) -> None:
+    """Kill sandboxes and release their resources."""
+    controller = daemon()
+    targets = [s["id"] for s in controller.sandboxes()] if kill_all else list(sandbox_ids)
+    if not targets and not kill_all:
+        raise click.UsageError("name sandbox ids or pass --all")
+    for sandbox_id in targets:
+        controller.kill(sandbox_id)
+        console.print(f"killed {sandbox_id}")
+
+
+@cli.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--shell", "-s", is_flag=True, help="run COMMAND as one /bin/sh -c string")
+@click.option("--env", "-e", "envs", multiple=True, help="KEY=VALUE (repeatable)")
+@click.option("--cwd")
+@click.option("--timeout", default=60.0, show_default=True, help="seconds")
+@reports_errors
+def exec_command(sandbox_id: str, command: tuple[str, ...], shell: bool, envs: tuple[str, ...], cwd: str | None,
+                 timeout: float) -> None:
+    """Run a command in a sandbox, streaming its output; exits with the command's status."""
+    env = dict(pair.split("=", 1) for pair in envs if "=" in pair)
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event.get("event") == "stdout":
+            sys.stdout.write(event["data"])
+            sys.stdout.flush()
+        elif event.get("event") == "stderr":
+            sys.stderr.write(event["data"])
+            sys.stderr.flush()
+
+    result = daemon().exec(sandbox_id, " ".join(command) if shell else list(command), env=env, cwd=cwd,
+                           timeout_s=timeout, on_event=on_event)
+    if result.get("timed_out"):
+        err_console.print(f"[red]timed out after {timeout} s[/red]")
+    sys.exit(result.get("exit_code", 1))
+
+
+@cli.command("eval")
+@click.argument("sandbox_id")
+@click.argument("expr")
+@reports_errors
+def eval_command(sandbox_id: str, expr: str) -> None:
+    """Evaluate one Python expression in the sandbox's warm interpreter."""
+    result = daemon().eval(sandbox_id, expr)
+    _print_python_result(result)
+
+
+@cli.command("run-code")
+@click.argument("sandbox_id")
+@click.argument("code", required=False)
+@click.option("--context", default="default", show_default=True)
+@reports_errors
+def run_code(sandbox_id: str, code: str | None, context: str) -> None:
+    """Run Python statements (CODE, or stdin) in a persistent context, like a notebook cell."""
+    result = daemon().run_code(sandbox_id, code if code is not None else sys.stdin.read(), context=context)
+    sys.stdout.write(result.get("stdout", ""))
+    sys.stderr.write(result.get("stderr", ""))
+    _print_python_result(result)
+
+
+def _print_python_result(result: dict[str, Any]) -> None:
+    error = result.get("error")
+    if error:
+        err_console.print(error.get("traceback") or f"{error['name']}: {error['value']}", markup=False)
+        sys.exit(1)
+    if result.get("value") is not None:
+        console.print(result["value"], markup=False)
+
+
+@cli.command("cp")
+@click.argument("src")
+@click.argument("dst")
+@reports_errors
+def cp(src: str, dst: str) -> None:
+    """Copy a file into or out of a sandbox: `forkd cp local SB:/path` or `forkd cp SB:/path local`."""
+    controller = daemon()
+    if ":" in src and src.startswith("sb-"):
+        sandbox_id, path = src.split(":", 1)
+        data = controller.read_file(sandbox_id, path)
+        if dst == "-":
+            sys.stdout.buffer.write(data)
+        else:
+            with open(dst, "wb") as f:
+                f.write(data)
+    elif ":" in dst and dst.startswith("sb-"):
+        sandbox_id, path = dst.split(":", 1)
+        with open(src, "rb") if src != "-" else sys.stdin.buffer as f:
+            controller.write_file(sandbox_id, path, f.read())
+    else:
+        raise click.UsageError("one side must be SANDBOX_ID:/path")
+
+
+@cli.group()
+def files() -> None:
+    """Inspect and change files inside a sandbox."""
+
+
+@files.command("ls")
+@click.argument("sandbox_id")
+@click.argument("path", default="/")
+@reports_errors
+def files_ls(sandbox_id: str, path: str) -> None:
+    table = Table("name", "type", "size", "mode")
+    for entry in daemon().list_files(sandbox_id, path):
+        table.add_row(entry["name"], entry["type"], str(entry["size"]), oct(entry["mode"] & 0o7777))
+    console.print(table)
+
+
+@files.command("stat")
+@click.argument("sandbox_id")
+@click.argument("path")
+@reports_errors
+def files_stat(sandbox_id: str, path: str) -> None:
+    print_json(daemon().stat(sandbox_id, path))
+
+
+@files.command("rm")
+@click.argument("sandbox_id")
+@click.argument("path")
+@click.option("-r", "--recursive", is_flag=True)
+@reports_errors
+def files_rm(sandbox_id: str, path: str, recursive: bool) -> None:
+    daemon().remove_file(sandbox_id, path, recursive=recursive)
+
+
+@files.command("mkdir")
+@click.argument("sandbox_id")
+@click.argument("path")
+@reports_errors
+def files_mkdir(sandbox_id: str, path: str) -> None:
+    daemon().make_dir(sandbox_id, path)
+
+
+# operations --------------------------------------------------------------------------------------
+
+@cli.command("doctor")
+@click.option("--json", "as_json", is_flag=True)
+def doctor(as_json: bool) -> None:
+    """Check this host: virtualization, QEMU, images, disk, daemon."""
+    from forkd.host.doctor import Check, run_checks
+    try:
+        controller = daemon()
+        checks = [Check(**c) for c in controller.doctor()]
+        checks.append(Check("daemon", "ok", f"reachable at {controller.url}, {controller.version()['vmm']} "
+                                            f"{controller.version()['vmm_version']}"))
+    except ForkdError as exc:
+        checks = run_checks(paths_from_env())
+        checks.append(Check("daemon", "fail", exc.message, "see the daemon log under FORKD_HOME"))
+    if as_json:
+        print_json([c.to_dict() for c in checks])
+    else:
+        colour = {"ok": "green", "warn": "yellow", "fail": "red"}
+        for check in checks:
+            console.print(f"[{colour[check.status]}]{check.status:>4}[/] {check.name:<12} {escape(check.detail)}"
+                          + (f"\n{'':17}→ {escape(check.fix)}" if check.fix else ""))
+    if any(c.status == "fail" for c in checks):
+        sys.exit(1)
+
+
+cli.add_command(quickstart)
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,69 @@
+"""Running the daemon: uvicorn serving the API on a Unix socket only its owner can open."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from forkd.config import Paths
+from forkd.daemon.app import create_app
+from forkd.runtime.runtime import Runtime
+from forkd.vmm.qemu import QemuVmm
+
+log = logging.getLogger("forkd.daemon")
+
+
+class DaemonAlreadyRunning(RuntimeError):
+    pass
+
+
+def bind_private_socket(path: Path) -> socket.socket:
+    """Bind ``path`` with mode 0600 from the start (no window where others could connect)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # stale socket of a daemon that died
+        else:
+            raise DaemonAlreadyRunning(f"a forkd daemon already listens on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    return sock
+
+
+async def serve(paths: Paths, accelerator: str = "auto") -> None:
+    sock = bind_private_socket(paths.socket)
+    runtime = Runtime(paths, QemuVmm(accelerator=accelerator))
+    reaped = runtime.start()
+    if reaped:
+        log.warning("reaped %d sandboxes left by a previous daemon: %s", len(reaped), ", ".join(reaped))
+    config = uvicorn.Config(create_app(runtime), log_level="warning", timeout_graceful_shutdown=5,
+                            h11_max_incomplete_event_size=1 << 20)
+    server = uvicorn.Server(config)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await runtime.stop()
+        with contextlib.suppress(FileNotFoundError):
+            paths.socket.unlink()
+
+
+def run(paths: Paths, accelerator: str = "auto") -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(paths, accelerator))

@@ -1,0 +1,163 @@
+"""The forkd guest wire protocol, shared by the in-guest agent and the host.
+
+Stdlib only: this module is copied into guest images next to the agent.
+
+Framing is one JSON object per line (UTF-8, ``\\n`` terminated) in both directions over one
+byte stream (a virtio-serial port in QEMU, vsock later). Many requests may be in flight on one
+connection; every frame carries the ``id`` of the request it belongs to.
+
+Request::
+
+    {"id": 7, "op": "exec", "args": {...}}
+
+Zero or more event frames, then exactly one terminal frame::
+
+    {"id": 7, "event": "stdout", "data": {"data_b64": "..."}}
+    {"id": 7, "ok": true, "result": {...}}
+    {"id": 7, "ok": false, "error": {"code": "timeout", "message": "..."}}
+
+Binary payloads travel base64-encoded in fields whose names end in ``_b64``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+#: Name of the virtio-serial port the agent listens on (``/sys/class/virtio-ports/*/name``).
+AGENT_PORT_NAME = "org.forkd.agent"
+
+#: Largest frame either side accepts; bigger file transfers are chunked by the caller.
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+#: Largest chunk of file data carried by one files.read / files.write request.
+FILE_CHUNK_BYTES = 4 * 1024 * 1024
+
+# Operations the agent implements. The argument and result shapes are documented in
+# docs/guest-protocol.md; the names are the contract.
+OP_PING = "ping"
+OP_RESEED = "reseed"
+OP_WARM = "warm"
+OP_EXEC = "exec"
+OP_PROC_KILL = "proc.kill"
+OP_PROC_STDIN = "proc.stdin"
+OP_PROC_LIST = "proc.list"
+OP_RUN_CODE = "run_code"
+OP_EVAL = "eval"
+OP_FILES_READ = "files.read"
+OP_FILES_WRITE = "files.write"
+OP_FILES_LIST = "files.list"
+OP_FILES_STAT = "files.stat"
+OP_FILES_REMOVE = "files.remove"
+OP_FILES_MKDIR = "files.mkdir"
+OP_FILES_RENAME = "files.rename"
+
+ALL_OPS = frozenset(
+    {
+        OP_PING,
+        OP_RESEED,
+        OP_WARM,
+        OP_EXEC,
+        OP_PROC_KILL,
+        OP_PROC_STDIN,
+        OP_PROC_LIST,
+        OP_RUN_CODE,
+        OP_EVAL,
+        OP_FILES_READ,
+        OP_FILES_WRITE,
+        OP_FILES_LIST,
+        OP_FILES_STAT,
+        OP_FILES_REMOVE,
+        OP_FILES_MKDIR,
+        OP_FILES_RENAME,
+    }
+)
+
+# Event names streamed before a terminal frame.
+EVENT_STARTED = "started"  # exec: {"pid": int}
+EVENT_STDOUT = "stdout"  # exec: {"data_b64": str}; run_code: {"text": str}
+EVENT_STDERR = "stderr"  # same shapes as stdout
+
+# Error codes in terminal error frames.
+ERR_BAD_REQUEST = "bad_request"
+ERR_UNKNOWN_OP = "unknown_op"
+ERR_NOT_FOUND = "not_found"
+ERR_TIMEOUT = "timeout"
+ERR_OS = "os_error"
+ERR_INTERNAL = "internal"
+
+
+class ProtocolError(ValueError):
+    """A frame that cannot be parsed or does not have the protocol's shape."""
+
+
+def b64encode(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def b64decode(text: str) -> bytes:
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise ProtocolError(f"invalid base64 payload: {exc}") from None
+
+
+def encode_frame(frame: dict[str, Any]) -> bytes:
+    """Serialise one frame to a single ``\\n``-terminated line."""
+    line = json.dumps(frame, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"
+    if len(line) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(line)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    return line
+
+
+def decode_frame(line: bytes) -> dict[str, Any]:
+    """Parse one line into a frame dict, raising :class:`ProtocolError` on anything else."""
+    if len(line) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(line)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        frame = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"frame is not JSON: {exc}") from None
+    if not isinstance(frame, dict):
+        raise ProtocolError("frame must be a JSON object")
+    return frame
+
+
+def request(req_id: int, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": req_id, "op": op, "args": args or {}}
+
+
+def event(req_id: Any, name: str, data: dict[str, Any]) -> dict[str, Any]:
+    return {"id": req_id, "event": name, "data": data}
+
+
+def ok(req_id: Any, result: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": req_id, "ok": True, "result": result or {}}
+
+
+def error(req_id: Any, code: str, message: str, **details: Any) -> dict[str, Any]:
+    err: dict[str, Any] = {"code": code, "message": message}
+    err.update(details)
+    return {"id": req_id, "ok": False, "error": err}
+
+
+def parse_request(frame: dict[str, Any]) -> tuple[Any, str, dict[str, Any]]:
+    """Validate a request frame's envelope and return ``(id, op, args)``."""
+    req_id = frame.get("id")
+    if not isinstance(req_id, int) or isinstance(req_id, bool):
+        raise ProtocolError("request needs an integer 'id'")
+    op = frame.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError("request needs a string 'op'")
+    args = frame.get("args", {})
+    if not isinstance(args, dict):
+        raise ProtocolError("'args' must be a JSON object")
+    return req_id, op, args
+
+
+def is_terminal(frame: dict[str, Any]) -> bool:
+    """True for the frame that ends a request (``ok`` present), False for events."""
+    return "ok" in frame

@@ -1,0 +1,139 @@
+"""Host side of the guest protocol: one multiplexed connection per sandbox.
+
+Requests are numbered and many may be in flight at once; a reader task routes every frame to the
+request it belongs to, so a long ``exec`` never blocks a ``ping``. Events reach the caller as they
+arrive through an ``on_event`` callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from forkd.guest import protocol
+
+EventHandler = Callable[[str, dict[str, Any]], Awaitable[None] | None]
+
+
+class AgentError(RuntimeError):
+    """The agent answered a request with an error frame (or could not be reached)."""
+
+    def __init__(self, code: str, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.details = details or {}
+
+
+class AgentUnavailable(AgentError):
+    def __init__(self, message: str) -> None:
+        super().__init__("agent_unavailable", message)
+
+
+class _Pending:
+    def __init__(self, on_event: EventHandler | None) -> None:
+        self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.on_event = on_event
+
+
+class AgentClient:
+    """A connection to one guest agent over its host-side Unix socket."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._write_lock = asyncio.Lock()
+        self._closed_reason: str | None = None
+        self._reader_task = asyncio.create_task(self._read_loop())
+
+    @classmethod
+    async def connect(cls, socket_path: Path, timeout: float = 10.0) -> AgentClient:
+        """Connect to the VMM's agent socket, retrying until it exists or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(
+                    str(socket_path), limit=protocol.MAX_FRAME_BYTES + 1
+                )
+                return cls(reader, writer)
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                if time.monotonic() > deadline:
+                    raise AgentUnavailable(f"cannot connect to {socket_path}: {exc}") from None
+                await asyncio.sleep(0.005)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed_reason is not None
+
+    async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = 60.0,
+                   on_event: EventHandler | None = None) -> dict[str, Any]:
+        """Send one request and return its result; raise :class:`AgentError` on an error frame."""
+        if self._closed_reason is not None:
+            raise AgentUnavailable(self._closed_reason)
+        req_id = next(self._ids)
+        pending = _Pending(on_event)
+        self._pending[req_id] = pending
+        try:
+            async with self._write_lock:
+                self._writer.write(protocol.encode_frame(protocol.request(req_id, op, args)))
+                await self._writer.drain()
+            frame = await asyncio.wait_for(asyncio.shield(pending.done), timeout)
+        except asyncio.TimeoutError:
+            raise AgentError(protocol.ERR_TIMEOUT, f"agent did not answer {op} within {timeout} s") from None
+        except (ConnectionError, OSError) as exc:
+            raise AgentUnavailable(f"connection to the agent failed: {exc}") from None
+        finally:
+            self._pending.pop(req_id, None)
+        if frame.get("ok"):
+            return frame.get("result") or {}
+        err = frame.get("error") or {}
+        details = {k: v for k, v in err.items() if k not in {"code", "message"}}
+        raise AgentError(str(err.get("code", protocol.ERR_INTERNAL)), str(err.get("message", "")), details)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                line = await self._reader.readline()
+                if not line:
+                    self._fail_all("the agent closed the connection (VM stopped?)")
+                    return
+                try:
+                    frame = protocol.decode_frame(line)
+                except protocol.ProtocolError:
+                    continue  # a torn line from before a restore; the request it belonged to is gone
+                pending = self._pending.get(frame.get("id"))  # type: ignore[arg-type]
+                if pending is None:
+                    continue
+                if protocol.is_terminal(frame):
+                    if not pending.done.done():
+                        pending.done.set_result(frame)
+                elif pending.on_event is not None:
+                    result = pending.on_event(str(frame.get("event")), frame.get("data") or {})
+                    if asyncio.iscoroutine(result):
+                        await result
+        except (ConnectionError, OSError, ValueError) as exc:
+            self._fail_all(f"connection to the agent failed: {exc}")
+        except asyncio.CancelledError:
+            self._fail_all("connection closed")
+            raise
+
+    def _fail_all(self, reason: str) -> None:
+        self._closed_reason = reason
+        for pending in self._pending.values():
+            if not pending.done.done():
+                pending.done.set_exception(AgentUnavailable(reason))
+
+    async def close(self) -> None:
+        self._reader_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._reader_task
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()

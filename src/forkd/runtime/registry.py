@@ -1,0 +1,157 @@
+"""The daemon's record of snapshots and sandboxes, in SQLite.
+
+Every change is one transaction, so a crash leaves either the old or the new record, never half
+of one. Files on disk are published first (atomic rename) and registered second, so a registered
+snapshot always has its files.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS snapshots (
+    tag        TEXT PRIMARY KEY,
+    status     TEXT NOT NULL,
+    image      TEXT NOT NULL,
+    path       TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    meta       TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id           TEXT PRIMARY KEY,
+    snapshot_tag TEXT NOT NULL,
+    status       TEXT NOT NULL,
+    pid          INTEGER,
+    run_dir      TEXT NOT NULL,
+    created_at   REAL NOT NULL,
+    meta         TEXT NOT NULL
+);
+"""
+
+
+@dataclass
+class SnapshotRecord:
+    tag: str
+    status: str
+    image: str
+    path: Path
+    created_at: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tag": self.tag, "status": self.status, "image": self.image, "path": str(self.path),
+                "created_at": self.created_at, **self.meta}
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    snapshot_tag: str
+    status: str
+    pid: int | None
+    run_dir: Path
+    created_at: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "snapshot_tag": self.snapshot_tag, "status": self.status, "pid": self.pid,
+                "created_at": self.created_at, **self.meta}
+
+
+class Registry:
+    """Thread-safe access to ``state.db``; the daemon holds one instance."""
+
+    def __init__(self, db_path: Path) -> None:
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    # snapshots
+
+    def add_snapshot(self, record: SnapshotRecord) -> None:
+        self._execute(
+            "INSERT INTO snapshots (tag, status, image, path, created_at, meta) VALUES (?, ?, ?, ?, ?, ?)",
+            (record.tag, record.status, record.image, str(record.path), record.created_at, json.dumps(record.meta)),
+        )
+
+    def get_snapshot(self, tag: str) -> SnapshotRecord | None:
+        rows = self._execute("SELECT tag, status, image, path, created_at, meta FROM snapshots WHERE tag = ?", (tag,))
+        return _snapshot(rows[0]) if rows else None
+
+    def list_snapshots(self) -> list[SnapshotRecord]:
+        rows = self._execute("SELECT tag, status, image, path, created_at, meta FROM snapshots ORDER BY created_at")
+        return [_snapshot(r) for r in rows]
+
+    def remove_snapshot(self, tag: str) -> None:
+        self._execute("DELETE FROM snapshots WHERE tag = ?", (tag,))
+
+    # sandboxes
+
+    def add_sandbox(self, record: SandboxRecord) -> None:
+        self._execute(
+            "INSERT INTO sandboxes (id, snapshot_tag, status, pid, run_dir, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (record.id, record.snapshot_tag, record.status, record.pid, str(record.run_dir), record.created_at,
+             json.dumps(record.meta)),
+        )
+
+    def update_sandbox(self, sandbox_id: str, *, status: str | None = None, pid: int | None = None,
+                       meta: dict[str, Any] | None = None) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT status, pid, meta FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+                if row is not None:
+                    merged = {**json.loads(row[2]), **(meta or {})}
+                    self._db.execute(
+                        "UPDATE sandboxes SET status = ?, pid = ?, meta = ? WHERE id = ?",
+                        (status or row[0], pid if pid is not None else row[1], json.dumps(merged), sandbox_id),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
+        rows = self._execute(
+            "SELECT id, snapshot_tag, status, pid, run_dir, created_at, meta FROM sandboxes WHERE id = ?", (sandbox_id,)
+        )
+        return _sandbox(rows[0]) if rows else None
+
+    def list_sandboxes(self) -> list[SandboxRecord]:
+        rows = self._execute(
+            "SELECT id, snapshot_tag, status, pid, run_dir, created_at, meta FROM sandboxes ORDER BY created_at"
+        )
+        return [_sandbox(r) for r in rows]
+
+    def remove_sandbox(self, sandbox_id: str) -> None:
+        self._execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    def count_sandboxes_of(self, tag: str) -> int:
+        return int(self._execute("SELECT COUNT(*) FROM sandboxes WHERE snapshot_tag = ?", (tag,))[0][0])
+
+
+def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:
+    return SnapshotRecord(tag=row[0], status=row[1], image=row[2], path=Path(row[3]), created_at=row[4],
+                          meta=json.loads(row[5]))
+
+
+def _sandbox(row: tuple[Any, ...]) -> SandboxRecord:
+    return SandboxRecord(id=row[0], snapshot_tag=row[1], status=row[2], pid=row[3], run_dir=Path(row[4]),
+                         created_at=row[5], meta=json.loads(row[6]))

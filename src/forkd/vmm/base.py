@@ -1,0 +1,134 @@
+"""The one interface every VMM backend implements (QEMU today, Firecracker later).
+
+The runtime never builds a command line or speaks a monitor protocol itself: it asks a backend to
+boot a parent, save it, and restore children from what was saved. Backends say what they can do
+through :class:`Capabilities` rather than the runtime assuming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class VmmError(RuntimeError):
+    """A VMM operation failed; the message says which and what to check."""
+
+
+class SnapshotMismatch(VmmError):
+    """A snapshot was saved under a different VMM/machine identity than the one restoring it."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    kind: str
+    version: str
+    accelerator: str  # "kvm" or "tcg"
+    accelerator_reason: str  # why that accelerator was chosen
+    shared_memory_snapshots: bool  # RAM saved by reference (x-ignore-shared), never copied
+    vmgenid: bool  # the guest is told it was restored, so its kernel reseeds its RNG
+    background_snapshot: bool  # live snapshot while the guest runs (userfaultfd write-protect)
+
+
+@dataclass(frozen=True)
+class MachineIdentity:
+    """Everything that must be equal for saved device state to load into a new VMM process."""
+
+    vmm: str
+    vmm_version: str
+    machine: str
+    accelerator: str
+    cpu_model: str
+    memory_mib: int
+    vcpus: int
+    kernel_sha256: str
+    agent_version: str
+
+    def differences(self, other: MachineIdentity) -> list[str]:
+        """Human-readable list of fields that differ, ``saved X, now Y``."""
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{k}: saved {mine[k]!r}, now {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MachineIdentity:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class BootSpec:
+    """What a VM is made of; identical for a parent and the children restored from it."""
+
+    kernel: Path
+    initrd: Path
+    cmdline: str
+    memory_mib: int
+    vcpus: int
+    kernel_sha256: str
+    agent_version: str
+
+
+@dataclass
+class VmHandle:
+    """A running VMM process and the host-side endpoints it exposes."""
+
+    name: str
+    run_dir: Path
+    process: asyncio.subprocess.Process
+    agent_socket: Path
+    monitor_socket: Path
+    disk: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+@dataclass(frozen=True)
+class SavedVm:
+    """The files a saved parent consists of: RAM image, device state and frozen disk."""
+
+    memory: Path
+    state: Path
+    disk: Path
+    identity: MachineIdentity
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory of a VMM process from /proc/<pid>/smaps_rollup, in KiB."""
+
+    rss_kib: int
+    pss_kib: int
+    private_dirty_kib: int
+    shared_clean_kib: int
+
+
+class Vmm(Protocol):
+    """A VMM backend. Every method is safe to call concurrently for different VMs."""
+
+    def capabilities(self) -> Capabilities: ...
+
+    def identity(self, spec: BootSpec) -> MachineIdentity: ...
+
+    async def boot(self, name: str, spec: BootSpec, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
+        """Cold-boot a VM whose RAM lives in the file ``memory``, shared so it can be saved by reference."""
+        ...
+
+    async def pause(self, vm: VmHandle) -> None: ...
+
+    async def resume(self, vm: VmHandle) -> None: ...
+
+    async def save(self, vm: VmHandle, state: Path) -> None:
+        """Write the paused VM's device and vCPU state to ``state``; RAM stays in its memory file."""
+        ...
+
+    async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path) -> VmHandle:
+        """Start a child that maps ``saved.memory`` copy-on-write and resumes from ``saved.state``."""
+        ...
+
+    async def kill(self, vm: VmHandle) -> None: ...
+
+    def memory_stats(self, vm: VmHandle) -> MemoryStats: ...

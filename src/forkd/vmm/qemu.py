@@ -1,0 +1,254 @@
+"""QEMU backend: parents with RAM in a shared file, children mapping that file copy-on-write.
+
+The parent's guest RAM is a ``memory-backend-file`` with ``share=on``, so when it is paused the
+file *is* its memory. Saving migrates only device and vCPU state (``x-ignore-shared`` skips shared
+RAM: ~13 ms, a few hundred KB). A child is a new QEMU process with the same machine but
+``share=off`` on the same file — a MAP_PRIVATE mapping, so the host kernel shares every page until
+the child writes it — loading that state with ``-incoming``. Each VM gets its own qcow2 overlay so
+no two VMs ever write one disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import re
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from qemu.qmp import QMPClient
+
+from forkd.guest.protocol import AGENT_PORT_NAME
+from forkd.vmm.accel import choose_accelerator
+from forkd.vmm.base import (
+    BootSpec,
+    Capabilities,
+    MachineIdentity,
+    MemoryStats,
+    SavedVm,
+    VmHandle,
+    VmmError,
+)
+
+MACHINE = "q35"
+STARTUP_TIMEOUT_S = 20.0
+SAVE_TIMEOUT_S = 120.0
+TCG_TB_SIZE_MIB = 64
+
+
+@functools.cache
+def qemu_version(binary: str) -> str:
+    """``7.2.22`` from ``QEMU emulator version 7.2.22 (Debian ...)``."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise VmmError(f"cannot run {binary} ({exc}); install QEMU with `bash scripts/setup`") from None
+    match = re.search(r"version (\S+)", out)
+    return match.group(1) if match else out.strip()
+
+
+async def create_overlay(backing: Path, overlay: Path, backing_format: str, relative: bool = False) -> None:
+    """A qcow2 overlay so the VM writes its own file and ``backing`` stays untouched.
+
+    ``relative`` records the backing file by name only, resolved next to the overlay, so a
+    directory holding both can be renamed into place after it is built.
+    """
+    if relative and backing.parent.resolve() != overlay.parent.resolve():
+        raise VmmError(f"relative backing file {backing} must sit next to {overlay}")
+    backing_ref = backing.name if relative else str(backing)
+    argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-b", backing_ref, "-F", backing_format, str(overlay)]
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, stderr = await asyncio.wait_for(proc.communicate(), timeout=60)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise VmmError(f"qemu-img failed ({exc!r}); install qemu-utils with `bash scripts/setup`") from None
+    if proc.returncode != 0:
+        raise VmmError(f"qemu-img could not create {overlay}: {stderr.decode(errors='replace').strip()}")
+
+
+def read_memory_stats(pid: int) -> MemoryStats:
+    """Sum of the process's mappings from ``smaps_rollup`` (PSS counts shared pages fractionally)."""
+    fields: dict[str, int] = {}
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError as exc:
+        raise VmmError(f"cannot read memory of process {pid}: {exc}") from None
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+            fields[parts[0][:-1]] = int(parts[1])
+    return MemoryStats(
+        rss_kib=fields.get("Rss", 0),
+        pss_kib=fields.get("Pss", 0),
+        private_dirty_kib=fields.get("Private_Dirty", 0),
+        shared_clean_kib=fields.get("Shared_Clean", 0),
+    )
+
+
+class QemuVmm:
+    """The :class:`forkd.vmm.base.Vmm` backend for ``qemu-system-x86_64``."""
+
+    kind = "qemu"
+
+    def __init__(self, binary: str = "qemu-system-x86_64", accelerator: str = "auto") -> None:
+        self.binary = binary
+        self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
+
+    @property
+    def cpu_model(self) -> str:
+        return "host" if self.accelerator == "kvm" else "qemu64"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            kind=self.kind,
+            version=qemu_version(self.binary),
+            accelerator=self.accelerator,
+            accelerator_reason=self.accelerator_reason,
+            shared_memory_snapshots=True,
+            vmgenid=True,
+            background_snapshot=True,
+        )
+
+    def identity(self, spec: BootSpec) -> MachineIdentity:
+        return MachineIdentity(
+            vmm=self.kind,
+            vmm_version=qemu_version(self.binary),
+            machine=MACHINE,
+            accelerator=self.accelerator,
+            cpu_model=self.cpu_model,
+            memory_mib=spec.memory_mib,
+            vcpus=spec.vcpus,
+            kernel_sha256=spec.kernel_sha256,
+            agent_version=spec.agent_version,
+        )
+
+    def _argv(self, spec: BootSpec, run_dir: Path, disk: Path, memory: Path, share: bool) -> list[str]:
+        """The machine; parent and children must agree on every device for state to load."""
+        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MIB}"
+        return [
+            self.binary,
+            "-nodefaults", "-no-user-config", "-nographic", "-display", "none",
+            "-machine", f"{MACHINE},memory-backend=ram",
+            "-accel", accel,
+            "-cpu", self.cpu_model,
+            "-smp", str(spec.vcpus),
+            "-m", f"{spec.memory_mib}M",
+            "-object",
+            f"memory-backend-file,id=ram,size={spec.memory_mib}M,mem-path={memory},share={'on' if share else 'off'}",
+            "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline,
+            "-drive", f"file={disk},format=qcow2,if=none,id=root,cache=writeback,discard=unmap",
+            "-device", "virtio-blk-pci,drive=root,id=rootdisk",
+            "-device", "virtio-serial-pci,id=vser",
+            "-chardev", f"socket,id=agent,path={run_dir / 'agent.sock'},server=on,wait=off",
+            "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},id=agentport",
+            # A new generation id on every restore tells the guest kernel to reseed its RNG.
+            "-device", f"vmgenid,guid={uuid.uuid4()},id=vmgenid",
+            "-chardev", f"file,id=console,path={run_dir / 'console.log'}",
+            "-serial", "chardev:console",
+            "-qmp", f"unix:{run_dir / 'qmp.sock'},server=on,wait=off",
+            "-global", "migration.x-ignore-shared=on",
+        ]
+
+    async def _start(self, name: str, argv: list[str], run_dir: Path, disk: Path,
+                     pass_fds: tuple[int, ...] = ()) -> VmHandle:
+        log_path = run_dir / "qemu.log"
+        with open(log_path, "ab") as log:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    pass_fds=pass_fds, start_new_session=True,
+                )
+            except OSError as exc:
+                raise VmmError(f"cannot start {self.binary}: {exc}; install QEMU with `bash scripts/setup`") from None
+        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+                      monitor_socket=run_dir / "qmp.sock", disk=disk)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not (vm.monitor_socket.exists() and vm.agent_socket.exists()):
+            if process.returncode is not None:
+                raise VmmError(f"QEMU for {name} exited with {process.returncode}: {_tail(log_path)}")
+            if time.monotonic() > deadline:
+                await self.kill(vm)
+                raise VmmError(f"QEMU for {name} did not open its sockets in {STARTUP_TIMEOUT_S:.0f} s: {_tail(log_path)}")
+            await asyncio.sleep(0.005)
+        return vm
+
+    async def boot(self, name: str, spec: BootSpec, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
+        disk = run_dir / "disk.qcow2"
+        await create_overlay(base_disk, disk, "raw", relative=base_disk.parent.resolve() == run_dir.resolve())
+        return await self._start(name, self._argv(spec, run_dir, disk, memory, share=True), run_dir, disk)
+
+    async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path) -> VmHandle:
+        disk = run_dir / "disk.qcow2"
+        await create_overlay(saved.disk, disk, "qcow2")
+        state_fd = os.open(saved.state, os.O_RDONLY)
+        try:
+            argv = self._argv(spec, run_dir, disk, saved.memory, share=False) + ["-incoming", f"fd:{state_fd}"]
+            return await self._start(name, argv, run_dir, disk, pass_fds=(state_fd,))
+        finally:
+            os.close(state_fd)
+
+    @contextlib.asynccontextmanager
+    async def _monitor(self, vm: VmHandle):
+        client = QMPClient(vm.name)
+        try:
+            await asyncio.wait_for(client.connect(str(vm.monitor_socket)), timeout=10)
+        except Exception as exc:  # qemu.qmp raises its own hierarchy and OSError
+            raise VmmError(f"cannot reach the QEMU monitor of {vm.name}: {exc}") from None
+        try:
+            yield client
+        finally:
+            await client.disconnect()
+
+    async def pause(self, vm: VmHandle) -> None:
+        async with self._monitor(vm) as qmp:
+            await qmp.execute("stop")
+
+    async def resume(self, vm: VmHandle) -> None:
+        async with self._monitor(vm) as qmp:
+            await qmp.execute("cont")
+
+    async def save(self, vm: VmHandle, state: Path) -> None:
+        """Migrate the (paused) VM's device state into ``state`` through a passed file descriptor."""
+        fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            async with self._monitor(vm) as qmp:
+                await qmp.execute("stop")
+                qmp.send_fd_scm(fd)
+                await qmp.execute("getfd", {"fdname": "forkd-state"})
+                await qmp.execute("migrate", {"uri": "fd:forkd-state"})
+                deadline = time.monotonic() + SAVE_TIMEOUT_S
+                while True:
+                    info = await qmp.execute("query-migrate")
+                    status = info.get("status")
+                    if status == "completed":
+                        break
+                    if status in {"failed", "cancelled"}:
+                        raise VmmError(f"saving {vm.name} failed: {info.get('error-desc', status)}")
+                    if time.monotonic() > deadline:
+                        raise VmmError(f"saving {vm.name} did not finish in {SAVE_TIMEOUT_S:.0f} s")
+                    await asyncio.sleep(0.005)
+        finally:
+            os.close(fd)
+        with open(state, "rb+") as written:
+            os.fsync(written.fileno())
+
+    async def kill(self, vm: VmHandle) -> None:
+        if vm.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                vm.process.kill()
+            await vm.process.wait()
+
+    def memory_stats(self, vm: VmHandle) -> MemoryStats:
+        return read_memory_stats(vm.pid)
+
+
+def _tail(path: Path, limit: int = 800) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return "(no log)"
+    return text[-limit:] or "(empty log)"

@@ -1,0 +1,95 @@
+"""Fixtures shared by the VM tests: one daemon, one image (cached across runs) and one warm snapshot.
+
+The daemon is the real one, started as its own process with a private FORKD_HOME and socket; the
+guest image comes from the shared FORKD_CACHE so it is built once per machine, keyed by its inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
+
+VM_SNAPSHOT = "vmtest"
+
+
+def _vm_env(home: Path) -> dict[str, str]:
+    env = os.environ.copy()
+    env["FORKD_HOME"] = str(home)
+    env["FORKD_SOCKET"] = str(home / "forkd.sock")
+    env.pop("FORKD_URL", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def forkd_home() -> Iterator[Path]:
+    home = Path(tempfile.mkdtemp(prefix="forkd-test-", dir="/var/tmp"))
+    yield home
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def vm_env(forkd_home: Path) -> dict[str, str]:
+    return _vm_env(forkd_home)
+
+
+@pytest.fixture(scope="session")
+def daemon(forkd_home: Path, vm_env: dict[str, str]) -> Iterator[Controller]:
+    """A real daemon process for the whole session; stopped (and its VMs with it) at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("VM tests need root")
+    log = open(forkd_home / "daemon.log", "ab")
+    process = subprocess.Popen([sys.executable, "-m", "forkd", "daemon"], env=vm_env, stdout=log, stderr=log)
+    controller = Controller(url=f"unix://{vm_env['FORKD_SOCKET']}")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            controller.health()
+            break
+        except DaemonUnreachable:
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"daemon did not start: {(forkd_home / 'daemon.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+    yield controller
+    controller.close()
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log.close()
+
+
+def _progress(line: str) -> None:
+    print(f"[forkd] {line}", file=sys.stderr, flush=True)
+
+
+@pytest.fixture(scope="session")
+def snapshot_tag(daemon: Controller) -> str:
+    """The default image (built or reused) and one warm snapshot shared by every VM test."""
+    daemon.build_image(on_progress=_progress, name="default")
+    daemon.create_snapshot(VM_SNAPSHOT, on_progress=_progress, memory_mib=1024, warm_modules=["numpy"])
+    return VM_SNAPSHOT
+
+
+@pytest.fixture
+def children(daemon: Controller, snapshot_tag: str) -> Iterator[list[str]]:
+    """Three children of the shared snapshot, killed after the test."""
+    result = daemon.fork(snapshot_tag, 3)
+    assert result["errors"] == []
+    ids = [child["id"] for child in result["sandboxes"]]
+    yield ids
+    for sandbox_id in ids:
+        with contextlib.suppress(ForkdError):  # already gone: the test killed it
+            daemon.kill(sandbox_id)

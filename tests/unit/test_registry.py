@@ -1,0 +1,38 @@
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from forkd.runtime.registry import Registry, SandboxRecord, SnapshotRecord
+
+
+def test_snapshots_persist_across_reopen(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state.db")
+    registry.add_snapshot(SnapshotRecord("base", "ready", "default", tmp_path / "base", 1.0, {"sha256": {"m": "ab"}}))
+    registry.close()
+    reopened = Registry(tmp_path / "state.db")
+    record = reopened.get_snapshot("base")
+    assert record is not None and record.meta == {"sha256": {"m": "ab"}} and record.path == tmp_path / "base"
+    assert [r.tag for r in reopened.list_snapshots()] == ["base"]
+    reopened.remove_snapshot("base")
+    assert reopened.get_snapshot("base") is None
+
+
+def test_duplicate_tags_are_refused(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state.db")
+    record = SnapshotRecord("base", "ready", "default", tmp_path, 1.0)
+    registry.add_snapshot(record)
+    with pytest.raises(sqlite3.IntegrityError):
+        registry.add_snapshot(record)
+
+
+def test_sandbox_updates_merge_meta(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state.db")
+    registry.add_sandbox(SandboxRecord("sb-aaaaaaaaaaaa", "base", "starting", None, tmp_path, 2.0, {"hostname": "h"}))
+    registry.update_sandbox("sb-aaaaaaaaaaaa", status="running", pid=42, meta={"seconds_to_answer": 0.5})
+    record = registry.get_sandbox("sb-aaaaaaaaaaaa")
+    assert record is not None
+    assert (record.status, record.pid, record.meta) == ("running", 42, {"hostname": "h", "seconds_to_answer": 0.5})
+    registry.update_sandbox("sb-missing00000", status="running")  # a vanished record is not an error
+    registry.remove_sandbox("sb-aaaaaaaaaaaa")
+    assert registry.list_sandboxes() == []

@@ -1,0 +1,190 @@
+"""Forking real QEMU guests from one warm snapshot, through the real daemon and agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from forkd.sdk.controller import Controller, ForkdError
+
+pytestmark = pytest.mark.vm
+
+
+def _value(result: dict) -> object:
+    assert result.get("error") is None, result
+    return result["value_json"]
+
+
+def test_children_answer_eval_and_exec(daemon: Controller, children: list[str]) -> None:
+    for sandbox_id in children:
+        assert _value(daemon.eval(sandbox_id, "int(numpy.arange(10).sum())")) == 45
+        result = daemon.exec(sandbox_id, ["sh", "-c", "echo out; echo err >&2; exit 3"])
+        assert (result["stdout"], result["stderr"], result["exit_code"]) == ("out\n", "err\n", 3)
+
+
+def test_streamed_exec_delivers_output_before_exit(daemon: Controller, children: list[str]) -> None:
+    arrivals: list[tuple[float, dict]] = []
+    result = daemon.exec(children[0], "echo first; sleep 2; echo second", timeout_s=30,
+                         on_event=lambda event: arrivals.append((time.monotonic(), event)))
+    done = time.monotonic()
+    stdout = [(t, e["data"]) for t, e in arrivals if e.get("event") == "stdout"]
+    assert "".join(d for _, d in stdout) == "first\nsecond\n"
+    assert done - stdout[0][0] > 1.5, "the first line must arrive while the command still runs"
+    assert result["exit_code"] == 0
+
+
+def test_writes_are_private_to_each_child(daemon: Controller, snapshot_tag: str, children: list[str]) -> None:
+    writer, other, _ = children
+    daemon.write_file(writer, "/root/private.txt", b"only in the writer")
+    daemon.exec(writer, "echo scratch > /tmp/scratch && sync")
+    assert daemon.read_file(writer, "/root/private.txt") == b"only in the writer"
+    for sandbox_id in (other,):
+        assert daemon.exec(sandbox_id, "test -e /root/private.txt || test -e /tmp/scratch; echo $?")["stdout"] == "1\n"
+    fresh = daemon.fork(snapshot_tag, 1)["sandboxes"][0]["id"]  # the parent's disk and memory are untouched
+    try:
+        assert daemon.exec(fresh, "ls /root/private.txt /tmp/scratch 2>/dev/null | wc -l")["stdout"] == "0\n"
+    finally:
+        daemon.kill(fresh)
+
+
+def test_children_are_distinct(daemon: Controller, children: list[str]) -> None:
+    probe = ("(os.urandom(16).hex(), random.random(), float(numpy.random.rand()), socket.gethostname(), "
+             "time.time())")
+    daemon_time = time.time()
+    seen = []
+    for sandbox_id in children:
+        daemon.run_code(sandbox_id, "import os, random, socket, time")
+        urandom, py_random, np_random, hostname, clock = _value(daemon.eval(sandbox_id, probe))
+        assert hostname == sandbox_id
+        assert abs(clock - daemon_time) < 30, "the guest clock is set to host time after restore"
+        seen.append((urandom, py_random, np_random))
+    for column in zip(*seen):
+        assert len(set(column)) == len(children), f"identical values across children: {column}"
+
+
+def test_run_code_keeps_state_and_reports_errors(daemon: Controller, children: list[str]) -> None:
+    sandbox_id = children[0]
+    first = daemon.run_code(sandbox_id, "x = 20\nprint('set')\nx + 1")
+    assert (first["stdout"], first["value"], first["error"]) == ("set\n", "21", None)
+    assert daemon.run_code(sandbox_id, "x * 2")["value"] == "40"
+    failed = daemon.run_code(sandbox_id, "1 / 0")
+    assert failed["error"]["name"] == "ZeroDivisionError"
+    assert "Traceback" in failed["error"]["traceback"]
+
+
+def test_bad_requests_get_errors_and_the_agent_survives(daemon: Controller, children: list[str]) -> None:
+    sandbox_id = children[0]
+    with pytest.raises(ForkdError) as missing:
+        daemon.exec(sandbox_id, ["/no/such/binary"])
+    assert missing.value.status in (400, 404)
+    with pytest.raises(ForkdError) as no_file:
+        daemon.read_file(sandbox_id, "/no/such/file")
+    assert no_file.value.status == 404
+    assert daemon.eval(sandbox_id, "1 +")["error"]["name"] == "SyntaxError"
+    assert _value(daemon.eval(sandbox_id, "2 + 2")) == 4
+
+
+def test_files_round_trip_binary_data(daemon: Controller, children: list[str]) -> None:
+    sandbox_id = children[0]
+    payload = os.urandom(9 * 1024 * 1024 + 17)  # more than two agent chunks
+    daemon.write_file(sandbox_id, "/root/blob.bin", payload)
+    assert daemon.read_file(sandbox_id, "/root/blob.bin") == payload
+    assert daemon.stat(sandbox_id, "/root/blob.bin")["size"] == len(payload)
+    assert "blob.bin" in [e["name"] for e in daemon.list_files(sandbox_id, "/root")]
+    daemon.remove_file(sandbox_id, "/root/blob.bin")
+    assert "blob.bin" not in [e["name"] for e in daemon.list_files(sandbox_id, "/root")]
+
+
+def test_kill_releases_everything(daemon: Controller, snapshot_tag: str, forkd_home: Path) -> None:
+    child = daemon.fork(snapshot_tag, 1)["sandboxes"][0]
+    run_dir = forkd_home / "sandboxes" / child["id"]
+    assert run_dir.is_dir() and Path(f"/proc/{child['pid']}").exists()
+    daemon.kill(child["id"])
+    assert not run_dir.exists()
+    assert not Path(f"/proc/{child['pid']}").exists()
+    assert child["id"] not in [s["id"] for s in daemon.sandboxes()]
+
+
+def test_vmm_killed_from_outside_is_released(daemon: Controller, snapshot_tag: str, forkd_home: Path) -> None:
+    child = daemon.fork(snapshot_tag, 1)["sandboxes"][0]
+    os.kill(child["pid"], 9)
+    deadline = time.monotonic() + 10
+    while child["id"] in [s["id"] for s in daemon.sandboxes()] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child["id"] not in [s["id"] for s in daemon.sandboxes()]
+    assert not (forkd_home / "sandboxes" / child["id"]).exists()
+
+
+def test_bad_tags_are_refused_before_the_filesystem(daemon: Controller, forkd_home: Path) -> None:
+    for tag in ("../etc", "a/b", "", "x" * 65, "spaces here"):
+        with pytest.raises(ForkdError) as refused:
+            daemon.fork(tag, 1)
+        assert refused.value.status in (400, 404, 422), tag
+    with pytest.raises(ForkdError) as refused:
+        daemon.create_snapshot("../../escape")
+    assert refused.value.status == 422
+    assert not (forkd_home.parent / "escape").exists()
+    with pytest.raises(ForkdError) as too_many:
+        daemon.fork("vmtest", 100000)
+    assert too_many.value.status == 422
+
+
+def test_cli_fork_exec_ls_kill(vm_env: dict[str, str], snapshot_tag: str) -> None:
+    def forkd(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "forkd", *args], env=vm_env, capture_output=True, text=True,
+                              timeout=300)
+
+    forked = forkd("fork", "--tag", snapshot_tag, "-n", "2", "--json")
+    assert forked.returncode == 0, forked.stderr
+    ids = [child["id"] for child in json.loads(forked.stdout)["sandboxes"]]
+    assert len(ids) == 2
+    ran = forkd("exec", ids[0], "--", "python3", "-c", "print(6*7)")
+    assert (ran.returncode, ran.stdout) == (0, "42\n")
+    assert forkd("exec", ids[0], "--", "false").returncode == 1
+    evaluated = forkd("eval", ids[1], "numpy.__name__")
+    assert evaluated.stdout.strip() == "'numpy'"
+    assert all(sandbox_id in forkd("ls").stdout for sandbox_id in ids)
+    assert forkd("kill", *ids).returncode == 0
+    assert not any(sandbox_id in forkd("ls").stdout for sandbox_id in ids)
+    refused = forkd("fork", "--tag", "../etc", "-n", "1")
+    assert refused.returncode != 0 and "tag" in refused.stderr
+
+
+def test_tampered_snapshot_is_refused(daemon: Controller, forkd_home: Path) -> None:
+    daemon.create_snapshot("tamper", on_progress=None, memory_mib=256, warm_modules=[])
+    state = forkd_home / "snapshots" / "tamper" / "state"
+    with open(state, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ForkdError) as refused:
+        daemon.fork("tamper", 1)
+    assert refused.value.status == 409 and "state" in refused.value.message
+    daemon.remove_snapshot("tamper")
+
+
+def test_mismatched_snapshot_is_refused(daemon: Controller, snapshot_tag: str, forkd_home: Path) -> None:
+    db = sqlite3.connect(forkd_home / "state.db")
+    try:
+        (meta_text,) = db.execute("SELECT meta FROM snapshots WHERE tag = ?", (snapshot_tag,)).fetchone()
+        meta = json.loads(meta_text)
+        meta["identity"]["vmm_version"] = "6.0.0"
+        db.execute("INSERT INTO snapshots SELECT 'mismatch', status, image, path, created_at, ? FROM snapshots "
+                   "WHERE tag = ?", (json.dumps(meta), snapshot_tag))
+        db.commit()
+        with pytest.raises(ForkdError) as refused:
+            daemon.fork("mismatch", 1)
+        assert refused.value.status == 409
+        assert "vmm_version" in refused.value.message and "6.0.0" in refused.value.message
+    finally:
+        db.execute("DELETE FROM snapshots WHERE tag = 'mismatch'")
+        db.commit()
+        db.close()
