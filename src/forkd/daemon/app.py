@@ -22,7 +22,7 @@ from forkd import __version__
 from forkd.daemon import schemas
 from forkd.guest import protocol
 from forkd.host.doctor import run_checks
-from forkd.image.builder import ImageError, ImageSpec
+from forkd.image.builder import ImageError, ImageNotFound, ImageSpec
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import SandboxNotFound
@@ -41,6 +41,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (SnapshotCorrupt, 409, "snapshot_corrupt"),
     (AgentUnavailable, 502, "agent_unavailable"),
     (SnapshotError, 400, "snapshot_error"),
+    (ImageNotFound, 404, "not_found"),
     (ImageError, 400, "image_error"),
     (VmmError, 500, "vmm_error"),
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from forkd.validation import TAG_PATTERN
 
@@ -24,15 +24,15 @@ class ImageBuild(Strict):
     mirror: str | None = Field(default=None, max_length=1000)
     source_dir: str | None = Field(default=None, max_length=4096)
     source_oci: str | None = Field(default=None, max_length=4096)
-    disk_size_mib: int | None = Field(default=None, ge=256, le=1024 * 1024)
+    disk_size_mib: StrictInt | None = Field(default=None, ge=256, le=1024 * 1024)
     force: bool = False
 
 
 class SnapshotCreate(Strict):
     tag: Tag
     image: Tag = "default"
-    memory_mib: int = Field(default=1024, ge=128, le=65536)
-    vcpus: int = Field(default=1, ge=1, le=64)
+    memory_mib: StrictInt = Field(default=1024, ge=128, le=65536)
+    vcpus: StrictInt = Field(default=1, ge=1, le=64)
     warm_modules: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,199}$")]] = Field(
         default_factory=lambda: ["numpy"], max_length=100)
     warmup_cmd: str | None = Field(default=None, max_length=65536)
@@ -40,7 +40,7 @@ class SnapshotCreate(Strict):
 
 class SandboxCreate(Strict):
     snapshot_tag: Tag
-    n: int = Field(default=1, ge=1, le=MAX_CHILDREN_PER_REQUEST)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHILDREN_PER_REQUEST)
 
 
 class ExecRequest(Strict):

@@ -137,3 +137,37 @@ class AgentClient:
         self._writer.close()
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
+
+
+async def connect_when_answering(socket_path: Path, process: asyncio.subprocess.Process, timeout: float,
+                                 op: str = protocol.OP_PING,
+                                 args: dict[str, Any] | None = None) -> tuple[AgentClient, dict[str, Any]]:
+    """Connect and send ``op`` until the guest agent answers it; fail fast if the VMM exits.
+
+    A booting or just-restored guest may not have its port open yet, and a connection made in
+    that window can be dropped, so a failed attempt is retried on a fresh connection.
+    """
+    deadline = time.monotonic() + timeout
+    last_error = "no attempt"
+    while time.monotonic() < deadline:
+        if process.returncode is not None:
+            raise AgentUnavailable(f"the VM exited with status {process.returncode} before its agent answered")
+        remaining = max(0.1, deadline - time.monotonic())
+        try:
+            client = await AgentClient.connect(socket_path, timeout=remaining)
+        except AgentUnavailable as exc:
+            last_error = exc.message
+            continue
+        try:
+            return client, await client.call(op, args, timeout=min(remaining, 5.0))
+        except AgentUnavailable as exc:
+            last_error = exc.message
+            await client.close()
+            await asyncio.sleep(0.05)
+        except AgentError as exc:
+            if exc.code != protocol.ERR_TIMEOUT:
+                await client.close()
+                raise
+            last_error = exc.message
+            await client.close()
+    raise AgentUnavailable(f"guest agent did not answer within {timeout:.0f} s ({last_error})")

@@ -20,9 +20,9 @@ from typing import Any
 
 from forkd.config import Paths
 from forkd.guest import protocol
-from forkd.runtime.agent_client import AgentClient, AgentError
+from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_answering
 from forkd.runtime.registry import Registry, SandboxRecord
-from forkd.runtime.snapshots import SnapshotService, wait_for_agent
+from forkd.runtime.snapshots import SnapshotService
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
@@ -95,15 +95,14 @@ class SandboxService:
         try:
             vm = await self.vmm.restore(sandbox_id, saved, spec, run_dir)
             self.registry.update_sandbox(sandbox_id, pid=vm.pid)
-            agent = await AgentClient.connect(vm.agent_socket)
             # The first answer a child gives is to its reseed: nothing runs on a copied RNG or clock.
-            await agent.call(protocol.OP_RESEED, {
+            agent, _ = await connect_when_answering(vm.agent_socket, vm.process, RESTORE_ANSWER_TIMEOUT_S,
+                                                    protocol.OP_RESEED, {
                 "entropy_b64": protocol.b64encode(os.urandom(64)),
                 "time_ns": time.time_ns(),
                 "hostname": sandbox_id,
                 "sandbox_id": sandbox_id,
-            }, timeout=RESTORE_ANSWER_TIMEOUT_S)
-            await wait_for_agent(agent, vm.process, RESTORE_ANSWER_TIMEOUT_S)
+            })
         except BaseException:
             if agent is not None:
                 await agent.close()

@@ -22,11 +22,11 @@ from forkd.config import Paths
 from forkd.guest import protocol
 from forkd.guest.agent import AGENT_VERSION
 from forkd.image.builder import Image
-from forkd.runtime.agent_client import AgentClient, AgentError
+from forkd.runtime.agent_client import AgentClient, connect_when_answering
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.store.files import DigestCache, fsync_dir, link_or_copy, sha256_file, write_json_atomic
 from forkd.validation import check_tag
-from forkd.vmm.base import BootSpec, MachineIdentity, SavedVm, SnapshotMismatch, Vmm, VmmError
+from forkd.vmm.base import BootSpec, MachineIdentity, SavedVm, SnapshotMismatch, Vmm
 
 Progress = Callable[[str], None]
 
@@ -96,6 +96,11 @@ class SnapshotService:
             for name, digest in meta["sha256"].items():
                 self.digests.remember(final_dir / name, digest)
             return record
+        except BaseException:
+            kept = self._keep_console(build_dir, tag)
+            if kept is not None:
+                progress(f"failed; the parent's console output is kept in {kept}")
+            raise
         finally:
             self._creating.discard(tag)
             shutil.rmtree(build_dir, ignore_errors=True)
@@ -119,8 +124,7 @@ class SnapshotService:
                                  build_dir / MEMORY_FILE)
         agent: AgentClient | None = None
         try:
-            agent = await AgentClient.connect(vm.agent_socket)
-            await wait_for_agent(agent, vm.process, BOOT_TIMEOUT_S)
+            agent, _ = await connect_when_answering(vm.agent_socket, vm.process, BOOT_TIMEOUT_S)
             boot_s = time.monotonic() - started
             progress(f"guest agent answered after {boot_s:.1f} s")
             if request.warm_modules:
@@ -156,6 +160,15 @@ class SnapshotService:
         }
         write_json_atomic(build_dir / META_FILE, meta)
         return meta
+
+    def _keep_console(self, build_dir: Path, tag: str) -> Path | None:
+        console = build_dir / "console.log"
+        if not console.exists():
+            return None
+        kept = self.paths.home / "logs" / f"snapshot-{tag}.console.log"
+        kept.parent.mkdir(exist_ok=True)
+        shutil.copyfile(console, kept)
+        return kept
 
     def _digest_all(self, directory: Path) -> dict[str, str]:
         result = {}
@@ -202,20 +215,6 @@ class SnapshotService:
             raise SnapshotConflict(f"snapshot {tag!r} has {live_children} live sandboxes; kill them first")
         self.registry.remove_snapshot(tag)
         shutil.rmtree(record.path, ignore_errors=True)
-
-
-async def wait_for_agent(agent: AgentClient, process: asyncio.subprocess.Process, timeout: float) -> dict[str, Any]:
-    """Ping until the guest agent answers, failing fast if the VMM exits."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.returncode is not None:
-            raise VmmError(f"the VM exited with status {process.returncode} before its agent answered")
-        try:
-            return await agent.call(protocol.OP_PING, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
-        except AgentError as exc:
-            if time.monotonic() > deadline:
-                raise SnapshotError(f"guest agent did not answer within {timeout:.0f} s ({exc.message}); "
-                                    "see console.log in the snapshot build directory") from None
 
 
 async def run_warmup(agent: AgentClient, command: str) -> None:

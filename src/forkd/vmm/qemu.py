@@ -4,7 +4,8 @@ The parent's guest RAM is a ``memory-backend-file`` with ``share=on``, so when i
 file *is* its memory. Saving migrates only device and vCPU state (``x-ignore-shared`` skips shared
 RAM: ~13 ms, a few hundred KB). A child is a new QEMU process with the same machine but
 ``share=off`` on the same file — a MAP_PRIVATE mapping, so the host kernel shares every page until
-the child writes it — loading that state with ``-incoming``. Each VM gets its own qcow2 overlay so
+the child writes it — started with ``-incoming defer`` and then told over QMP to load that state
+(QEMU 7.2 has no command-line switch for the capability). Each VM gets its own qcow2 overlay so
 no two VMs ever write one disk.
 """
 
@@ -18,9 +19,10 @@ import re
 import subprocess
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from qemu.qmp import QMPClient
+from qemu.qmp import QMPClient, QMPError
 
 from forkd.guest.protocol import AGENT_PORT_NAME
 from forkd.vmm.accel import choose_accelerator
@@ -38,6 +40,8 @@ MACHINE = "q35"
 STARTUP_TIMEOUT_S = 20.0
 SAVE_TIMEOUT_S = 120.0
 TCG_TB_SIZE_MIB = 64
+# Shared RAM (the memory file) is neither written to nor read from the migration stream.
+_IGNORE_SHARED = {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
 
 
 @functools.cache
@@ -150,11 +154,11 @@ class QemuVmm:
             "-chardev", f"file,id=console,path={run_dir / 'console.log'}",
             "-serial", "chardev:console",
             "-qmp", f"unix:{run_dir / 'qmp.sock'},server=on,wait=off",
-            "-global", "migration.x-ignore-shared=on",
         ]
 
-    async def _start(self, name: str, argv: list[str], run_dir: Path, disk: Path,
-                     pass_fds: tuple[int, ...] = ()) -> VmHandle:
+    async def _start(self, name: str, argv: list[str], run_dir: Path, disk: Path, pass_fds: tuple[int, ...] = (),
+                     setup: Callable[[QMPClient], Awaitable[object]] | None = None) -> VmHandle:
+        """Start QEMU, prove it is up with a monitor answer, then run ``setup`` on that monitor."""
         log_path = run_dir / "qemu.log"
         with open(log_path, "ab") as log:
             try:
@@ -168,12 +172,20 @@ class QemuVmm:
                       monitor_socket=run_dir / "qmp.sock", disk=disk)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not (vm.monitor_socket.exists() and vm.agent_socket.exists()):
-            if process.returncode is not None:
-                raise VmmError(f"QEMU for {name} exited with {process.returncode}: {_tail(log_path)}")
-            if time.monotonic() > deadline:
-                await self.kill(vm)
-                raise VmmError(f"QEMU for {name} did not open its sockets in {STARTUP_TIMEOUT_S:.0f} s: {_tail(log_path)}")
+            if process.returncode is not None or time.monotonic() > deadline:
+                break
             await asyncio.sleep(0.005)
+        # QEMU opens its sockets before it has parsed every option, so only a monitor answer
+        # proves the machine was really created.
+        try:
+            async with self._monitor(vm) as qmp:
+                await qmp.execute("query-status")
+                if setup is not None:
+                    await setup(qmp)
+        except (VmmError, QMPError) as exc:
+            await self.kill(vm)
+            raise VmmError(f"QEMU for {name} did not start ({exc}; exit status {process.returncode}): "
+                           f"{_tail(log_path)}") from None
         return vm
 
     async def boot(self, name: str, spec: BootSpec, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
@@ -185,9 +197,17 @@ class QemuVmm:
         disk = run_dir / "disk.qcow2"
         await create_overlay(saved.disk, disk, "qcow2")
         state_fd = os.open(saved.state, os.O_RDONLY)
+
+        async def load_state(qmp: QMPClient) -> None:
+            await qmp.execute("migrate-set-capabilities", _IGNORE_SHARED)
+            # The state file is inherited as this fd number; RAM comes from the mapped file.
+            await qmp.execute("migrate-incoming", {"uri": f"fd:{state_fd}"})
+            await _wait_for_migration(qmp, name, "restoring")
+            await qmp.execute("cont")  # the parent was paused when saved, so the child loads paused
+
         try:
-            argv = self._argv(spec, run_dir, disk, saved.memory, share=False) + ["-incoming", f"fd:{state_fd}"]
-            return await self._start(name, argv, run_dir, disk, pass_fds=(state_fd,))
+            argv = self._argv(spec, run_dir, disk, saved.memory, share=False) + ["-incoming", "defer"]
+            return await self._start(name, argv, run_dir, disk, pass_fds=(state_fd,), setup=load_state)
         finally:
             os.close(state_fd)
 
@@ -217,20 +237,11 @@ class QemuVmm:
         try:
             async with self._monitor(vm) as qmp:
                 await qmp.execute("stop")
+                await qmp.execute("migrate-set-capabilities", _IGNORE_SHARED)
                 qmp.send_fd_scm(fd)
                 await qmp.execute("getfd", {"fdname": "forkd-state"})
                 await qmp.execute("migrate", {"uri": "fd:forkd-state"})
-                deadline = time.monotonic() + SAVE_TIMEOUT_S
-                while True:
-                    info = await qmp.execute("query-migrate")
-                    status = info.get("status")
-                    if status == "completed":
-                        break
-                    if status in {"failed", "cancelled"}:
-                        raise VmmError(f"saving {vm.name} failed: {info.get('error-desc', status)}")
-                    if time.monotonic() > deadline:
-                        raise VmmError(f"saving {vm.name} did not finish in {SAVE_TIMEOUT_S:.0f} s")
-                    await asyncio.sleep(0.005)
+                await _wait_for_migration(qmp, vm.name, "saving")
         finally:
             os.close(fd)
         with open(state, "rb+") as written:
@@ -244,6 +255,21 @@ class QemuVmm:
 
     def memory_stats(self, vm: VmHandle) -> MemoryStats:
         return read_memory_stats(vm.pid)
+
+
+async def _wait_for_migration(qmp: QMPClient, name: str, doing: str) -> None:
+    """Poll until an outgoing or incoming migration completes (both take milliseconds here)."""
+    deadline = time.monotonic() + SAVE_TIMEOUT_S
+    while True:
+        info = await qmp.execute("query-migrate")
+        status = info.get("status")
+        if status == "completed":
+            return
+        if status in {"failed", "cancelled"}:
+            raise VmmError(f"{doing} {name} failed: {info.get('error-desc', status)}")
+        if time.monotonic() > deadline:
+            raise VmmError(f"{doing} {name} did not finish in {SAVE_TIMEOUT_S:.0f} s")
+        await asyncio.sleep(0.002)
 
 
 def _tail(path: Path, limit: int = 800) -> str:

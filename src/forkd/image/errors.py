@@ -1,0 +1,43 @@
+"""Errors of the image builder.
+
+Every message ends with what the user can do next: these strings reach the CLI and the REST API
+unchanged.
+"""
+
+from __future__ import annotations
+
+
+class ImageError(Exception):
+    """Building, finding or loading a guest image failed."""
+
+
+class ImageNotFound(ImageError, LookupError):
+    """No image of that name has been built."""
+
+
+class ImageDamaged(ImageError):
+    """An image directory exists but its manifest or files are missing or unreadable."""
+
+
+class MirrorNotFound(ImageError):
+    """No Debian mirror is configured for the suite the image needs."""
+
+
+class PackageNotFound(ImageError):
+    """The mirror does not offer a package the image needs."""
+
+
+class ToolError(ImageError):
+    """A host tool (apt-get, debootstrap, mkfs.ext4, ...) is missing or failed."""
+
+
+class KernelError(ImageError):
+    """The kernel or busybox package lacks a file or module the guest needs to boot."""
+
+
+class SourceError(ImageError):
+    """A user-supplied root tree or OCI tarball cannot be turned into a guest root."""
+
+
+class UnsafeArchive(SourceError):
+    """An archive entry would land outside the tree it is unpacked into."""

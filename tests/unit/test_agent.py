@@ -1,0 +1,862 @@
+"""The guest agent, run for real on the host over a Unix socket (or stdio) transport.
+
+Every test talks the wire protocol to a live agent process; commands, code and files are real.
+Reseed is only ever sent to agents that cannot change the host's clock or hostname.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import itertools
+import os
+import pwd
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from forkd.guest import agent as agent_module
+from forkd.guest import protocol
+
+pytestmark = pytest.mark.timeout(60)
+
+GUEST_PACKAGE = Path(agent_module.__file__).parent
+IS_ROOT = os.geteuid() == 0
+HAVE_CAP_TOOLS = bool(shutil.which("setpriv") and shutil.which("unshare"))
+FRAME_TIMEOUT_S = 10.0
+
+
+def b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+class AgentClient:
+    """A minimal host side: one connection, frames demultiplexed by request id."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._ids = itertools.count(1)
+        self._queues: collections.defaultdict[Any, queue.Queue[tuple[float, dict[str, Any]]]] = (
+            collections.defaultdict(queue.Queue)
+        )
+        self._queues_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read_frames, daemon=True)
+        self._reader.start()
+
+    def _read_frames(self) -> None:
+        with self._sock.makefile("rb") as stream:
+            for line in stream:
+                frame = protocol.decode_frame(line)  # every line the agent sends must be a frame
+                self._queue(frame["id"]).put((time.monotonic(), frame))
+
+    def _queue(self, req_id: Any) -> queue.Queue[tuple[float, dict[str, Any]]]:
+        with self._queues_lock:
+            return self._queues[req_id]
+
+    def send_raw(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def start(self, op: str, args: dict[str, Any] | None = None) -> int:
+        req_id = next(self._ids)
+        self.send_raw(protocol.encode_frame(protocol.request(req_id, op, args)))
+        return req_id
+
+    def next_frame(self, req_id: Any, timeout: float = FRAME_TIMEOUT_S) -> tuple[float, dict[str, Any]]:
+        """The next frame for req_id and when it arrived."""
+        return self._queue(req_id).get(timeout=timeout)
+
+    def collect(self, req_id: Any, timeout: float = FRAME_TIMEOUT_S) -> list[tuple[float, dict[str, Any]]]:
+        """Every frame of a request up to and including its terminal frame."""
+        frames = []
+        while True:
+            frames.append(self.next_frame(req_id, timeout))
+            if protocol.is_terminal(frames[-1][1]):
+                return frames
+
+    def call(self, op: str, args: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        frames = [frame for _, frame in self.collect(self.start(op, args))]
+        return frames[:-1], frames[-1]
+
+    def result(self, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        _, terminal = self.call(op, args)
+        assert terminal["ok"] is True, terminal
+        return terminal["result"]
+
+    def error(self, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        _, terminal = self.call(op, args)
+        assert terminal["ok"] is False, terminal
+        return terminal["error"]
+
+    def close(self) -> None:
+        self._sock.shutdown(socket.SHUT_RDWR)  # close() alone waits for the reader's makefile()
+        self._sock.close()
+
+
+class AgentProcess:
+    """An agent subprocess connected to a listening Unix socket."""
+
+    def __init__(self, prefix: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        self._dir = tempfile.mkdtemp(prefix="forkd-agent-")  # short: sun_path is 108 bytes
+        path = os.path.join(self._dir, "agent.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(path)
+            listener.listen(1)
+            listener.settimeout(FRAME_TIMEOUT_S)
+            self.proc = subprocess.Popen(
+                [*(prefix or []), sys.executable, "-m", "forkd.guest.agent", "--transport", f"unix:{path}"],
+                env={**os.environ, **(env or {})},
+            )
+            conn, _ = listener.accept()
+        self.client = AgentClient(conn)
+
+    def stop(self) -> int:
+        """Hang up; the agent must exit by itself (unix transport ends with the connection)."""
+        self.client.close()
+        try:
+            return self.proc.wait(timeout=10)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def agent() -> Iterator[AgentClient]:
+    process = AgentProcess(env={"FORKD_TEST_LEAK": "agent-env"})
+    yield process.client
+    assert process.stop() == 0
+
+
+@pytest.fixture()
+def unprivileged_agent() -> Iterator[AgentClient]:
+    """An agent that may not set the clock, the hostname or the kernel RNG."""
+    if IS_ROOT and not HAVE_CAP_TOOLS:
+        pytest.skip("needs setpriv to drop root's capabilities")
+    drop = "-sys_time,-sys_admin"
+    prefix = ["setpriv", "--bounding-set", drop, "--inh-caps", drop] if IS_ROOT else []
+    process = AgentProcess(prefix)
+    yield process.client
+    process.stop()
+
+
+@pytest.fixture()
+def contained_agent() -> Iterator[AgentClient]:
+    """A root agent in its own UTS namespace that may seed the kernel RNG but not set the clock."""
+    if not (IS_ROOT and HAVE_CAP_TOOLS):
+        pytest.skip("needs root, unshare and setpriv")
+    prefix = ["unshare", "--uts", "setpriv", "--bounding-set", "-sys_time", "--inh-caps", "-sys_time"]
+    process = AgentProcess(prefix)
+    yield process.client
+    process.stop()
+
+
+def run_exec(agent: AgentClient, args: dict[str, Any]) -> tuple[bytes, bytes, dict[str, Any], list[dict[str, Any]]]:
+    """Run exec to completion: (stdout, stderr, result, events)."""
+    events, terminal = agent.call(protocol.OP_EXEC, args)
+    assert terminal["ok"] is True, terminal
+    streams = {protocol.EVENT_STDOUT: b"", protocol.EVENT_STDERR: b""}
+    for event in events[1:]:
+        streams[event["event"]] += unb64(event["data"]["data_b64"])
+    return streams[protocol.EVENT_STDOUT], streams[protocol.EVENT_STDERR], terminal["result"], events
+
+
+def text_of(events: list[dict[str, Any]], name: str) -> str:
+    return "".join(e["data"]["text"] for e in events if e["event"] == name)
+
+
+# --------------------------------------------------------------------------------------------
+# Framing, dispatch and bad requests
+# --------------------------------------------------------------------------------------------
+
+
+def test_dispatch_table_covers_every_protocol_op() -> None:
+    assert set(agent_module.Agent().handlers) == protocol.ALL_OPS
+
+
+@pytest.mark.parametrize("op", sorted(protocol.ALL_OPS))
+def test_every_op_is_served_and_rejects_nonsense_args(agent: AgentClient, op: str) -> None:
+    _, terminal = agent.call(op, {"path": 1, "code": 2, "pid": "x", "modules": 3, "entropy_b64": 4})
+    if terminal["ok"]:
+        assert op in (protocol.OP_PING, protocol.OP_PROC_LIST)
+    else:
+        assert terminal["error"]["code"] == protocol.ERR_BAD_REQUEST, terminal
+
+
+def test_ping(agent: AgentClient) -> None:
+    result = agent.result(protocol.OP_PING)
+    assert result["agent_version"] == agent_module.AGENT_VERSION
+    assert result["protocol"] == protocol.PROTOCOL_VERSION
+    assert result["hostname"] == socket.gethostname()
+    assert isinstance(result["pid"], int) and result["pid"] != os.getpid()
+    assert result["uptime_s"] >= 0
+    assert isinstance(result["warm_modules"], list)
+    assert "sandbox_id" in result
+
+
+@pytest.mark.parametrize(
+    ("line", "expected_id"),
+    [
+        (b"this is not json", None),
+        (b"[1, 2, 3]", None),
+        (b'{"id": "seven", "op": "ping"}', None),
+        (b'{"id": true, "op": "ping"}', None),
+        (b'{"id": 1.5, "op": "ping"}', None),
+        (b'{"id": 9001, "args": {}}', 9001),
+        (b'{"id": 9002, "op": 5}', 9002),
+        (b'{"id": 9003, "op": "ping", "args": [1]}', 9003),
+        (b"\xff\xfe garbage", None),
+    ],
+)
+def test_malformed_frames_get_bad_request(agent: AgentClient, line: bytes, expected_id: int | None) -> None:
+    agent.send_raw(line + b"\n")
+    _, frame = agent.next_frame(expected_id)
+    assert frame["ok"] is False
+    assert frame["error"]["code"] == protocol.ERR_BAD_REQUEST
+    assert agent.result(protocol.OP_PING)["agent_version"] == agent_module.AGENT_VERSION
+
+
+def test_unknown_op(agent: AgentClient) -> None:
+    error = agent.error("teleport", {})
+    assert error["code"] == protocol.ERR_UNKNOWN_OP
+    assert "teleport" in error["message"]
+
+
+def test_blank_lines_are_ignored(agent: AgentClient) -> None:
+    agent.send_raw(b"\n  \n\r\n")
+    assert agent.result(protocol.OP_PING)["protocol"] == protocol.PROTOCOL_VERSION
+
+
+def test_oversized_frame_is_rejected_and_skipped(agent: AgentClient) -> None:
+    agent.send_raw(b'{"id": 1, "op": "ping", "pad": "' + b"x" * protocol.MAX_FRAME_BYTES + b'"}\n')
+    _, frame = agent.next_frame(None)
+    assert frame["error"]["code"] == protocol.ERR_BAD_REQUEST
+    assert "exceeds" in frame["error"]["message"]
+    assert agent.result(protocol.OP_PING)["protocol"] == protocol.PROTOCOL_VERSION
+
+
+def test_many_concurrent_requests_on_one_connection(agent: AgentClient) -> None:
+    started = time.monotonic()
+    execs = [agent.start(protocol.OP_EXEC, {"argv": ["sleep", "0.5"]}) for _ in range(8)]
+    cells = [
+        agent.start(protocol.OP_RUN_CODE, {"code": "import time; time.sleep(0.5); 7", "context": f"conc-{i}"})
+        for i in range(8)
+    ]
+    ping = agent.start(protocol.OP_PING)
+    ping_at, ping_frame = agent.collect(ping)[-1]
+    assert ping_frame["ok"] and ping_at - started < 0.4  # not queued behind the slow requests
+    for req_id in execs:
+        assert agent.collect(req_id)[-1][1]["result"]["exit_code"] == 0
+    for req_id in cells:
+        assert agent.collect(req_id)[-1][1]["result"]["value"] == "7"
+    assert time.monotonic() - started < 2.0
+
+
+# --------------------------------------------------------------------------------------------
+# exec and proc.*
+# --------------------------------------------------------------------------------------------
+
+
+def test_exec_argv_streams_and_exit_code(agent: AgentClient) -> None:
+    stdout, stderr, result, events = run_exec(agent, {"argv": ["sh", "-c", "echo out; echo err >&2; exit 3"]})
+    assert events[0]["event"] == protocol.EVENT_STARTED and isinstance(events[0]["data"]["pid"], int)
+    assert (stdout, stderr) == (b"out\n", b"err\n")
+    assert result["exit_code"] == 3 and result["signal"] is None and result["timed_out"] is False
+    assert 0 <= result["duration_s"] < 5
+
+
+def test_exec_shell(agent: AgentClient) -> None:
+    stdout, _, result, _ = run_exec(agent, {"shell": "for i in 1 2 3; do printf $i; done | wc -c"})
+    assert stdout.strip() == b"3" and result["exit_code"] == 0
+
+
+def test_exec_output_streams_as_it_arrives(agent: AgentClient) -> None:
+    frames = agent.collect(agent.start(protocol.OP_EXEC, {"shell": "echo first; sleep 0.5; echo second"}))
+    outputs = [(at, unb64(f["data"]["data_b64"])) for at, f in frames if f.get("event") == protocol.EVENT_STDOUT]
+    assert [data for _, data in outputs] == [b"first\n", b"second\n"]
+    assert frames[-1][0] - outputs[0][0] > 0.3  # "first" arrived long before the command ended
+
+
+def test_exec_signal_death(agent: AgentClient) -> None:
+    _, _, result, _ = run_exec(agent, {"shell": "kill -9 $$"})
+    assert result["exit_code"] == 128 + signal.SIGKILL and result["signal"] == signal.SIGKILL
+
+
+def test_exec_large_output_is_chunked(agent: AgentClient) -> None:
+    stdout, _, _, events = run_exec(agent, {"shell": "head -c 1000000 /dev/zero"})
+    assert stdout == bytes(1_000_000)
+    assert all(len(unb64(e["data"]["data_b64"])) <= agent_module.OUTPUT_CHUNK_BYTES for e in events[1:])
+
+
+def test_exec_stdin_b64_larger_than_a_pipe(agent: AgentClient) -> None:
+    data = os.urandom(300_000)
+    stdout, _, result, _ = run_exec(agent, {"argv": ["cat"], "stdin_b64": b64(data)})
+    assert stdout == data and result["exit_code"] == 0
+
+
+def test_exec_env_is_clean_and_merged(agent: AgentClient) -> None:
+    stdout, _, _, _ = run_exec(
+        agent, {"shell": 'echo "$PATH|$FOO|$FORKD_TEST_LEAK|$LANG"', "env": {"FOO": "bar", "LANG": "C"}}
+    )
+    assert stdout.decode().strip() == f"{agent_module.DEFAULT_PATH}|bar||C"
+
+
+def test_exec_cwd(agent: AgentClient, tmp_path: Path) -> None:
+    stdout, _, _, _ = run_exec(agent, {"argv": ["pwd"], "cwd": str(tmp_path)})
+    assert stdout.decode().strip() == str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        ({"argv": ["/nonexistent/binary"]}, protocol.ERR_NOT_FOUND),
+        ({"argv": ["true"], "cwd": "/nonexistent/dir"}, protocol.ERR_NOT_FOUND),
+        ({"argv": ["/etc/hostname"]}, protocol.ERR_OS),
+    ],
+)
+def test_exec_spawn_failures(agent: AgentClient, args: dict[str, Any], code: str) -> None:
+    error = agent.error(protocol.OP_EXEC, args)
+    assert error["code"] == code
+    assert "Errno" in error["message"] and error["errno"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {},
+        {"argv": []},
+        {"argv": "ls"},
+        {"argv": ["ls", 1]},
+        {"argv": ["ls"], "shell": "ls"},
+        {"shell": "true", "env": {"A": 1}},
+        {"shell": "true", "env": ["A=1"]},
+        {"shell": "true", "timeout_s": -1},
+        {"shell": "true", "timeout_s": True},
+        {"shell": "true", "stdin_b64": "not base64!"},
+        {"shell": "true", "cwd": ""},
+        {"shell": "true", "user": "no-such-user-here"},
+        {"argv": ["echo", "nul\u0000byte"]},
+        {"shell": "true", "env": {"A=B": "x"}},
+    ],
+)
+def test_exec_bad_arguments(agent: AgentClient, args: dict[str, Any]) -> None:
+    assert agent.error(protocol.OP_EXEC, args)["code"] == protocol.ERR_BAD_REQUEST
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="switching users needs root")
+def test_exec_as_user(agent: AgentClient) -> None:
+    stdout, _, _, _ = run_exec(agent, {"shell": 'id -u; echo "$HOME $USER"', "user": "nobody"})
+    uid, env = stdout.decode().splitlines()
+    assert int(uid) == pwd.getpwnam("nobody").pw_uid
+    assert env.endswith(" nobody")
+
+
+def test_exec_timeout_kills_the_process_group(agent: AgentClient) -> None:
+    _, _, result, _ = run_exec(agent, {"shell": "sleep 30 & sleep 30", "timeout_s": 0.3})
+    assert result["timed_out"] is True
+    assert result["exit_code"] == 128 + signal.SIGKILL and result["signal"] == signal.SIGKILL
+    # The background sleep held the pipes too: only a group kill ends the request this soon.
+    assert result["duration_s"] < 0.3 + agent_module.GRACE_S / 2
+
+
+def start_process(agent: AgentClient, args: dict[str, Any]) -> tuple[int, int]:
+    """Start exec and return (request id, pid) once it has started."""
+    req_id = agent.start(protocol.OP_EXEC, args)
+    _, started = agent.next_frame(req_id)
+    assert started["event"] == protocol.EVENT_STARTED
+    return req_id, started["data"]["pid"]
+
+
+def listed(agent: AgentClient, pid: int) -> dict[str, Any]:
+    (entry,) = [p for p in agent.result(protocol.OP_PROC_LIST)["processes"] if p["pid"] == pid]
+    return entry
+
+
+def test_proc_kill_and_list(agent: AgentClient) -> None:
+    req_id, pid = start_process(agent, {"argv": ["sleep", "30"]})
+    entry = listed(agent, pid)
+    assert entry["argv"] == ["sleep", "30"] and entry["running"] is True and entry["exit_code"] is None
+    assert entry["started_at"] == pytest.approx(time.time(), abs=5)
+    assert agent.result(protocol.OP_PROC_KILL, {"pid": pid, "signal": signal.SIGTERM}) == {}
+    result = agent.collect(req_id)[-1][1]["result"]
+    assert result["exit_code"] == 128 + signal.SIGTERM and result["signal"] == signal.SIGTERM
+    assert result["timed_out"] is False
+    assert listed(agent, pid)["running"] is False and listed(agent, pid)["exit_code"] == 143
+    assert agent.error(protocol.OP_PROC_KILL, {"pid": pid})["code"] == protocol.ERR_NOT_FOUND
+
+
+def test_proc_kill_defaults_to_sigkill_and_lists_shell(agent: AgentClient) -> None:
+    req_id, pid = start_process(agent, {"shell": "trap '' TERM; sleep 30"})
+    assert listed(agent, pid)["shell"] == "trap '' TERM; sleep 30"
+    agent.result(protocol.OP_PROC_KILL, {"pid": pid})
+    assert agent.collect(req_id)[-1][1]["result"]["signal"] == signal.SIGKILL
+
+
+def test_proc_unknown_pid(agent: AgentClient) -> None:
+    for op in (protocol.OP_PROC_KILL, protocol.OP_PROC_STDIN):
+        assert agent.error(op, {"pid": 999_999_999})["code"] == protocol.ERR_NOT_FOUND
+
+
+def test_proc_bad_arguments(agent: AgentClient) -> None:
+    req_id, pid = start_process(agent, {"argv": ["sleep", "30"]})
+    for args in ({"pid": pid, "signal": 2**70}, {"pid": pid, "signal": "TERM"}, {"pid": str(pid)}):
+        assert agent.error(protocol.OP_PROC_KILL, args)["code"] == protocol.ERR_BAD_REQUEST
+    assert agent.error(protocol.OP_PROC_STDIN, {"pid": pid, "eof": 1})["code"] == protocol.ERR_BAD_REQUEST
+    agent.result(protocol.OP_PROC_KILL, {"pid": pid})
+    assert agent.collect(req_id)[-1][1]["result"]["signal"] == signal.SIGKILL
+
+
+def test_proc_stdin_feeds_a_running_process(agent: AgentClient) -> None:
+    req_id, pid = start_process(agent, {"argv": ["cat"]})
+    assert agent.result(protocol.OP_PROC_STDIN, {"pid": pid, "data_b64": b64("hello ")}) == {"written": 6}
+    _, echoed = agent.next_frame(req_id)  # cat answers before stdin is closed
+    assert unb64(echoed["data"]["data_b64"]) == b"hello "
+    agent.result(protocol.OP_PROC_STDIN, {"pid": pid, "data_b64": b64("world"), "eof": True})
+    frames = [f for _, f in agent.collect(req_id)]
+    assert unb64(frames[0]["data"]["data_b64"]) == b"world"
+    assert frames[-1]["result"]["exit_code"] == 0
+
+
+def test_proc_stdin_after_eof_is_rejected(agent: AgentClient) -> None:
+    req_id, pid = start_process(agent, {"argv": ["sleep", "30"]})
+    agent.result(protocol.OP_PROC_STDIN, {"pid": pid, "eof": True})
+    error = agent.error(protocol.OP_PROC_STDIN, {"pid": pid, "data_b64": b64("late")})
+    assert error["code"] == protocol.ERR_BAD_REQUEST and "closed" in error["message"]
+    agent.result(protocol.OP_PROC_KILL, {"pid": pid})
+    agent.collect(req_id)
+
+
+# --------------------------------------------------------------------------------------------
+# run_code, eval, warm
+# --------------------------------------------------------------------------------------------
+
+
+def run_code(agent: AgentClient, code: str, **args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    events, terminal = agent.call(protocol.OP_RUN_CODE, {"code": code, **args})
+    assert terminal["ok"] is True, terminal
+    return events, terminal["result"]
+
+
+def test_run_code_keeps_state_and_returns_the_last_expression(agent: AgentClient) -> None:
+    assert run_code(agent, "x = 40", context="state")[1] == {"value": None, "value_json": None, "error": None}
+    _, result = run_code(agent, "y = x + 1\ny + 1", context="state")
+    assert result == {"value": "42", "value_json": 42, "error": None}
+
+
+@pytest.mark.parametrize(
+    ("code", "value", "value_json"),
+    [
+        ("None", None, None),
+        ("'hi'", "'hi'", "hi"),
+        ("{'a': [1, 2.5, None]}", "{'a': [1, 2.5, None]}", {"a": [1, 2.5, None]}),
+        ("{1, 2}", "{1, 2}", None),
+        ("float('nan')", "nan", None),
+        ("x = 1", None, None),
+        ("", None, None),
+    ],
+)
+def test_run_code_values(agent: AgentClient, code: str, value: str | None, value_json: Any) -> None:
+    _, result = run_code(agent, code, context="values")
+    assert (result["value"], result["value_json"], result["error"]) == (value, value_json, None)
+
+
+def test_run_code_streams_output_as_it_prints(agent: AgentClient) -> None:
+    code = "import sys, time\nprint('a')\ntime.sleep(0.5)\nprint('b', file=sys.stderr)\nprint('c', end='')"
+    frames = agent.collect(agent.start(protocol.OP_RUN_CODE, {"code": code, "context": "stream"}))
+    events = [f for _, f in frames[:-1]]
+    assert [(e["event"], e["data"]["text"]) for e in events] == [("stdout", "a\n"), ("stderr", "b\n"), ("stdout", "c")]
+    assert frames[-1][0] - frames[0][0] > 0.3
+
+
+def test_run_code_output_of_concurrent_cells_stays_separate(agent: AgentClient) -> None:
+    code = "import time\nfor i in range(5):\n    print('{tag}', i)\n    time.sleep(0.02)"
+    ids = {tag: agent.start(protocol.OP_RUN_CODE, {"code": code.format(tag=tag), "context": tag}) for tag in "pq"}
+    for tag, req_id in ids.items():
+        events = [f for _, f in agent.collect(req_id)[:-1]]
+        assert text_of(events, "stdout") == "".join(f"{tag} {i}\n" for i in range(5))
+
+
+def test_run_code_user_exception_is_a_result(agent: AgentClient) -> None:
+    _, result = run_code(agent, "def f():\n    raise ValueError('boom')\nf()", context="errors")
+    error = result["error"]
+    assert (error["name"], error["value"]) == ("ValueError", "boom")
+    assert "raise ValueError('boom')" in error["traceback"] and "<cell-" in error["traceback"]
+    assert "agent.py" not in error["traceback"]
+    assert result["value"] is None
+
+
+def test_result_too_large_for_a_frame_is_an_internal_error(agent: AgentClient) -> None:
+    error = agent.error(protocol.OP_RUN_CODE, {"code": f"'x' * {protocol.MAX_FRAME_BYTES}", "context": "huge"})
+    assert error["code"] == protocol.ERR_INTERNAL and "exceeds" in error["message"]
+
+
+def test_run_code_syntax_error_and_system_exit_are_results(agent: AgentClient) -> None:
+    assert run_code(agent, "def (:")[1]["error"]["name"] == "SyntaxError"
+    assert run_code(agent, "import sys; sys.exit(3)")[1]["error"]["name"] == "SystemExit"
+    assert agent.result(protocol.OP_PING)["protocol"] == protocol.PROTOCOL_VERSION
+
+
+def test_contexts_are_isolated(agent: AgentClient) -> None:
+    run_code(agent, "secret = 1", context="iso-a")
+    assert run_code(agent, "secret", context="iso-b")[1]["error"]["name"] == "NameError"
+
+
+def test_different_contexts_run_concurrently(agent: AgentClient) -> None:
+    started = time.monotonic()
+    code = "import time; time.sleep(0.5)"
+    ids = [agent.start(protocol.OP_RUN_CODE, {"code": code, "context": f"par-{i}"}) for i in range(3)]
+    for req_id in ids:
+        agent.collect(req_id)
+    assert time.monotonic() - started < 1.2
+
+
+def test_one_context_runs_one_cell_at_a_time(agent: AgentClient) -> None:
+    run_code(agent, "spans = []", context="serial")
+    code = "import time\nt0 = time.monotonic()\ntime.sleep(0.2)\nspans.append((t0, time.monotonic()))"
+    ids = [agent.start(protocol.OP_RUN_CODE, {"code": code, "context": "serial"}) for _ in range(3)]
+    for req_id in ids:
+        agent.collect(req_id)
+    spans = sorted(agent.result(protocol.OP_EVAL, {"expr": "spans", "context": "serial"})["value_json"])
+    assert len(spans) == 3
+    assert all(earlier[1] <= later[0] for earlier, later in itertools.pairwise(spans))
+
+
+def test_run_code_timeout_interrupts_python_code(agent: AgentClient) -> None:
+    started = time.monotonic()
+    _, result = run_code(agent, "n = 0\nwhile True:\n    n += 1", context="spin", timeout_s=0.3)
+    assert result["error"]["name"] == "TimeoutError"
+    assert time.monotonic() - started < 2
+    assert run_code(agent, "n > 0", context="spin")[1]["value"] == "True"  # context still usable
+
+
+def test_run_code_timeout_of_code_stuck_in_c(agent: AgentClient) -> None:
+    started = time.monotonic()
+    args = {"code": "import time; time.sleep(4)", "context": "stuck", "timeout_s": 0.2}
+    req_id = agent.start(protocol.OP_RUN_CODE, args)
+    error = agent.collect(req_id)[-1][1]["error"]
+    assert error["code"] == protocol.ERR_TIMEOUT
+    assert time.monotonic() - started < 0.2 + agent_module.GRACE_S + 1
+    # The context is still busy with the stuck cell, so a bounded request gives up waiting.
+    error = agent.error(protocol.OP_RUN_CODE, {"code": "1", "context": "stuck", "timeout_s": 0.1})
+    assert error["code"] == protocol.ERR_TIMEOUT and "busy" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [{}, {"code": 1}, {"code": "1", "context": 2}, {"code": "1", "context": ""}, {"code": "1", "timeout_s": -0.5}],
+)
+def test_run_code_bad_arguments(agent: AgentClient, args: dict[str, Any]) -> None:
+    assert agent.error(protocol.OP_RUN_CODE, args)["code"] == protocol.ERR_BAD_REQUEST
+
+
+def test_eval(agent: AgentClient) -> None:
+    run_code(agent, "class Point:\n    pass\np = Point()\nnums = [1, 2]", context="ev")
+    assert agent.result(protocol.OP_EVAL, {"expr": "sum(nums)", "context": "ev"}) == {
+        "value": "3",
+        "value_json": 3,
+        "error": None,
+        "type": "int",
+    }
+    point = agent.result(protocol.OP_EVAL, {"expr": "p", "context": "ev"})
+    assert point["type"] == "__main__.Point" and point["value"].startswith("<__main__.Point object")
+    assert point["value_json"] is None
+
+
+@pytest.mark.parametrize(
+    ("expr", "name"), [("1 / 0", "ZeroDivisionError"), ("x = 1", "SyntaxError"), ("nope", "NameError")]
+)
+def test_eval_errors_are_results(agent: AgentClient, expr: str, name: str) -> None:
+    result = agent.result(protocol.OP_EVAL, {"expr": expr, "context": "ev-errors"})
+    assert result["error"]["name"] == name and result["type"] is None and result["value"] is None
+
+
+def test_warm_imports_and_runs_code_in_the_default_context(agent: AgentClient) -> None:
+    events, terminal = agent.call(
+        protocol.OP_WARM,
+        {
+            "modules": ["colorsys", "decimal"],
+            "code": "import colorsys\nWARM = colorsys.rgb_to_hsv(1, 0, 0)\nprint('warmed')",
+        },
+    )
+    assert terminal["ok"], terminal
+    assert terminal["result"]["imported"] == ["colorsys", "decimal"] and terminal["result"]["seconds"] >= 0
+    assert text_of(events, "stdout") == "warmed\n"
+    assert {"colorsys", "decimal"} <= set(agent.result(protocol.OP_PING)["warm_modules"])
+    assert agent.result(protocol.OP_EVAL, {"expr": "WARM"})["value_json"] == [0.0, 1.0, 1.0]
+    # Other contexts find the module already imported.
+    cold = agent.result(protocol.OP_EVAL, {"expr": "'decimal' in __import__('sys').modules", "context": "cold"})
+    assert cold["value"] == "True"
+
+
+def test_warm_failures(agent: AgentClient) -> None:
+    error = agent.error(protocol.OP_WARM, {"modules": ["json", "no_such_module_xyz"]})
+    assert error["code"] == protocol.ERR_BAD_REQUEST and error["module"] == "no_such_module_xyz"
+    assert "no_such_module_xyz" in error["message"]
+    error = agent.error(protocol.OP_WARM, {"modules": [], "code": "raise RuntimeError('bad template')"})
+    assert error["code"] == protocol.ERR_BAD_REQUEST and error["error"]["name"] == "RuntimeError"
+    assert agent.error(protocol.OP_WARM, {"modules": ["json", 5]})["code"] == protocol.ERR_BAD_REQUEST
+
+
+# --------------------------------------------------------------------------------------------
+# reseed
+# --------------------------------------------------------------------------------------------
+
+
+def reseed(agent: AgentClient, entropy: bytes, **args: Any) -> dict[str, Any]:
+    return agent.result(protocol.OP_RESEED, {"entropy_b64": b64(entropy), "time_ns": time.time_ns(), **args})
+
+
+def draws(agent: AgentClient) -> list[Any]:
+    expr = "[random.random(), numpy.random.random()]"
+    return agent.result(protocol.OP_EVAL, {"expr": expr})["value_json"]
+
+
+def test_reseed_without_privileges_skips_system_steps(unprivileged_agent: AgentClient) -> None:
+    result = reseed(unprivileged_agent, os.urandom(32), hostname="forked-child", sandbox_id="sb-1")
+    assert result["skipped"] == ["kernel_rng", "clock", "hostname"]
+    assert (result["kernel_rng"], result["clock"], result["hostname"]) == (False, False, False)
+    assert result["python_rng"] is True
+    ping = unprivileged_agent.result(protocol.OP_PING)
+    assert ping["sandbox_id"] == "sb-1" and ping["hostname"] == socket.gethostname()
+
+
+def test_reseed_python_and_numpy_rngs_follow_the_entropy(unprivileged_agent: AgentClient) -> None:
+    unprivileged_agent.result(protocol.OP_WARM, {"modules": ["numpy"], "code": "import random, numpy"})
+    entropy = os.urandom(32)
+    first = reseed(unprivileged_agent, entropy)
+    assert first["numpy_rng"] is True and first["python_rng"] is True
+    same = draws(unprivileged_agent)
+    reseed(unprivileged_agent, entropy)
+    assert draws(unprivileged_agent) == same
+    reseed(unprivileged_agent, os.urandom(32))
+    different = draws(unprivileged_agent)
+    assert different[0] != same[0] and different[1] != same[1]
+
+
+def test_reseed_with_privileges(contained_agent: AgentClient) -> None:
+    result = reseed(contained_agent, os.urandom(64), hostname="forked-7")
+    assert result["kernel_rng"] is True and result["hostname"] is True
+    assert result["clock"] is False and result["skipped"] == ["clock"]
+    assert result["numpy_rng"] is False  # numpy was never imported into this agent
+    assert contained_agent.result(protocol.OP_PING)["hostname"] == "forked-7"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"time_ns": 1},
+        {"entropy_b64": "", "time_ns": 1},
+        {"entropy_b64": "%%%", "time_ns": 1},
+        {"entropy_b64": b64("x"), "time_ns": "soon"},
+        {"entropy_b64": b64("x"), "time_ns": 1, "hostname": 7},
+    ],
+)
+def test_reseed_bad_arguments(agent: AgentClient, args: dict[str, Any]) -> None:
+    assert agent.error(protocol.OP_RESEED, args)["code"] == protocol.ERR_BAD_REQUEST
+
+
+# --------------------------------------------------------------------------------------------
+# files.*
+# --------------------------------------------------------------------------------------------
+
+
+def write(agent: AgentClient, path: Path, data: bytes, **args: Any) -> dict[str, Any]:
+    return agent.result(protocol.OP_FILES_WRITE, {"path": str(path), "data_b64": b64(data), **args})
+
+
+def read(agent: AgentClient, path: Path | str, **args: Any) -> tuple[bytes, dict[str, Any]]:
+    result = agent.result(protocol.OP_FILES_READ, {"path": str(path), **args})
+    return unb64(result["data_b64"]), result
+
+
+def test_files_write_then_read(agent: AgentClient, tmp_path: Path) -> None:
+    target = tmp_path / "new" / "dirs" / "file.bin"
+    assert write(agent, target, b"hello world") == {"size": 11}
+    data, result = read(agent, target)
+    assert (data, result["size"], result["eof"]) == (b"hello world", 11, True)
+    data, result = read(agent, target, offset=6, length=3)
+    assert (data, result["eof"]) == (b"wor", False)
+    assert read(agent, target, offset=11)[0] == b""
+    assert write(agent, target, b"new") == {"size": 3}  # truncates by default
+
+
+def test_files_chunked_writes(agent: AgentClient, tmp_path: Path) -> None:
+    target = tmp_path / "chunked"
+    write(agent, target, b"aaaa")
+    assert write(agent, target, b"bbbb", append=True) == {"size": 8}
+    assert write(agent, target, b"XY", offset=2) == {"size": 8}  # offset writes never truncate
+    assert write(agent, target, b"cc", offset=0, truncate=False) == {"size": 8}
+    assert target.read_bytes() == b"ccXYbbbb"
+
+
+def test_files_write_mode_and_parents(agent: AgentClient, tmp_path: Path) -> None:
+    target = tmp_path / "secret"
+    write(agent, target, b"s", mode=0o600)
+    assert target.stat().st_mode & 0o777 == 0o600
+    error = agent.error(
+        protocol.OP_FILES_WRITE, {"path": str(tmp_path / "missing" / "f"), "data_b64": "", "parents": False}
+    )
+    assert error["code"] == protocol.ERR_NOT_FOUND and error["errno"] == "ENOENT"
+
+
+def test_files_read_is_capped_at_the_chunk_size(agent: AgentClient, tmp_path: Path) -> None:
+    target = tmp_path / "big"
+    target.write_bytes(os.urandom(protocol.FILE_CHUNK_BYTES + 10))
+    data, result = read(agent, target, length=protocol.FILE_CHUNK_BYTES * 2)
+    assert len(data) == protocol.FILE_CHUNK_BYTES and result["eof"] is False
+    rest, result = read(agent, target, offset=protocol.FILE_CHUNK_BYTES)
+    assert data + rest == target.read_bytes() and result["eof"] is True
+
+
+def test_files_read_of_a_proc_file_reaches_eof(agent: AgentClient) -> None:
+    data, result = read(agent, "/proc/self/status")
+    assert b"Pid:" in data and result["eof"] is True
+
+
+def test_files_list_and_stat(agent: AgentClient, tmp_path: Path) -> None:
+    (tmp_path / "b.txt").write_bytes(b"12345")
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "c_link").symlink_to("b.txt")
+    entries = agent.result(protocol.OP_FILES_LIST, {"path": str(tmp_path)})["entries"]
+    assert [(e["name"], e["type"]) for e in entries] == [("a_dir", "dir"), ("b.txt", "file"), ("c_link", "symlink")]
+    file_entry = entries[1]
+    assert file_entry["path"] == str(tmp_path / "b.txt") and file_entry["size"] == 5
+    assert file_entry["mode"] == (tmp_path / "b.txt").stat().st_mode & 0o7777
+    assert file_entry["mtime"] == pytest.approx((tmp_path / "b.txt").stat().st_mtime)
+    assert agent.result(protocol.OP_FILES_STAT, {"path": str(tmp_path / "c_link")})["type"] == "symlink"
+    assert agent.result(protocol.OP_FILES_STAT, {"path": "/dev/null"})["type"] == "other"
+
+
+def test_files_remove(agent: AgentClient, tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "full" / "sub").mkdir(parents=True)
+    for name in ("f", "empty"):
+        assert agent.result(protocol.OP_FILES_REMOVE, {"path": str(tmp_path / name)}) == {}
+    error = agent.error(protocol.OP_FILES_REMOVE, {"path": str(tmp_path / "full")})
+    assert error["code"] == protocol.ERR_OS and error["errno"] == "ENOTEMPTY"
+    agent.result(protocol.OP_FILES_REMOVE, {"path": str(tmp_path / "full"), "recursive": True})
+    assert list(tmp_path.iterdir()) == []
+    assert agent.error(protocol.OP_FILES_REMOVE, {"path": str(tmp_path / "f")})["code"] == protocol.ERR_NOT_FOUND
+
+
+def test_files_mkdir_and_rename(agent: AgentClient, tmp_path: Path) -> None:
+    nested = tmp_path / "x" / "y"
+    agent.result(protocol.OP_FILES_MKDIR, {"path": str(nested)})
+    agent.result(protocol.OP_FILES_MKDIR, {"path": str(nested)})  # exist_ok by default
+    error = agent.error(protocol.OP_FILES_MKDIR, {"path": str(nested), "exist_ok": False})
+    assert error["code"] == protocol.ERR_OS and error["errno"] == "EEXIST"
+    error = agent.error(protocol.OP_FILES_MKDIR, {"path": str(tmp_path / "p" / "q"), "parents": False})
+    assert error["code"] == protocol.ERR_NOT_FOUND
+    agent.result(protocol.OP_FILES_RENAME, {"src": str(tmp_path / "x"), "dst": str(tmp_path / "z")})
+    assert (tmp_path / "z" / "y").is_dir() and not (tmp_path / "x").exists()
+
+
+def test_files_os_errors(agent: AgentClient, tmp_path: Path) -> None:
+    error = agent.error(protocol.OP_FILES_READ, {"path": str(tmp_path / "missing")})
+    assert error["code"] == protocol.ERR_NOT_FOUND and error["errno"] == "ENOENT"
+    error = agent.error(protocol.OP_FILES_READ, {"path": str(tmp_path)})
+    assert error["code"] == protocol.ERR_OS and error["errno"] == "EISDIR"
+    error = agent.error(protocol.OP_FILES_LIST, {"path": "/etc/hostname"})
+    assert error["code"] == protocol.ERR_OS and error["errno"] == "ENOTDIR"
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        (protocol.OP_FILES_READ, {"path": 5}),
+        (protocol.OP_FILES_READ, {"path": ""}),
+        (protocol.OP_FILES_READ, {"path": "/etc/\u0000passwd"}),
+        (protocol.OP_FILES_READ, {"path": "/etc/hostname", "offset": -1}),
+        (protocol.OP_FILES_READ, {"path": "/etc/hostname", "length": "all"}),
+        (protocol.OP_FILES_READ, {"path": "/etc/hostname", "offset": 2**70}),
+        (protocol.OP_FILES_WRITE, {"path": "/tmp/x"}),
+        (protocol.OP_FILES_WRITE, {"path": "/tmp/x", "data_b64": "*not*"}),
+        (protocol.OP_FILES_WRITE, {"path": "/tmp/x", "data_b64": "", "append": True, "offset": 3}),
+        (protocol.OP_FILES_WRITE, {"path": "/tmp/x", "data_b64": "", "mode": "0644"}),
+        (protocol.OP_FILES_REMOVE, {"path": "/tmp/x", "recursive": "yes"}),
+        (protocol.OP_FILES_RENAME, {"src": "/tmp/x"}),
+    ],
+)
+def test_files_bad_arguments(agent: AgentClient, op: str, args: dict[str, Any]) -> None:
+    assert agent.error(op, args)["code"] == protocol.ERR_BAD_REQUEST
+
+
+# --------------------------------------------------------------------------------------------
+# Transports and packaging
+# --------------------------------------------------------------------------------------------
+
+
+def test_unix_transport_ends_with_the_connection_and_kills_commands() -> None:
+    process = AgentProcess()
+    _, pid = start_process(process.client, {"argv": ["sleep", "30"]})
+    assert process.stop() == 0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    pytest.fail(f"exec'd process {pid} outlived the agent")
+
+
+def test_stdio_transport_in_the_guest_layout(tmp_path: Path) -> None:
+    """As in the image: package ``forkd_guest``, stdlib only (-S: no site-packages)."""
+    (tmp_path / "forkd_guest").symlink_to(GUEST_PACKAGE)
+    requests = [
+        protocol.request(1, protocol.OP_PING),
+        protocol.request(2, protocol.OP_RUN_CODE, {"code": "import os; os.write(1, b'stray\\n'); print('ok')"}),
+        protocol.request(3, protocol.OP_EXEC, {"shell": "echo from-sh"}),
+    ]
+    with subprocess.Popen(
+        [sys.executable, "-S", "-m", "forkd_guest.agent", "--transport", "stdio"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    ) as proc:
+        assert proc.stdin and proc.stdout and proc.stderr
+        proc.stdin.write(b"".join(map(protocol.encode_frame, requests)))
+        proc.stdin.flush()
+        terminals = {}
+        while len(terminals) < len(requests):
+            frame = protocol.decode_frame(proc.stdout.readline())
+            if protocol.is_terminal(frame):
+                terminals[frame["id"]] = frame
+        assert all(f["ok"] for f in terminals.values()), terminals
+        proc.stdin.close()  # EOF on stdin ends the agent
+        assert proc.wait(timeout=10) == 0
+        stderr = proc.stderr.read()
+    assert b"stray" in stderr  # fd 1 of the agent no longer reaches the protocol stream
+
+
+def test_guest_modules_import_without_site_packages(tmp_path: Path) -> None:
+    (tmp_path / "forkd_guest").symlink_to(GUEST_PACKAGE)
+    subprocess.run(
+        [sys.executable, "-S", "-c", "import forkd_guest.agent, forkd_guest.init"], cwd=tmp_path, check=True, timeout=20
+    )
+
+
+def test_find_virtio_port(tmp_path: Path) -> None:
+    for port, name in (("vport0p1", "org.qemu.guest_agent.0"), ("vport0p2", protocol.AGENT_PORT_NAME + "\n")):
+        (tmp_path / port).mkdir()
+        (tmp_path / port / "name").write_text(name)
+    (tmp_path / "vport0p3").mkdir()  # a port without a name file is skipped
+    assert agent_module.find_virtio_port(ports_dir=str(tmp_path)) == "/dev/vport0p2"
+    with pytest.raises(FileNotFoundError):
+        agent_module.find_virtio_port("org.other", ports_dir=str(tmp_path))

@@ -1,0 +1,54 @@
+"""The REST boundary with a real runtime and registry (no VM is started by these requests)."""
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from forkd.config import Paths
+from forkd.daemon.app import create_app
+from forkd.runtime.runtime import Runtime
+from forkd.vmm.qemu import QemuVmm
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> TestClient:
+    paths = Paths(home=tmp_path / "home", cache=tmp_path / "cache", socket=tmp_path / "forkd.sock")
+    return TestClient(create_app(Runtime(paths, QemuVmm(accelerator="tcg"))), raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("tag", ["../etc", "a/b", "", "x" * 65, "white space"])
+def test_bad_tags_are_refused_with_json_errors(api: TestClient, tag: str) -> None:
+    response = api.post("/v1/sandboxes", json={"snapshot_tag": tag, "n": 1})
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "invalid_request"
+    assert api.post("/v1/snapshots", json={"tag": tag}).status_code == 422
+
+
+@pytest.mark.parametrize("body", [{"snapshot_tag": "ok", "n": 0}, {"snapshot_tag": "ok", "n": 1001},
+                                  {"snapshot_tag": "ok", "n": True}, {"snapshot_tag": "ok", "extra": 1}, []])
+def test_counts_and_shapes_are_bounded(api: TestClient, body: object) -> None:
+    assert api.post("/v1/sandboxes", json=body).status_code == 422
+
+
+def test_unknown_snapshot_and_sandbox(api: TestClient) -> None:
+    response = api.post("/v1/sandboxes", json={"snapshot_tag": "missing", "n": 1})
+    assert response.status_code == 400 and "forkd snapshot create" in response.json()["error"]["message"]
+    assert api.get("/v1/sandboxes/sb-000000000000").status_code == 404
+    assert api.get("/v1/sandboxes/not-an-id").status_code == 400
+    assert api.post("/v1/sandboxes/sb-000000000000/eval", json={"expr": "1"}).status_code == 404
+    assert api.get("/v1/snapshots/missing").status_code == 404
+
+
+def test_exec_needs_exactly_one_command_form(api: TestClient) -> None:
+    for body in ({}, {"cmd": "ls", "argv": ["ls"]}, {"argv": []}, {"cmd": "ls", "timeout_s": -1}):
+        assert api.post("/v1/sandboxes/sb-000000000000/exec", json=body).status_code == 422
+
+
+def test_health_version_and_listing(api: TestClient) -> None:
+    assert api.get("/healthz").json() == {"ok": True}
+    version = api.get("/v1/version").json()
+    assert version["accelerator"] == "tcg" and version["vmm"] == "qemu"
+    assert api.get("/v1/sandboxes").json() == {"sandboxes": []}
+    assert api.get("/v1/snapshots").json() == {"snapshots": []}
+    assert api.get("/openapi.json").json()["paths"]["/v1/sandboxes"]
