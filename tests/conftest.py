@@ -36,7 +36,10 @@ def _vm_env(home: Path) -> dict[str, str]:
 def forkd_home() -> Iterator[Path]:
     home = Path(tempfile.mkdtemp(prefix="forkd-test-", dir="/var/tmp"))
     yield home
-    shutil.rmtree(home, ignore_errors=True)
+    if os.environ.get("FORKD_KEEP_TEST_HOME"):
+        print(f"kept test FORKD_HOME {home}", file=sys.stderr)
+    else:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -57,3 +57,15 @@ def test_atomic_json_leaves_no_temp_files(tmp_path: Path) -> None:
     write_json_atomic(target, {"a": 2})
     assert target.read_text().count('"a": 2') == 1
     assert [p.name for p in tmp_path.iterdir()] == ["meta.json"]
+
+
+def test_kvm_speed_probe_agrees_with_the_kvm_kind() -> None:
+    from forkd.vmm.kvm_speed import probe_speed
+
+    kvm = probe_kvm()
+    if not kvm.present:
+        return
+    hardware_speed, detail = probe_speed()
+    assert "iterations/s" in detail or "did not finish" in detail, detail
+    if kvm.pvm:
+        assert hardware_speed is False, f"PVM ran ring-0 code at hardware speed? {detail}"

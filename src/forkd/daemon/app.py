@@ -45,6 +45,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (ImageError, 400, "image_error"),
     (VmmError, 500, "vmm_error"),
 ]
+HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError)
 _AGENT_STATUS = {protocol.ERR_NOT_FOUND: 404, protocol.ERR_TIMEOUT: 504, protocol.ERR_BAD_REQUEST: 400,
                  protocol.ERR_OS: 400}
 
@@ -100,10 +101,13 @@ def create_app(runtime: Runtime) -> FastAPI:
     app = FastAPI(title="forkd", version=__version__,
                   description="Fork warm microVMs copy-on-write; every forkd client speaks this API.")
 
-    @app.exception_handler(Exception)
-    async def _runtime_error(_: Request, exc: Exception) -> JSONResponse:
+    async def runtime_error(_: Request, exc: Exception) -> JSONResponse:
         status, body = error_body(exc)
         return JSONResponse(body, status_code=status)
+
+    # Registered per class (not for Exception, which Starlette re-raises after answering).
+    for error_class in HANDLED_ERRORS:
+        app.add_exception_handler(error_class, runtime_error)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from forkd.config import Paths
 from forkd.vmm.accel import choose_accelerator, probe_kvm
+from forkd.vmm.kvm_speed import probe_speed
 
 MIN_FREE_DISK_GIB = 4
 # (check name, command, Debian package): failures here are fixed by installing the package
@@ -42,9 +43,10 @@ def _command_version(argv: list[str]) -> str | None:
 
 
 def run_checks(paths: Paths) -> list[Check]:
-    checks = [Check("platform", "ok" if platform.system() == "Linux" and platform.machine() == "x86_64" else "fail",
+    supported = platform.system() == "Linux" and platform.machine() == "x86_64"
+    checks = [Check("platform", "ok" if supported else "fail",
                     f"{platform.system()} {platform.machine()} {platform.release()}",
-                    "forkd needs Linux on x86_64")]
+                    "" if supported else "forkd needs Linux on x86_64")]
     if os.geteuid() != 0:
         checks.append(Check("root", "warn", "not running as root",
                             "run forkd as root: debootstrap, network namespaces and cgroups need it"))
@@ -52,6 +54,10 @@ def run_checks(paths: Paths) -> list[Check]:
     checks.append(Check("kvm", "ok" if kvm.usable else "warn", kvm.detail,
                         "" if kvm.usable else "VMs run under TCG (slower, same behaviour); use a host with VT-x/AMD-V "
                         "for KVM"))
+    if kvm.present:
+        hardware_speed, speed = probe_speed()
+        checks.append(Check("kvm speed", "ok" if hardware_speed else "warn", speed,
+                            "" if hardware_speed else "guest kernels cannot run at speed on this KVM; forkd uses TCG"))
     accel, reason = choose_accelerator("auto")
     checks.append(Check("accelerator", "ok", f"{accel}: {reason}"))
     for name, argv, package in TOOLS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -47,7 +48,9 @@ class AgentClient:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
-        self._ids = itertools.count(1)
+        # A fresh random base per connection: an answer written by the guest for an earlier
+        # connection (virtio-serial holds writes until a host connects) never matches a new request.
+        self._ids = itertools.count(secrets.randbelow(1 << 40) + 1)
         self._pending: dict[int, _Pending] = {}
         self._write_lock = asyncio.Lock()
         self._closed_reason: str | None = None
