@@ -22,6 +22,8 @@ import pytest
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
 
 VM_SNAPSHOT = "vmtest"
+# Leaves a file in the guest's RAM-backed /tmp and a process running, then reports ready.
+WARMUP_CMD = "echo warmed > /tmp/warm-marker; echo '{\"ready\": true}'; exec sleep 86400"
 
 
 def _vm_env(home: Path) -> dict[str, str]:
@@ -72,6 +74,27 @@ def daemon(forkd_home: Path, vm_env: dict[str, str]) -> Iterator[Controller]:
     except subprocess.TimeoutExpired:
         process.kill()
     log.close()
+    leaked = vmm_processes_under(forkd_home)
+    for pid in leaked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not leaked, f"the stopped daemon left VMM processes running: {leaked}"
+
+
+def vmm_processes_under(directory: Path) -> list[int]:
+    """Pids of live processes whose command line mentions ``directory`` (our VMMs do)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(directory).encode() in cmdline and state != "Z":
+            found.append(int(proc.name))
+    return found
 
 
 def _progress(line: str) -> None:
@@ -82,7 +105,8 @@ def _progress(line: str) -> None:
 def snapshot_tag(daemon: Controller) -> str:
     """The default image (built or reused) and one warm snapshot shared by every VM test."""
     daemon.build_image(on_progress=_progress, name="default")
-    daemon.create_snapshot(VM_SNAPSHOT, on_progress=_progress, memory_mib=1024, warm_modules=["numpy"])
+    daemon.create_snapshot(VM_SNAPSHOT, on_progress=_progress, memory_mib=1024, warm_modules=["numpy"],
+                           warmup_cmd=WARMUP_CMD)
     return VM_SNAPSHOT
 
 

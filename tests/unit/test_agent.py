@@ -600,6 +600,10 @@ def test_warm_imports_and_runs_code_in_the_default_context(agent: AgentClient) -
     # Other contexts find the module already imported.
     cold = agent.result(protocol.OP_EVAL, {"expr": "'decimal' in __import__('sys').modules", "context": "cold"})
     assert cold["value"] == "True"
+    # ...and bound by name, in new contexts and in ones that existed before the warm-up.
+    assert agent.result(protocol.OP_EVAL, {"expr": "decimal.Decimal(1) + 1", "context": "fresh"})["value"] == "Decimal('2')"
+    agent.result(protocol.OP_WARM, {"modules": ["fractions"]})
+    assert agent.result(protocol.OP_EVAL, {"expr": "str(fractions.Fraction(1, 3))", "context": "cold"})["value_json"] == "1/3"
 
 
 def test_warm_failures(agent: AgentClient) -> None:

@@ -188,3 +188,24 @@ def test_mismatched_snapshot_is_refused(daemon: Controller, snapshot_tag: str, f
         db.execute("DELETE FROM snapshots WHERE tag = 'mismatch'")
         db.commit()
         db.close()
+
+
+def test_warmup_state_is_inherited(daemon: Controller, children: list[str]) -> None:
+    for sandbox_id in children:
+        assert daemon.exec(sandbox_id, "cat /tmp/warm-marker")["stdout"] == "warmed\n"
+        processes = daemon.exec(sandbox_id, "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")["stdout"]
+        assert "sleep 86400" in processes, "the warmup command keeps running in every child"
+
+
+def test_quickstart_runs_and_then_reuses_everything(vm_env: dict[str, str], snapshot_tag: str) -> None:
+    def quickstart() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "forkd", "quickstart", "--yes", "-n", "3"], env=vm_env,
+                              capture_output=True, text=True, timeout=900)
+
+    first = quickstart()
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "3/3 children answering" in first.stdout
+    second = quickstart()
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "3/3 children answering" in second.stdout
+    assert "booting parent" not in second.stdout and "is up to date" in second.stdout

@@ -9,7 +9,9 @@ HTTP status.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from forkd.validation import ValidationError, check_sandbox_id
 from forkd.vmm.base import SnapshotMismatch, VmmError
 
 NDJSON = "application/x-ndjson"
+log = logging.getLogger("forkd.daemon")
 
 # Most specific first: the first matching class decides the status.
 _STATUS: list[tuple[type[BaseException], int, str]] = [
@@ -98,7 +101,17 @@ def decode_output(data: dict[str, Any]) -> str:
 
 
 def create_app(runtime: Runtime) -> FastAPI:
-    app = FastAPI(title="forkd", version=__version__,
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Shutdown runs here, not after uvicorn returns: uvicorn re-raises SIGTERM once it has
+        # served, which would end the process before any later cleanup.
+        reaped = runtime.start()
+        if reaped:
+            log.warning("reaped %d sandboxes left by a previous daemon: %s", len(reaped), ", ".join(reaped))
+        yield
+        await runtime.stop()
+
+    app = FastAPI(title="forkd", version=__version__, lifespan=lifespan,
                   description="Fork warm microVMs copy-on-write; every forkd client speaks this API.")
 
     async def runtime_error(_: Request, exc: Exception) -> JSONResponse:

@@ -16,7 +16,6 @@ from forkd.daemon.app import create_app
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.qemu import QemuVmm
 
-log = logging.getLogger("forkd.daemon")
 
 
 class DaemonAlreadyRunning(RuntimeError):
@@ -50,16 +49,12 @@ def bind_private_socket(path: Path) -> socket.socket:
 async def serve(paths: Paths, accelerator: str = "auto") -> None:
     sock = bind_private_socket(paths.socket)
     runtime = Runtime(paths, QemuVmm(accelerator=accelerator))
-    reaped = runtime.start()
-    if reaped:
-        log.warning("reaped %d sandboxes left by a previous daemon: %s", len(reaped), ", ".join(reaped))
     config = uvicorn.Config(create_app(runtime), log_level="warning", timeout_graceful_shutdown=5,
                             h11_max_incomplete_event_size=1 << 20)
     server = uvicorn.Server(config)
     try:
         await server.serve(sockets=[sock])
     finally:
-        await runtime.stop()
         with contextlib.suppress(FileNotFoundError):
             paths.socket.unlink()
 

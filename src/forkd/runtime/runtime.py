@@ -33,7 +33,7 @@ class Runtime:
         return self.sandboxes.reap_stale()
 
     async def stop(self) -> None:
-        await self.sandboxes.kill_all()
+        await asyncio.gather(self.sandboxes.kill_all(), self.snapshots.abort_all())
         self.registry.close()
 
     async def build_image(self, spec: ImageSpec, progress: Callable[[str], None], force: bool = False) -> Image:

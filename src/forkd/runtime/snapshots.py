@@ -26,7 +26,7 @@ from forkd.runtime.agent_client import AgentClient, connect_when_answering
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.store.files import DigestCache, fsync_dir, link_or_copy, sha256_file, write_json_atomic
 from forkd.validation import check_tag
-from forkd.vmm.base import BootSpec, MachineIdentity, SavedVm, SnapshotMismatch, Vmm
+from forkd.vmm.base import BootSpec, MachineIdentity, SavedVm, SnapshotMismatch, Vmm, VmHandle
 
 Progress = Callable[[str], None]
 
@@ -74,6 +74,7 @@ class SnapshotService:
         self.vmm = vmm
         self.digests = digests
         self._creating: set[str] = set()
+        self._parents: set[VmHandle] = set()  # parents being baked, killed if the daemon stops
 
     async def create(self, request: SnapshotRequest, image: Image, progress: Progress) -> SnapshotRecord:
         tag = check_tag(request.tag)
@@ -122,6 +123,7 @@ class SnapshotService:
         started = time.monotonic()
         vm = await self.vmm.boot(f"parent-{request.tag}", spec, build_dir, build_dir / BASE_DISK_FILE,
                                  build_dir / MEMORY_FILE)
+        self._parents.add(vm)
         agent: AgentClient | None = None
         try:
             agent, _ = await connect_when_answering(vm.agent_socket, vm.process, BOOT_TIMEOUT_S)
@@ -142,6 +144,7 @@ class SnapshotService:
             if agent is not None:
                 await agent.close()
             await self.vmm.kill(vm)
+            self._parents.discard(vm)
         for leftover in ("agent.sock", "qmp.sock"):
             (build_dir / leftover).unlink(missing_ok=True)
         progress("recording content digests")
@@ -160,6 +163,10 @@ class SnapshotService:
         }
         write_json_atomic(build_dir / META_FILE, meta)
         return meta
+
+    async def abort_all(self) -> None:
+        """Kill parents still being baked (their build directories are removed by ``create``)."""
+        await asyncio.gather(*(self.vmm.kill(vm) for vm in list(self._parents)), return_exceptions=True)
 
     def _keep_console(self, build_dir: Path, tag: str) -> Path | None:
         console = build_dir / "console.log"

@@ -69,7 +69,7 @@ class BootSpec:
     agent_version: str
 
 
-@dataclass
+@dataclass(eq=False)  # a handle is one process: identity, not value, equality
 class VmHandle:
     """A running VMM process and the host-side endpoints it exposes."""
 

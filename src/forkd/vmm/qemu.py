@@ -16,10 +16,11 @@ import contextlib
 import functools
 import os
 import re
+import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from qemu.qmp import QMPClient, QMPError
@@ -40,6 +41,7 @@ MACHINE = "q35"
 STARTUP_TIMEOUT_S = 20.0
 SAVE_TIMEOUT_S = 120.0
 TCG_TB_SIZE_MIB = 64
+CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
 # Shared RAM (the memory file) is neither written to nor read from the migration stream.
 _IGNORE_SHARED = {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
 
@@ -101,6 +103,7 @@ class QemuVmm:
     def __init__(self, binary: str = "qemu-system-x86_64", accelerator: str = "auto") -> None:
         self.binary = binary
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
+        self._template_lock = asyncio.Lock()
 
     @property
     def cpu_model(self) -> str:
@@ -170,15 +173,10 @@ class QemuVmm:
                 raise VmmError(f"cannot start {self.binary}: {exc}; install QEMU with `bash scripts/setup`") from None
         vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
                       monitor_socket=run_dir / "qmp.sock", disk=disk)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not (vm.monitor_socket.exists() and vm.agent_socket.exists()):
-            if process.returncode is not None or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.005)
-        # QEMU opens its sockets before it has parsed every option, so only a monitor answer
-        # proves the machine was really created.
+        # QEMU creates its sockets before it has parsed every option (and binds before it
+        # listens), so only a monitor answer proves the machine was really created.
         try:
-            async with self._monitor(vm) as qmp:
+            async with self._monitor(vm, wait_s=STARTUP_TIMEOUT_S) as qmp:
                 await qmp.execute("query-status")
                 if setup is not None:
                     await setup(qmp)
@@ -193,9 +191,22 @@ class QemuVmm:
         await create_overlay(base_disk, disk, "raw", relative=base_disk.parent.resolve() == run_dir.resolve())
         return await self._start(name, self._argv(spec, run_dir, disk, memory, share=True), run_dir, disk)
 
+    async def _child_overlay_template(self, backing: Path) -> Path:
+        """An empty overlay over ``backing``, made once; each child's overlay is a copy of it.
+
+        Copying ~200 KB is far cheaper than running qemu-img for every child of a batch.
+        """
+        template = backing.with_name(CHILD_OVERLAY_TEMPLATE)
+        async with self._template_lock:
+            if not template.exists():
+                partial = template.with_name(f".{template.name}.partial")
+                await create_overlay(backing, partial, "qcow2")
+                os.replace(partial, template)
+        return template
+
     async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path) -> VmHandle:
         disk = run_dir / "disk.qcow2"
-        await create_overlay(saved.disk, disk, "qcow2")
+        shutil.copyfile(await self._child_overlay_template(saved.disk), disk)
         state_fd = os.open(saved.state, os.O_RDONLY)
 
         async def load_state(qmp: QMPClient) -> None:
@@ -212,12 +223,18 @@ class QemuVmm:
             os.close(state_fd)
 
     @contextlib.asynccontextmanager
-    async def _monitor(self, vm: VmHandle):
-        client = QMPClient(vm.name)
-        try:
-            await asyncio.wait_for(client.connect(str(vm.monitor_socket)), timeout=10)
-        except Exception as exc:  # qemu.qmp raises its own hierarchy and OSError
-            raise VmmError(f"cannot reach the QEMU monitor of {vm.name}: {exc}") from None
+    async def _monitor(self, vm: VmHandle, wait_s: float = 10.0) -> AsyncIterator[QMPClient]:
+        """A QMP session, retrying the connection for up to ``wait_s`` while QEMU is still starting."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            client = QMPClient(vm.name)
+            try:
+                await asyncio.wait_for(client.connect(str(vm.monitor_socket)), timeout=max(0.1, wait_s))
+                break
+            except Exception as exc:  # qemu.qmp raises its own ConnectError hierarchy and OSError
+                if vm.process.returncode is not None or time.monotonic() > deadline:
+                    raise VmmError(f"cannot reach the QEMU monitor of {vm.name}: {exc}") from None
+                await asyncio.sleep(0.005)
         try:
             yield client
         finally:
