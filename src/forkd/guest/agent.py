@@ -18,6 +18,7 @@ import ctypes
 import errno
 import fcntl
 import functools
+import gc
 import importlib
 import io
 import itertools
@@ -745,6 +746,10 @@ class PythonRuntime:
                 raise AgentError(
                     protocol.ERR_BAD_REQUEST, f"warm: code failed: {error['name']}: {error['value']}", error=error
                 )
+        # Move everything warmed so far out of the collector's reach: a full collection in a
+        # forked child would otherwise touch (and so copy) every object page it inherited.
+        gc.collect()
+        gc.freeze()
         return {"imported": modules, "seconds": time.monotonic() - started}
 
     def _cell_body(self, code: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
