@@ -247,11 +247,12 @@ async def run_warmup(agent: AgentClient, command: str) -> None:
         agent.call(protocol.OP_EXEC, {"shell": command}, timeout=None, on_event=on_event))
     done, _ = await asyncio.wait({ready, command_done}, timeout=WARMUP_TIMEOUT_S,
                                  return_when=asyncio.FIRST_COMPLETED)
-    if ready in done:
-        return  # the command keeps running in the guest and is part of the snapshot
-    command_done.cancel()
-    if command_done in done and not command_done.cancelled():
-        result = command_done.result() if command_done.exception() is None else None
-        raise SnapshotError(f"warmup command exited ({result or command_done.exception()}) without printing "
-                            '{"ready": true}')
-    raise SnapshotError(f'warmup command did not print {{"ready": true}} within {WARMUP_TIMEOUT_S:.0f} s')
+    try:
+        if ready in done:
+            return  # the command keeps running in the guest and is part of the snapshot
+        if command_done in done:
+            outcome = command_done.exception() or command_done.result()
+            raise SnapshotError(f'warmup command ended ({outcome}) before printing {{"ready": true}}')
+        raise SnapshotError(f'warmup command did not print {{"ready": true}} within {WARMUP_TIMEOUT_S:.0f} s')
+    finally:
+        command_done.cancel()  # stops waiting on the host side only; the guest process lives on
