@@ -366,8 +366,9 @@ def doctor(as_json: bool) -> None:
     try:
         controller = daemon()
         checks = [Check(**c) for c in controller.doctor()]
-        checks.append(Check("daemon", "ok", f"reachable at {controller.url}, {controller.version()['vmm']} "
-                                            f"{controller.version()['vmm_version']}"))
+        version = controller.version()
+        checks.append(Check("daemon", "ok", f"reachable at {controller.url}, forkd {version['forkd']}, "
+                                            f"{version['vmm']} {version['vmm_version']}"))
     except ForkdError as exc:
         checks = run_checks(paths_from_env())
         checks.append(Check("daemon", "fail", exc.message, "see the daemon log under FORKD_HOME"))

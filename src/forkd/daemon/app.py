@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from forkd import __version__
 from forkd.daemon import schemas
@@ -27,7 +27,7 @@ from forkd.host.doctor import run_checks
 from forkd.image.builder import ImageError, ImageNotFound, ImageSpec
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.sandboxes import SandboxNotFound
+from forkd.runtime.sandboxes import LiveSandbox, SandboxNotFound
 from forkd.runtime.snapshots import SnapshotConflict, SnapshotCorrupt, SnapshotError, SnapshotRequest
 from forkd.validation import ValidationError, check_sandbox_id
 from forkd.vmm.base import SnapshotMismatch, VmmError
@@ -96,8 +96,34 @@ def ndjson_stream(work: Callable[[Callable[[dict[str, Any]], None]], Awaitable[A
     return StreamingResponse(lines(), media_type=NDJSON)
 
 
-def decode_output(data: dict[str, Any]) -> str:
-    return protocol.b64decode(data.get("data_b64", "")).decode("utf-8", errors="replace")
+OUTPUT_EVENTS = (protocol.EVENT_STDOUT, protocol.EVENT_STDERR)
+
+
+def output_text(data: dict[str, Any]) -> str:
+    """exec streams bytes (``data_b64``), run_code streams text (``text``); clients get text."""
+    if "data_b64" in data:
+        return protocol.b64decode(data["data_b64"]).decode("utf-8", errors="replace")
+    return str(data.get("text", ""))
+
+
+async def output_answer(live: LiveSandbox, op: str, args: dict[str, Any], timeout_s: float | None,
+                        stream: bool) -> dict[str, Any] | StreamingResponse:
+    """Run an op that prints: stream its events as NDJSON, or gather them into stdout/stderr."""
+    call_timeout = (timeout_s or schemas.MAX_TIMEOUT_S) + 30
+    if stream:
+        async def work(emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+            def on_event(name: str, data: dict[str, Any]) -> None:
+                emit({"event": name, "data": output_text(data)} if name in OUTPUT_EVENTS else {"event": name, **data})
+            return await live.agent.call(op, args, timeout=call_timeout, on_event=on_event)
+        return ndjson_stream(work)
+    output: dict[str, list[str]] = {name: [] for name in OUTPUT_EVENTS}
+
+    def collect(name: str, data: dict[str, Any]) -> None:
+        if name in output:
+            output[name].append(output_text(data))
+
+    result = await live.agent.call(op, args, timeout=call_timeout, on_event=collect)
+    return {**result, "stdout": "".join(output[protocol.EVENT_STDOUT]), "stderr": "".join(output[protocol.EVENT_STDERR])}
 
 
 def create_app(runtime: Runtime) -> FastAPI:
@@ -142,7 +168,9 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def version() -> dict[str, Any]:
         caps = runtime.vmm.capabilities()
         return {"forkd": __version__, "vmm": caps.kind, "vmm_version": caps.version,
-                "accelerator": caps.accelerator, "accelerator_reason": caps.accelerator_reason}
+                "accelerator": caps.accelerator, "accelerator_reason": caps.accelerator_reason,
+                "capabilities": {"shared_memory_snapshots": caps.shared_memory_snapshots, "vmgenid": caps.vmgenid,
+                                 "background_snapshot": caps.background_snapshot}}
 
     @app.get("/v1/doctor")
     async def doctor() -> dict[str, Any]:
@@ -244,23 +272,7 @@ def create_app(runtime: Runtime) -> FastAPI:
                 args[key] = getattr(body, key)
         if body.stdin is not None:
             args["stdin_b64"] = protocol.b64encode(body.stdin.encode())
-        live = sandbox(sandbox_id)
-        call_timeout = (body.timeout_s or schemas.MAX_TIMEOUT_S) + 30
-        if body.stream:
-            async def work(emit):
-                def on_event(name: str, data: dict[str, Any]) -> None:
-                    emit({"event": name, "data": decode_output(data)} if "data_b64" in data
-                         else {"event": name, **data})
-                return await live.agent.call(protocol.OP_EXEC, args, timeout=call_timeout, on_event=on_event)
-            return ndjson_stream(work)
-        output: dict[str, list[str]] = {protocol.EVENT_STDOUT: [], protocol.EVENT_STDERR: []}
-
-        def collect(name: str, data: dict[str, Any]) -> None:
-            if name in output:
-                output[name].append(decode_output(data))
-
-        result = await live.agent.call(protocol.OP_EXEC, args, timeout=call_timeout, on_event=collect)
-        return {"stdout": "".join(output["stdout"]), "stderr": "".join(output["stderr"]), **result}
+        return await output_answer(sandbox(sandbox_id), protocol.OP_EXEC, args, body.timeout_s, body.stream)
 
     @app.post("/v1/sandboxes/{sandbox_id}/eval")
     async def eval_expr(sandbox_id: str, body: schemas.EvalRequest) -> dict[str, Any]:
@@ -272,21 +284,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         args: dict[str, Any] = {"code": body.code, "context": body.context}
         if body.timeout_s is not None:
             args["timeout_s"] = body.timeout_s
-        live = sandbox(sandbox_id)
-        call_timeout = (body.timeout_s or schemas.MAX_TIMEOUT_S) + 30
-        if body.stream:
-            async def work(emit):
-                return await live.agent.call(protocol.OP_RUN_CODE, args, timeout=call_timeout,
-                                             on_event=lambda name, data: emit({"event": name, **data}))
-            return ndjson_stream(work)
-        logs: dict[str, list[str]] = {protocol.EVENT_STDOUT: [], protocol.EVENT_STDERR: []}
-
-        def collect(name: str, data: dict[str, Any]) -> None:
-            if name in logs:
-                logs[name].append(data.get("text", ""))
-
-        result = await live.agent.call(protocol.OP_RUN_CODE, args, timeout=call_timeout, on_event=collect)
-        return {**result, "stdout": "".join(logs["stdout"]), "stderr": "".join(logs["stderr"])}
+        return await output_answer(sandbox(sandbox_id), protocol.OP_RUN_CODE, args, body.timeout_s, body.stream)
 
     # files: raw bytes in and out, chunked to the agent
 

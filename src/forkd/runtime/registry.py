@@ -143,8 +143,6 @@ class Registry:
     def remove_sandbox(self, sandbox_id: str) -> None:
         self._execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
 
-    def count_sandboxes_of(self, tag: str) -> int:
-        return int(self._execute("SELECT COUNT(*) FROM sandboxes WHERE snapshot_tag = ?", (tag,))[0][0])
 
 
 def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:

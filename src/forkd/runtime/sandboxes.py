@@ -14,7 +14,7 @@ import secrets
 import shutil
 import string
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,6 @@ class ForkOutcome:
     sandbox: dict[str, Any] | None = None
     error: str | None = None
     seconds_to_answer: float | None = None
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 class SandboxService:
@@ -68,7 +67,6 @@ class SandboxService:
         """Restore ``count`` children of snapshot ``tag`` concurrently; per-child outcome, same order."""
         started = time.monotonic()
         record, saved, spec = await asyncio.to_thread(self.snapshots.open, tag)
-        prepared = time.monotonic()
 
         async def one() -> ForkOutcome:
             try:
@@ -78,8 +76,7 @@ class SandboxService:
             elapsed = time.monotonic() - started
             sandbox.record.meta["seconds_to_answer"] = round(elapsed, 4)
             self.registry.update_sandbox(sandbox.record.id, meta={"seconds_to_answer": round(elapsed, 4)})
-            return ForkOutcome(sandbox=self.describe(sandbox), seconds_to_answer=elapsed,
-                               timings={"verify_s": prepared - started})
+            return ForkOutcome(sandbox=self.describe(sandbox), seconds_to_answer=elapsed)
 
         return list(await asyncio.gather(*(one() for _ in range(count))))
 
