@@ -14,9 +14,10 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -27,12 +28,13 @@ from forkd.host.doctor import run_checks
 from forkd.image.builder import ImageError, ImageNotFound, ImageSpec
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.sandboxes import LiveSandbox, SandboxNotFound
+from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
 from forkd.runtime.snapshots import SnapshotConflict, SnapshotCorrupt, SnapshotError, SnapshotRequest
 from forkd.validation import ValidationError, check_sandbox_id
 from forkd.vmm.base import SnapshotMismatch, VmmError
 
 NDJSON = "application/x-ndjson"
+Pid = Annotated[int, PathParam(ge=1, le=1 << 22, description="a pid from exec's `started` event")]
 log = logging.getLogger("forkd.daemon")
 
 # Most specific first: the first matching class decides the status.
@@ -237,7 +239,8 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.post("/v1/sandboxes", status_code=201)
     async def fork(body: schemas.SandboxCreate) -> dict[str, Any]:
-        outcomes = await runtime.sandboxes.fork(body.snapshot_tag, body.n)
+        options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata)
+        outcomes = await runtime.sandboxes.fork(body.snapshot_tag, body.n, options)
         return {
             "sandboxes": [o.sandbox for o in outcomes if o.sandbox is not None],
             "errors": [o.error for o in outcomes if o.error is not None],
@@ -256,13 +259,18 @@ def create_app(runtime: Runtime) -> FastAPI:
         await runtime.sandboxes.kill(check_sandbox_id(sandbox_id))
         return {"killed": sandbox_id}
 
+    @app.post("/v1/sandboxes/{sandbox_id}/timeout")
+    async def set_timeout(sandbox_id: str, body: schemas.TimeoutBody) -> dict[str, Any]:
+        return {"id": sandbox_id, "end_at": runtime.sandboxes.set_timeout(check_sandbox_id(sandbox_id), body.timeout_s)}
+
     @app.post("/v1/sandboxes/{sandbox_id}/ping")
     async def ping(sandbox_id: str) -> dict[str, Any]:
         return await agent_call(sandbox_id, protocol.OP_PING, {}, timeout=10)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=None)
     async def exec_command(sandbox_id: str, body: schemas.ExecRequest) -> dict[str, Any] | StreamingResponse:
-        args: dict[str, Any] = {"env": body.env}
+        live = sandbox(sandbox_id)
+        args: dict[str, Any] = {"env": {**live.record.meta.get("envs", {}), **body.env}}
         if body.cmd is not None:
             args["shell"] = body.cmd
         else:
@@ -272,7 +280,21 @@ def create_app(runtime: Runtime) -> FastAPI:
                 args[key] = getattr(body, key)
         if body.stdin is not None:
             args["stdin_b64"] = protocol.b64encode(body.stdin.encode())
-        return await output_answer(sandbox(sandbox_id), protocol.OP_EXEC, args, body.timeout_s, body.stream)
+        return await output_answer(live, protocol.OP_EXEC, args, body.timeout_s, body.stream)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes")
+    async def list_processes(sandbox_id: str) -> dict[str, Any]:
+        return await agent_call(sandbox_id, protocol.OP_PROC_LIST, {})
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/signal")
+    async def signal_process(sandbox_id: str, pid: Pid, body: schemas.SignalBody) -> dict[str, Any]:
+        await agent_call(sandbox_id, protocol.OP_PROC_KILL, {"pid": pid, "signal": body.signal})
+        return {"pid": pid, "signal": body.signal}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin")
+    async def write_stdin(sandbox_id: str, pid: Pid, body: schemas.StdinBody) -> dict[str, Any]:
+        return await agent_call(sandbox_id, protocol.OP_PROC_STDIN,
+                                {"pid": pid, "data_b64": protocol.b64encode(body.data.encode()), "eof": body.eof})
 
     @app.post("/v1/sandboxes/{sandbox_id}/eval")
     async def eval_expr(sandbox_id: str, body: schemas.EvalRequest) -> dict[str, Any]:

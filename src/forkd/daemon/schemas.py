@@ -11,6 +11,15 @@ from forkd.validation import TAG_PATTERN
 Tag = Annotated[str, Field(pattern=TAG_PATTERN, description="[A-Za-z0-9_-]{1,64}")]
 MAX_CHILDREN_PER_REQUEST = 1000
 MAX_TIMEOUT_S = 24 * 3600
+MAX_SANDBOX_TIMEOUT_S = 30 * 24 * 3600
+MAX_STDIN_CHARS = 8 << 20  # base64 of it must fit one 16 MiB agent frame
+
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
+Envs = Annotated[dict[EnvName, Annotated[str, Field(max_length=1 << 16)]], Field(max_length=1024)]
+MetadataKey = Annotated[str, Field(min_length=1, max_length=128)]
+Metadata = Annotated[dict[MetadataKey, Annotated[str, Field(max_length=4096)]], Field(max_length=64)]
+SandboxTimeout = Annotated[float, Field(gt=0, le=MAX_SANDBOX_TIMEOUT_S,
+                                        description="seconds until the daemon kills the sandbox")]
 
 
 class Strict(BaseModel):
@@ -41,14 +50,31 @@ class SnapshotCreate(Strict):
 class SandboxCreate(Strict):
     snapshot_tag: Tag
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHILDREN_PER_REQUEST)
+    timeout_s: SandboxTimeout | None = None
+    envs: Envs = Field(default_factory=dict, description="default environment of every command in the sandbox")
+    metadata: Metadata = Field(default_factory=dict, description="labels returned with the sandbox")
+
+
+class TimeoutBody(Strict):
+    timeout_s: SandboxTimeout
+
+
+class SignalBody(Strict):
+    signal: StrictInt = Field(default=9, ge=1, le=64)
+
+
+class StdinBody(Strict):
+    data: str = Field(default="", max_length=MAX_STDIN_CHARS)
+    eof: bool = False
 
 
 class ExecRequest(Strict):
     cmd: str | None = Field(default=None, max_length=1 << 20, description="shell command (/bin/sh -c)")
     argv: list[str] | None = Field(default=None, min_length=1, max_length=4096)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: Envs = Field(default_factory=dict, description="merged over the sandbox's default envs")
     cwd: str | None = Field(default=None, max_length=4096)
-    stdin: str | None = Field(default=None, max_length=64 << 20)
+    stdin: str | None = Field(default=None, max_length=MAX_STDIN_CHARS,
+                              description="written to stdin, then closed; absent: stdin stays open for /stdin")
     timeout_s: float | None = Field(default=60.0, gt=0, le=MAX_TIMEOUT_S)
     user: str | None = Field(default=None, max_length=64)
     stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")

@@ -27,12 +27,20 @@ class Runtime:
         self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
         self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots)
         self._image_lock = asyncio.Lock()
+        self._deadline_keeper: asyncio.Task[None] | None = None
 
     def start(self) -> list[str]:
-        """Reap whatever a previous daemon left behind; returns the sandbox ids reaped."""
-        return self.sandboxes.reap_stale()
+        """Reap whatever a previous daemon left behind and start enforcing sandbox timeouts.
+
+        Called from the daemon's event loop; returns the sandbox ids reaped.
+        """
+        reaped = self.sandboxes.reap_stale()
+        self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
+        return reaped
 
     async def stop(self) -> None:
+        if self._deadline_keeper is not None:
+            self._deadline_keeper.cancel()
         await asyncio.gather(self.sandboxes.kill_all(), self.snapshots.abort_all())
         self.registry.close()
 
