@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -57,12 +59,29 @@ def cli() -> None:
 
 @cli.command("daemon")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto", show_default=True)
-def daemon_command(accel: str) -> None:
-    """Run the daemon in the foreground (the CLI starts one in the background when needed)."""
-    from forkd.daemon.server import DaemonAlreadyRunning, run
+@click.option("--listen", metavar="HOST:PORT", help="also serve on TCP (needs a token: --token-file or FORKD_TOKEN)")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="file holding the bearer token TCP clients must send")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PEM certificate")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PEM private key")
+def daemon_command(accel: str, listen: str | None, token_file: Path | None, tls_cert: Path | None,
+                   tls_key: Path | None) -> None:
+    """Run the daemon in the foreground (the CLI starts one in the background when needed).
+
+    It always serves its 0600 Unix socket ($FORKD_SOCKET); with --listen also TCP, where every route
+    but /healthz needs `Authorization: Bearer <token>`.
+    """
+    from forkd.daemon.auth import TokenRejected
+    from forkd.daemon.server import DaemonAlreadyRunning, ListenerError, TcpListener, run
     try:
-        run(paths_from_env(), accel)
-    except DaemonAlreadyRunning as exc:
+        tcp = None
+        if listen is not None:
+            token = token_file.read_text() if token_file is not None else os.environ.get("FORKD_TOKEN")
+            tcp = TcpListener.parse(listen, token, tls_cert, tls_key)
+        elif token_file or tls_cert or tls_key:
+            raise click.UsageError("--token-file, --tls-cert and --tls-key apply to --listen")
+        run(paths_from_env(), accel, tcp)
+    except (DaemonAlreadyRunning, ListenerError, TokenRejected) as exc:
         raise click.ClickException(str(exc)) from None
 
 

@@ -19,14 +19,16 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from forkd import __version__
 from forkd.daemon import schemas
+from forkd.daemon.body_limit import BodyTooLarge
 from forkd.guest import protocol
 from forkd.host.doctor import run_checks
 from forkd.image.builder import ImageError, ImageNotFound, ImageSpec
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
+from forkd.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
 from forkd.runtime.snapshots import SnapshotConflict, SnapshotCorrupt, SnapshotError, SnapshotRequest
@@ -139,8 +141,20 @@ def create_app(runtime: Runtime) -> FastAPI:
         yield
         await runtime.stop()
 
-    app = FastAPI(title="forkd", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="forkd", version=__version__, lifespan=lifespan, responses=schemas.ERROR_RESPONSES,
                   description="Fork warm microVMs copy-on-write; every forkd client speaks this API.")
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
+        response = await call_next(request)
+        route = request.scope.get("route")
+        runtime.metrics.count_request(getattr(route, "path", "unmatched"), request.method, response.status_code)
+        return response
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, __: BodyTooLarge) -> JSONResponse:
+        return JSONResponse({"error": {"code": "body_too_large", "message": "request body over this route's limit"}},
+                            status_code=413)
 
     async def runtime_error(_: Request, exc: Exception) -> JSONResponse:
         status, body = error_body(exc)
@@ -162,9 +176,14 @@ def create_app(runtime: Runtime) -> FastAPI:
                          on_event=None) -> dict[str, Any]:
         return await sandbox(sandbox_id).agent.call(op, args, timeout=timeout, on_event=on_event)
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=schemas.Health)
     async def healthz() -> dict[str, Any]:
         return {"ok": True}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        """Prometheus exposition: sandboxes by state, snapshots, spawn/branch/agent latencies, errors by route."""
+        return PlainTextResponse(runtime.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/version")
     async def version() -> dict[str, Any]:
@@ -208,7 +227,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     # snapshots
 
-    @app.get("/v1/snapshots")
+    @app.get("/v1/snapshots", response_model=schemas.SnapshotList)
     async def snapshots() -> dict[str, Any]:
         return {"snapshots": [s.to_dict() for s in runtime.registry.list_snapshots()]}
 
@@ -223,7 +242,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
         return ndjson_stream(work)
 
-    @app.get("/v1/snapshots/{tag}")
+    @app.get("/v1/snapshots/{tag}", response_model=schemas.Snapshot)
     async def get_snapshot(tag: str) -> dict[str, Any]:
         record = runtime.registry.get_snapshot(tag)
         if record is None:
@@ -237,7 +256,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     # sandboxes
 
-    @app.post("/v1/sandboxes", status_code=201)
+    @app.post("/v1/sandboxes", status_code=201, response_model=schemas.ForkResult)
     async def fork(body: schemas.SandboxCreate) -> dict[str, Any]:
         options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata)
         outcomes = await runtime.sandboxes.fork(body.snapshot_tag, body.n, options)
@@ -246,11 +265,11 @@ def create_app(runtime: Runtime) -> FastAPI:
             "errors": [o.error for o in outcomes if o.error is not None],
         }
 
-    @app.get("/v1/sandboxes")
+    @app.get("/v1/sandboxes", response_model=schemas.SandboxList)
     async def list_sandboxes() -> dict[str, Any]:
         return {"sandboxes": [runtime.sandboxes.describe(s) for s in runtime.sandboxes.live()]}
 
-    @app.get("/v1/sandboxes/{sandbox_id}")
+    @app.get("/v1/sandboxes/{sandbox_id}", response_model=schemas.Sandbox)
     async def get_sandbox(sandbox_id: str) -> dict[str, Any]:
         return runtime.sandboxes.describe(sandbox(sandbox_id), with_memory=True)
 
@@ -296,7 +315,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         return await agent_call(sandbox_id, protocol.OP_PROC_STDIN,
                                 {"pid": pid, "data_b64": protocol.b64encode(body.data.encode()), "eof": body.eof})
 
-    @app.post("/v1/sandboxes/{sandbox_id}/eval")
+    @app.post("/v1/sandboxes/{sandbox_id}/eval", response_model=schemas.CodeOutcome)
     async def eval_expr(sandbox_id: str, body: schemas.EvalRequest) -> dict[str, Any]:
         return await agent_call(sandbox_id, protocol.OP_EVAL, {"expr": body.expr, "context": body.context},
                                 timeout=body.timeout_s)
@@ -353,11 +372,11 @@ def create_app(runtime: Runtime) -> FastAPI:
             await send(bytes(buffer))
         return {"path": path, "size": written}
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/list")
+    @app.get("/v1/sandboxes/{sandbox_id}/files/list", response_model=schemas.FileList)
     async def list_files(sandbox_id: str, path: str = Query(min_length=1, max_length=4096)) -> dict[str, Any]:
         return await agent_call(sandbox_id, protocol.OP_FILES_LIST, {"path": path})
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/stat")
+    @app.get("/v1/sandboxes/{sandbox_id}/files/stat", response_model=schemas.FileEntry)
     async def stat_file(sandbox_id: str, path: str = Query(min_length=1, max_length=4096)) -> dict[str, Any]:
         return await agent_call(sandbox_id, protocol.OP_FILES_STAT, {"path": path})
 

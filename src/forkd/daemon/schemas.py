@@ -106,3 +106,106 @@ class PathBody(Strict):
 class RenameBody(Strict):
     src: str = Field(min_length=1, max_length=4096)
     dst: str = Field(min_length=1, max_length=4096)
+
+
+# Answers. They allow extra fields: a snapshot or sandbox carries backend-specific details.
+
+class Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(Open):
+    code: str
+    message: str
+
+
+class ErrorBody(Open):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorBody, "description": description} for status, description in {
+        400: "invalid request or state", 401: "missing or wrong bearer token (TCP only)", 404: "not found",
+        409: "conflict: busy, in use, mismatched or corrupt snapshot", 413: "body too large",
+        422: "request body or parameters fail the schema", 500: "internal error",
+        502: "the guest agent is unreachable", 503: "over a concurrency cap", 504: "timed out",
+    }.items()
+}
+
+
+class Health(Open):
+    ok: bool
+
+
+class MemoryUse(Open):
+    pss_kib: int
+    private_dirty_kib: int
+    rss_kib: int
+
+
+class Sandbox(Open):
+    id: str
+    snapshot_tag: str
+    status: str
+    pid: int | None
+    created_at: float
+    end_at: float | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    memory: MemoryUse | None = None
+
+
+class SandboxList(Open):
+    sandboxes: list[Sandbox]
+
+
+class ForkResult(Open):
+    sandboxes: list[Sandbox]
+    errors: list[str] = Field(description="one message per child that failed; the others still started")
+
+
+class Snapshot(Open):
+    tag: str
+    status: str
+    image: str
+    path: str
+    created_at: float
+
+
+class SnapshotList(Open):
+    snapshots: list[Snapshot]
+
+
+class CommandOutcome(Open):
+    exit_code: int
+    signal: int | None = None
+    timed_out: bool
+    duration_s: float
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+class CodeError(Open):
+    name: str
+    value: str
+    traceback: str
+
+
+class CodeOutcome(Open):
+    value: str | None = None
+    value_json: object = None
+    error: CodeError | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+class FileEntry(Open):
+    name: str
+    path: str
+    type: str
+    size: int
+    mode: int
+    mtime: float
+
+
+class FileList(Open):
+    entries: list[FileEntry]

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from forkd.config import Paths
 from forkd.image.builder import Image, ImageSpec, build_image, list_images, load_image, remove_image
+from forkd.runtime.metrics import Metrics
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
@@ -25,7 +26,10 @@ class Runtime:
         self.vmm = vmm
         self.registry = Registry(paths.db)
         self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
-        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots)
+        self.metrics = Metrics()
+        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics)
+        self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
+                                  lambda: (s.status for s in self.registry.list_snapshots()))
         self._image_lock = asyncio.Lock()
         self._deadline_keeper: asyncio.Task[None] | None = None
 

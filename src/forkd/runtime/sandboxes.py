@@ -22,6 +22,7 @@ from typing import Any
 from forkd.config import Paths
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_answering
+from forkd.runtime.metrics import Metrics
 from forkd.runtime.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
@@ -67,8 +68,10 @@ class ForkOutcome:
 
 
 class SandboxService:
-    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotService) -> None:
+    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotService,
+                 metrics: Metrics) -> None:
         self.paths = paths
+        self.metrics = metrics
         self.registry = registry
         self.vmm = vmm
         self.snapshots = snapshots
@@ -83,8 +86,10 @@ class SandboxService:
             try:
                 sandbox = await self._spawn(record.tag, saved, spec, options)
             except (VmmError, AgentError, OSError) as exc:
+                self.metrics.spawn_failures.inc()
                 return ForkOutcome(error=str(exc))
             elapsed = time.monotonic() - started
+            self.metrics.spawn_seconds.observe(elapsed)
             self._update_meta(sandbox, seconds_to_answer=round(elapsed, 4))
             if options.timeout_s is not None:
                 self.set_timeout(sandbox.record.id, options.timeout_s)
@@ -120,6 +125,7 @@ class SandboxService:
                 await self.vmm.kill(vm)
             self._release_files(sandbox_id, run_dir)
             raise
+        agent.on_roundtrip = lambda op, seconds: self.metrics.agent_roundtrip_seconds.labels(op).observe(seconds)
         record.pid = vm.pid
         record.status = "running"
         self.registry.update_sandbox(sandbox_id, status="running")

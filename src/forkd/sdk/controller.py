@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,7 +36,7 @@ def client_options(url: str | None, token: str | None, timeout: float) -> tuple[
     elif url.startswith(("http://", "https://")):
         options["base_url"] = url
         if os.environ.get("FORKD_CA_CERT"):
-            options["verify"] = os.environ["FORKD_CA_CERT"]
+            options["verify"] = ssl.create_default_context(cafile=os.environ["FORKD_CA_CERT"])
     else:
         raise ValueError(f"FORKD_URL must start with unix://, http:// or https://, not {url!r}")
     return url, options
