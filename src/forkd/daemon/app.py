@@ -36,6 +36,27 @@ from forkd.validation import ValidationError, check_sandbox_id
 from forkd.vmm.base import SnapshotMismatch, VmmError
 
 NDJSON = "application/x-ndjson"
+_NDJSON_DOC = {"schema": {"type": "string", "description": "one JSON object per line: progress or event lines, "
+                                                          "then one {\"result\": ...} or {\"error\": ...} line"}}
+# How the routes that answer NDJSON (always, or when asked with "stream": true) are documented.
+NDJSON_ANSWER: dict[int | str, dict[str, Any]] = {200: {"content": {NDJSON: _NDJSON_DOC}, "description": "NDJSON"}}
+
+
+def _json_or_ndjson(model: str) -> dict[int | str, dict[str, Any]]:
+    return {200: {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}},
+                              NDJSON: _NDJSON_DOC},
+                  "description": "JSON, or NDJSON events with \"stream\": true"}}
+
+
+MAYBE_NDJSON_ANSWER = _json_or_ndjson("CommandOutcome")
+MAYBE_RUN_CODE_ANSWER = _json_or_ndjson("CodeOutcome")
+BYTES_ANSWER: dict[int | str, dict[str, Any]] = {200: {
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    "description": "the file's bytes"}}
+
+
+class NDJSONResponse(StreamingResponse):
+    media_type = NDJSON
 Pid = Annotated[int, PathParam(ge=1, le=1 << 22, description="a pid from exec's `started` event")]
 log = logging.getLogger("forkd.daemon")
 
@@ -69,7 +90,7 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     return 500, {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
 
 
-def ndjson_stream(work: Callable[[Callable[[dict[str, Any]], None]], Awaitable[Any]]) -> StreamingResponse:
+def ndjson_stream(work: Callable[[Callable[[dict[str, Any]], None]], Awaitable[Any]]) -> NDJSONResponse:
     """Run ``work(emit)`` and stream what it emits, then its result or error, one JSON line each.
 
     ``emit`` may be called from worker threads. The work goes on if the client disconnects, so a
@@ -97,7 +118,7 @@ def ndjson_stream(work: Callable[[Callable[[dict[str, Any]], None]], Awaitable[A
         while (item := await queue.get()) is not None:
             yield (json.dumps(item) + "\n").encode()
 
-    return StreamingResponse(lines(), media_type=NDJSON)
+    return NDJSONResponse(lines())
 
 
 OUTPUT_EVENTS = (protocol.EVENT_STDOUT, protocol.EVENT_STDERR)
@@ -203,7 +224,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def images() -> dict[str, Any]:
         return {"images": [i.to_dict() for i in runtime.images()]}
 
-    @app.post("/v1/images")
+    @app.post("/v1/images", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
     async def build_image(body: schemas.ImageBuild) -> StreamingResponse:
         spec = ImageSpec(
             name=body.name,
@@ -231,7 +252,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def snapshots() -> dict[str, Any]:
         return {"snapshots": [s.to_dict() for s in runtime.registry.list_snapshots()]}
 
-    @app.post("/v1/snapshots")
+    @app.post("/v1/snapshots", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
     async def create_snapshot(body: schemas.SnapshotCreate) -> StreamingResponse:
         request = SnapshotRequest(tag=body.tag, image=body.image, memory_mib=body.memory_mib, vcpus=body.vcpus,
                                   warm_modules=tuple(body.warm_modules), warmup_cmd=body.warmup_cmd)
@@ -286,7 +307,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def ping(sandbox_id: str) -> dict[str, Any]:
         return await agent_call(sandbox_id, protocol.OP_PING, {}, timeout=10)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=None)
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=None, responses=MAYBE_NDJSON_ANSWER)
     async def exec_command(sandbox_id: str, body: schemas.ExecRequest) -> dict[str, Any] | StreamingResponse:
         live = sandbox(sandbox_id)
         args: dict[str, Any] = {"env": {**live.record.meta.get("envs", {}), **body.env}}
@@ -320,7 +341,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         return await agent_call(sandbox_id, protocol.OP_EVAL, {"expr": body.expr, "context": body.context},
                                 timeout=body.timeout_s)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/run_code", response_model=None)
+    @app.post("/v1/sandboxes/{sandbox_id}/run_code", response_model=None, responses=MAYBE_RUN_CODE_ANSWER)
     async def run_code(sandbox_id: str, body: schemas.RunCodeRequest) -> dict[str, Any] | StreamingResponse:
         args: dict[str, Any] = {"code": body.code, "context": body.context}
         if body.timeout_s is not None:
@@ -329,7 +350,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     # files: raw bytes in and out, chunked to the agent
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files")
+    @app.get("/v1/sandboxes/{sandbox_id}/files", response_class=StreamingResponse, responses=BYTES_ANSWER)
     async def read_file(sandbox_id: str, path: str = Query(min_length=1, max_length=4096)) -> StreamingResponse:
         live = sandbox(sandbox_id)
         first = await live.agent.call(protocol.OP_FILES_READ, {"path": path, "offset": 0})

@@ -124,7 +124,10 @@ class ErrorBody(Open):
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
-    status: {"model": ErrorBody, "description": description} for status, description in {
+    # Errors are JSON even on routes that answer NDJSON or bytes, hence the explicit content type.
+    status: {"model": ErrorBody, "description": description,
+             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    for status, description in {
         400: "invalid request or state", 401: "missing or wrong bearer token (TCP only)", 404: "not found",
         409: "conflict: busy, in use, mismatched or corrupt snapshot", 413: "body too large",
         422: "request body or parameters fail the schema", 500: "internal error",
