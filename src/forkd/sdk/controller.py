@@ -218,6 +218,15 @@ class Controller:
     def rename(self, sandbox_id: str, src: str, dst: str) -> None:
         self.request("POST", f"/v1/sandboxes/{sandbox_id}/files/rename", json={"src": src, "dst": dst})
 
+    # branch
+
+    def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "full", wait: bool = True) -> dict[str, Any]:
+        """Save a running sandbox as a new snapshot; with ``wait=False`` the answer has status ``writing``."""
+        body: dict[str, Any] = {"mode": mode, "wait": wait}
+        if tag is not None:
+            body["tag"] = tag
+        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/branch", json=body, timeout=LONG_TIMEOUT_S)
+
 
 def _progress(on_progress: Callable[[str], None] | None) -> Callable[[dict[str, Any]], None] | None:
     if on_progress is None:
