@@ -96,6 +96,7 @@ def test_stdio_session_drives_a_sandbox(daemon: Controller, snapshot_tag: str, s
                 assert binary["encoding"] == "base64" and base64.b64decode(binary["content"]) == blob
                 assert "max_bytes" in await _error(client, "read_file", sandbox_id=sandbox_id, path="/root/blob",
                                                    max_bytes=10)
+                assert "is a directory" in await _error(client, "read_file", sandbox_id=sandbox_id, path="/root")
 
                 await _ok(client, "exec", sandbox_id=sandbox_id,
                           command="sh -c 'sleep 1; echo done > /tmp/m' > /dev/null 2>&1 &")

@@ -35,9 +35,9 @@ sandbox when done. branch saves a running sandbox as a new snapshot to fork more
 
 SandboxId = Annotated[str, Field(description="sandbox id from spawn or list_sandboxes, e.g. sb-0123456789ab")]
 Tag = Annotated[str, Field(description="snapshot tag: 1-64 characters from A-Z a-z 0-9 _ -")]
-Context_ = Annotated[str, Field(description="Python context name; state (variables, imports) persists per "
+ContextName = Annotated[str, Field(description="Python context name; state (variables, imports) persists per "
                                             "context between run_code and eval calls")]
-Path = Annotated[str, Field(min_length=1, max_length=4096, description="absolute path inside the sandbox")]
+GuestPath = Annotated[str, Field(min_length=1, max_length=4096, description="absolute path inside the sandbox")]
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_WAIT_S = 3600.0
 MAX_READ_BYTES = 64 << 20
@@ -72,6 +72,12 @@ def _encode(content: str, encoding: str) -> bytes:
         return base64.b64decode(content, validate=True)
     except ValueError:
         raise ToolError("content is not valid base64: send text with encoding='text'") from None
+
+
+def _check_size(path: str, size: int, max_bytes: int) -> None:
+    if size > max_bytes:
+        raise ToolError(f"{path} has {size} bytes, more than max_bytes={max_bytes}: raise max_bytes or read a "
+                        "part with exec (head, tail, dd)")
 
 
 def _file_mode(mode: str | None) -> int | None:
@@ -168,7 +174,7 @@ def build_server(controller: Controller) -> MCPServer:
     async def run_code(
         sandbox_id: SandboxId,
         code: Annotated[str, Field(description="Python statements; the last expression's value is returned")],
-        context: Context_ = "default",
+        context: ContextName = "default",
         timeout_s: Annotated[float | None, Field(gt=0, le=MAX_TIMEOUT_S, description=(
             "seconds before a TimeoutError is raised in the code; null: no limit"))] = None,
     ) -> CodeResult:
@@ -180,7 +186,7 @@ def build_server(controller: Controller) -> MCPServer:
     async def eval_expr(
         sandbox_id: SandboxId,
         expr: Annotated[str, Field(description="one Python expression")],
-        context: Context_ = "default",
+        context: ContextName = "default",
     ) -> CodeResult:
         """Evaluate one Python expression in a sandbox's context and return its value and type."""
         return CodeResult(**await _call(controller.eval, sandbox_id, expr, context))
@@ -188,7 +194,7 @@ def build_server(controller: Controller) -> MCPServer:
     @server.tool(annotations=read_only)
     async def read_file(
         sandbox_id: SandboxId,
-        path: Path,
+        path: GuestPath,
         encoding: Annotated[Literal["auto", "text", "base64"], Field(description=(
             "auto: UTF-8 text when the file is text, else base64"))] = "auto",
         max_bytes: Annotated[int, Field(ge=1, le=MAX_READ_BYTES, description=(
@@ -196,19 +202,18 @@ def build_server(controller: Controller) -> MCPServer:
     ) -> FileContent:
         """Read a file from a sandbox, as text or base64 for binary data."""
         entry = await _call(controller.stat, sandbox_id, path)
-        if entry["type"] != "file":
-            raise ToolError(f"{path} is a {entry['type']}, not a file: list directories with exec 'ls -la'")
-        if entry["size"] > max_bytes:
-            raise ToolError(f"{path} has {entry['size']} bytes, more than max_bytes={max_bytes}: raise max_bytes "
-                            "or read a part with exec (head, tail, dd)")
+        if entry["type"] == "dir":
+            raise ToolError(f"{path} is a directory: list it with exec 'ls -la {path}'")
+        _check_size(path, entry["size"], max_bytes)  # before reading, for regular files
         data = await _call(controller.read_file, sandbox_id, path)
+        _check_size(path, len(data), max_bytes)  # symlinks and /proc files report another size
         content, used = _decode(data, encoding)
         return FileContent(path=path, size=len(data), encoding=used, content=content)
 
     @server.tool()
     async def write_file(
         sandbox_id: SandboxId,
-        path: Path,
+        path: GuestPath,
         content: Annotated[str, Field(description="the file's new content")],
         encoding: Annotated[Literal["text", "base64"], Field(description=(
             "text: content is written as UTF-8; base64: content is decoded to bytes first"))] = "text",
@@ -238,7 +243,7 @@ def build_server(controller: Controller) -> MCPServer:
     @server.tool(annotations=read_only)
     async def wait_for_text(
         sandbox_id: SandboxId,
-        path: Path,
+        path: GuestPath,
         text: Annotated[str, Field(min_length=1, description="the marker to wait for")],
         timeout_s: Annotated[float, Field(gt=0, le=MAX_WAIT_S, description="seconds to wait at most")] = 30.0,
         interval_s: Annotated[float, Field(ge=0.05, le=60.0, description="seconds between reads")] = 0.5,

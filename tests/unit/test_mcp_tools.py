@@ -29,9 +29,9 @@ REQUIRED = {
 NOWHERE = "unix:///nonexistent/forkd.sock"
 
 
-async def _tools() -> dict[str, Tool]:
+async def _tools(mode: str = "auto") -> dict[str, Tool]:
     with Controller(url=NOWHERE) as controller:
-        async with Client(build_server(controller)) as client:
+        async with Client(build_server(controller), mode=mode) as client:
             return {tool.name: tool for tool in (await client.list_tools()).tools}
 
 
@@ -45,8 +45,9 @@ def _text(result: CallToolResult) -> str:
     return "".join(getattr(block, "text", "") for block in result.content)
 
 
-def test_tool_names_and_required_parameters() -> None:
-    tools = anyio.run(_tools)
+@pytest.mark.parametrize("mode", ["auto", "legacy"])  # legacy: the initialize handshake of today's clients
+def test_tool_names_and_required_parameters(mode: str) -> None:
+    tools = anyio.run(_tools, mode)
     assert sorted(tools) == sorted(REQUIRED)
     for name, tool in tools.items():
         assert sorted(tool.input_schema.get("required", [])) == sorted(REQUIRED[name]), name
