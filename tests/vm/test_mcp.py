@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
@@ -198,3 +199,8 @@ def test_streamable_http_lists_tools_and_runs_exec(daemon: Controller, snapshot_
     finally:
         with contextlib.suppress(ForkdError):
             daemon.kill(sandbox_id)
+    # A page on another site cannot drive the local endpoint (DNS rebinding): foreign Host or Origin is refused.
+    ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    headers = {"Accept": "application/json, text/event-stream"}
+    assert httpx.post(http_server, json=ping, headers={**headers, "Host": "evil.example"}).status_code == 421
+    assert httpx.post(http_server, json=ping, headers={**headers, "Origin": "http://evil.example"}).status_code == 403
