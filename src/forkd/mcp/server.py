@@ -129,8 +129,8 @@ def build_server(controller: Controller) -> MCPServer:
         snapshot_tag: Tag,
         count: Annotated[int, Field(ge=1, le=1000, description="how many sandboxes to fork")] = 1,
     ) -> SpawnResult:
-        """Fork new sandboxes (each its own VM) from a snapshot; each starts warm in well under a second
-        on KVM, a few seconds under emulation."""
+        """Fork new sandboxes from a snapshot: each is its own VM, resumed from the snapshot's warm state
+        (no boot), with its own copy-on-write memory and disk."""
         result = await _call(controller.fork, snapshot_tag, count)
         if not result["sandboxes"]:
             reasons = "; ".join(str(e.get("message", e)) for e in result["errors"]) or "no reason given"
