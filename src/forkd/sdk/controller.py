@@ -299,10 +299,12 @@ class Controller:
 
     # branch
 
-    def branch(self, sandbox_id: str, tag: str, mode: str = "diff", wait: bool = True) -> dict[str, Any]:
-        """Snapshot a running sandbox as ``tag``; it keeps running. ``wait=False`` answers at once."""
-        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/branch", json={"tag": tag, "mode": mode, "wait": wait},
-                            timeout=LONG_TIMEOUT_S)
+    def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "full", wait: bool = True) -> dict[str, Any]:
+        """Save a running sandbox as a new snapshot; with ``wait=False`` the answer has status ``writing``."""
+        body: dict[str, Any] = {"mode": mode, "wait": wait}
+        if tag is not None:
+            body["tag"] = tag
+        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/branch", json=body, timeout=LONG_TIMEOUT_S)
 
 
 def _progress(on_progress: Callable[[str], None] | None) -> Callable[[dict[str, Any]], None] | None:
