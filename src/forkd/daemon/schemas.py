@@ -183,8 +183,8 @@ class CommandOutcome(Open):
     signal: int | None = None
     timed_out: bool
     duration_s: float
-    stdout: str | None = None
-    stderr: str | None = None
+    stdout: str = ""
+    stderr: str = ""
 
 
 class CodeError(Open):
@@ -197,8 +197,8 @@ class CodeOutcome(Open):
     value: str | None = None
     value_json: object = None
     error: CodeError | None = None
-    stdout: str | None = None
-    stderr: str | None = None
+    stdout: str = ""
+    stderr: str = ""
 
 
 class FileEntry(Open):
