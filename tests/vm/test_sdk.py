@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +15,6 @@ from forkd import AsyncSandbox, CommandExitException, NotFoundException, Sandbox
 from forkd.sdk.controller import Controller
 
 pytestmark = pytest.mark.vm
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +35,6 @@ def sdk_env(daemon: Controller, snapshot_tag: str, vm_env: dict[str, str]) -> It
 def sbx(sdk_env: None) -> Iterator[Sandbox]:
     with Sandbox.create(envs={"GREETING": "hi"}, metadata={"owner": "tests"}, timeout=3600) as sandbox:
         yield sandbox
-
-
-def test_e2b_sample_runs_unchanged(sdk_env: None, vm_env: dict[str, str]) -> None:
-    env = {**vm_env, "FORKD_URL": os.environ["FORKD_URL"], "FORKD_TEMPLATE": os.environ["FORKD_TEMPLATE"]}
-    ran = subprocess.run([sys.executable, str(REPO / "examples" / "e2b_compat.py")], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert ran.returncode == 0, ran.stderr
-    assert "hello from sb-" in ran.stdout
-    assert "sum of y: 6" in ran.stdout
-    assert "first row: {'x': '1', 'y': '2'}" in ran.stdout
-    assert "exit code: 3" in ran.stdout
 
 
 def test_commands_envs_metadata_and_exit(sbx: Sandbox) -> None:

@@ -27,6 +27,7 @@ from forkd.daemon.body_limit import BodyTooLarge
 from forkd.guest import protocol
 from forkd.host.doctor import run_checks
 from forkd.image.builder import ImageError, ImageNotFound, ImageSpec
+from forkd.image.spec import BASE_PACKAGES
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from forkd.runtime.runtime import Runtime
@@ -228,7 +229,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def build_image(body: schemas.ImageBuild) -> StreamingResponse:
         spec = ImageSpec(
             name=body.name,
-            packages=tuple(dict.fromkeys(("python3", "python3-numpy", *body.packages))),
+            packages=tuple(dict.fromkeys((*BASE_PACKAGES, *body.packages))),
             mirror=body.mirror,
             source_dir=Path(body.source_dir) if body.source_dir else None,
             source_oci=Path(body.source_oci) if body.source_oci else None,

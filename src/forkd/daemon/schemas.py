@@ -29,7 +29,7 @@ class Strict(BaseModel):
 class ImageBuild(Strict):
     name: Tag = "default"
     packages: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9+.-]{0,99}$")]] = Field(
-        default_factory=list, max_length=200, description="Debian packages added to python3 and python3-numpy")
+        default_factory=list, max_length=200, description="Debian packages added to python3, python3-numpy and python3-pytest")
     mirror: str | None = Field(default=None, max_length=1000)
     source_dir: str | None = Field(default=None, max_length=4096)
     source_oci: str | None = Field(default=None, max_length=4096)
