@@ -178,13 +178,18 @@ class SnapshotList(Open):
     snapshots: list[Snapshot]
 
 
-class CommandOutcome(Open):
+class Printed(Open):
+    """What a command or cell printed; empty when its output was streamed as events instead."""
+
+    stdout: str = ""
+    stderr: str = ""
+
+
+class CommandOutcome(Printed):
     exit_code: int
     signal: int | None = None
     timed_out: bool
     duration_s: float
-    stdout: str = ""
-    stderr: str = ""
 
 
 class CodeError(Open):
@@ -193,12 +198,10 @@ class CodeError(Open):
     traceback: str
 
 
-class CodeOutcome(Open):
+class CodeOutcome(Printed):
     value: str | None = None
     value_json: object = None
     error: CodeError | None = None
-    stdout: str = ""
-    stderr: str = ""
 
 
 class FileEntry(Open):
