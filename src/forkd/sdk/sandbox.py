@@ -258,9 +258,28 @@ def _pieces(data: str | bytes | IO[Any]) -> bytes | Iterator[bytes]:
 class Sandbox:
     """One forkd child VM. ``Sandbox.create()`` forks it from a warm snapshot in well under a second."""
 
-    def __init__(self, sandbox_id: str, controller: Controller) -> None:
+    def __init__(self, template: str | None = None, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S,
+                 metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
+                 url: str | None = None, token: str | None = None, **_: Any) -> None:
+        """Fork a sandbox from snapshot ``template`` (default ``$FORKD_TEMPLATE`` or ``quickstart``).
+
+        ``Sandbox(...)`` is E2B v1's spelling of ``Sandbox.create(...)``; both work. The daemon kills
+        the sandbox ``timeout`` seconds after it starts (``set_timeout`` renews; None = never).
+        Unknown E2B keyword arguments (``api_key``, ``secure``…) are accepted and ignored.
+        """
+        controller = Controller(url=url, token=token)
+        try:
+            result = controller.fork(template or default_template(), 1, timeout_s=timeout, envs=envs,
+                                     metadata=metadata)
+            self._bind(_first_child(result), controller, token)
+        except BaseException:
+            controller.close()
+            raise
+
+    def _bind(self, sandbox_id: str, controller: Controller, token: str | None) -> None:
         self.sandbox_id = sandbox_id
         self._controller = controller
+        self._token = token
         self.commands = Commands(self)
         self.files = Filesystem(self)
 
@@ -269,19 +288,9 @@ class Sandbox:
     @classmethod
     def create(cls, template: str | None = None, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S,
                metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
-               url: str | None = None, token: str | None = None, **_: Any) -> Sandbox:
-        """Fork a sandbox from snapshot ``template`` (default ``$FORKD_TEMPLATE`` or ``quickstart``).
-
-        The daemon kills it ``timeout`` seconds after it starts (``set_timeout`` renews; None = never).
-        Unknown E2B keyword arguments (``api_key``, ``secure``…) are accepted and ignored.
-        """
-        controller = Controller(url=url, token=token)
-        try:
-            return cls(_first_child(controller.fork(template or default_template(), 1, timeout_s=timeout,
-                                                    envs=envs, metadata=metadata)), controller)
-        except BaseException:
-            controller.close()
-            raise
+               url: str | None = None, token: str | None = None, **kwargs: Any) -> Sandbox:
+        """Fork a new sandbox (see the class); E2B v2's way to make one."""
+        return cls(template, timeout, metadata, envs, url, token, **kwargs)
 
     @classmethod
     def connect(cls, sandbox_id: str, url: str | None = None, token: str | None = None, **_: Any) -> Sandbox:
@@ -296,7 +305,10 @@ class Sandbox:
 
     @classmethod
     def _attach(cls, sandbox_id: str, url: str | None = None, token: str | None = None) -> Sandbox:
-        return cls(sandbox_id, Controller(url=url, token=token))
+        """A handle on a sandbox by id, without asking the daemon anything."""
+        sandbox = cls.__new__(cls)
+        sandbox._bind(sandbox_id, Controller(url=url, token=token), token)
+        return sandbox
 
     @classmethod
     def list(cls, url: str | None = None, token: str | None = None, **_: Any) -> list[SandboxInfo]:
@@ -397,7 +409,7 @@ class Sandbox:
         """``count`` new sandboxes in this one's exact current state (a BRANCH, then forks of it)."""
         tag = self.branch(mode="diff")["tag"]
         result = self._controller.fork(tag, count, timeout_s=timeout)
-        children = [Sandbox._attach(child["id"], self._controller.url) for child in result["sandboxes"]]
+        children = [Sandbox._attach(child["id"], self._controller.url, self._token) for child in result["sandboxes"]]
         if result["errors"]:
             for child in children:
                 child.kill()
