@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from forkd.cli.daemon import daemon_command
 from forkd.cli.quickstart import quickstart
 from forkd.config import paths_from_env
 from forkd.sdk.autostart import ensure_daemon
@@ -53,17 +54,6 @@ def print_json(data: Any) -> None:
 @click.version_option(package_name="forkd")
 def cli() -> None:
     """Fork warm microVMs copy-on-write: a fresh, isolated Linux VM per task in milliseconds."""
-
-
-@cli.command("daemon")
-@click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto", show_default=True)
-def daemon_command(accel: str) -> None:
-    """Run the daemon in the foreground (the CLI starts one in the background when needed)."""
-    from forkd.daemon.server import DaemonAlreadyRunning, run
-    try:
-        run(paths_from_env(), accel)
-    except DaemonAlreadyRunning as exc:
-        raise click.ClickException(str(exc)) from None
 
 
 # images ------------------------------------------------------------------------------------------
@@ -384,6 +374,7 @@ def doctor(as_json: bool) -> None:
 
 
 cli.add_command(quickstart)
+cli.add_command(daemon_command)
 
 
 def main() -> None:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import logging.handlers
 import os
 import socket
 from pathlib import Path
 
 import uvicorn
 
-from forkd.config import Paths
 from forkd.daemon.app import create_app
+from forkd.daemon.config import DaemonConfig
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.qemu import QemuVmm
 
@@ -46,9 +47,10 @@ def bind_private_socket(path: Path) -> socket.socket:
     return sock
 
 
-async def serve(paths: Paths, accelerator: str = "auto") -> None:
+async def serve(config: DaemonConfig) -> None:
+    paths = config.paths
     sock = bind_private_socket(paths.socket)
-    runtime = Runtime(paths, QemuVmm(accelerator=accelerator))
+    runtime = Runtime(paths, QemuVmm(accelerator=config.accelerator), config.runtime_options)
     config = uvicorn.Config(create_app(runtime), log_level="warning", timeout_graceful_shutdown=5,
                             h11_max_incomplete_event_size=1 << 20)
     server = uvicorn.Server(config)
@@ -59,6 +61,17 @@ async def serve(paths: Paths, accelerator: str = "auto") -> None:
             paths.socket.unlink()
 
 
-def run(paths: Paths, accelerator: str = "auto") -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(paths, accelerator))
+def configure_logging(config: DaemonConfig) -> None:
+    """stderr by default (the journal under systemd); a size-rotated file when ``log_file`` is set."""
+    handler: logging.Handler = logging.StreamHandler()
+    if config.log_file is not None:
+        config.log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(config.log_file, maxBytes=config.log_max_bytes,
+                                                       backupCount=config.log_backups)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        handlers=[handler])
+
+
+def run(config: DaemonConfig) -> None:
+    configure_logging(config)
+    asyncio.run(serve(config))
