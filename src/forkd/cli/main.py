@@ -11,10 +11,10 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from forkd.cli.daemon import daemon_command
+from forkd.cli.doctor import doctor
 from forkd.cli.quickstart import quickstart
 from forkd.config import paths_from_env
 from forkd.sdk.autostart import ensure_daemon
@@ -346,35 +346,9 @@ def files_mkdir(sandbox_id: str, path: str) -> None:
     daemon().make_dir(sandbox_id, path)
 
 
-# operations --------------------------------------------------------------------------------------
-
-@cli.command("doctor")
-@click.option("--json", "as_json", is_flag=True)
-def doctor(as_json: bool) -> None:
-    """Check this host: virtualization, QEMU, images, disk, daemon."""
-    from forkd.host.doctor import Check, run_checks
-    try:
-        controller = daemon()
-        checks = [Check(**c) for c in controller.doctor()]
-        version = controller.version()
-        checks.append(Check("daemon", "ok", f"reachable at {controller.url}, forkd {version['forkd']}, "
-                                            f"{version['vmm']} {version['vmm_version']}"))
-    except ForkdError as exc:
-        checks = run_checks(paths_from_env())
-        checks.append(Check("daemon", "fail", exc.message, "see the daemon log under FORKD_HOME"))
-    if as_json:
-        print_json([c.to_dict() for c in checks])
-    else:
-        colour = {"ok": "green", "warn": "yellow", "fail": "red"}
-        for check in checks:
-            console.print(f"[{colour[check.status]}]{check.status:>4}[/] {check.name:<12} {escape(check.detail)}"
-                          + (f"\n{'':17}→ {escape(check.fix)}" if check.fix else ""))
-    if any(c.status == "fail" for c in checks):
-        sys.exit(1)
-
-
 cli.add_command(quickstart)
 cli.add_command(daemon_command)
+cli.add_command(doctor)
 
 
 def main() -> None:
