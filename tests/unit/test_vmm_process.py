@@ -6,11 +6,12 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from forkd.vmm.process import AdoptedProcess, kill_pidfd, open_verified, processes_under, start_time
+from forkd.vmm.process import AdoptedProcess, cmdline, kill_pidfd, open_verified, processes_under, start_time
 
 
 @pytest.fixture
@@ -22,6 +23,9 @@ def sleeper(tmp_path: Path):
     program.symlink_to(Path(sys.executable).resolve())
     process = subprocess.Popen([str(program), "-c", "import time; time.sleep(1000)", f"path={run_dir}/agent.sock"],
                                start_new_session=True)
+    deadline = time.monotonic() + 10
+    while str(run_dir).encode() not in cmdline(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the interpreter has replaced the forked test process
     yield process, run_dir
     process.kill()
     process.wait()
