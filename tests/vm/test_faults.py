@@ -208,6 +208,19 @@ def test_daemon_sigkill_after_fork_then_restart(daemon: Daemon, fault_home: Path
         client.kill(sandbox_id)
 
 
+def test_stop_with_keep_on_stop_leaves_vmms_for_the_next_daemon(daemon: Daemon, fault_home: Path) -> None:
+    daemon.stop()
+    keeping = Daemon(fault_home, "--keep-sandboxes-on-stop").start()
+    forked = keeping.controller.fork(TAG, 2)
+    ids = sorted(s["id"] for s in forked["sandboxes"])
+    keeping.stop()  # SIGTERM: the daemon exits, its VMMs do not
+    assert keeping.process is not None and keeping.process.returncode is not None
+    assert sorted(Path(f"/proc/{s['pid']}").exists() for s in forked["sandboxes"]) == [True, True]
+    daemon.start()  # the default policy again: re-adopts, and kills them when it stops
+    assert sorted(s["id"] for s in daemon.controller.sandboxes()) == ids
+    assert all(daemon.controller.exec(i, "echo back")["stdout"] == "back\n" for i in ids)
+
+
 def test_vmm_sigkill_is_released_promptly(daemon: Daemon, fault_home: Path) -> None:
     client = daemon.controller
     before = host_state(fault_home)

@@ -75,3 +75,8 @@ def configure_logging(config: DaemonConfig) -> None:
 def run(config: DaemonConfig) -> None:
     configure_logging(config)
     asyncio.run(serve(config))
+    if config.sandboxes.keep_on_stop:
+        # VMMs left for the next daemon must outlive this process: leave without running
+        # finalizers, since asyncio's subprocess transports kill a child still running when collected.
+        logging.shutdown()
+        os._exit(0)
