@@ -25,6 +25,7 @@ from forkd.runtime.agent_client import AgentError, connect_when_answering
 from forkd.runtime.registry import SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import BUILD_PREFIX
+from forkd.validation import is_sandbox_id, is_tag
 from forkd.vmm.base import VmmError
 from forkd.vmm.process import AdoptedProcess, ProcessRef, kill_pidfd, open_verified, processes_under
 
@@ -54,7 +55,7 @@ async def recover(sandboxes: SandboxService) -> Recovery:
     known = {r.run_dir.name for r in records}
     if paths.sandboxes.exists():
         for leftover in sorted(paths.sandboxes.iterdir()):
-            if leftover.name not in known:
+            if leftover.name not in known and leftover.is_dir() and is_sandbox_id(leftover.name):
                 await _kill_all(vmms.pop(leftover.name, []), str(leftover) + "/")
                 sandboxes.release(leftover.name, leftover)
                 result.reaped.append(leftover.name)
@@ -112,8 +113,9 @@ async def _remove_half_built(sandboxes: SandboxService) -> list[str]:
     removed = []
     if snapshots_dir.exists():
         for entry in sorted(snapshots_dir.iterdir()):
+            # Only names forkd makes: a filesystem's own lost+found (a mount point) is left alone.
             if entry.is_dir() and (entry.name.startswith(BUILD_PREFIX) or
-                                   (not entry.name.startswith(".") and entry.name not in registered)):
+                                   (is_tag(entry.name) and entry.name not in registered)):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
     return removed
