@@ -33,6 +33,14 @@ def check_sandbox_id(sandbox_id: object) -> str:
     return sandbox_id
 
 
+def is_tag(name: str) -> bool:
+    return bool(_TAG_RE.fullmatch(name))
+
+
+def is_sandbox_id(name: str) -> bool:
+    return bool(_SANDBOX_ID_RE.fullmatch(name))
+
+
 def check_range(value: object, what: str, low: int, high: int) -> int:
     """An integer within ``[low, high]`` (bools refused: JSON ``true`` is not a count)."""
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:

@@ -250,7 +250,7 @@ def test_oversized_frame_is_rejected_and_skipped(agent: AgentClient) -> None:
 
 
 def test_many_concurrent_requests_on_one_connection(agent: AgentClient) -> None:
-    started = time.monotonic()
+    """Ordering, not timing: ping overtakes slow requests, and all commands start before any ends."""
     execs = [agent.start(protocol.OP_EXEC, {"argv": ["sleep", "0.5"]}) for _ in range(8)]
     cells = [
         agent.start(protocol.OP_RUN_CODE, {"code": "import time; time.sleep(0.5); 7", "context": f"conc-{i}"})
@@ -258,12 +258,15 @@ def test_many_concurrent_requests_on_one_connection(agent: AgentClient) -> None:
     ]
     ping = agent.start(protocol.OP_PING)
     ping_at, ping_frame = agent.collect(ping)[-1]
-    assert ping_frame["ok"] and ping_at - started < 0.4  # not queued behind the slow requests
-    for req_id in execs:
-        assert agent.collect(req_id)[-1][1]["result"]["exit_code"] == 0
-    for req_id in cells:
-        assert agent.collect(req_id)[-1][1]["result"]["value"] == "7"
-    assert time.monotonic() - started < 2.0
+    exec_frames = [agent.collect(req_id) for req_id in execs]
+    cell_frames = [agent.collect(req_id) for req_id in cells]
+    assert ping_frame["ok"]
+    assert all(frames[-1][1]["result"]["exit_code"] == 0 for frames in exec_frames)
+    assert all(frames[-1][1]["result"]["value"] == "7" for frames in cell_frames)
+    first_end = min(frames[-1][0] for frames in exec_frames + cell_frames)
+    assert ping_at < first_end  # not queued behind the slow requests
+    last_start = max(frames[0][0] for frames in exec_frames)  # each exec's `started` event
+    assert last_start < first_end  # the eight commands ran side by side
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,8 +372,8 @@ def test_exec_timeout_kills_the_process_group(agent: AgentClient) -> None:
     _, _, result, _ = run_exec(agent, {"shell": "sleep 30 & sleep 30", "timeout_s": 0.3})
     assert result["timed_out"] is True
     assert result["exit_code"] == 128 + signal.SIGKILL and result["signal"] == signal.SIGKILL
-    # The background sleep held the pipes too: only a group kill ends the request this soon.
-    assert result["duration_s"] < 0.3 + agent_module.GRACE_S / 2
+    # The background sleep held the pipes too: only a group kill ends the request before its 30 s.
+    assert result["duration_s"] < 20
 
 
 def start_process(agent: AgentClient, args: dict[str, Any]) -> tuple[int, int]:
@@ -516,12 +519,10 @@ def test_contexts_are_isolated(agent: AgentClient) -> None:
 
 
 def test_different_contexts_run_concurrently(agent: AgentClient) -> None:
-    started = time.monotonic()
-    code = "import time; time.sleep(0.5)"
+    code = "import time\nt0 = time.monotonic()\ntime.sleep(0.5)\n[t0, time.monotonic()]"
     ids = [agent.start(protocol.OP_RUN_CODE, {"code": code, "context": f"par-{i}"}) for i in range(3)]
-    for req_id in ids:
-        agent.collect(req_id)
-    assert time.monotonic() - started < 1.2
+    spans = [agent.collect(req_id)[-1][1]["result"]["value_json"] for req_id in ids]
+    assert max(start for start, _ in spans) < min(end for _, end in spans)  # all three overlapped
 
 
 def test_one_context_runs_one_cell_at_a_time(agent: AgentClient) -> None:
@@ -536,21 +537,17 @@ def test_one_context_runs_one_cell_at_a_time(agent: AgentClient) -> None:
 
 
 def test_run_code_timeout_interrupts_python_code(agent: AgentClient) -> None:
-    started = time.monotonic()
     _, result = run_code(agent, "n = 0\nwhile True:\n    n += 1", context="spin", timeout_s=0.3)
     assert result["error"]["name"] == "TimeoutError"
-    assert time.monotonic() - started < 2
     assert run_code(agent, "n > 0", context="spin")[1]["value"] == "True"  # context still usable
 
 
 def test_run_code_timeout_of_code_stuck_in_c(agent: AgentClient) -> None:
-    started = time.monotonic()
     args = {"code": "import time; time.sleep(4)", "context": "stuck", "timeout_s": 0.2}
     req_id = agent.start(protocol.OP_RUN_CODE, args)
     error = agent.collect(req_id)[-1][1]["error"]
     assert error["code"] == protocol.ERR_TIMEOUT
-    assert time.monotonic() - started < 0.2 + agent_module.GRACE_S + 1
-    # The context is still busy with the stuck cell, so a bounded request gives up waiting.
+    # The request ended before the cell did: the context is still busy, so a bounded request gives up.
     error = agent.error(protocol.OP_RUN_CODE, {"code": "1", "context": "stuck", "timeout_s": 0.1})
     assert error["code"] == protocol.ERR_TIMEOUT and "busy" in error["message"]
 

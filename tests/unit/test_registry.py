@@ -36,3 +36,25 @@ def test_sandbox_updates_merge_meta(tmp_path: Path) -> None:
     registry.update_sandbox("sb-missing00000", status="running")  # a vanished record is not an error
     registry.remove_sandbox("sb-aaaaaaaaaaaa")
     assert registry.list_sandboxes() == []
+
+
+def test_an_older_database_gains_the_readoption_columns(tmp_path: Path) -> None:
+    db_path = tmp_path / "state.db"
+    old = sqlite3.connect(db_path)
+    old.executescript("""
+        CREATE TABLE sandboxes (id TEXT PRIMARY KEY, snapshot_tag TEXT NOT NULL, status TEXT NOT NULL, pid INTEGER,
+                                run_dir TEXT NOT NULL, created_at REAL NOT NULL, meta TEXT NOT NULL);
+        INSERT INTO sandboxes VALUES ('sb-oldoldoldold', 'base', 'running', 7, '/x', 1.0, '{}');
+    """)
+    old.commit()
+    old.close()
+    registry = Registry(db_path)
+    (record,) = registry.list_sandboxes()
+    assert (record.id, record.pid, record.vmm_started, record.agent_socket) == ("sb-oldoldoldold", 7, None, None)
+    registry.set_vmm("sb-oldoldoldold", 8, 12345, tmp_path / "a.sock", tmp_path / "q.sock")
+    record = registry.get_sandbox("sb-oldoldoldold")
+    assert record is not None
+    assert (record.pid, record.vmm_started, record.agent_socket, record.monitor_socket) == (
+        8, 12345, tmp_path / "a.sock", tmp_path / "q.sock")
+    registry.close()
+    Registry(db_path).close()  # opening an upgraded database again changes nothing

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from forkd.config import paths_from_env
 from forkd.host import packages
-from forkd.host.doctor import PACKAGE_CHECKS, run_checks
+from forkd.host.doctor import IP_FORWARD_CHECK, PACKAGE_CHECKS, enable_ip_forward, run_checks
 from forkd.sdk.autostart import ensure_daemon
 from forkd.sdk.controller import ForkdError
 
@@ -29,16 +29,23 @@ console = Console(highlight=False)
 def quickstart(yes: bool, count: int, keep: bool) -> None:
     """Preflight, install what is missing, build the image, bake a snapshot, fork N children."""
     paths = paths_from_env()
-    failed = [c for c in run_checks(paths) if c.status == "fail" and c.name not in PACKAGE_CHECKS]
+    checks = run_checks(paths)  # the same preflight as `forkd doctor`
+    failed = [c for c in checks if c.status == "fail" and c.name not in PACKAGE_CHECKS]
     for check in failed:
         console.print(f"[red]preflight failed:[/red] {check.name}: {check.detail} → {check.fix}")
     if failed:
         sys.exit(1)
+    for check in checks:
+        if check.status == "warn" and check.name != IP_FORWARD_CHECK:
+            console.print(f"[yellow]note:[/yellow] {check.name}: {check.detail}" + (f" → {check.fix}" if check.fix else ""))
     missing = packages.missing_packages()
+    forward_off = any(c.name == IP_FORWARD_CHECK and c.status != "ok" for c in checks)
     have_image = (paths.images / "default" / "manifest.json").exists()
     plan = []
     if missing:
         plan.append(f"install Debian packages: {' '.join(missing)}")
+    if forward_off:
+        plan.append("enable net.ipv4.ip_forward (for sandbox networking; until the next reboot)")
     plan.append("reuse the cached guest image" if have_image else
                 "build the guest image (Debian kernel + debootstrap root with python3, numpy; ~2 min)")
     plan.append(f"bake snapshot '{QUICKSTART_TAG}' if absent (boot, import numpy, save; ~1 min under TCG)")
@@ -50,6 +57,8 @@ def quickstart(yes: bool, count: int, keep: bool) -> None:
         sys.exit(1)
     try:
         packages.install(missing)
+        if forward_off:
+            enable_ip_forward()
         controller = ensure_daemon(paths)
         started = time.monotonic()
 

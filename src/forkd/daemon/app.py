@@ -32,7 +32,13 @@ from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
-from forkd.runtime.snapshots import SnapshotConflict, SnapshotCorrupt, SnapshotError, SnapshotRequest
+from forkd.runtime.snapshots import (
+    SnapshotConflict,
+    SnapshotCorrupt,
+    SnapshotDiskFull,
+    SnapshotError,
+    SnapshotRequest,
+)
 from forkd.validation import ValidationError, check_sandbox_id
 from forkd.vmm.base import SnapshotMismatch, VmmError
 
@@ -68,6 +74,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (SnapshotConflict, 409, "conflict"),
     (SnapshotMismatch, 409, "snapshot_mismatch"),
     (SnapshotCorrupt, 409, "snapshot_corrupt"),
+    (SnapshotDiskFull, 507, "disk_full"),
     (AgentUnavailable, 502, "agent_unavailable"),
     (SnapshotError, 400, "snapshot_error"),
     (ImageNotFound, 404, "not_found"),
@@ -157,9 +164,12 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Shutdown runs here, not after uvicorn returns: uvicorn re-raises SIGTERM once it has
         # served, which would end the process before any later cleanup.
-        reaped = runtime.start()
-        if reaped:
-            log.warning("reaped %d sandboxes left by a previous daemon: %s", len(reaped), ", ".join(reaped))
+        recovered = await runtime.start()
+        if recovered.adopted:
+            log.info("re-adopted %d sandboxes: %s", len(recovered.adopted), ", ".join(recovered.adopted))
+        if recovered.reaped or recovered.removed_builds:
+            log.warning("reaped %d sandboxes a previous daemon left (%s) and %d half-built snapshots",
+                        len(recovered.reaped), ", ".join(recovered.reaped), len(recovered.removed_builds))
         yield
         await runtime.stop()
 
@@ -258,8 +268,10 @@ def create_app(runtime: Runtime) -> FastAPI:
         request = SnapshotRequest(tag=body.tag, image=body.image, memory_mib=body.memory_mib, vcpus=body.vcpus,
                                   warm_modules=tuple(body.warm_modules), warmup_cmd=body.warmup_cmd)
 
+        runtime.snapshots.reserve(body.tag)  # a taken tag is a 409 before any streaming starts
+
         async def work(emit):
-            record = await runtime.create_snapshot(request, lambda line: emit({"progress": line}))
+            record = await runtime.create_snapshot(request, lambda line: emit({"progress": line}), reserved=True)
             return record.to_dict()
 
         return ndjson_stream(work)

@@ -132,6 +132,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         409: "conflict: busy, in use, mismatched or corrupt snapshot", 413: "body too large",
         422: "request body or parameters fail the schema", 500: "internal error",
         502: "the guest agent is unreachable", 503: "over a concurrency cap", 504: "timed out",
+        507: "no disk space left for a snapshot",
     }.items()
 }
 

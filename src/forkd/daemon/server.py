@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import logging.handlers
 import os
 import signal
 import socket
@@ -20,11 +21,11 @@ from pathlib import Path
 
 import uvicorn
 
-from forkd.config import Paths
 from forkd.daemon.app import create_app
 from forkd.daemon.audit import AuditLog, AuditMiddleware
 from forkd.daemon.auth import TokenAuth, check_token
 from forkd.daemon.body_limit import BodyLimit
+from forkd.daemon.config import DaemonConfig
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.qemu import QemuVmm
 
@@ -63,6 +64,21 @@ class TcpListener:
             except (OSError, ssl.SSLError) as exc:
                 raise ListenerError(f"cannot load the TLS certificate {tls_cert} / key {tls_key}: {exc}") from None
         return cls(host=host, port=int(port), token=check_token(token), tls_cert=tls_cert, tls_key=tls_key)
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig) -> TcpListener | None:
+        """The configured listener; the token comes from ``token_file``, else ``FORKD_TOKEN``."""
+        if config.listen is None:
+            if config.token_file or config.tls_cert:
+                raise ListenerError("token_file and tls_cert/tls_key apply to a TCP listener: set listen too")
+            return None
+        token = os.environ.get("FORKD_TOKEN")
+        if config.token_file is not None:
+            try:
+                token = config.token_file.read_text()
+            except OSError as exc:
+                raise ListenerError(f"cannot read the token file {config.token_file}: {exc.strerror}") from None
+        return cls.parse(config.listen, token, config.tls_cert, config.tls_key)
 
     @property
     def loopback(self) -> bool:
@@ -115,7 +131,9 @@ def _server(app: object, lifespan: str, listener: TcpListener | None = None) -> 
                                          h11_max_incomplete_event_size=1 << 20, **tls))  # type: ignore[arg-type]
 
 
-async def serve(paths: Paths, accelerator: str = "auto", tcp: TcpListener | None = None) -> None:
+async def serve(config: DaemonConfig) -> None:
+    paths = config.paths
+    tcp = TcpListener.from_config(config)
     sockets = [bind_private_socket(paths.socket)]
     try:
         if tcp is not None:
@@ -124,7 +142,7 @@ async def serve(paths: Paths, accelerator: str = "auto", tcp: TcpListener | None
         sockets[0].close()
         paths.socket.unlink(missing_ok=True)
         raise
-    runtime = Runtime(paths, QemuVmm(accelerator=accelerator))
+    runtime = Runtime(paths, QemuVmm(accelerator=config.accelerator), config.runtime_options)
     audit = AuditLog(paths.audit_log)
     api = BodyLimit(create_app(runtime))
     # The Unix listener runs the app's lifespan (start, and on shutdown kill every child).
@@ -148,6 +166,22 @@ async def serve(paths: Paths, accelerator: str = "auto", tcp: TcpListener | None
             paths.socket.unlink()
 
 
-def run(paths: Paths, accelerator: str = "auto", tcp: TcpListener | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(paths, accelerator, tcp))
+def configure_logging(config: DaemonConfig) -> None:
+    """stderr by default (the journal under systemd); a size-rotated file when ``log_file`` is set."""
+    handler: logging.Handler = logging.StreamHandler()
+    if config.log_file is not None:
+        config.log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(config.log_file, maxBytes=config.log_max_bytes,
+                                                       backupCount=config.log_backups)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        handlers=[handler])
+
+
+def run(config: DaemonConfig) -> None:
+    configure_logging(config)
+    asyncio.run(serve(config))
+    if config.sandboxes.keep_on_stop:
+        # VMMs left for the next daemon must outlive this process: leave without running
+        # finalizers, since asyncio's subprocess transports kill a child still running when collected.
+        logging.shutdown()
+        os._exit(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -10,10 +11,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from forkd.config import Paths
+from forkd.host import probes
 from forkd.vmm.accel import choose_accelerator, probe_kvm
 from forkd.vmm.kvm_speed import probe_speed
 
 MIN_FREE_DISK_GIB = 4
+MIN_FREE_MEMORY_GIB = 2
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+IP_FORWARD_CHECK = "ip_forward"
 # (check name, command, Debian package): failures here are fixed by installing the package
 TOOLS = (("qemu", ["qemu-system-x86_64", "--version"], "qemu-system-x86"),
          ("qemu-img", ["qemu-img", "--version"], "qemu-utils"),
@@ -43,6 +48,12 @@ def _command_version(argv: list[str]) -> str | None:
 
 
 def run_checks(paths: Paths) -> list[Check]:
+    """Every check, in the order a user fixes them: platform, virtualization, tools, kernel, resources."""
+    return [*_platform(), *_virtualization(), *_tools(), *_images(paths), *_cgroups(), *_network(),
+            *_memory_features(), *_resources(paths)]
+
+
+def _platform() -> list[Check]:
     supported = platform.system() == "Linux" and platform.machine() == "x86_64"
     checks = [Check("platform", "ok" if supported else "fail",
                     f"{platform.system()} {platform.machine()} {platform.release()}",
@@ -50,28 +61,117 @@ def run_checks(paths: Paths) -> list[Check]:
     if os.geteuid() != 0:
         checks.append(Check("root", "warn", "not running as root",
                             "run forkd as root: debootstrap, network namespaces and cgroups need it"))
+    return checks
+
+
+def _virtualization() -> list[Check]:
     kvm = probe_kvm()
-    checks.append(Check("kvm", "ok" if kvm.usable else "warn", kvm.detail,
-                        "" if kvm.usable else "VMs run under TCG (slower, same behaviour); use a host with VT-x/AMD-V "
-                        "for KVM"))
+    checks = [Check("kvm", "ok" if kvm.usable else "warn", kvm.detail,
+                    "" if kvm.usable else "VMs run under TCG (slower, same behaviour); use a host with VT-x/AMD-V "
+                    "for KVM")]
     if kvm.present:
         hardware_speed, speed = probe_speed()
         checks.append(Check("kvm speed", "ok" if hardware_speed else "warn", speed,
                             "" if hardware_speed else "guest kernels cannot run at speed on this KVM; forkd uses TCG"))
     accel, reason = choose_accelerator("auto")
     checks.append(Check("accelerator", "ok", f"{accel}: {reason}"))
+    return checks
+
+
+def _tools() -> list[Check]:
+    checks = []
     for name, argv, package in TOOLS:
         version = _command_version(argv) if shutil.which(argv[0]) else None
         checks.append(Check(name, "ok" if version is not None else "fail", version or "not installed",
                             "" if version is not None else f"run `bash scripts/setup` (installs {package})"))
-    images = [manifest.parent.name for manifest in paths.images.glob("*/manifest.json")]
-    checks.append(Check("image cache", "ok" if images else "warn",
-                        f"{paths.images}: {', '.join(sorted(images)) or 'no images'}",
-                        "" if images else "build one with `forkd image build`"))
-    probe_dir = paths.home if paths.home.exists() else Path("/")
-    free_gib = shutil.disk_usage(probe_dir).free / 2**30
-    checks.append(Check("free disk", "ok" if free_gib >= MIN_FREE_DISK_GIB else "fail",
-                        f"{free_gib:.1f} GiB free under {probe_dir}",
-                        "" if free_gib >= MIN_FREE_DISK_GIB else
-                        f"free at least {MIN_FREE_DISK_GIB} GiB (images and snapshots need it) or set FORKD_HOME"))
+    firecracker = _command_version(["firecracker", "--version"]) if shutil.which("firecracker") else None
+    checks.append(Check("firecracker", "ok", firecracker or "not installed (optional: forkd runs on QEMU)"))
     return checks
+
+
+def _images(paths: Paths) -> list[Check]:
+    manifests = {m.parent.name: m for m in paths.images.glob("*/manifest.json")}
+    checks = [Check("image cache", "ok" if manifests else "warn",
+                    f"{paths.images}: {', '.join(sorted(manifests)) or 'no images'}",
+                    "" if manifests else "build one with `forkd image build`")]
+    if "default" in manifests:
+        try:
+            kernel = json.loads(manifests["default"].read_text()).get("kernel_version", "?")
+            checks.append(Check("guest kernel", "ok", f"default image: Linux {kernel}"))
+        except (OSError, ValueError) as exc:
+            checks.append(Check("guest kernel", "fail", f"unreadable manifest ({exc})",
+                                "rebuild it with `forkd image build --force`"))
+    return checks
+
+
+def _cgroups() -> list[Check]:
+    cgroups = probes.probe_cgroups()
+    detail = (f"{cgroups.version}: v2 [{' '.join(cgroups.v2_controllers) or '-'}], "
+              f"v1 [{' '.join(cgroups.v1_controllers) or '-'}]")
+    missing = cgroups.missing
+    return [Check("cgroups", "warn" if missing else "ok", detail,
+                  f"no {', '.join(missing)} controller: per-sandbox limits cannot be enforced; enable them in the "
+                  "kernel command line (e.g. cgroup_enable=memory)" if missing else "")]
+
+
+def _network() -> list[Check]:
+    netns, tun = probes.probe_netns(), probes.probe_tun()
+    nft = _command_version(["nft", "--version"]) if shutil.which("nft") else None
+    forward = probes.read_flag(IP_FORWARD)
+    return [
+        Check("netns", "ok" if netns is None else "warn", "network namespaces can be created" if netns is None
+              else f"cannot create a network namespace: {netns}", "" if netns is None else
+              "run as root on a kernel with CONFIG_NET_NS; sandboxes need it for their own network"),
+        Check("tun", "ok" if tun is None else "warn", "/dev/net/tun opens" if tun is None
+              else f"/dev/net/tun: {tun}", "" if tun is None else "load the tun module or create /dev/net/tun"),
+        Check("nft", "ok" if nft else "warn", nft or "nft is not installed",
+              "" if nft else "install the nftables package (quickstart offers to)"),
+        Check(IP_FORWARD_CHECK, "ok" if forward == "1" else "warn", f"net.ipv4.ip_forward = {forward}",
+              "" if forward == "1" else "sandboxes with outbound network need it: `sysctl -w net.ipv4.ip_forward=1` "
+              "(quickstart offers to)"),
+    ]
+
+
+def _memory_features() -> list[Check]:
+    uffd = probes.probe_userfaultfd()
+    memfd = probes.probe_memfd()
+    ksm = probes.read_flag(Path("/sys/kernel/mm/ksm/run"))
+    thp = probes.read_flag(Path("/sys/kernel/mm/transparent_hugepage/enabled"))
+    huge = probes.meminfo().get("HugePages_Total", 0)
+    uffd_detail = (f"via {uffd.via}; write-protect: anonymous {'yes' if uffd.write_protect else 'no'}, "
+                   f"shmem {'yes' if uffd.write_protect_shmem else 'no'}" if uffd.available else uffd.via)
+    return [
+        Check("userfaultfd", "ok" if uffd.available and uffd.write_protect else "warn", uffd_detail,
+              "" if uffd.available and uffd.write_protect else
+              "live snapshots of running children (background-snapshot) need userfaultfd with write-protect: "
+              "a 5.7+ kernel with CONFIG_USERFAULTFD, and vm.unprivileged_userfaultfd=1 unless root"),
+        Check("memfd", "ok" if memfd is None else "warn", "memfd_create works" if memfd is None
+              else f"memfd_create: {memfd}"),
+        Check("ksm", "ok", "not in this kernel" if ksm is None else f"/sys/kernel/mm/ksm/run = {ksm} "
+              f"({'merging' if ksm == '1' else 'off'}); children already share pages copy-on-write"),
+        Check("hugepages", "ok", f"transparent: {thp or 'unavailable'}; reserved: {huge}"),
+    ]
+
+
+def _resources(paths: Paths) -> list[Check]:
+    checks = []
+    for label, directory in (("free disk (home)", paths.home), ("free disk (cache)", paths.cache)):
+        probe_dir = next((d for d in (directory, *directory.parents) if d.exists()), Path("/"))
+        free_gib = shutil.disk_usage(probe_dir).free / 2**30
+        checks.append(Check(label, "ok" if free_gib >= MIN_FREE_DISK_GIB else "fail",
+                            f"{free_gib:.1f} GiB free under {probe_dir}",
+                            "" if free_gib >= MIN_FREE_DISK_GIB else
+                            f"free at least {MIN_FREE_DISK_GIB} GiB (images and snapshots need it) or point "
+                            "FORKD_HOME / FORKD_CACHE at a larger filesystem"))
+    available_gib = probes.meminfo().get("MemAvailable", 0) / 2**20
+    checks.append(Check("free memory", "ok" if available_gib >= MIN_FREE_MEMORY_GIB else "warn",
+                        f"{available_gib:.1f} GiB available",
+                        "" if available_gib >= MIN_FREE_MEMORY_GIB else
+                        "a parent needs its RAM (default 1 GiB) and each child ~40 MiB; free memory or bake "
+                        "smaller snapshots (--memory-mib)"))
+    return checks
+
+
+def enable_ip_forward() -> None:
+    """The one host setting quickstart changes (with consent): not persistent across reboots."""
+    IP_FORWARD.write_text("1\n")

@@ -33,6 +33,11 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     meta         TEXT NOT NULL
 );
 """
+# Columns added after the first release, created on open when an older state.db lacks them.
+# What re-adopting a VMM after a daemon restart needs: its start time (a pid alone may have been
+# reused) and the sockets to reconnect.
+SANDBOX_COLUMNS_ADDED = (("vmm_started", "INTEGER"), ("agent_socket", "TEXT"), ("monitor_socket", "TEXT"))
+_SANDBOX_FIELDS = "id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, agent_socket, monitor_socket"
 
 
 @dataclass
@@ -61,6 +66,9 @@ class SandboxRecord:
     run_dir: Path
     created_at: float
     meta: dict[str, Any] = field(default_factory=dict)
+    vmm_started: int | None = None  # clock ticks after boot, from /proc/PID/stat
+    agent_socket: Path | None = None
+    monitor_socket: Path | None = None
 
     def to_dict(self) -> dict[str, Any]:
         public = {k: v for k, v in self.meta.items() if k not in PRIVATE_SANDBOX_META}
@@ -77,6 +85,10 @@ class Registry:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        present = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
+        for name, sql_type in SANDBOX_COLUMNS_ADDED:
+            if name not in present:
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {sql_type}")
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -132,16 +144,18 @@ class Registry:
                 self._db.execute("ROLLBACK")
                 raise
 
+    def set_vmm(self, sandbox_id: str, pid: int, started: int | None, agent_socket: Path,
+                monitor_socket: Path) -> None:
+        """Record the VMM of a sandbox, everything a restarted daemon needs to find and reconnect it."""
+        self._execute("UPDATE sandboxes SET pid = ?, vmm_started = ?, agent_socket = ?, monitor_socket = ? WHERE id = ?",
+                      (pid, started, str(agent_socket), str(monitor_socket), sandbox_id))
+
     def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
-        rows = self._execute(
-            "SELECT id, snapshot_tag, status, pid, run_dir, created_at, meta FROM sandboxes WHERE id = ?", (sandbox_id,)
-        )
+        rows = self._execute(f"SELECT {_SANDBOX_FIELDS} FROM sandboxes WHERE id = ?", (sandbox_id,))
         return _sandbox(rows[0]) if rows else None
 
     def list_sandboxes(self) -> list[SandboxRecord]:
-        rows = self._execute(
-            "SELECT id, snapshot_tag, status, pid, run_dir, created_at, meta FROM sandboxes ORDER BY created_at"
-        )
+        rows = self._execute(f"SELECT {_SANDBOX_FIELDS} FROM sandboxes ORDER BY created_at")
         return [_sandbox(r) for r in rows]
 
     def remove_sandbox(self, sandbox_id: str) -> None:
@@ -156,4 +170,6 @@ def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:
 
 def _sandbox(row: tuple[Any, ...]) -> SandboxRecord:
     return SandboxRecord(id=row[0], snapshot_tag=row[1], status=row[2], pid=row[3], run_dir=Path(row[4]),
-                         created_at=row[5], meta=json.loads(row[6]))
+                         created_at=row[5], meta=json.loads(row[6]), vmm_started=row[7],
+                         agent_socket=Path(row[8]) if row[8] else None,
+                         monitor_socket=Path(row[9]) if row[9] else None)

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from forkd.config import Paths
 from forkd.image.builder import Image, ImageSpec, build_image, list_images, load_image, remove_image
 from forkd.runtime.metrics import Metrics
+from forkd.runtime.options import RuntimeOptions
+from forkd.runtime.recovery import Recovery, recover
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
@@ -19,33 +21,34 @@ from forkd.vmm.base import Vmm
 
 
 class Runtime:
-    def __init__(self, paths: Paths, vmm: Vmm) -> None:
+    def __init__(self, paths: Paths, vmm: Vmm, options: RuntimeOptions | None = None) -> None:
         for directory in (paths.home, paths.snapshots, paths.sandboxes):
             directory.mkdir(parents=True, exist_ok=True)
         self.paths = paths
         self.vmm = vmm
         self.registry = Registry(paths.db)
         self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
+        self.options = options or RuntimeOptions()
         self.metrics = Metrics()
-        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics)
+        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics, self.options)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self._image_lock = asyncio.Lock()
         self._deadline_keeper: asyncio.Task[None] | None = None
 
-    def start(self) -> list[str]:
-        """Reap whatever a previous daemon left behind and start enforcing sandbox timeouts.
-
-        Called from the daemon's event loop; returns the sandbox ids reaped.
-        """
-        reaped = self.sandboxes.reap_stale()
+    async def start(self) -> Recovery:
+        """Re-adopt the sandboxes a previous daemon left running, reap the rest and half-built snapshots,
+        then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline)."""
+        recovery = await recover(self.sandboxes)
         self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
-        return reaped
+        return recovery
 
     async def stop(self) -> None:
+        """Kill every sandbox, or leave them for the next daemon when ``keep_sandboxes_on_stop``."""
         if self._deadline_keeper is not None:
             self._deadline_keeper.cancel()
-        await asyncio.gather(self.sandboxes.kill_all(), self.snapshots.abort_all())
+        leave = self.sandboxes.detach_all() if self.options.keep_sandboxes_on_stop else self.sandboxes.kill_all()
+        await asyncio.gather(leave, self.snapshots.abort_all())
         self.registry.close()
 
     async def build_image(self, spec: ImageSpec, progress: Callable[[str], None], force: bool = False) -> Image:
@@ -58,9 +61,16 @@ class Runtime:
     def remove_image(self, name: str) -> None:
         remove_image(self.paths, name)
 
-    async def create_snapshot(self, request: SnapshotRequest, progress: Callable[[str], None]) -> SnapshotRecord:
-        image = load_image(self.paths, request.image)
-        return await self.snapshots.create(request, image, progress)
+    async def create_snapshot(self, request: SnapshotRequest, progress: Callable[[str], None],
+                              reserved: bool = False) -> SnapshotRecord:
+        """Create a snapshot; ``reserved`` when the caller already claimed the tag with ``snapshots.reserve``."""
+        try:
+            image = load_image(self.paths, request.image)
+        except BaseException:
+            if reserved:
+                self.snapshots.release_reservation(request.tag)
+            raise
+        return await self.snapshots.create(request, image, progress, reserved=reserved)
 
     def remove_snapshot(self, tag: str) -> None:
         self.snapshots.remove(tag, self.sandboxes.count_of(tag))

@@ -15,6 +15,8 @@ import secrets
 import shutil
 import string
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,11 @@ from forkd.config import Paths
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_answering
 from forkd.runtime.metrics import Metrics
+from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
+from forkd.vmm.process import start_time
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
 log = logging.getLogger("forkd.sandboxes")
@@ -34,6 +38,16 @@ _ID_ALPHABET = string.ascii_lowercase + string.digits
 
 class SandboxNotFound(LookupError):
     pass
+
+
+class SandboxLimitReached(RuntimeError):
+    """The daemon's ``max_sandboxes`` limit is reached; this child is refused, the others are not."""
+
+
+# Frees one per-sandbox host resource (netns, cgroup, tap, ...) by sandbox id. Called whenever a
+# sandbox is released — its VMM exited, it was killed, or a restarted daemon reaps it or finds its
+# directory without a record — so it must be idempotent and must not fail when there is nothing to free.
+Releaser = Callable[[str], None]
 
 
 def new_sandbox_id() -> str:
@@ -69,25 +83,38 @@ class ForkOutcome:
 
 class SandboxService:
     def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotService,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, options: RuntimeOptions | None = None) -> None:
         self.paths = paths
         self.metrics = metrics
         self.registry = registry
         self.vmm = vmm
         self.snapshots = snapshots
+        self.options = options or RuntimeOptions()
+        self.releasers: list[Releaser] = []  # per-sandbox resources beyond files and record, freed by id
         self._live: dict[str, LiveSandbox] = {}
+        self._forking: Counter[str] = Counter()  # children being restored, per snapshot tag
+        self._restoring = 0
+        self._restore_slots = asyncio.Semaphore(self.options.max_concurrent_forks or 1 << 30)
 
     async def fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> list[ForkOutcome]:
         """Restore ``count`` children of snapshot ``tag`` concurrently; per-child outcome, same order."""
         started = time.monotonic()
-        record, saved, spec = await asyncio.to_thread(self.snapshots.open, tag)
+        # Counted before the first await, so `rmi` of this tag is refused while its children start.
+        self._forking[tag] += count
+        try:
+            record, saved, spec = await asyncio.to_thread(self.snapshots.open, tag)
+        except BaseException:
+            self._forking[tag] -= count
+            raise
 
         async def one() -> ForkOutcome:
             try:
                 sandbox = await self._spawn(record.tag, saved, spec, options)
-            except (VmmError, AgentError, OSError) as exc:
+            except (VmmError, AgentError, OSError, SandboxLimitReached) as exc:
                 self.metrics.spawn_failures.inc()
                 return ForkOutcome(error=str(exc))
+            finally:
+                self._forking[tag] -= 1
             elapsed = time.monotonic() - started
             self.metrics.spawn_seconds.observe(elapsed)
             self._update_meta(sandbox, seconds_to_answer=round(elapsed, 4))
@@ -98,6 +125,18 @@ class SandboxService:
         return list(await asyncio.gather(*(one() for _ in range(count))))
 
     async def _spawn(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions) -> LiveSandbox:
+        limit = self.options.max_sandboxes
+        if limit is not None and len(self._live) + self._restoring >= limit:
+            raise SandboxLimitReached(f"the daemon runs its limit of {limit} sandboxes (max_sandboxes); kill some "
+                                      "with `forkd kill` or raise the limit in the daemon's config")
+        self._restoring += 1
+        try:
+            async with self._restore_slots:
+                return await self._restore(tag, saved, spec, options)
+        finally:
+            self._restoring -= 1
+
+    async def _restore(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions) -> LiveSandbox:
         sandbox_id = new_sandbox_id()
         run_dir = self.paths.sandboxes / sandbox_id
         run_dir.mkdir(parents=True)
@@ -109,7 +148,7 @@ class SandboxService:
         agent: AgentClient | None = None
         try:
             vm = await self.vmm.restore(sandbox_id, saved, spec, run_dir)
-            self.registry.update_sandbox(sandbox_id, pid=vm.pid)
+            self.registry.set_vmm(sandbox_id, vm.pid, start_time(vm.pid), vm.agent_socket, vm.monitor_socket)
             # The first answer a child gives is to its reseed: nothing runs on a copied RNG or clock.
             agent, _ = await connect_when_answering(vm.agent_socket, vm.process, RESTORE_ANSWER_TIMEOUT_S,
                                                     protocol.OP_RESEED, {
@@ -123,15 +162,19 @@ class SandboxService:
                 await agent.close()
             if vm is not None:
                 await self.vmm.kill(vm)
-            self._release_files(sandbox_id, run_dir)
+            self.release(sandbox_id, run_dir)
             raise
         agent.on_roundtrip = lambda op, seconds: self.metrics.agent_roundtrip_seconds.labels(op).observe(seconds)
         record.pid = vm.pid
         record.status = "running"
         self.registry.update_sandbox(sandbox_id, status="running")
+        return self.watch(record, vm, agent)
+
+    def watch(self, record: SandboxRecord, vm: VmHandle, agent: AgentClient) -> LiveSandbox:
+        """Serve a running child: a fresh one, or one re-adopted after a daemon restart."""
         live = LiveSandbox(record=record, vm=vm, agent=agent)
         live.watcher = asyncio.create_task(self._watch(live))
-        self._live[sandbox_id] = live
+        self._live[record.id] = live
         return live
 
     async def _watch(self, live: LiveSandbox) -> None:
@@ -141,9 +184,18 @@ class SandboxService:
             live.record.status = f"exited({code})"
         await live.agent.close()
         self._live.pop(live.record.id, None)
-        self._release_files(live.record.id, live.record.run_dir)
+        self.release(live.record.id, live.record.run_dir)
 
-    def _release_files(self, sandbox_id: str, run_dir: Path) -> None:
+    def release(self, sandbox_id: str, run_dir: Path) -> None:
+        """Free everything a sandbox whose VMM is gone held: plugged-in resources, files, then the record.
+
+        The record goes last, so a daemon dying midway finds it again on restart and finishes the job.
+        """
+        for releaser in self.releasers:
+            try:
+                releaser(sandbox_id)
+            except Exception:  # one resource that cannot be freed must not keep the others
+                log.exception("releasing %s for %s failed", getattr(releaser, "__name__", releaser), sandbox_id)
         shutil.rmtree(run_dir, ignore_errors=True)
         self.registry.remove_sandbox(sandbox_id)
 
@@ -184,7 +236,8 @@ class SandboxService:
         return list(self._live.values())
 
     def count_of(self, tag: str) -> int:
-        return sum(1 for s in self._live.values() if s.record.snapshot_tag == tag)
+        """Children of ``tag`` running or being restored."""
+        return self._forking[tag] + sum(1 for s in self._live.values() if s.record.snapshot_tag == tag)
 
     def describe(self, live: LiveSandbox, with_memory: bool = False) -> dict[str, Any]:
         info = live.record.to_dict()
@@ -205,33 +258,15 @@ class SandboxService:
     async def kill_all(self) -> None:
         await asyncio.gather(*(self.kill(s.record.id) for s in self.live()), return_exceptions=True)
 
-    def reap_stale(self) -> list[str]:
-        """Records left by a daemon that died: kill their VMMs and free their files.
-
-        Re-adopting live children across a daemon restart is not done yet; reaping them is the
-        safe alternative to leaking them.
-        """
-        reaped = []
-        for record in self.registry.list_sandboxes():
-            if record.id in self._live:
-                continue
-            if record.pid and _is_vmm_of(record.pid, record.run_dir):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(record.pid, 9)
-            self._release_files(record.id, record.run_dir)
-            reaped.append(record.id)
-        if self.paths.sandboxes.exists():
-            known = {r.id for r in self.registry.list_sandboxes()}
-            for leftover in self.paths.sandboxes.iterdir():
-                if leftover.name not in known:
-                    shutil.rmtree(leftover, ignore_errors=True)
-        return reaped
-
-
-def _is_vmm_of(pid: int, run_dir: Path) -> bool:
-    """Only signal a pid that is still the VMM we started (pids get reused)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return str(run_dir).encode() in cmdline
+    async def detach_all(self) -> None:
+        """Stop serving every child but leave its VMM running and its record in place, for the next daemon."""
+        for live in self.live():
+            if live.watcher is not None:
+                live.watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await live.watcher
+            await live.agent.close()
+            close = getattr(live.vm.process, "close", None)  # an adopted VMM's pidfd
+            if close is not None:
+                close()
+        self._live.clear()

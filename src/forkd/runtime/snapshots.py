@@ -8,6 +8,7 @@ hidden directory and renamed into place only when complete, then registered.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import secrets
@@ -37,6 +38,10 @@ DISK_FILE, MEMORY_FILE, STATE_FILE, META_FILE = "disk.qcow2", "memory", "state",
 HASHED_FILES = (KERNEL_FILE, INITRD_FILE, BASE_DISK_FILE, DISK_FILE, MEMORY_FILE, STATE_FILE)
 # init_on_alloc=0: the Debian kernel otherwise zeroes, and so dirties, every page it hands out,
 # which turns shared copy-on-write pages into private ones in every child.
+MIB = 1 << 20
+SPACE_SLACK_BYTES = 64 * MIB
+DISK_FULL_BELOW_BYTES = 8 * MIB  # a failure with less than this free is reported as "disk full"
+BUILD_PREFIX = ".build-"  # snapshots/.build-TAG-*: assembled here, renamed into place when complete
 BASE_CMDLINE = "console=ttyS0 panic=-1 quiet loglevel=4 init_on_alloc=0"
 
 
@@ -46,6 +51,10 @@ class SnapshotError(RuntimeError):
 
 class SnapshotConflict(SnapshotError):
     """The tag is taken, or the snapshot is in use."""
+
+
+class SnapshotDiskFull(SnapshotError):
+    """The filesystem holding snapshots ran out of space; nothing was registered or left behind."""
 
 
 class SnapshotCorrupt(SnapshotError):
@@ -76,14 +85,33 @@ class SnapshotService:
         self._creating: set[str] = set()
         self._parents: set[VmHandle] = set()  # parents being baked, killed if the daemon stops
 
-    async def create(self, request: SnapshotRequest, image: Image, progress: Progress) -> SnapshotRecord:
-        tag = check_tag(request.tag)
-        if self.registry.get_snapshot(tag) is not None or tag in self._creating:
+    def reserve(self, tag: str) -> None:
+        """Claim ``tag`` for one create; a second create of it is refused until the first ends.
+
+        Synchronous, so an HTTP handler can claim the tag (and answer 409) before it starts streaming.
+        """
+        tag = check_tag(tag)
+        if self.registry.get_snapshot(tag) is not None:
             raise SnapshotConflict(f"snapshot {tag!r} exists; remove it with `forkd rmi {tag}` or pick another tag")
+        if tag in self._creating:
+            raise SnapshotConflict(f"snapshot {tag!r} is being created by another request; wait for it or pick "
+                                   "another tag")
         self._creating.add(tag)
-        build_dir = self.paths.snapshots / f".build-{tag}-{secrets.token_hex(4)}"
+
+    def release_reservation(self, tag: str) -> None:
+        self._creating.discard(tag)
+
+    async def create(self, request: SnapshotRequest, image: Image, progress: Progress,
+                     reserved: bool = False) -> SnapshotRecord:
+        """Bake, publish (rename) and register ``request.tag``; ``reserved`` if the caller already claimed it."""
+        tag = check_tag(request.tag)
+        if not reserved:
+            self.reserve(tag)
+        build_dir = self.paths.snapshots / f"{BUILD_PREFIX}{tag}-{secrets.token_hex(4)}"
         try:
-            build_dir.mkdir(parents=True)
+            self.paths.snapshots.mkdir(parents=True, exist_ok=True)
+            check_free_space(self.paths.snapshots, _space_needed(request, image, self.paths.snapshots))
+            build_dir.mkdir()
             meta = await self._bake(request, image, build_dir, progress)
             final_dir = self.paths.snapshots / tag
             if final_dir.exists():
@@ -97,13 +125,16 @@ class SnapshotService:
             for name, digest in meta["sha256"].items():
                 self.digests.remember(final_dir / name, digest)
             return record
-        except BaseException:
+        except BaseException as exc:
             kept = self._keep_console(build_dir, tag)
             if kept is not None:
                 progress(f"failed; the parent's console output is kept in {kept}")
+            full = disk_full_error(exc, self.paths.snapshots, tag)
+            if full is not None:
+                raise full from exc
             raise
         finally:
-            self._creating.discard(tag)
+            self.release_reservation(tag)
             shutil.rmtree(build_dir, ignore_errors=True)
 
     async def _bake(self, request: SnapshotRequest, image: Image, build_dir: Path, progress: Progress) -> dict[str, Any]:
@@ -173,8 +204,12 @@ class SnapshotService:
         if not console.exists():
             return None
         kept = self.paths.home / "logs" / f"snapshot-{tag}.console.log"
-        kept.parent.mkdir(exist_ok=True)
-        shutil.copyfile(console, kept)
+        try:  # best effort: on a full disk there may be no room for it
+            kept.parent.mkdir(exist_ok=True)
+            shutil.copyfile(console, kept)
+        except OSError:
+            kept.unlink(missing_ok=True)
+            return None
         return kept
 
     def _digest_all(self, directory: Path) -> dict[str, str]:
@@ -188,6 +223,8 @@ class SnapshotService:
     def open(self, tag: str) -> tuple[SnapshotRecord, SavedVm, BootSpec]:
         """The verified files and machine of a snapshot, ready to restore children from."""
         record = self.registry.get_snapshot(check_tag(tag))
+        if record is None and tag in self._creating:
+            raise SnapshotConflict(f"snapshot {tag!r} is still being created; fork it when it is ready")
         if record is None:
             raise SnapshotError(f"no snapshot {tag!r}; create it with `forkd snapshot create --tag {tag}`")
         if record.status != "ready":
@@ -222,6 +259,48 @@ class SnapshotService:
             raise SnapshotConflict(f"snapshot {tag!r} has {live_children} live sandboxes; kill them first")
         self.registry.remove_snapshot(tag)
         shutil.rmtree(record.path, ignore_errors=True)
+
+
+def _space_needed(request: SnapshotRequest, image: Image, directory: Path) -> int:
+    """Bytes a build may write: all of guest RAM (the parent may touch every page), copies of image
+    files that cannot be hard-linked from another filesystem, and slack for overlay, state and logs."""
+    needed = request.memory_mib * MIB + SPACE_SLACK_BYTES
+    device = directory.stat().st_dev
+    for path in (image.kernel, image.initrd, image.rootfs):
+        info = path.stat()
+        if info.st_dev != device:
+            needed += info.st_size
+    return needed
+
+
+def check_free_space(directory: Path, needed: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise SnapshotDiskFull(f"disk full: {free / MIB:.0f} MiB free under {directory}, a snapshot of this size "
+                               f"needs up to {needed / MIB:.0f} MiB; free space (`forkd rmi` unused snapshots) or "
+                               "move FORKD_HOME to a larger filesystem")
+
+
+def disk_full_error(exc: BaseException, directory: Path, tag: str) -> SnapshotDiskFull | None:
+    """A clear "disk full" error when ``exc`` came from running out of space, else ``None``.
+
+    Out of space shows up in many guises: ENOSPC from a copy, a failed migration, or a parent VMM
+    killed by SIGBUS when its shared RAM file could not grow. Any of them with (almost) no space
+    left is reported as what it is.
+    """
+    if isinstance(exc, SnapshotDiskFull):
+        return exc
+    causes = [exc, exc.__cause__, exc.__context__]
+    out_of_space = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes)
+    try:
+        out_of_space = out_of_space or shutil.disk_usage(directory).free < DISK_FULL_BELOW_BYTES
+    except OSError:
+        pass
+    if not out_of_space:
+        return None
+    return SnapshotDiskFull(f"disk full while creating snapshot {tag!r} under {directory} ({exc}); nothing was "
+                            "registered and the partial snapshot was removed. Free space (`forkd rmi` unused "
+                            "snapshots) or move FORKD_HOME to a larger filesystem, then create it again")
 
 
 async def run_warmup(agent: AgentClient, command: str) -> None:

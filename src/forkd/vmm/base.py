@@ -7,7 +7,6 @@ through :class:`Capabilities` rather than the runtime assuming it.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -69,13 +68,24 @@ class BootSpec:
     agent_version: str
 
 
+class VmProcess(Protocol):
+    """What the runtime needs of a VMM process: an ``asyncio`` subprocess, or an adopted one after a restart."""
+
+    pid: int
+    returncode: int | None
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass(eq=False)  # a handle is one process: identity, not value, equality
 class VmHandle:
     """A running VMM process and the host-side endpoints it exposes."""
 
     name: str
     run_dir: Path
-    process: asyncio.subprocess.Process
+    process: VmProcess
     agent_socket: Path
     monitor_socket: Path
     disk: Path
@@ -109,6 +119,8 @@ class MemoryStats:
 class Vmm(Protocol):
     """A VMM backend. Every method is safe to call concurrently for different VMs."""
 
+    program: str  # file name of the VMM binary, to recognise its processes after a daemon restart
+
     def capabilities(self) -> Capabilities: ...
 
     def identity(self, spec: BootSpec) -> MachineIdentity: ...
@@ -127,6 +139,11 @@ class Vmm(Protocol):
 
     async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path) -> VmHandle:
         """Start a child that maps ``saved.memory`` copy-on-write and resumes from ``saved.state``."""
+        ...
+
+    async def adopt(self, name: str, process: VmProcess, run_dir: Path, agent_socket: Path, monitor_socket: Path,
+                    disk: Path) -> VmHandle:
+        """Take over a VMM a previous daemon started; raise :class:`VmmError` unless it is running."""
         ...
 
     async def kill(self, vm: VmHandle) -> None: ...

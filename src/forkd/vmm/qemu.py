@@ -35,11 +35,13 @@ from forkd.vmm.base import (
     SavedVm,
     VmHandle,
     VmmError,
+    VmProcess,
 )
 
 MACHINE = "q35"
 STARTUP_TIMEOUT_S = 20.0
 SAVE_TIMEOUT_S = 120.0
+ADOPT_MONITOR_TIMEOUT_S = 5.0
 TCG_TB_SIZE_MIB = 16
 CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
 # Shared RAM (the memory file) is neither written to nor read from the migration stream.
@@ -102,6 +104,7 @@ class QemuVmm:
 
     def __init__(self, binary: str = "qemu-system-x86_64", accelerator: str = "auto") -> None:
         self.binary = binary
+        self.program = Path(binary).name
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
         self._template_lock = asyncio.Lock()
 
@@ -272,6 +275,19 @@ class QemuVmm:
             os.close(fd)
         with open(state, "rb+") as written:
             os.fsync(written.fileno())
+
+    async def adopt(self, name: str, process: VmProcess, run_dir: Path, agent_socket: Path, monitor_socket: Path,
+                    disk: Path) -> VmHandle:
+        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=agent_socket,
+                      monitor_socket=monitor_socket, disk=disk)
+        try:
+            async with self._monitor(vm, wait_s=ADOPT_MONITOR_TIMEOUT_S) as qmp:
+                status = (await qmp.execute("query-status")).get("status")
+        except QMPError as exc:
+            raise VmmError(f"the QEMU monitor of {name} failed: {exc}") from None
+        if status != "running":
+            raise VmmError(f"QEMU of {name} is {status}, not running")
+        return vm
 
     async def kill(self, vm: VmHandle) -> None:
         if vm.process.returncode is None:

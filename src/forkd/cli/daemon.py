@@ -1,0 +1,48 @@
+"""``forkd daemon``: run the daemon in the foreground, configured by file, environment and flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("daemon")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              envvar="FORKD_CONFIG", help="TOML config file (flags and FORKD_* variables override it)")
+@click.option("--home", type=click.Path(file_okay=False, path_type=Path), help="state directory [FORKD_HOME]")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), help="image cache [FORKD_CACHE]")
+@click.option("--socket", type=click.Path(dir_okay=False, path_type=Path), help="Unix socket [FORKD_SOCKET]")
+@click.option("--listen", metavar="HOST:PORT", help="also serve on TCP, bearer token required [FORKD_LISTEN]")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="file holding the token TCP clients must send (default: $FORKD_TOKEN)")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PEM certificate")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PEM private key")
+@click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="rotated log file (default stderr)")
+@click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), help="accelerator (default auto)")
+@click.option("--max-sandboxes", type=click.IntRange(min=1), help="limit on live + starting sandboxes")
+@click.option("--max-concurrent-forks", type=click.IntRange(min=1), help="restores running at once")
+@click.option("--keep-sandboxes-on-stop/--kill-sandboxes-on-stop", default=None,
+              help="leave VMMs running on stop for the next daemon to re-adopt (default: kill them)")
+def daemon_command(config_file: Path | None, home: Path | None, cache: Path | None, socket: Path | None,
+                   listen: str | None, token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
+                   log_file: Path | None, accel: str | None, max_sandboxes: int | None,
+                   max_concurrent_forks: int | None, keep_sandboxes_on_stop: bool | None) -> None:
+    """Run the daemon in the foreground (the CLI starts one in the background when needed).
+
+    It always serves its 0600 Unix socket; with --listen also TCP, where every route but /healthz
+    needs `Authorization: Bearer <token>`.
+    """
+    from forkd.daemon.auth import TokenRejected
+    from forkd.daemon.config import ConfigError, load_config
+    from forkd.daemon.server import DaemonAlreadyRunning, ListenerError, run
+    try:
+        config = load_config(config_file, overrides={
+            "home": home, "cache": cache, "socket": socket, "log_file": log_file, "accelerator": accel,
+            "listen": listen, "token_file": token_file, "tls_cert": tls_cert, "tls_key": tls_key,
+            "limits.max_sandboxes": max_sandboxes, "limits.max_concurrent_forks": max_concurrent_forks,
+            "sandboxes.keep_on_stop": keep_sandboxes_on_stop,
+        })
+        run(config)
+    except (ConfigError, DaemonAlreadyRunning, ListenerError, TokenRejected) as exc:
+        raise click.ClickException(str(exc)) from None

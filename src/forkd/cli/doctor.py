@@ -1,0 +1,64 @@
+"""``forkd doctor``: every host check with a fix hint, as the daemon sees the host when one answers.
+
+It never starts a daemon: "no daemon" and "token rejected" are findings, not something to work around.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+from rich.console import Console
+from rich.markup import escape
+
+from forkd.config import paths_from_env
+from forkd.host.doctor import Check, run_checks
+from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
+
+console = Console(highlight=False)
+COLOUR = {"ok": "green", "warn": "yellow", "fail": "red"}
+
+
+def daemon_checks() -> list[Check]:
+    """The daemon's own checks plus whether it is reachable and accepts our token; local checks otherwise."""
+    remote = bool(os.environ.get("FORKD_URL"))
+    try:
+        with Controller(timeout=60) as controller:
+            version = controller.version()
+            checks = [Check(**c) for c in controller.doctor()]
+            checks.append(Check("daemon", "ok", f"reachable at {controller.url}, forkd {version['forkd']}, "
+                                                f"{version['vmm']} {version['vmm_version']}, accelerator in use: "
+                                                f"{version['accelerator']}"))
+            return checks
+    except DaemonUnreachable as exc:
+        daemon = Check("daemon", "fail" if remote else "warn", exc.message,
+                       "start it on that host (`forkd daemon`) or fix FORKD_URL" if remote else
+                       "no local daemon runs; `forkd daemon` (or any other forkd command) starts one; "
+                       "if it crashed, see its log under FORKD_HOME")
+    except ForkdError as exc:
+        if exc.status in (401, 403):
+            token = "FORKD_TOKEN" in os.environ
+            daemon = Check("daemon", "fail", "token rejected" if token else "the daemon requires a token",
+                           "set FORKD_TOKEN to the daemon's token (its token_file)" if token else
+                           "export FORKD_TOKEN with the token from the daemon's token_file")
+        else:
+            daemon = Check("daemon", "fail", f"the daemon answered {exc.status}: {exc.message}",
+                           "see the daemon log under FORKD_HOME")
+    return [*run_checks(paths_from_env()), daemon]
+
+
+@click.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="print the checks as a JSON list")
+def doctor(as_json: bool) -> None:
+    """Check this host: virtualization, QEMU, images, cgroups, network, memory features, disk, daemon."""
+    checks = daemon_checks()
+    if as_json:
+        print(json.dumps([c.to_dict() for c in checks], indent=2))
+    else:
+        for check in checks:
+            console.print(f"[{COLOUR[check.status]}]{check.status:>4}[/] {check.name:<18} {escape(check.detail)}"
+                          + (f"\n{'':23}→ {escape(check.fix)}" if check.fix else ""))
+    if any(c.status == "fail" for c in checks):
+        sys.exit(1)

@@ -1,0 +1,134 @@
+"""The daemon's configuration: a TOML file, overridden by environment variables, overridden by CLI flags.
+
+Precedence, highest first: ``forkd daemon`` flags, then ``FORKD_*`` variables, then the file given
+with ``--config``, then the defaults below. Unknown keys and wrong types in the file are refused
+with the key named, so a typo never silently falls back to a default.
+
+```toml
+home = "/var/lib/forkd"          # state: SQLite, snapshots, sandbox run directories
+cache = "/var/cache/forkd"       # rebuildable: guest images, downloads
+socket = "/run/forkd/forkd.sock" # Unix socket, mode 0600
+listen = "127.0.0.1:7070"        # optional TCP listener (needs token_file)
+token_file = "/etc/forkd/token"  # bearer token clients must send
+tls_cert = "/etc/forkd/tls.crt"  # with tls_key: serve HTTPS on `listen`
+tls_key = "/etc/forkd/tls.key"
+log_file = "/var/log/forkd/daemon.log"  # default: stderr (the journal under systemd)
+log_max_bytes = 10485760         # rotate the log file at this size ...
+log_backups = 5                  # ... keeping this many old files
+accelerator = "auto"             # auto | kvm | tcg
+
+[limits]
+max_sandboxes = 500              # live + starting children
+max_concurrent_forks = 16        # restores running at once; more queue
+
+[sandboxes]
+keep_on_stop = false             # true: stopping the daemon leaves VMMs for the next one to re-adopt
+```
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+from pydantic import ValidationError as PydanticValidationError
+from pydantic.dataclasses import dataclass
+
+from forkd.config import Paths
+from forkd.runtime.options import RuntimeOptions
+
+_STRICT = ConfigDict(extra="forbid")
+DEFAULT_HOME = Path("/var/lib/forkd")
+DEFAULT_CACHE = Path("/var/cache/forkd")
+# Environment variable → top-level key. FORKD_SOCKET defaults to HOME/forkd.sock when unset everywhere.
+ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socket", "FORKD_LISTEN": "listen",
+            "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file"}
+
+
+class ConfigError(ValueError):
+    """The config file cannot be read or holds a bad value; the message names the file and key."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Limits:
+    max_sandboxes: int | None = Field(default=None, ge=1)
+    max_concurrent_forks: int | None = Field(default=None, ge=1)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class SandboxPolicy:
+    keep_on_stop: bool = False
+
+
+@dataclass(frozen=True, config=_STRICT)
+class DaemonConfig:
+    home: Path = DEFAULT_HOME
+    cache: Path = DEFAULT_CACHE
+    socket: Path | None = None  # None: HOME/forkd.sock
+    listen: str | None = Field(default=None, pattern=r"^[^\s:]+:\d{1,5}$")  # host:port
+    token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    log_file: Path | None = None
+    log_max_bytes: int = Field(default=10 << 20, ge=4096)
+    log_backups: int = Field(default=5, ge=0)
+    accelerator: Literal["auto", "kvm", "tcg"] = "auto"
+    limits: Limits = field(default_factory=Limits)
+    sandboxes: SandboxPolicy = field(default_factory=SandboxPolicy)
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+
+    @property
+    def paths(self) -> Paths:
+        return Paths(home=self.home, cache=self.cache, socket=self.socket or self.home / "forkd.sock")
+
+    @property
+    def runtime_options(self) -> RuntimeOptions:
+        return RuntimeOptions(max_sandboxes=self.limits.max_sandboxes,
+                              max_concurrent_forks=self.limits.max_concurrent_forks,
+                              keep_sandboxes_on_stop=self.sandboxes.keep_on_stop)
+
+
+def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
+    """The file (if any), then environment, then ``overrides`` (CLI flags; ``None`` values are ignored)."""
+    data: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        where = str(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    env = os.environ if env is None else env
+    for variable, key in ENV_KEYS.items():
+        if env.get(variable):
+            data[key] = env[variable]
+            where += f" + ${variable}"
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set(data, key, value)
+    try:
+        return DaemonConfig(**data)
+    except PydanticValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"bad daemon configuration ({where}): {problems}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad daemon configuration ({where}): {exc}") from None
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """``limits.max_sandboxes`` style keys reach into their table."""
+    *tables, key = dotted.split(".")
+    for table in tables:
+        data = data.setdefault(table, {})
+    data[key] = value

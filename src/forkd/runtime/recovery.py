@@ -1,0 +1,121 @@
+"""What a starting daemon does about what the previous one left: re-adopt live sandboxes, reap the rest.
+
+A daemon may die at any point (``kill -9``, OOM, an upgrade). Its VMMs keep running: they are in
+their own session and write only to files. On start, every sandbox record whose VMM is still the
+process it started (same pid *and* start time, command line naming its run directory) and whose
+monitor and guest agent answer is served again, watched like a fresh child. Everything else is
+reaped: a VMM that does not answer, a child caught halfway through its restore, a record whose VMM
+is gone, a run directory without a record, the parent and build directory of a snapshot that was
+being baked. Reaping goes through :meth:`SandboxService.release`, so every plugged-in releaser
+(network namespace, cgroup, ...) runs for each id, whatever state it was left in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from forkd.guest import protocol
+from forkd.runtime.agent_client import AgentError, connect_when_answering
+from forkd.runtime.registry import SandboxRecord
+from forkd.runtime.sandboxes import SandboxService
+from forkd.runtime.snapshots import BUILD_PREFIX
+from forkd.validation import is_sandbox_id, is_tag
+from forkd.vmm.base import VmmError
+from forkd.vmm.process import AdoptedProcess, ProcessRef, kill_pidfd, open_verified, processes_under
+
+ADOPT_ANSWER_TIMEOUT_S = 10.0
+KILL_TIMEOUT_S = 10.0
+log = logging.getLogger("forkd.recovery")
+
+
+@dataclass
+class Recovery:
+    adopted: list[str] = field(default_factory=list)
+    reaped: list[str] = field(default_factory=list)  # sandbox ids: records and record-less directories
+    removed_builds: list[str] = field(default_factory=list)  # half-built snapshot directories
+
+
+async def recover(sandboxes: SandboxService) -> Recovery:
+    """Re-adopt or reap every sandbox a previous daemon left, then remove what has no record."""
+    paths, program = sandboxes.paths, sandboxes.vmm.program
+    result = Recovery()
+    vmms: dict[str, list[ProcessRef]] = defaultdict(list)
+    for ref in processes_under(paths.sandboxes, program):
+        vmms[ref.directory].append(ref)
+    records = sandboxes.registry.list_sandboxes()  # the daemon serves nothing yet
+    outcomes = await asyncio.gather(*(_recover_one(sandboxes, r, vmms.pop(r.run_dir.name, [])) for r in records))
+    for record, adopted in zip(records, outcomes):
+        (result.adopted if adopted else result.reaped).append(record.id)
+    known = {r.run_dir.name for r in records}
+    if paths.sandboxes.exists():
+        for leftover in sorted(paths.sandboxes.iterdir()):
+            if leftover.name not in known and leftover.is_dir() and is_sandbox_id(leftover.name):
+                await _kill_all(vmms.pop(leftover.name, []), str(leftover) + "/")
+                sandboxes.release(leftover.name, leftover)
+                result.reaped.append(leftover.name)
+    for name, refs in vmms.items():  # VMMs whose directory is gone altogether
+        await _kill_all(refs, f"{paths.sandboxes}/{name}/")
+    result.removed_builds = await _remove_half_built(sandboxes)
+    return result
+
+
+async def _recover_one(sandboxes: SandboxService, record: SandboxRecord, refs: list[ProcessRef]) -> bool:
+    """Serve ``record`` again if its VMM and agent answer; otherwise kill its VMM and release it."""
+    if record.status == "running" and record.pid and record.agent_socket and record.monitor_socket:
+        pidfd = open_verified(record.pid, record.vmm_started, f"{record.run_dir}/")
+        if pidfd is not None:
+            process = AdoptedProcess(record.pid, pidfd)
+            try:
+                vm = await sandboxes.vmm.adopt(record.id, process, record.run_dir, record.agent_socket,
+                                               record.monitor_socket, record.run_dir / "disk.qcow2")
+                agent, _ = await connect_when_answering(record.agent_socket, process, ADOPT_ANSWER_TIMEOUT_S,
+                                                        protocol.OP_PING)
+            except (VmmError, AgentError) as exc:
+                log.warning("sandbox %s does not answer (%s); reaping it", record.id, exc)
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await asyncio.wait_for(process.wait(), KILL_TIMEOUT_S)
+            else:
+                record.meta["readopted_at"] = time.time()
+                sandboxes.registry.update_sandbox(record.id, meta={"readopted_at": record.meta["readopted_at"]})
+                sandboxes.watch(record, vm, agent)
+                return True
+    await _kill_all(refs, f"{record.run_dir}/")
+    sandboxes.release(record.id, record.run_dir)
+    return False
+
+
+async def _kill_all(refs: list[ProcessRef], must_mention: str) -> None:
+    for ref in refs:
+        pidfd = open_verified(ref.pid, ref.started, must_mention)
+        if pidfd is not None:
+            if not await asyncio.to_thread(kill_pidfd, pidfd, KILL_TIMEOUT_S):
+                log.error("VMM %d of %s did not exit after SIGKILL", ref.pid, must_mention)
+
+
+async def _remove_half_built(sandboxes: SandboxService) -> list[str]:
+    """Kill parents of snapshots that were being baked and remove their build directories.
+
+    A finished directory that never got registered (the daemon died between rename and register)
+    is removed too: no child can use it, and ``snapshot create`` would replace it anyway.
+    """
+    snapshots_dir, program = sandboxes.paths.snapshots, sandboxes.vmm.program
+    for ref in processes_under(snapshots_dir, program):
+        if ref.directory.startswith(BUILD_PREFIX):
+            await _kill_all([ref], f"{snapshots_dir}/{ref.directory}/")
+    registered = {r.path.name for r in sandboxes.registry.list_snapshots()}
+    removed = []
+    if snapshots_dir.exists():
+        for entry in sorted(snapshots_dir.iterdir()):
+            # Only names forkd makes: a filesystem's own lost+found (a mount point) is left alone.
+            if entry.is_dir() and (entry.name.startswith(BUILD_PREFIX) or
+                                   (is_tag(entry.name) and entry.name not in registered)):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+    return removed

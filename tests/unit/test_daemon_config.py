@@ -1,0 +1,39 @@
+from pathlib import Path
+
+import pytest
+
+from forkd.daemon.config import ConfigError, load_config
+
+
+def test_precedence_is_flags_then_environment_then_file(tmp_path: Path) -> None:
+    file = tmp_path / "forkd.toml"
+    file.write_text('home = "/from/file"\ncache = "/cache/file"\n[limits]\nmax_sandboxes = 3\n'
+                    '[sandboxes]\nkeep_on_stop = true\n')
+    config = load_config(file, env={"FORKD_CACHE": "/cache/env"}, overrides={"limits.max_concurrent_forks": 2,
+                                                                            "home": None})
+    assert (config.home, config.cache) == (Path("/from/file"), Path("/cache/env"))
+    assert config.paths.socket == Path("/from/file/forkd.sock")
+    options = config.runtime_options
+    assert (options.max_sandboxes, options.max_concurrent_forks, options.keep_sandboxes_on_stop) == (3, 2, True)
+    assert load_config(file, env={"FORKD_HOME": "/env"}, overrides={"home": "/flag"}).home == Path("/flag")
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    ("hom = '/x'\n", "hom"),
+    ("[limits]\nmax_sandboxes = 0\n", "limits.max_sandboxes"),
+    ("accelerator = 'hvf'\n", "accelerator"),
+    ("listen = 'no port'\n", "listen"),
+    ("tls_cert = '/c'\n", "tls_key"),
+    ("home = [\n", "not valid TOML"),
+])
+def test_bad_files_are_refused_naming_the_key(tmp_path: Path, text: str, names: str) -> None:
+    file = tmp_path / "forkd.toml"
+    file.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load_config(file, env={})
+    assert names in str(refused.value) and str(file) in str(refused.value)
+
+
+def test_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.toml", env={})
