@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from forkd.config import Paths
 from forkd.image.builder import Image, ImageSpec, build_image, list_images, load_image, remove_image
+from forkd.packs.service import PackService
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
@@ -26,6 +27,7 @@ class Runtime:
         self.registry = Registry(paths.db)
         self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
         self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots)
+        self.packs = PackService(paths, self.registry, vmm, self.snapshots, self.sandboxes.count_of)
         self._image_lock = asyncio.Lock()
 
     def start(self) -> list[str]:
