@@ -43,7 +43,7 @@ from forkd.store.files import fsync_dir, link_or_copy
 Progress = Callable[[str], None]
 
 CHUNK = 1 << 20
-HOLE_BLOCK = 64 * 1024  # zero runs this long and aligned become holes
+HOLE_BLOCK = 64 * 1024  # all-zero aligned blocks of this size are left as holes
 _ZEROS = bytes(HOLE_BLOCK)
 ZSTD_LEVEL = 3
 MAX_WINDOW_BYTES = 1 << 27  # bounds the decompressor's memory whatever the frame asks for
@@ -427,7 +427,7 @@ def _copy(chunks: Iterable[bytes], target: Path | None, size: int, meter: Meter)
         offset = 0
         for chunk in chunks:
             digest.update(chunk)
-            _write_sparse(fd, memoryview(chunk), offset)
+            _write_sparse(fd, chunk, offset)
             offset += len(chunk)
             meter.advance(len(chunk))
         os.ftruncate(fd, size)  # a trailing hole is only a size
@@ -438,21 +438,25 @@ def _copy(chunks: Iterable[bytes], target: Path | None, size: int, meter: Meter)
     return digest.hexdigest()
 
 
-def _write_sparse(fd: int, data: memoryview, offset: int) -> None:
-    """Write ``data`` at ``offset``, skipping whole aligned zero blocks (they read back as zeros)."""
+def _write_sparse(fd: int, data: bytes, offset: int) -> None:
+    """Write ``data`` at ``offset``, skipping all-zero blocks (a new file reads back zeros there).
+
+    Blocks are aligned to the file so the holes land on filesystem block boundaries. (Comparing
+    bytes slices is a memcmp; comparing memoryviews goes element by element, 70 times slower.)
+    """
     start = 0
     run_start: int | None = None  # start of the current run of non-zero blocks
     while start < len(data):
         end = min(len(data), start - (offset + start) % HOLE_BLOCK + HOLE_BLOCK)
-        zero = end - start == HOLE_BLOCK and data[start:end] == _ZEROS
+        zero = data[start:end] == _ZEROS[:end - start]
         if zero and run_start is not None:
-            _pwrite_all(fd, data[run_start:start], offset + run_start)
+            _pwrite_all(fd, memoryview(data)[run_start:start], offset + run_start)
             run_start = None
         elif not zero and run_start is None:
             run_start = start
         start = end
     if run_start is not None:
-        _pwrite_all(fd, data[run_start:], offset + run_start)
+        _pwrite_all(fd, memoryview(data)[run_start:], offset + run_start)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
