@@ -481,3 +481,15 @@ def test_sparse_writer_leaves_aligned_zero_blocks_as_holes(tmp_path: Path) -> No
     digest = archive._copy(iter([data[:70000], data[70000:]]), target, len(data), archive.Meter(lambda _: None, "", 1))
     assert target.read_bytes() == data and digest == hashlib.sha256(data).hexdigest()
     assert target.stat().st_blocks * 512 <= 2 * archive.HOLE_BLOCK
+
+
+@pytest.mark.parametrize(("document", "message"), [
+    (b"not json", "is not JSON"),
+    (b'{"format": "other"}', "is not a forkd-index document"),
+    (b'{"format": "forkd-index", "format_version": 9}', "format version 9 is not supported"),
+    (b'{"format": "forkd-index", "format_version": 1, "packs": [{"name": "../x", "tag": "t", "url": "u", '
+     b'"sha256": "00", "size": 1, "identity": {}}]}', "packs.0.name"),
+])
+def test_bad_indexes_are_refused(document: bytes, message: str) -> None:
+    with pytest.raises(PackError, match=message):
+        parse_index(document, "test")

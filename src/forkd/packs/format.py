@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
@@ -32,6 +32,7 @@ MAX_FILE_BYTES = 1 << 40  # 1 TiB: larger than any guest RAM or disk forkd makes
 FILE_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$"
 
 Tag = Annotated[str, Field(pattern=TAG_PATTERN)]
+M = TypeVar("M", bound=BaseModel)
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 FileName = Annotated[str, Field(pattern=FILE_NAME_PATTERN)]
 
@@ -97,10 +98,7 @@ class Manifest(_Strict):
             if child.parent_tag != parent.tag or child.parent_digest != parent.digest:
                 raise ValueError(f"snapshot {child.tag!r} does not name the snapshot before it ({parent.tag!r}) "
                                  "as its parent with that parent's digest: the chain is inconsistent")
-        try:
-            MachineIdentity.from_dict(self.identity)
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"identity is incomplete ({exc})") from None
+        check_identity_fields(self.identity)
         return self
 
     @property
@@ -114,6 +112,14 @@ class Manifest(_Strict):
         return sum(f.size for s in self.snapshots for f in s.files)
 
 
+def check_identity_fields(identity: dict[str, Any]) -> None:
+    """Raise ``ValueError`` (for pydantic) unless ``identity`` has every MachineIdentity field."""
+    try:
+        MachineIdentity.from_dict(identity)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"identity is incomplete ({exc})") from None
+
+
 def layer_digest(file_digests: dict[str, str]) -> str:
     """One SHA-256 naming a snapshot's content: over its sorted ``name=sha256`` lines.
 
@@ -124,21 +130,26 @@ def layer_digest(file_digests: dict[str, str]) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
-def parse_manifest(raw: bytes) -> Manifest:
-    """The manifest, or a :class:`PackError` naming what is wrong with it."""
+def parse_versioned(raw: bytes, model: type[M], kind: str, version: int, where: str) -> M:
+    """A JSON document of ``kind`` (``forkd-pack``, ``forkd-index``) in ``version``, or a :class:`PackError`."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise PackError(f"{MANIFEST_NAME} is not JSON ({exc})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise PackError(f"not a forkd pack: {MANIFEST_NAME} has no \"format\": \"{FORMAT}\"")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise PackError(f"pack format version {data.get('format_version')!r} is not supported: this forkd reads "
-                        f"version {FORMAT_VERSION}; upgrade forkd or pack the snapshot again with this one")
+        raise PackError(f"{where} is not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != kind:
+        raise PackError(f"{where} is not a {kind} document: it has no \"format\": \"{kind}\"")
+    if data.get("format_version") != version:
+        raise PackError(f"{kind} format version {data.get('format_version')!r} is not supported: this forkd reads "
+                        f"version {version}; use the forkd that wrote it, or write it again with this one")
     try:
-        return Manifest.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
-        raise PackError(f"invalid {MANIFEST_NAME}: {_problems(exc)}") from None
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'document'}: {e['msg']}" for e in exc.errors())
+        raise PackError(f"invalid {where}: {problems}") from None
+
+
+def parse_manifest(raw: bytes) -> Manifest:
+    return parse_versioned(raw, Manifest, FORMAT, FORMAT_VERSION, MANIFEST_NAME)
 
 
 def check_meta(entry: PackSnapshot, raw: bytes, identity: MachineIdentity) -> dict[str, Any]:
@@ -177,7 +188,3 @@ def check_member_path(name: str) -> None:
         raise PackError(f"member {name!r} climbs out of the pack with '..'")
     if name != MANIFEST_NAME and not _SAFE_MEMBER.fullmatch(name):
         raise PackError(f"member {name!r} is not a <tag>/<file> path with a safe tag and file name")
-
-
-def _problems(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'manifest'}: {e['msg']}" for e in exc.errors())

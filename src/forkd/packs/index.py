@@ -8,20 +8,18 @@ SHA-256 (checked after the download, before unpacking) and the machine identity 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urljoin
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from forkd.packs.archive import read_manifest
-from forkd.packs.format import MAX_FILE_BYTES, PackError, Sha256, Tag
+from forkd.packs.format import MAX_FILE_BYTES, PackError, Sha256, Tag, check_identity_fields, parse_versioned
 from forkd.packs.transfer import HTTP_TIMEOUT, local_path, shown
 from forkd.store.files import sha256_file, write_json_atomic
-from forkd.vmm.base import MachineIdentity
 
 INDEX_FORMAT = "forkd-index"
 INDEX_VERSION = 1
@@ -38,6 +36,11 @@ class IndexEntry(BaseModel):
     size: StrictInt = Field(ge=1, le=MAX_FILE_BYTES)
     identity: dict[str, Any]
     description: str = Field(default="", max_length=2000)
+
+    @model_validator(mode="after")
+    def _identity(self) -> IndexEntry:
+        check_identity_fields(self.identity)
+        return self
 
 
 class Index(BaseModel):
@@ -57,24 +60,7 @@ class Index(BaseModel):
 
 
 def parse_index(raw: bytes, where: str) -> Index:
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise PackError(f"index {where} is not JSON ({exc})") from None
-    if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
-        raise PackError(f"{where} is not a forkd index: it has no \"format\": \"{INDEX_FORMAT}\"")
-    if data.get("format_version") != INDEX_VERSION:
-        raise PackError(f"index format version {data.get('format_version')!r} is not supported "
-                        f"(this forkd reads {INDEX_VERSION})")
-    try:
-        index = Index.model_validate(data)
-        for entry in index.packs:
-            MachineIdentity.from_dict(entry.identity)
-    except ValidationError as exc:
-        raise PackError(f"invalid index {where}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
-    except (KeyError, TypeError) as exc:
-        raise PackError(f"invalid index {where}: an identity lacks {exc}") from None
-    return index
+    return parse_versioned(raw, Index, INDEX_FORMAT, INDEX_VERSION, f"index {where}")
 
 
 async def load_index(location: str) -> tuple[Index, str]:
