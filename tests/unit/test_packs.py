@@ -493,3 +493,22 @@ def test_sparse_writer_leaves_aligned_zero_blocks_as_holes(tmp_path: Path) -> No
 def test_bad_indexes_are_refused(document: bytes, message: str) -> None:
     with pytest.raises(PackError, match=message):
         parse_index(document, "test")
+
+
+def test_rest_routes_refuse_before_streaming(runtime: Runtime, good_pack: Path, tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from forkd.daemon.app import create_app
+    api = TestClient(create_app(runtime), raise_server_exceptions=False)
+    assert api.post("/v1/packs", json={"tag": "missing", "path": str(tmp_path / "x.tar.zst")}).status_code == 404
+    taken = api.post("/v1/packs", json={"tag": "base", "path": str(good_pack)})
+    assert taken.status_code == 400 and "pass --force" in taken.json()["error"]["message"]
+    assert api.post("/v1/packs/unpack", json={"path": str(good_pack)}).status_code == 409
+    assert api.post("/v1/packs/unpack", json={"path": "relative.tar.zst"}).status_code == 422
+    assert api.post("/v1/packs/pull", json={"url": str(good_pack), "index": str(good_pack), "name": "x"}).status_code == 422
+    assert api.post("/v1/packs/push", json={"tag": "base", "url": "file:///tmp/x"}).status_code == 422
+    lines = api.post("/v1/packs/unpack", json={"path": str(good_pack), "tag": "rest-copy"}).text.splitlines()
+    assert json.loads(lines[-1])["result"]["tag"] == "rest-copy"
+    assert any("progress" in json.loads(line) for line in lines[:-1])
+    listed = {s["tag"]: s for s in api.get("/v1/snapshots").json()["snapshots"]}
+    assert listed["rest-copy"]["disk"]["physical_bytes"] < listed["rest-copy"]["disk"]["logical_bytes"]

@@ -65,6 +65,9 @@ def pull(source: str, index: str | None, sha256: str | None, tag: str | None, fo
     if index is not None and not _is_url(index):
         index = _absolute(index)
     if index is None:
+        if not _is_url(source) and not os.path.exists(source):
+            raise click.UsageError(f"{source!r} is neither a URL nor a pack file; to pull a pack by name give "
+                                   "--index FILE_OR_URL (or set FORKD_INDEX)")
         url = source if _is_url(source) else _absolute(source)
         result = daemon().pull(url, sha256=sha256, tag=tag, force=force, on_progress=progress_printer())
     else:

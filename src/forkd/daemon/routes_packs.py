@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from forkd.daemon import schemas
 from forkd.daemon.app import ndjson_stream
+from forkd.packs.archive import check_output
 from forkd.runtime.runtime import Runtime
 
 
@@ -25,6 +26,7 @@ def packs_router(runtime: Runtime) -> APIRouter:
     @router.post("")
     async def pack(body: schemas.PackCreate) -> StreamingResponse:
         packs.chain(body.tag)  # 404 for an unknown snapshot, before streaming
+        check_output(Path(body.path), body.force)
         return ndjson_stream(lambda emit: packs.pack(body.tag, Path(body.path), body.force,
                                                      lambda line: emit({"progress": line})))
 

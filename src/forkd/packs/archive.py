@@ -101,8 +101,9 @@ class Meter:
             self.progress(self.line())
 
     def line(self) -> str:
-        percent = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
-        return f"{self.verb} {self.done / 2**20:.0f} of {self.total / 2**20:.0f} MiB{percent}"
+        if not self.total:  # e.g. a download whose size nobody announced
+            return f"{self.verb} {self.done / 2**20:.0f} MiB"
+        return f"{self.verb} {self.done / 2**20:.0f} of {self.total / 2**20:.0f} MiB ({100 * self.done / self.total:.0f}%)"
 
 
 # writing -------------------------------------------------------------------------------------------
@@ -161,10 +162,19 @@ def build_manifest(chain: list[SourceSnapshot]) -> Manifest:
                     identity=identity, snapshots=entries)
 
 
+def check_output(output: Path, force: bool) -> None:
+    """Refuse a pack output that is relative, in a missing directory, or (without ``force``) taken."""
+    if not output.is_absolute():
+        raise PackError(f"pack output {output} must be an absolute path on the daemon's host")
+    if not output.parent.is_dir():
+        raise PackError(f"directory {output.parent} does not exist")
+    if output.is_dir() or (output.exists() and not force):
+        raise PackError(f"{output} exists; pass --force to overwrite it")
+
+
 def write_pack(output: Path, chain: list[SourceSnapshot], progress: Progress, force: bool = False) -> WrittenPack:
     """Write ``chain`` to ``output`` (through a hidden partial file renamed at the end)."""
-    if output.exists() and not force:
-        raise PackError(f"{output} exists; pass --force to overwrite it")
+    check_output(output, force)
     manifest = build_manifest(chain)
     partial = output.with_name(f".{output.name}.partial-{secrets.token_hex(4)}")
     meter = Meter(progress, "packed", manifest.total_bytes())

@@ -97,10 +97,7 @@ class PackService:
         return records[::-1]
 
     async def pack(self, tag: str, output: Path, force: bool, progress: Progress) -> dict[str, Any]:
-        if not output.is_absolute():
-            raise PackError(f"pack output {output} must be an absolute path on the daemon's host")
-        if not output.parent.is_dir():
-            raise PackError(f"directory {output.parent} does not exist")
+        archive.check_output(output, force)
         chain = self.chain(tag)
         progress(f"packing {' → '.join(r.tag for r in chain)}")
         started = time.monotonic()
