@@ -22,7 +22,7 @@ from typing import Any
 from forkd.config import Paths
 from forkd.guest.agent import AGENT_VERSION
 from forkd.packs import archive, transfer
-from forkd.packs.format import MAX_CHAIN_DEPTH, Manifest, PackError, layer_digest
+from forkd.packs.format import MAX_CHAIN_DEPTH, META_NAME, Manifest, PackError, layer_digest
 from forkd.packs.index import entry_url, load_index
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.snapshots import SnapshotConflict, SnapshotError, SnapshotService
@@ -192,7 +192,7 @@ class PackService:
             store_files = {}
             root = manifest.snapshots[0]
             if root.parent_tag is not None:
-                store_files = {r.tag: {"meta.json", *r.meta["sha256"]} for r in self.chain(root.parent_tag)}
+                store_files = {r.tag: {META_NAME, *r.meta["sha256"]} for r in self.chain(root.parent_tag)}
             progress(f"unpacking {' → '.join(s.tag for s in manifest.snapshots)} as {plan.top_tag!r}"
                      + (f" (reusing {', '.join(sorted(plan.reuse))} from the store)" if plan.reuse else ""))
             return archive.Plan(targets=targets, reuse=plan.reuse, store_files=store_files)
