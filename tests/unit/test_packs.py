@@ -512,3 +512,20 @@ def test_rest_routes_refuse_before_streaming(runtime: Runtime, good_pack: Path, 
     assert any("progress" in json.loads(line) for line in lines[:-1])
     listed = {s["tag"]: s for s in api.get("/v1/snapshots").json()["snapshots"]}
     assert listed["rest-copy"]["disk"]["physical_bytes"] < listed["rest-copy"]["disk"]["logical_bytes"]
+
+
+def test_cli_index_add_and_pull_usage(good_pack: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from forkd.cli.main import cli
+    index_file = tmp_path / "hub" / "index.json"
+    index_file.parent.mkdir()
+    runner = CliRunner()
+    added = runner.invoke(cli, ["index", "add", str(index_file), str(good_pack), "--name", "py", "--url", "base.tar.zst"])
+    assert added.exit_code == 0, added.output
+    assert parse_index(index_file.read_bytes(), "hub").find("py").sha256 == sha256_file(good_pack)
+    refused = runner.invoke(cli, ["index", "add", str(index_file), str(index_file), "--name", "x", "--url", "u"])
+    assert refused.exit_code != 0 and "not zstd-compressed" in refused.output
+    # Refused before any daemon is contacted (FORKD_URL points nowhere, so a contact would fail otherwise).
+    usage = runner.invoke(cli, ["pull", "no-such-name"], env={"FORKD_INDEX": "", "FORKD_URL": "unix:///nonexistent"})
+    assert usage.exit_code == 2 and "--index FILE_OR_URL" in usage.output

@@ -61,7 +61,8 @@ def unpack(pack_file: str, tag: str | None, force: bool) -> None:
 @reports_errors
 def pull(source: str, index: str | None, sha256: str | None, tag: str | None, force: bool) -> None:
     """Download a pack (URL or index entry), check its SHA-256, then unpack it."""
-    index = index or (None if _is_url(source) or source.startswith(("/", ".")) else os.environ.get("FORKD_INDEX"))
+    if index is None and not _is_url(source) and not source.startswith(("/", ".")):
+        index = os.environ.get("FORKD_INDEX") or None  # set but empty counts as unset
     if index is not None and not _is_url(index):
         index = _absolute(index)
     if index is None:
