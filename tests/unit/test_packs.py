@@ -529,3 +529,27 @@ def test_cli_index_add_and_pull_usage(good_pack: Path, tmp_path: Path) -> None:
     # Refused before any daemon is contacted (FORKD_URL points nowhere, so a contact would fail otherwise).
     usage = runner.invoke(cli, ["pull", "no-such-name"], env={"FORKD_INDEX": "", "FORKD_URL": "unix:///nonexistent"})
     assert usage.exit_code == 2 and "--index FILE_OR_URL" in usage.output
+
+
+def _pax_record(key: str, value: str) -> bytes:
+    body = f" {key}={value}\n"
+    length = len(body) + 1
+    while len(str(length)) + len(body) != length:
+        length = len(str(length)) + len(body)
+    return f"{length}{body}".encode()
+
+
+def test_a_stream_larger_than_its_manifest_declares_is_refused(runtime: Runtime, good_pack: Path,
+                                                              tmp_path: Path) -> None:
+    """Headers tarfile consumes without yielding a member still count against the declared volume."""
+    members = _members(good_pack)
+    padding = []
+    for i in range(400):  # 400 x 60 KiB global headers: more than the pack's files and headers together
+        info = tarfile.TarInfo(f"pad{i}")
+        info.type = tarfile.XGLTYPE
+        padding.append((info, _pax_record("comment", "x" * 60_000)))
+    bad = _write(tmp_path / "padded.tar.zst", [members[0], *padding, *members[1:]])
+    before = store_state(runtime)
+    with pytest.raises(PackError, match="more data than its manifest declares"):
+        unpack(runtime, bad, tag="victim")
+    assert store_state(runtime) == before

@@ -265,7 +265,8 @@ class _PackReader:
         try:
             self._zstd = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES).stream_reader(
                 self._file, read_size=CHUNK, closefd=False)
-            self.budget = _Budget(self._zstd, MAX_MANIFEST_BYTES + 4 * _MEMBER_OVERHEAD)
+            # Until the manifest is read: the manifest plus what the readers buffer ahead of it.
+            self.budget = _Budget(self._zstd, MAX_MANIFEST_BYTES + 3 * CHUNK)
             self.tar = _guard(lambda: tarfile.open(fileobj=io.BufferedReader(self.budget, CHUNK), mode="r|",
                                                    tarinfo=_StrictTarInfo, bufsize=CHUNK))
         except BaseException:
