@@ -42,6 +42,10 @@ class Paths:
     def daemon_log(self) -> Path:
         return self.home / "daemon.log"
 
+    @property
+    def audit_log(self) -> Path:
+        return self.home / "logs" / "audit.jsonl"
+
 
 def paths_from_env(env: dict[str, str] | None = None) -> Paths:
     env = os.environ if env is None else env

@@ -26,7 +26,7 @@ def test_key_is_stable_and_ignores_name_mirror_and_package_order() -> None:
     assert key() == base
     assert key(name="other") == base
     assert key(mirror="http://mirror.example.test/debian") == base
-    assert key(packages=("python3-numpy", "python3", "python3")) == base
+    assert key(packages=("python3-pytest", "python3-numpy", "python3", "python3")) == base
 
 
 @pytest.mark.parametrize("changes", [

@@ -140,12 +140,17 @@ def test_cli_fork_exec_ls_kill(vm_env: dict[str, str], snapshot_tag: str) -> Non
         return subprocess.run([sys.executable, "-m", "forkd", *args], env=vm_env, capture_output=True, text=True,
                               timeout=300)
 
-    forked = forkd("fork", "--tag", snapshot_tag, "-n", "2", "--json")
+    forked = forkd("fork", "--tag", snapshot_tag, "-n", "2", "--json", "--env", "STAGE=ci", "--label", "team=qa",
+                   "--timeout", "3600")
     assert forked.returncode == 0, forked.stderr
-    ids = [child["id"] for child in json.loads(forked.stdout)["sandboxes"]]
+    children = json.loads(forked.stdout)["sandboxes"]
+    ids = [child["id"] for child in children]
     assert len(ids) == 2
-    ran = forkd("exec", ids[0], "--", "python3", "-c", "print(6*7)")
-    assert (ran.returncode, ran.stdout) == (0, "42\n")
+    assert all(child["metadata"] == {"team": "qa"} and child["end_at"] for child in children)
+    assert "envs" not in children[0]  # envs may hold secrets: used, never returned
+    ran = forkd("exec", ids[0], "--", "python3", "-c", "import os; print(6*7, os.environ['STAGE'])")
+    assert (ran.returncode, ran.stdout) == (0, "42 ci\n")
+    assert forkd("fork", "--tag", snapshot_tag, "--env", "NOEQUALS").returncode == 2
     assert forkd("exec", ids[0], "--", "false").returncode == 1
     evaluated = forkd("eval", ids[1], "numpy.__name__")
     assert evaluated.stdout.strip() == "'numpy'"

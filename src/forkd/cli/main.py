@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -45,6 +47,14 @@ def progress_printer(prefix: str = "") -> Callable[[str], None]:
     return lambda line: err_console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {prefix}{line}")
 
 
+def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str]:
+    """``KEY=VALUE`` options as a dict; a pair without ``=`` is a usage error, not silently dropped."""
+    bad = [pair for pair in pairs if "=" not in pair or pair.startswith("=")]
+    if bad:
+        raise click.UsageError(f"{option} wants KEY=VALUE, got {bad[0]!r}")
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
 def print_json(data: Any) -> None:
     console.print_json(json.dumps(data))
 
@@ -57,12 +67,29 @@ def cli() -> None:
 
 @cli.command("daemon")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto", show_default=True)
-def daemon_command(accel: str) -> None:
-    """Run the daemon in the foreground (the CLI starts one in the background when needed)."""
-    from forkd.daemon.server import DaemonAlreadyRunning, run
+@click.option("--listen", metavar="HOST:PORT", help="also serve on TCP (needs a token: --token-file or FORKD_TOKEN)")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="file holding the bearer token TCP clients must send")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PEM certificate")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PEM private key")
+def daemon_command(accel: str, listen: str | None, token_file: Path | None, tls_cert: Path | None,
+                   tls_key: Path | None) -> None:
+    """Run the daemon in the foreground (the CLI starts one in the background when needed).
+
+    It always serves its 0600 Unix socket ($FORKD_SOCKET); with --listen also TCP, where every route
+    but /healthz needs `Authorization: Bearer <token>`.
+    """
+    from forkd.daemon.auth import TokenRejected
+    from forkd.daemon.server import DaemonAlreadyRunning, ListenerError, TcpListener, run
     try:
-        run(paths_from_env(), accel)
-    except DaemonAlreadyRunning as exc:
+        tcp = None
+        if listen is not None:
+            token = token_file.read_text() if token_file is not None else os.environ.get("FORKD_TOKEN")
+            tcp = TcpListener.parse(listen, token, tls_cert, tls_key)
+        elif token_file or tls_cert or tls_key:
+            raise click.UsageError("--token-file, --tls-cert and --tls-key apply to --listen")
+        run(paths_from_env(), accel, tcp)
+    except (DaemonAlreadyRunning, ListenerError, TokenRejected) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -184,12 +211,18 @@ def rmi(tag: str) -> None:
 @cli.command("fork")
 @click.option("--tag", required=True, help="snapshot to fork from")
 @click.option("-n", "count", default=1, show_default=True, help="number of children")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
+              help="seconds until the daemon kills each child (default: never)")
+@click.option("--env", "-e", "envs", multiple=True, help="KEY=VALUE default env of every command (repeatable)")
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE metadata kept with the sandbox (repeatable)")
 @click.option("--json", "as_json", is_flag=True)
 @reports_errors
-def fork(tag: str, count: int, as_json: bool) -> None:
+def fork(tag: str, count: int, timeout_s: float | None, envs: tuple[str, ...], labels: tuple[str, ...],
+         as_json: bool) -> None:
     """Fork N children from a snapshot; one line per child with its time to first answer."""
     started = time.monotonic()
-    result = daemon().fork(tag, count)
+    result = daemon().fork(tag, count, timeout_s=timeout_s, envs=key_values(envs, "--env"),
+                           metadata=key_values(labels, "--label"))
     total = time.monotonic() - started
     if as_json:
         print_json({**result, "total_seconds": total})
@@ -246,7 +279,7 @@ def kill(sandbox_ids: tuple[str, ...], kill_all: bool) -> None:
 def exec_command(sandbox_id: str, command: tuple[str, ...], shell: bool, envs: tuple[str, ...], cwd: str | None,
                  timeout: float) -> None:
     """Run a command in a sandbox, streaming its output; exits with the command's status."""
-    env = dict(pair.split("=", 1) for pair in envs if "=" in pair)
+    env = key_values(envs, "--env")
 
     def on_event(event: dict[str, Any]) -> None:
         if event.get("event") == "stdout":

@@ -14,27 +14,53 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from forkd import __version__
 from forkd.daemon import schemas
+from forkd.daemon.body_limit import BodyTooLarge
 from forkd.guest import protocol
 from forkd.host.doctor import run_checks
 from forkd.image.builder import ImageError, ImageNotFound, ImageSpec
+from forkd.image.spec import BASE_PACKAGES
 from forkd.packs.format import PackError
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
+from forkd.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.sandboxes import LiveSandbox, SandboxNotFound
+from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
 from forkd.runtime.snapshots import SnapshotConflict, SnapshotCorrupt, SnapshotError, SnapshotRequest
 from forkd.store.usage import directory_usage
 from forkd.validation import ValidationError, check_sandbox_id
 from forkd.vmm.base import SnapshotMismatch, VmmError
 
 NDJSON = "application/x-ndjson"
+_NDJSON_DOC = {"schema": {"type": "string", "description": "one JSON object per line: progress or event lines, "
+                                                          "then one {\"result\": ...} or {\"error\": ...} line"}}
+# How the routes that answer NDJSON (always, or when asked with "stream": true) are documented.
+NDJSON_ANSWER: dict[int | str, dict[str, Any]] = {200: {"content": {NDJSON: _NDJSON_DOC}, "description": "NDJSON"}}
+
+
+def _json_or_ndjson(model: str) -> dict[int | str, dict[str, Any]]:
+    return {200: {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}},
+                              NDJSON: _NDJSON_DOC},
+                  "description": "JSON, or NDJSON events with \"stream\": true"}}
+
+
+MAYBE_NDJSON_ANSWER = _json_or_ndjson("CommandOutcome")
+MAYBE_RUN_CODE_ANSWER = _json_or_ndjson("CodeOutcome")
+BYTES_ANSWER: dict[int | str, dict[str, Any]] = {200: {
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    "description": "the file's bytes"}}
+
+
+class NDJSONResponse(StreamingResponse):
+    media_type = NDJSON
+Pid = Annotated[int, PathParam(ge=1, le=1 << 22, description="a pid from exec's `started` event")]
 log = logging.getLogger("forkd.daemon")
 
 # Most specific first: the first matching class decides the status.
@@ -68,7 +94,7 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     return 500, {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
 
 
-def ndjson_stream(work: Callable[[Callable[[dict[str, Any]], None]], Awaitable[Any]]) -> StreamingResponse:
+def ndjson_stream(work: Callable[[Callable[[dict[str, Any]], None]], Awaitable[Any]]) -> NDJSONResponse:
     """Run ``work(emit)`` and stream what it emits, then its result or error, one JSON line each.
 
     ``emit`` may be called from worker threads. The work goes on if the client disconnects, so a
@@ -96,7 +122,7 @@ def ndjson_stream(work: Callable[[Callable[[dict[str, Any]], None]], Awaitable[A
         while (item := await queue.get()) is not None:
             yield (json.dumps(item) + "\n").encode()
 
-    return StreamingResponse(lines(), media_type=NDJSON)
+    return NDJSONResponse(lines())
 
 
 OUTPUT_EVENTS = (protocol.EVENT_STDOUT, protocol.EVENT_STDERR)
@@ -140,8 +166,20 @@ def create_app(runtime: Runtime) -> FastAPI:
         yield
         await runtime.stop()
 
-    app = FastAPI(title="forkd", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="forkd", version=__version__, lifespan=lifespan, responses=schemas.ERROR_RESPONSES,
                   description="Fork warm microVMs copy-on-write; every forkd client speaks this API.")
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
+        response = await call_next(request)
+        route = request.scope.get("route")
+        runtime.metrics.count_request(getattr(route, "path", "unmatched"), request.method, response.status_code)
+        return response
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, __: BodyTooLarge) -> JSONResponse:
+        return JSONResponse({"error": {"code": "body_too_large", "message": "request body over this route's limit"}},
+                            status_code=413)
 
     async def runtime_error(_: Request, exc: Exception) -> JSONResponse:
         status, body = error_body(exc)
@@ -163,9 +201,14 @@ def create_app(runtime: Runtime) -> FastAPI:
                          on_event=None) -> dict[str, Any]:
         return await sandbox(sandbox_id).agent.call(op, args, timeout=timeout, on_event=on_event)
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=schemas.Health)
     async def healthz() -> dict[str, Any]:
         return {"ok": True}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        """Prometheus exposition: sandboxes by state, snapshots, spawn/branch/agent latencies, errors by route."""
+        return PlainTextResponse(runtime.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/version")
     async def version() -> dict[str, Any]:
@@ -185,11 +228,11 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def images() -> dict[str, Any]:
         return {"images": [i.to_dict() for i in runtime.images()]}
 
-    @app.post("/v1/images")
+    @app.post("/v1/images", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
     async def build_image(body: schemas.ImageBuild) -> StreamingResponse:
         spec = ImageSpec(
             name=body.name,
-            packages=tuple(dict.fromkeys(("python3", "python3-numpy", *body.packages))),
+            packages=tuple(dict.fromkeys((*BASE_PACKAGES, *body.packages))),
             mirror=body.mirror,
             source_dir=Path(body.source_dir) if body.source_dir else None,
             source_oci=Path(body.source_oci) if body.source_oci else None,
@@ -209,11 +252,11 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     # snapshots
 
-    @app.get("/v1/snapshots")
+    @app.get("/v1/snapshots", response_model=schemas.SnapshotList)
     async def snapshots() -> dict[str, Any]:
         return {"snapshots": [{**s.to_dict(), "disk": directory_usage(s.path)} for s in runtime.registry.list_snapshots()]}
 
-    @app.post("/v1/snapshots")
+    @app.post("/v1/snapshots", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
     async def create_snapshot(body: schemas.SnapshotCreate) -> StreamingResponse:
         request = SnapshotRequest(tag=body.tag, image=body.image, memory_mib=body.memory_mib, vcpus=body.vcpus,
                                   warm_modules=tuple(body.warm_modules), warmup_cmd=body.warmup_cmd)
@@ -224,7 +267,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
         return ndjson_stream(work)
 
-    @app.get("/v1/snapshots/{tag}")
+    @app.get("/v1/snapshots/{tag}", response_model=schemas.Snapshot)
     async def get_snapshot(tag: str) -> dict[str, Any]:
         record = runtime.registry.get_snapshot(tag)
         if record is None:
@@ -241,19 +284,20 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     # sandboxes
 
-    @app.post("/v1/sandboxes", status_code=201)
+    @app.post("/v1/sandboxes", status_code=201, response_model=schemas.ForkResult)
     async def fork(body: schemas.SandboxCreate) -> dict[str, Any]:
-        outcomes = await runtime.sandboxes.fork(body.snapshot_tag, body.n)
+        options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata)
+        outcomes = await runtime.sandboxes.fork(body.snapshot_tag, body.n, options)
         return {
             "sandboxes": [o.sandbox for o in outcomes if o.sandbox is not None],
             "errors": [o.error for o in outcomes if o.error is not None],
         }
 
-    @app.get("/v1/sandboxes")
+    @app.get("/v1/sandboxes", response_model=schemas.SandboxList)
     async def list_sandboxes() -> dict[str, Any]:
         return {"sandboxes": [runtime.sandboxes.describe(s) for s in runtime.sandboxes.live()]}
 
-    @app.get("/v1/sandboxes/{sandbox_id}")
+    @app.get("/v1/sandboxes/{sandbox_id}", response_model=schemas.Sandbox)
     async def get_sandbox(sandbox_id: str) -> dict[str, Any]:
         return runtime.sandboxes.describe(sandbox(sandbox_id), with_memory=True)
 
@@ -262,13 +306,18 @@ def create_app(runtime: Runtime) -> FastAPI:
         await runtime.sandboxes.kill(check_sandbox_id(sandbox_id))
         return {"killed": sandbox_id}
 
+    @app.post("/v1/sandboxes/{sandbox_id}/timeout")
+    async def set_timeout(sandbox_id: str, body: schemas.TimeoutBody) -> dict[str, Any]:
+        return {"id": sandbox_id, "end_at": runtime.sandboxes.set_timeout(check_sandbox_id(sandbox_id), body.timeout_s)}
+
     @app.post("/v1/sandboxes/{sandbox_id}/ping")
     async def ping(sandbox_id: str) -> dict[str, Any]:
         return await agent_call(sandbox_id, protocol.OP_PING, {}, timeout=10)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=None)
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=None, responses=MAYBE_NDJSON_ANSWER)
     async def exec_command(sandbox_id: str, body: schemas.ExecRequest) -> dict[str, Any] | StreamingResponse:
-        args: dict[str, Any] = {"env": body.env}
+        live = sandbox(sandbox_id)
+        args: dict[str, Any] = {"env": {**live.record.meta.get("envs", {}), **body.env}}
         if body.cmd is not None:
             args["shell"] = body.cmd
         else:
@@ -278,14 +327,28 @@ def create_app(runtime: Runtime) -> FastAPI:
                 args[key] = getattr(body, key)
         if body.stdin is not None:
             args["stdin_b64"] = protocol.b64encode(body.stdin.encode())
-        return await output_answer(sandbox(sandbox_id), protocol.OP_EXEC, args, body.timeout_s, body.stream)
+        return await output_answer(live, protocol.OP_EXEC, args, body.timeout_s, body.stream)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/eval")
+    @app.get("/v1/sandboxes/{sandbox_id}/processes")
+    async def list_processes(sandbox_id: str) -> dict[str, Any]:
+        return await agent_call(sandbox_id, protocol.OP_PROC_LIST, {})
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/signal")
+    async def signal_process(sandbox_id: str, pid: Pid, body: schemas.SignalBody) -> dict[str, Any]:
+        await agent_call(sandbox_id, protocol.OP_PROC_KILL, {"pid": pid, "signal": body.signal})
+        return {"pid": pid, "signal": body.signal}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin")
+    async def write_stdin(sandbox_id: str, pid: Pid, body: schemas.StdinBody) -> dict[str, Any]:
+        return await agent_call(sandbox_id, protocol.OP_PROC_STDIN,
+                                {"pid": pid, "data_b64": protocol.b64encode(body.data.encode()), "eof": body.eof})
+
+    @app.post("/v1/sandboxes/{sandbox_id}/eval", response_model=schemas.CodeOutcome)
     async def eval_expr(sandbox_id: str, body: schemas.EvalRequest) -> dict[str, Any]:
         return await agent_call(sandbox_id, protocol.OP_EVAL, {"expr": body.expr, "context": body.context},
                                 timeout=body.timeout_s)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/run_code", response_model=None)
+    @app.post("/v1/sandboxes/{sandbox_id}/run_code", response_model=None, responses=MAYBE_RUN_CODE_ANSWER)
     async def run_code(sandbox_id: str, body: schemas.RunCodeRequest) -> dict[str, Any] | StreamingResponse:
         args: dict[str, Any] = {"code": body.code, "context": body.context}
         if body.timeout_s is not None:
@@ -294,7 +357,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     # files: raw bytes in and out, chunked to the agent
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files")
+    @app.get("/v1/sandboxes/{sandbox_id}/files", response_class=StreamingResponse, responses=BYTES_ANSWER)
     async def read_file(sandbox_id: str, path: str = Query(min_length=1, max_length=4096)) -> StreamingResponse:
         live = sandbox(sandbox_id)
         first = await live.agent.call(protocol.OP_FILES_READ, {"path": path, "offset": 0})
@@ -337,11 +400,11 @@ def create_app(runtime: Runtime) -> FastAPI:
             await send(bytes(buffer))
         return {"path": path, "size": written}
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/list")
+    @app.get("/v1/sandboxes/{sandbox_id}/files/list", response_model=schemas.FileList)
     async def list_files(sandbox_id: str, path: str = Query(min_length=1, max_length=4096)) -> dict[str, Any]:
         return await agent_call(sandbox_id, protocol.OP_FILES_LIST, {"path": path})
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/stat")
+    @app.get("/v1/sandboxes/{sandbox_id}/files/stat", response_model=schemas.FileEntry)
     async def stat_file(sandbox_id: str, path: str = Query(min_length=1, max_length=4096)) -> dict[str, Any]:
         return await agent_call(sandbox_id, protocol.OP_FILES_STAT, {"path": path})
 

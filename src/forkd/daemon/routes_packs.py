@@ -11,10 +11,9 @@ import asyncio
 from pathlib import Path
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 
 from forkd.daemon import schemas
-from forkd.daemon.app import ndjson_stream
+from forkd.daemon.app import NDJSON_ANSWER, NDJSONResponse, ndjson_stream
 from forkd.packs.archive import check_output
 from forkd.runtime.runtime import Runtime
 
@@ -23,29 +22,29 @@ def packs_router(runtime: Runtime) -> APIRouter:
     router = APIRouter(prefix="/v1/packs", tags=["packs"])
     packs = runtime.packs
 
-    @router.post("")
-    async def pack(body: schemas.PackCreate) -> StreamingResponse:
+    @router.post("", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
+    async def pack(body: schemas.PackCreate) -> NDJSONResponse:
         packs.chain(body.tag)  # 404 for an unknown snapshot, before streaming
         check_output(Path(body.path), body.force)
         return ndjson_stream(lambda emit: packs.pack(body.tag, Path(body.path), body.force,
                                                      lambda line: emit({"progress": line})))
 
-    @router.post("/unpack")
-    async def unpack(body: schemas.PackUnpack) -> StreamingResponse:
+    @router.post("/unpack", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
+    async def unpack(body: schemas.PackUnpack) -> NDJSONResponse:
         manifest = await asyncio.to_thread(packs.inspect, Path(body.path))
         packs.plan(manifest, body.tag, body.force)
         return ndjson_stream(lambda emit: packs.unpack(Path(body.path), body.tag, body.force,
                                                        lambda line: emit({"progress": line})))
 
-    @router.post("/pull")
-    async def pull(body: schemas.PackPull) -> StreamingResponse:
+    @router.post("/pull", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
+    async def pull(body: schemas.PackPull) -> NDJSONResponse:
         source = await packs.resolve(body.url, body.index, body.name, body.sha256, body.tag)
         if source.tag is not None:
             packs.check_target(source.tag, body.force)
         return ndjson_stream(lambda emit: packs.pull(source, body.force, lambda line: emit({"progress": line})))
 
-    @router.post("/push")
-    async def push(body: schemas.PackPush) -> StreamingResponse:
+    @router.post("/push", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
+    async def push(body: schemas.PackPush) -> NDJSONResponse:
         packs.chain(body.tag)
         return ndjson_stream(lambda emit: packs.push(body.tag, body.url, lambda line: emit({"progress": line})))
 

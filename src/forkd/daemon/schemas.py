@@ -11,6 +11,15 @@ from forkd.validation import TAG_PATTERN
 Tag = Annotated[str, Field(pattern=TAG_PATTERN, description="[A-Za-z0-9_-]{1,64}")]
 MAX_CHILDREN_PER_REQUEST = 1000
 MAX_TIMEOUT_S = 24 * 3600
+MAX_SANDBOX_TIMEOUT_S = 30 * 24 * 3600
+MAX_STDIN_CHARS = 8 << 20  # base64 of it must fit one 16 MiB agent frame
+
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
+Envs = Annotated[dict[EnvName, Annotated[str, Field(max_length=1 << 16)]], Field(max_length=1024)]
+MetadataKey = Annotated[str, Field(min_length=1, max_length=128)]
+Metadata = Annotated[dict[MetadataKey, Annotated[str, Field(max_length=4096)]], Field(max_length=64)]
+SandboxTimeout = Annotated[float, Field(gt=0, le=MAX_SANDBOX_TIMEOUT_S,
+                                        description="seconds until the daemon kills the sandbox")]
 
 
 class Strict(BaseModel):
@@ -20,7 +29,7 @@ class Strict(BaseModel):
 class ImageBuild(Strict):
     name: Tag = "default"
     packages: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9+.-]{0,99}$")]] = Field(
-        default_factory=list, max_length=200, description="Debian packages added to python3 and python3-numpy")
+        default_factory=list, max_length=200, description="Debian packages added to python3, python3-numpy and python3-pytest")
     mirror: str | None = Field(default=None, max_length=1000)
     source_dir: str | None = Field(default=None, max_length=4096)
     source_oci: str | None = Field(default=None, max_length=4096)
@@ -41,14 +50,31 @@ class SnapshotCreate(Strict):
 class SandboxCreate(Strict):
     snapshot_tag: Tag
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHILDREN_PER_REQUEST)
+    timeout_s: SandboxTimeout | None = None
+    envs: Envs = Field(default_factory=dict, description="default environment of every command in the sandbox")
+    metadata: Metadata = Field(default_factory=dict, description="labels returned with the sandbox")
+
+
+class TimeoutBody(Strict):
+    timeout_s: SandboxTimeout
+
+
+class SignalBody(Strict):
+    signal: StrictInt = Field(default=9, ge=1, le=64)
+
+
+class StdinBody(Strict):
+    data: str = Field(default="", max_length=MAX_STDIN_CHARS)
+    eof: bool = False
 
 
 class ExecRequest(Strict):
     cmd: str | None = Field(default=None, max_length=1 << 20, description="shell command (/bin/sh -c)")
     argv: list[str] | None = Field(default=None, min_length=1, max_length=4096)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: Envs = Field(default_factory=dict, description="merged over the sandbox's default envs")
     cwd: str | None = Field(default=None, max_length=4096)
-    stdin: str | None = Field(default=None, max_length=64 << 20)
+    stdin: str | None = Field(default=None, max_length=MAX_STDIN_CHARS,
+                              description="written to stdin, then closed; absent: stdin stays open for /stdin")
     timeout_s: float | None = Field(default=60.0, gt=0, le=MAX_TIMEOUT_S)
     user: str | None = Field(default=None, max_length=64)
     stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")
@@ -122,3 +148,119 @@ class PackPull(Strict):
 class PackPush(Strict):
     tag: Tag
     url: Annotated[str, Field(min_length=8, max_length=8192, pattern=r"^https?://")]
+# Answers. They allow extra fields: a snapshot or sandbox carries backend-specific details.
+
+class Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(Open):
+    code: str
+    message: str
+
+
+class ErrorBody(Open):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    # Errors are JSON even on routes that answer NDJSON or bytes, hence the explicit content type.
+    status: {"model": ErrorBody, "description": description,
+             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    for status, description in {
+        400: "invalid request or state", 401: "missing or wrong bearer token (TCP only)", 404: "not found",
+        409: "conflict: busy, in use, mismatched or corrupt snapshot", 413: "body too large",
+        422: "request body or parameters fail the schema", 500: "internal error",
+        502: "the guest agent is unreachable", 503: "over a concurrency cap", 504: "timed out",
+    }.items()
+}
+
+
+class Health(Open):
+    ok: bool
+
+
+class MemoryUse(Open):
+    pss_kib: int
+    private_dirty_kib: int
+    rss_kib: int
+
+
+class Sandbox(Open):
+    id: str
+    snapshot_tag: str
+    status: str
+    pid: int | None
+    created_at: float
+    end_at: float | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    memory: MemoryUse | None = None
+
+
+class SandboxList(Open):
+    sandboxes: list[Sandbox]
+
+
+class ForkResult(Open):
+    sandboxes: list[Sandbox]
+    errors: list[str] = Field(description="one message per child that failed; the others still started")
+
+
+class Snapshot(Open):
+    tag: str
+    status: str
+    image: str
+    path: str
+    created_at: float
+
+
+class DiskUsage(Open):
+    logical_bytes: int = Field(description="sum of the snapshot's file sizes")
+    physical_bytes: int = Field(description="blocks allocated to them, each inode once (holes are free)")
+
+
+class ListedSnapshot(Snapshot):
+    disk: DiskUsage
+
+
+class SnapshotList(Open):
+    snapshots: list[ListedSnapshot]
+
+
+class Printed(Open):
+    """What a command or cell printed; empty when its output was streamed as events instead."""
+
+    stdout: str = ""
+    stderr: str = ""
+
+
+class CommandOutcome(Printed):
+    exit_code: int
+    signal: int | None = None
+    timed_out: bool
+    duration_s: float
+
+
+class CodeError(Open):
+    name: str
+    value: str
+    traceback: str
+
+
+class CodeOutcome(Printed):
+    value: str | None = None
+    value_json: object = None
+    error: CodeError | None = None
+
+
+class FileEntry(Open):
+    name: str
+    path: str
+    type: str
+    size: int
+    mode: int
+    mtime: float
+
+
+class FileList(Open):
+    entries: list[FileEntry]

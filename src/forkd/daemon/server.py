@@ -1,25 +1,74 @@
-"""Running the daemon: uvicorn serving the API on a Unix socket only its owner can open."""
+"""Running the daemon: uvicorn serving the API on a Unix socket only its owner can open, and
+optionally on TCP (always with a bearer token, optionally TLS).
+
+Both listeners serve one app and one runtime; each request passes, outermost first, the audit log,
+(on TCP) the token check and the body-size limit.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
+import signal
 import socket
+import ssl
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 
 from forkd.config import Paths
 from forkd.daemon.app import create_app
+from forkd.daemon.audit import AuditLog, AuditMiddleware
+from forkd.daemon.auth import TokenAuth, check_token
+from forkd.daemon.body_limit import BodyLimit
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.qemu import QemuVmm
 
+log = logging.getLogger("forkd.daemon")
 
 
 class DaemonAlreadyRunning(RuntimeError):
     pass
+
+
+class ListenerError(ValueError):
+    """The TCP listener cannot be set up as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class TcpListener:
+    host: str
+    port: int
+    token: str
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    @classmethod
+    def parse(cls, address: str, token: str | None, tls_cert: Path | None = None,
+              tls_key: Path | None = None) -> TcpListener:
+        """``HOST:PORT`` (``[v6]:PORT`` for IPv6) with a token fit for the network, and TLS files that load."""
+        host, sep, port = address.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ListenerError(f"--listen wants HOST:PORT (e.g. 127.0.0.1:7070), not {address!r}")
+        if (tls_cert is None) != (tls_key is None):
+            raise ListenerError("TLS needs both --tls-cert and --tls-key")
+        if tls_cert is not None and tls_key is not None:
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tls_cert, tls_key)
+            except (OSError, ssl.SSLError) as exc:
+                raise ListenerError(f"cannot load the TLS certificate {tls_cert} / key {tls_key}: {exc}") from None
+        return cls(host=host, port=int(port), token=check_token(token), tls_cert=tls_cert, tls_key=tls_key)
+
+    @property
+    def loopback(self) -> bool:
+        with contextlib.suppress(ValueError):
+            return ipaddress.ip_address(self.host).is_loopback
+        return self.host == "localhost"
 
 
 def bind_private_socket(path: Path) -> socket.socket:
@@ -46,19 +95,59 @@ def bind_private_socket(path: Path) -> socket.socket:
     return sock
 
 
-async def serve(paths: Paths, accelerator: str = "auto") -> None:
-    sock = bind_private_socket(paths.socket)
-    runtime = Runtime(paths, QemuVmm(accelerator=accelerator))
-    config = uvicorn.Config(create_app(runtime), log_level="warning", timeout_graceful_shutdown=5,
-                            h11_max_incomplete_event_size=1 << 20)
-    server = uvicorn.Server(config)
+def bind_tcp(listener: TcpListener) -> socket.socket:
+    family = socket.AF_INET6 if ":" in listener.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        await server.serve(sockets=[sock])
+        sock.bind((listener.host, listener.port))
+    except OSError as exc:
+        sock.close()
+        raise ListenerError(f"cannot listen on {listener.host}:{listener.port}: {exc.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+def _server(app: object, lifespan: str, listener: TcpListener | None = None) -> uvicorn.Server:
+    tls = {"ssl_certfile": str(listener.tls_cert), "ssl_keyfile": str(listener.tls_key)} \
+        if listener is not None and listener.tls_cert is not None else {}
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan=lifespan,
+                                         h11_max_incomplete_event_size=1 << 20, **tls))  # type: ignore[arg-type]
+
+
+async def serve(paths: Paths, accelerator: str = "auto", tcp: TcpListener | None = None) -> None:
+    sockets = [bind_private_socket(paths.socket)]
+    try:
+        if tcp is not None:
+            sockets.append(bind_tcp(tcp))
+    except BaseException:
+        sockets[0].close()
+        paths.socket.unlink(missing_ok=True)
+        raise
+    runtime = Runtime(paths, QemuVmm(accelerator=accelerator))
+    audit = AuditLog(paths.audit_log)
+    api = BodyLimit(create_app(runtime))
+    # The Unix listener runs the app's lifespan (start, and on shutdown kill every child).
+    servers = [_server(AuditMiddleware(api, audit, "unix"), "on")]
+    if tcp is not None:
+        servers.append(_server(AuditMiddleware(TokenAuth(api, tcp.token), audit, "tcp"), "off", tcp))
+        scheme = "https" if tcp.tls_cert else "http"
+        log.info("listening on %s://%s:%d (bearer token required)%s", scheme, tcp.host, tcp.port,
+                 "" if tcp.loopback or tcp.tls_cert else "; WARNING: no TLS on a non-loopback address")
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, audit.reopen)
+    try:
+        tasks = [asyncio.create_task(server.serve(sockets=[sock])) for server, sock in zip(servers, sockets)]
+        # uvicorn's signal handling reaches the last server started; stop the others with it.
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for server in servers:
+            server.should_exit = True
+        await asyncio.gather(*tasks)
     finally:
+        audit.close()
         with contextlib.suppress(FileNotFoundError):
             paths.socket.unlink()
 
 
-def run(paths: Paths, accelerator: str = "auto") -> None:
+def run(paths: Paths, accelerator: str = "auto", tcp: TcpListener | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(paths, accelerator))
+    asyncio.run(serve(paths, accelerator, tcp))

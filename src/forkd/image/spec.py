@@ -23,13 +23,17 @@ _PACKAGE_RE = re.compile(r"[a-z0-9][a-z0-9+.-]+")  # Debian policy 5.6.1
 _SUITE_RE = re.compile(r"[a-z0-9][a-z0-9.-]*")
 
 
+# Every image: Python, numpy for the warm-runtime demo, pytest for test fan-out (evaluation harnesses).
+BASE_PACKAGES = ("python3", "python3-numpy", "python3-pytest")
+
+
 @dataclass(frozen=True)
 class ImageSpec:
     """The inputs of an image build. Fields are checked on creation, since they reach commands and paths."""
 
     name: str = "default"
     suite: str = "bookworm"
-    packages: tuple[str, ...] = ("python3", "python3-numpy")
+    packages: tuple[str, ...] = BASE_PACKAGES
     mirror: str | None = None
     kernel_package: str = "linux-image-cloud-amd64"
     kernel_suite: str = "bookworm-backports"

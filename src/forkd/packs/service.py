@@ -165,8 +165,7 @@ class PackService:
         return plan
 
     def inspect(self, source: Path) -> Manifest:
-        if not source.is_absolute():
-            raise PackError(f"pack {source} must be an absolute path on the daemon's host")
+        transfer.check_regular_file(source)
         try:
             return archive.read_manifest(source)
         except OSError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -43,8 +44,20 @@ def local_path(url: str) -> Path | None:
     raise PackError(f"cannot fetch {shown(url)!r}: use an http(s):// or file:// URL or an absolute path")
 
 
+def check_regular_file(path: Path) -> None:
+    """Refuse anything but an existing regular file at an absolute path (a FIFO or device could block)."""
+    if not path.is_absolute():
+        raise PackError(f"pack {path} must be an absolute path on the daemon's host")
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise PackError(f"{path} is not a regular file")
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise PackError(f"cannot read pack {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
 def check_advertised(path: Path, sha256: str | None, size: int | None, progress: Progress) -> str:
     """Hash a local file and compare it with what was advertised; returns its SHA-256."""
+    check_regular_file(path)
     actual_size = path.stat().st_size
     if size is not None and actual_size != size:
         raise PackError(f"{path} holds {actual_size} bytes, {size} were advertised")

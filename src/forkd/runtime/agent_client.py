@@ -55,6 +55,7 @@ class AgentClient:
         self._write_lock = asyncio.Lock()
         self._closed_reason: str | None = None
         self._reader_task = asyncio.create_task(self._read_loop())
+        self.on_roundtrip: Callable[[str, float], None] | None = None  # (op, seconds) of each answered call
 
     @classmethod
     async def connect(cls, socket_path: Path, timeout: float = 10.0) -> AgentClient:
@@ -81,6 +82,7 @@ class AgentClient:
         if self._closed_reason is not None:
             raise AgentUnavailable(self._closed_reason)
         req_id = next(self._ids)
+        started = time.monotonic()
         pending = _Pending(on_event)
         self._pending[req_id] = pending
         try:
@@ -94,6 +96,8 @@ class AgentClient:
             raise AgentUnavailable(f"connection to the agent failed: {exc}") from None
         finally:
             self._pending.pop(req_id, None)
+        if self.on_roundtrip is not None:
+            self.on_roundtrip(op, time.monotonic() - started)
         if frame.get("ok"):
             return frame.get("result") or {}
         err = frame.get("error") or {}

@@ -49,6 +49,9 @@ class SnapshotRecord:
                 "created_at": self.created_at, **self.meta}
 
 
+PRIVATE_SANDBOX_META = frozenset({"envs"})  # may hold secrets: used by the daemon, never returned
+
+
 @dataclass
 class SandboxRecord:
     id: str
@@ -60,8 +63,9 @@ class SandboxRecord:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        public = {k: v for k, v in self.meta.items() if k not in PRIVATE_SANDBOX_META}
         return {"id": self.id, "snapshot_tag": self.snapshot_tag, "status": self.status, "pid": self.pid,
-                "created_at": self.created_at, **self.meta}
+                "created_at": self.created_at, **public}
 
 
 class Registry:

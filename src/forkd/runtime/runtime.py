@@ -11,6 +11,7 @@ from collections.abc import Callable
 from forkd.config import Paths
 from forkd.image.builder import Image, ImageSpec, build_image, list_images, load_image, remove_image
 from forkd.packs.service import PackService
+from forkd.runtime.metrics import Metrics
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
@@ -26,15 +27,26 @@ class Runtime:
         self.vmm = vmm
         self.registry = Registry(paths.db)
         self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
-        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots)
+        self.metrics = Metrics()
+        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics)
         self.packs = PackService(paths, self.registry, vmm, self.snapshots, self.sandboxes.count_of)
+        self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
+                                  lambda: (s.status for s in self.registry.list_snapshots()))
         self._image_lock = asyncio.Lock()
+        self._deadline_keeper: asyncio.Task[None] | None = None
 
     def start(self) -> list[str]:
-        """Reap whatever a previous daemon left behind; returns the sandbox ids reaped."""
-        return self.sandboxes.reap_stale()
+        """Reap whatever a previous daemon left behind and start enforcing sandbox timeouts.
+
+        Called from the daemon's event loop; returns the sandbox ids reaped.
+        """
+        reaped = self.sandboxes.reap_stale()
+        self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
+        return reaped
 
     async def stop(self) -> None:
+        if self._deadline_keeper is not None:
+            self._deadline_keeper.cancel()
         await asyncio.gather(self.sandboxes.kill_all(), self.snapshots.abort_all())
         self.registry.close()
 

@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import shutil
 import string
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from forkd.config import Paths
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_answering
+from forkd.runtime.metrics import Metrics
 from forkd.runtime.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
+log = logging.getLogger("forkd.sandboxes")
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
 
@@ -46,6 +49,15 @@ class LiveSandbox:
     killing: bool = False
 
 
+@dataclass(frozen=True)
+class ForkOptions:
+    """What a fork request sets per child besides the snapshot: lifetime, default env, labels."""
+
+    timeout_s: float | None = None  # the daemon kills the child this long after it answered
+    envs: dict[str, str] = field(default_factory=dict)  # defaults for every command run in it
+    metadata: dict[str, str] = field(default_factory=dict)  # caller's labels, returned as given
+
+
 @dataclass
 class ForkOutcome:
     """One child of a fork request: either a sandbox or the reason it failed."""
@@ -56,36 +68,42 @@ class ForkOutcome:
 
 
 class SandboxService:
-    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotService) -> None:
+    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotService,
+                 metrics: Metrics) -> None:
         self.paths = paths
+        self.metrics = metrics
         self.registry = registry
         self.vmm = vmm
         self.snapshots = snapshots
         self._live: dict[str, LiveSandbox] = {}
 
-    async def fork(self, tag: str, count: int) -> list[ForkOutcome]:
+    async def fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> list[ForkOutcome]:
         """Restore ``count`` children of snapshot ``tag`` concurrently; per-child outcome, same order."""
         started = time.monotonic()
         record, saved, spec = await asyncio.to_thread(self.snapshots.open, tag)
 
         async def one() -> ForkOutcome:
             try:
-                sandbox = await self._spawn(record.tag, saved, spec)
+                sandbox = await self._spawn(record.tag, saved, spec, options)
             except (VmmError, AgentError, OSError) as exc:
+                self.metrics.spawn_failures.inc()
                 return ForkOutcome(error=str(exc))
             elapsed = time.monotonic() - started
-            sandbox.record.meta["seconds_to_answer"] = round(elapsed, 4)
-            self.registry.update_sandbox(sandbox.record.id, meta={"seconds_to_answer": round(elapsed, 4)})
+            self.metrics.spawn_seconds.observe(elapsed)
+            self._update_meta(sandbox, seconds_to_answer=round(elapsed, 4))
+            if options.timeout_s is not None:
+                self.set_timeout(sandbox.record.id, options.timeout_s)
             return ForkOutcome(sandbox=self.describe(sandbox), seconds_to_answer=elapsed)
 
         return list(await asyncio.gather(*(one() for _ in range(count))))
 
-    async def _spawn(self, tag: str, saved: SavedVm, spec: BootSpec) -> LiveSandbox:
+    async def _spawn(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions) -> LiveSandbox:
         sandbox_id = new_sandbox_id()
         run_dir = self.paths.sandboxes / sandbox_id
         run_dir.mkdir(parents=True)
         record = SandboxRecord(id=sandbox_id, snapshot_tag=tag, status="starting", pid=None, run_dir=run_dir,
-                               created_at=time.time(), meta={"hostname": sandbox_id})
+                               created_at=time.time(), meta={"hostname": sandbox_id, "envs": options.envs,
+                                                             "metadata": options.metadata, "end_at": None})
         self.registry.add_sandbox(record)
         vm: VmHandle | None = None
         agent: AgentClient | None = None
@@ -107,6 +125,7 @@ class SandboxService:
                 await self.vmm.kill(vm)
             self._release_files(sandbox_id, run_dir)
             raise
+        agent.on_roundtrip = lambda op, seconds: self.metrics.agent_roundtrip_seconds.labels(op).observe(seconds)
         record.pid = vm.pid
         record.status = "running"
         self.registry.update_sandbox(sandbox_id, status="running")
@@ -127,6 +146,33 @@ class SandboxService:
     def _release_files(self, sandbox_id: str, run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
         self.registry.remove_sandbox(sandbox_id)
+
+    def _update_meta(self, live: LiveSandbox, **meta: Any) -> None:
+        live.record.meta.update(meta)
+        self.registry.update_sandbox(live.record.id, meta=meta)
+
+    def set_timeout(self, sandbox_id: str, timeout_s: float) -> float:
+        """Kill the sandbox ``timeout_s`` from now (replacing any earlier deadline); returns the deadline."""
+        end_at = round(time.time() + timeout_s, 3)
+        self._update_meta(self.get(sandbox_id), end_at=end_at)
+        return end_at
+
+    async def expire(self, now: float | None = None) -> list[str]:
+        """Kill every sandbox whose deadline has passed; returns their ids."""
+        now = time.time() if now is None else now
+        expired = [s.record.id for s in self.live()
+                   if s.record.meta.get("end_at") is not None and s.record.meta["end_at"] <= now and not s.killing]
+        for sandbox_id in expired:
+            log.info("sandbox %s reached its timeout: killing it", sandbox_id)
+            with contextlib.suppress(SandboxNotFound):
+                await self.kill(sandbox_id)
+        return expired
+
+    async def expire_forever(self, interval_s: float = 1.0) -> None:
+        """The daemon's deadline keeper: a sandbox outlives its timeout by at most ``interval_s``."""
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.expire()
 
     def get(self, sandbox_id: str) -> LiveSandbox:
         live = self._live.get(sandbox_id)

@@ -6,42 +6,40 @@ or ``http(s)://host:port``; ``FORKD_TOKEN`` is sent as a bearer token when set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 
 from forkd.config import paths_from_env
+from forkd.sdk.errors import DaemonUnreachable, ForkdError, error_for
+
+__all__ = ["Controller", "DaemonUnreachable", "EventStream", "ForkdError"]
 
 LONG_TIMEOUT_S = 3600.0
 
 
-class ForkdError(RuntimeError):
-    """The daemon refused or failed a request; ``status`` and ``code`` say how."""
+def client_options(url: str | None, token: str | None, timeout: float) -> tuple[str, dict[str, Any]]:
+    """Where the daemon is and how to talk to it (for ``httpx.Client`` or ``httpx.AsyncClient``).
 
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-
-
-class DaemonUnreachable(ForkdError):
-    def __init__(self, where: str, reason: str) -> None:
-        super().__init__(0, "unreachable", f"cannot reach the forkd daemon at {where}: {reason}")
-
-
-def _client_for(url: str | None, token: str | None, timeout: float) -> tuple[httpx.Client, str]:
+    ``FORKD_CA_CERT`` names a CA bundle that signed the daemon's TLS certificate.
+    """
     url = url or os.environ.get("FORKD_URL") or f"unix://{paths_from_env().socket}"
     token = token or os.environ.get("FORKD_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    options: dict[str, Any] = {"headers": {"Authorization": f"Bearer {token}"} if token else {}, "timeout": timeout}
     if url.startswith("unix://"):
-        socket_path = url[len("unix://"):]
-        transport = httpx.HTTPTransport(uds=socket_path)
-        return httpx.Client(transport=transport, base_url="http://forkd", headers=headers, timeout=timeout), url
-    return httpx.Client(base_url=url, headers=headers, timeout=timeout), url
+        options.update(base_url="http://forkd", transport=httpx.HTTPTransport(uds=url[len("unix://"):]))
+    elif url.startswith(("http://", "https://")):
+        options["base_url"] = url
+        if os.environ.get("FORKD_CA_CERT"):
+            options["verify"] = ssl.create_default_context(cafile=os.environ["FORKD_CA_CERT"])
+    else:
+        raise ValueError(f"FORKD_URL must start with unix://, http:// or https://, not {url!r}")
+    return url, options
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -52,14 +50,73 @@ def _raise_for(response: httpx.Response) -> None:
         code, message = err.get("code", "error"), err.get("message", response.text)
     except (ValueError, AttributeError):
         code, message = "error", response.text
-    raise ForkdError(response.status_code, code, message)
+    raise error_for(response.status_code, code, message)
+
+
+class EventStream:
+    """An NDJSON answer being read: iterate its events; ``result`` is set once the last line came.
+
+    Kept open across calls so a background command's events can be read long after it started.
+    """
+
+    def __init__(self, context: Any, url: str) -> None:
+        self._context = context
+        self._url = url
+        try:
+            self._response: httpx.Response = context.__enter__()
+            if not self._response.is_success:
+                self._response.read()
+                _raise_for(self._response)
+        except httpx.TransportError as exc:
+            self.close()
+            raise DaemonUnreachable(url, str(exc) or type(exc).__name__) from None
+        except BaseException:
+            self.close()
+            raise
+        self._lines = self._response.iter_lines()
+        self.result: Any = None
+        self.done = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        try:
+            for text in self._lines:
+                if not text.strip():
+                    continue
+                line = json.loads(text)
+                if "result" in line or "error" in line:
+                    self.done = True
+                    self.close()
+                    if "error" in line:
+                        err = line["error"]
+                        raise error_for(_STREAM_ERROR_STATUS.get(err.get("code"), 500), err.get("code", "error"),
+                                        err.get("message", ""))
+                    self.result = line["result"]
+                    return
+                yield line
+        except httpx.TransportError as exc:
+            raise DaemonUnreachable(self._url, str(exc) or type(exc).__name__) from None
+        finally:
+            if not self.done:
+                self.close()
+        if not self.done:
+            raise ForkdError(500, "truncated", "the daemon closed the stream without a result")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._context.__exit__(None, None, None)
+
+
+# Errors inside a stream arrive after the 200 status line; their code says what the status would have been.
+_STREAM_ERROR_STATUS = {"not_found": 404, "timeout": 504, "invalid_request": 400, "bad_request": 400,
+                        "conflict": 409, "agent_unavailable": 502}
 
 
 class Controller:
     """Synchronous client for the forkd REST API."""
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0) -> None:
-        self._http, self.url = _client_for(url, token, timeout)
+        self.url, options = client_options(url, token, timeout)
+        self._http = httpx.Client(**options)
 
     def close(self) -> None:
         self._http.close()
@@ -78,31 +135,18 @@ class Controller:
         _raise_for(response)
         return response.json()
 
+    def open_stream(self, method: str, path: str, **kwargs: Any) -> EventStream:
+        """Send a request answered with NDJSON and return the open stream of its events."""
+        return EventStream(self._http.stream(method, path, timeout=LONG_TIMEOUT_S, **kwargs), self.url)
+
     def stream(self, method: str, path: str, on_line: Callable[[dict[str, Any]], None] | None = None,
                **kwargs: Any) -> Any:
         """Send a request answered with NDJSON; pass every line to ``on_line``, return the ``result``."""
-        try:
-            with self._http.stream(method, path, timeout=LONG_TIMEOUT_S, **kwargs) as response:
-                if not response.is_success:
-                    response.read()
-                    _raise_for(response)
-                for line in self._lines(response.iter_lines()):
-                    if "result" in line:
-                        return line["result"]
-                    if "error" in line:
-                        err = line["error"]
-                        raise ForkdError(500, err.get("code", "error"), err.get("message", ""))
-                    if on_line is not None:
-                        on_line(line)
-        except httpx.TransportError as exc:
-            raise DaemonUnreachable(self.url, str(exc) or type(exc).__name__) from None
-        raise ForkdError(500, "truncated", "the daemon closed the stream without a result")
-
-    @staticmethod
-    def _lines(raw: Iterator[str]) -> Iterator[dict[str, Any]]:
-        for text in raw:
-            if text.strip():
-                yield json.loads(text)
+        events = self.open_stream(method, path, **kwargs)
+        for line in events:
+            if on_line is not None:
+                on_line(line)
+        return events.result
 
     # daemon
 
@@ -143,9 +187,20 @@ class Controller:
 
     # sandboxes
 
-    def fork(self, tag: str, n: int = 1) -> dict[str, Any]:
-        """``{"sandboxes": [...], "errors": [...]}``: a failed child does not fail the others."""
-        return self.request("POST", "/v1/sandboxes", json={"snapshot_tag": tag, "n": n}, timeout=LONG_TIMEOUT_S)
+    def fork(self, tag: str, n: int = 1, *, timeout_s: float | None = None, envs: dict[str, str] | None = None,
+             metadata: dict[str, str] | None = None) -> dict[str, Any]:
+        """``{"sandboxes": [...], "errors": [...]}``: a failed child does not fail the others.
+
+        ``timeout_s``: the daemon kills each child that long after it answered (renew with ``set_timeout``).
+        """
+        body: dict[str, Any] = {"snapshot_tag": tag, "n": n, "envs": envs or {}, "metadata": metadata or {}}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return self.request("POST", "/v1/sandboxes", json=body, timeout=LONG_TIMEOUT_S)
+
+    def set_timeout(self, sandbox_id: str, timeout_s: float) -> float:
+        """Kill the sandbox ``timeout_s`` from now; returns the deadline (Unix time)."""
+        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/timeout", json={"timeout_s": timeout_s})["end_at"]
 
     def sandboxes(self) -> list[dict[str, Any]]:
         return self.request("GET", "/v1/sandboxes")["sandboxes"]
@@ -161,42 +216,66 @@ class Controller:
 
     def exec(self, sandbox_id: str, cmd: str | list[str], *, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: str | None = None, timeout_s: float | None = 60.0,
-             on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+             user: str | None = None, on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Run a command; with ``on_event`` output is streamed as it arrives and the result has no stdout/stderr."""
-        body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
-        body.update({"env": env or {}, "timeout_s": timeout_s})
-        if cwd is not None:
-            body["cwd"] = cwd
-        if stdin is not None:
-            body["stdin"] = stdin
+        body = _exec_body(cmd, env, cwd, stdin, timeout_s, user)
         path = f"/v1/sandboxes/{sandbox_id}/exec"
         if on_event is None:
             return self.request("POST", path, json=body, timeout=_call_timeout(timeout_s))
         return self.stream("POST", path, on_event, json={**body, "stream": True})
 
+    def start_exec(self, sandbox_id: str, cmd: str | list[str], *, env: dict[str, str] | None = None,
+                   cwd: str | None = None, stdin: str | None = None, timeout_s: float | None = 60.0,
+                   user: str | None = None) -> EventStream:
+        """Start a command and return its open event stream (``started`` with the pid comes first).
+
+        ``stdin=None`` keeps the command's stdin open for ``send_stdin``.
+        """
+        return self.open_stream("POST", f"/v1/sandboxes/{sandbox_id}/exec",
+                                json={**_exec_body(cmd, env, cwd, stdin, timeout_s, user), "stream": True})
+
+    def processes(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return self.request("GET", f"/v1/sandboxes/{sandbox_id}/processes")["processes"]
+
+    def signal_process(self, sandbox_id: str, pid: int, signal: int = 9) -> None:
+        self.request("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal", json={"signal": signal})
+
+    def send_stdin(self, sandbox_id: str, pid: int, data: str, eof: bool = False) -> None:
+        self.request("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin", json={"data": data, "eof": eof})
+
     def eval(self, sandbox_id: str, expr: str, context: str = "default") -> dict[str, Any]:
         return self.request("POST", f"/v1/sandboxes/{sandbox_id}/eval", json={"expr": expr, "context": context})
 
-    def run_code(self, sandbox_id: str, code: str, context: str = "default",
-                 timeout_s: float | None = None) -> dict[str, Any]:
+    def run_code(self, sandbox_id: str, code: str, context: str = "default", timeout_s: float | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Run a cell; with ``on_event`` its output is streamed and the result has no stdout/stderr."""
         body: dict[str, Any] = {"code": code, "context": context}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
-        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/run_code", json=body,
-                            timeout=_call_timeout(timeout_s))
+        path = f"/v1/sandboxes/{sandbox_id}/run_code"
+        if on_event is None:
+            return self.request("POST", path, json=body, timeout=_call_timeout(timeout_s))
+        return self.stream("POST", path, on_event, json={**body, "stream": True})
 
     # files
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:
-        try:
-            response = self._http.get(f"/v1/sandboxes/{sandbox_id}/files", params={"path": path},
-                                      timeout=LONG_TIMEOUT_S)
-        except httpx.TransportError as exc:
-            raise DaemonUnreachable(self.url, str(exc)) from None
-        _raise_for(response)
-        return response.content
+        return b"".join(self.read_file_chunks(sandbox_id, path))
 
-    def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int | None = None) -> dict[str, Any]:
+    def read_file_chunks(self, sandbox_id: str, path: str) -> Iterator[bytes]:
+        """The file's bytes as they arrive (a large file is never held whole)."""
+        try:
+            with self._http.stream("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path},
+                                   timeout=LONG_TIMEOUT_S) as response:
+                if not response.is_success:
+                    response.read()
+                    _raise_for(response)
+                yield from response.iter_bytes()
+        except httpx.TransportError as exc:
+            raise DaemonUnreachable(self.url, str(exc) or type(exc).__name__) from None
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes | Iterator[bytes],
+                   mode: int | None = None) -> dict[str, Any]:
         params: dict[str, Any] = {"path": path}
         if mode is not None:
             params["mode"] = mode
@@ -243,12 +322,29 @@ class Controller:
     def push(self, tag: str, url: str, on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Pack ``tag`` and upload it with one HTTP PUT to ``url`` (e.g. a presigned object-store URL)."""
         return self.stream("POST", "/v1/packs/push", _progress(on_progress), json={"tag": tag, "url": url})
+    # branch
+
+    def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "full", wait: bool = True) -> dict[str, Any]:
+        """Save a running sandbox as a new snapshot; with ``wait=False`` the answer has status ``writing``."""
+        body: dict[str, Any] = {"mode": mode, "wait": wait}
+        if tag is not None:
+            body["tag"] = tag
+        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/branch", json=body, timeout=LONG_TIMEOUT_S)
 
 
 def _progress(on_progress: Callable[[str], None] | None) -> Callable[[dict[str, Any]], None] | None:
     if on_progress is None:
         return None
     return lambda line: on_progress(str(line.get("progress", line)))
+
+
+def _exec_body(cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, stdin: str | None,
+               timeout_s: float | None, user: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
+    body.update({"env": env or {}, "timeout_s": timeout_s})
+    optional = {"cwd": cwd, "stdin": stdin, "user": user}
+    body.update({key: value for key, value in optional.items() if value is not None})
+    return body
 
 
 def _call_timeout(timeout_s: float | None) -> float:

@@ -1,0 +1,276 @@
+"""The forkd MCP tools: each is one daemon call (or a bounded loop of them) through ``Controller``.
+
+Controller is synchronous, so every call runs on a worker thread; the event loop stays free for
+other sessions and for progress notifications. Parameters carry descriptions and bounds because
+the model reads them to decide how to call a tool.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import time
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ToolAnnotations
+from pydantic import Field
+
+from forkd import __version__
+from forkd.mcp.errors import tool_error
+from forkd.mcp.results import CodeResult, ExecResult, FileContent, FileWritten, SpawnResult, WaitResult
+from forkd.sdk.controller import Controller, ForkdError
+
+T = TypeVar("T")
+
+INSTRUCTIONS = """forkd runs code in disposable Linux microVMs forked from warm snapshots.
+Typical flow: list_snapshots (or create_snapshot), spawn a sandbox from a snapshot tag, then exec shell
+commands, run_code / eval Python (state persists per context), read_file / write_file, and kill the
+sandbox when done. branch saves a running sandbox as a new snapshot to fork more copies of it."""
+
+SandboxId = Annotated[str, Field(description="sandbox id from spawn or list_sandboxes, e.g. sb-0123456789ab")]
+Tag = Annotated[str, Field(description="snapshot tag: 1-64 characters from A-Z a-z 0-9 _ -")]
+ContextName = Annotated[str, Field(description="Python context name; state (variables, imports) persists per "
+                                            "context between run_code and eval calls")]
+GuestPath = Annotated[str, Field(min_length=1, max_length=4096, description="absolute path inside the sandbox")]
+MAX_TIMEOUT_S = 24 * 3600.0
+MAX_WAIT_S = 3600.0
+MAX_READ_BYTES = 64 << 20
+
+
+async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a Controller call on a worker thread; daemon errors become readable tool errors."""
+    try:
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+    except ForkdError as exc:
+        raise tool_error(exc) from None
+
+
+def _tail(text: str, limit: int) -> tuple[str, bool]:
+    return (text, False) if len(text) <= limit else (text[-limit:], True)
+
+
+def _decode(data: bytes, encoding: str) -> tuple[str, Literal["text", "base64"]]:
+    if encoding != "base64":
+        try:
+            return data.decode("utf-8"), "text"
+        except UnicodeDecodeError:
+            if encoding == "text":
+                raise ToolError("the file is not valid UTF-8 text: read it with encoding='base64'") from None
+    return base64.b64encode(data).decode("ascii"), "base64"
+
+
+def _encode(content: str, encoding: str) -> bytes:
+    if encoding == "text":
+        return content.encode("utf-8")
+    try:
+        return base64.b64decode(content, validate=True)
+    except ValueError:
+        raise ToolError("content is not valid base64: send text with encoding='text'") from None
+
+
+def _check_size(path: str, size: int, max_bytes: int) -> None:
+    if size > max_bytes:
+        raise ToolError(f"{path} has {size} bytes, more than max_bytes={max_bytes}: raise max_bytes or read a "
+                        "part with exec (head, tail, dd)")
+
+
+def _file_mode(mode: str | None) -> int | None:
+    return None if mode is None else int(mode, 8)
+
+
+def build_server(controller: Controller) -> MCPServer:
+    """An MCP server whose tools act on the daemon ``controller`` talks to."""
+    server = MCPServer("forkd", version=__version__, instructions=INSTRUCTIONS)
+    read_only = ToolAnnotations(read_only_hint=True)
+
+    @server.tool(annotations=read_only)
+    async def list_snapshots() -> list[dict[str, Any]]:
+        """List the snapshots sandboxes can be spawned from (tag, image, memory, warm modules, ...)."""
+        return await _call(controller.snapshots)
+
+    @server.tool()
+    async def create_snapshot(
+        ctx: Context,
+        tag: Tag,
+        image: Annotated[str, Field(description="guest image name (built with `forkd image build`)")] = "default",
+        memory_mib: Annotated[int, Field(ge=128, le=65536, description="guest RAM in MiB")] = 1024,
+        vcpus: Annotated[int, Field(ge=1, le=64, description="virtual CPUs")] = 1,
+        warm_modules: Annotated[list[str] | None, Field(
+            description="Python modules imported before the snapshot is taken; null means the daemon's "
+                        "default (numpy)")] = None,
+        warmup_cmd: Annotated[str | None, Field(
+            description="shell command run in the guest before saving; it must print {\"ready\": true} "
+                        "when the guest is ready")] = None,
+    ) -> dict[str, Any]:
+        """Boot a parent VM, warm it up and save it as a snapshot. Takes tens of seconds to minutes;
+        progress is reported as MCP progress notifications."""
+        options: dict[str, Any] = {"image": image, "memory_mib": memory_mib, "vcpus": vcpus}
+        if warm_modules is not None:
+            options["warm_modules"] = warm_modules
+        if warmup_cmd is not None:
+            options["warmup_cmd"] = warmup_cmd
+        steps = 0
+
+        def on_progress(line: str) -> None:
+            nonlocal steps
+            steps += 1
+            anyio.from_thread.run(ctx.report_progress, steps, None, line)
+
+        return await _call(controller.create_snapshot, tag, on_progress=on_progress, **options)
+
+    @server.tool()
+    async def spawn(
+        snapshot_tag: Tag,
+        count: Annotated[int, Field(ge=1, le=1000, description="how many sandboxes to fork")] = 1,
+    ) -> SpawnResult:
+        """Fork new sandboxes from a snapshot: each is its own VM, resumed from the snapshot's warm state
+        (no boot), with its own copy-on-write memory and disk."""
+        result = await _call(controller.fork, snapshot_tag, count)
+        if not result["sandboxes"]:
+            reasons = "; ".join(str(e.get("message", e)) for e in result["errors"]) or "no reason given"
+            raise ToolError(f"no sandbox started: {reasons}")
+        return SpawnResult(**result)
+
+    @server.tool(annotations=read_only)
+    async def list_sandboxes() -> list[dict[str, Any]]:
+        """List the running sandboxes (id, snapshot tag, VMM pid, start time, ...)."""
+        return await _call(controller.sandboxes)
+
+    @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True))
+    async def kill(sandbox_id: SandboxId) -> dict[str, str]:
+        """Stop a sandbox's VM and release everything it held; its changes are discarded."""
+        await _call(controller.kill, sandbox_id)
+        return {"killed": sandbox_id}
+
+    @server.tool(name="exec")
+    async def exec_command(
+        sandbox_id: SandboxId,
+        command: Annotated[str, Field(min_length=1, description=(
+            "shell command, run as /bin/sh -c COMMAND. To leave a process running in the background, "
+            "redirect its output and end with & (e.g. 'nohup srv > /tmp/log 2>&1 &'), otherwise the call "
+            "waits for it"))],
+        timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, description=(
+            "seconds before the command's process group is killed"))] = 60.0,
+        cwd: Annotated[str | None, Field(description="working directory (default /)")] = None,
+        env: Annotated[dict[str, str] | None, Field(description="extra environment variables")] = None,
+        stdin: Annotated[str | None, Field(description="text written to the command's stdin")] = None,
+        max_output_chars: Annotated[int, Field(ge=100, le=10_000_000, description=(
+            "keep at most this many trailing characters of stdout and of stderr"))] = 100_000,
+    ) -> ExecResult:
+        """Run a shell command in a sandbox and return its stdout, stderr and exit code."""
+        result = await _call(controller.exec, sandbox_id, command, env=env, cwd=cwd, stdin=stdin,
+                             timeout_s=timeout_s)
+        stdout, cut_out = _tail(result["stdout"], max_output_chars)
+        stderr, cut_err = _tail(result["stderr"], max_output_chars)
+        return ExecResult(**{**result, "stdout": stdout, "stderr": stderr, "truncated": cut_out or cut_err})
+
+    @server.tool()
+    async def run_code(
+        sandbox_id: SandboxId,
+        code: Annotated[str, Field(description="Python statements; the last expression's value is returned")],
+        context: ContextName = "default",
+        timeout_s: Annotated[float | None, Field(gt=0, le=MAX_TIMEOUT_S, description=(
+            "seconds before a TimeoutError is raised in the code; null: no limit"))] = None,
+    ) -> CodeResult:
+        """Run Python in a sandbox like a notebook cell: variables persist in the context between calls;
+        an exception is returned in 'error', not raised."""
+        return CodeResult(**await _call(controller.run_code, sandbox_id, code, context, timeout_s))
+
+    @server.tool(name="eval")
+    async def eval_expr(
+        sandbox_id: SandboxId,
+        expr: Annotated[str, Field(description="one Python expression")],
+        context: ContextName = "default",
+    ) -> CodeResult:
+        """Evaluate one Python expression in a sandbox's context and return its value and type."""
+        return CodeResult(**await _call(controller.eval, sandbox_id, expr, context))
+
+    @server.tool(annotations=read_only)
+    async def read_file(
+        sandbox_id: SandboxId,
+        path: GuestPath,
+        encoding: Annotated[Literal["auto", "text", "base64"], Field(description=(
+            "auto: UTF-8 text when the file is text, else base64"))] = "auto",
+        max_bytes: Annotated[int, Field(ge=1, le=MAX_READ_BYTES, description=(
+            "refuse files larger than this"))] = 1 << 20,
+    ) -> FileContent:
+        """Read a file from a sandbox, as text or base64 for binary data."""
+        entry = await _call(controller.stat, sandbox_id, path)
+        if entry["type"] == "dir":
+            raise ToolError(f"{path} is a directory: list it with exec 'ls -la {path}'")
+        _check_size(path, entry["size"], max_bytes)  # before reading, for regular files
+        data = await _call(controller.read_file, sandbox_id, path)
+        _check_size(path, len(data), max_bytes)  # symlinks and /proc files report another size
+        content, used = _decode(data, encoding)
+        return FileContent(path=path, size=len(data), encoding=used, content=content)
+
+    @server.tool()
+    async def write_file(
+        sandbox_id: SandboxId,
+        path: GuestPath,
+        content: Annotated[str, Field(description="the file's new content")],
+        encoding: Annotated[Literal["text", "base64"], Field(description=(
+            "text: content is written as UTF-8; base64: content is decoded to bytes first"))] = "text",
+        mode: Annotated[str | None, Field(pattern=r"^0?[0-7]{3}$", description=(
+            "permission bits in octal, e.g. '755'"))] = None,
+    ) -> FileWritten:
+        """Create or replace a file in a sandbox (missing parent directories are created)."""
+        result = await _call(controller.write_file, sandbox_id, path, _encode(content, encoding),
+                             _file_mode(mode))
+        return FileWritten(path=result["path"], size=result["size"])
+
+    @server.tool()
+    async def branch(
+        sandbox_id: SandboxId,
+        tag: Annotated[str | None, Field(description=(
+            "tag of the new snapshot (1-64 of A-Z a-z 0-9 _ -); null lets the daemon pick one"))] = None,
+        mode: Annotated[Literal["full", "diff", "live"], Field(description=(
+            "full: a standalone snapshot; diff: only the pages changed since the parent; live: copy memory "
+            "while the sandbox keeps running"))] = "full",
+        wait: Annotated[bool, Field(description=(
+            "wait until the snapshot is written; false returns at once with status 'writing'"))] = True,
+    ) -> dict[str, Any]:
+        """Save a running sandbox (memory, processes, files) as a new snapshot, without stopping it; spawn
+        from the new tag to get copies of the sandbox as it is now."""
+        return await _call(controller.branch, sandbox_id, tag=tag, mode=mode, wait=wait)
+
+    @server.tool(annotations=read_only)
+    async def wait_for_text(
+        sandbox_id: SandboxId,
+        path: GuestPath,
+        text: Annotated[str, Field(min_length=1, description="the marker to wait for")],
+        timeout_s: Annotated[float, Field(gt=0, le=MAX_WAIT_S, description="seconds to wait at most")] = 30.0,
+        interval_s: Annotated[float, Field(ge=0.05, le=60.0, description="seconds between reads")] = 0.5,
+    ) -> WaitResult:
+        """Poll a file in a sandbox until it contains some text (e.g. a log line a background job
+        prints when done), or until the timeout; a missing file counts as not yet."""
+        await _call(controller.sandbox, sandbox_id)  # a wrong id fails now, not at the timeout
+        started = time.monotonic()
+        deadline = started + timeout_s
+        polls = 0
+        marker = text.encode("utf-8")
+        while True:
+            polls += 1
+            try:
+                data: bytes | None = await anyio.to_thread.run_sync(controller.read_file, sandbox_id, path)
+            except ForkdError as exc:
+                if exc.status != 404:
+                    raise tool_error(exc) from None
+                data = None  # no such file yet
+            found = data is not None and marker in data
+            now = time.monotonic()
+            if found or now + interval_s > deadline:
+                break
+            await anyio.sleep(interval_s)
+        if data is None:
+            await _call(controller.sandbox, sandbox_id)  # the 404s were the sandbox going away, not the file
+        return WaitResult(found=found, path=path, elapsed_s=round(now - started, 3), polls=polls,
+                          file_exists=data is not None)
+
+    return server

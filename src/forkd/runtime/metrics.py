@@ -1,0 +1,68 @@
+"""Prometheus metrics of one runtime: what operators graph and alert on.
+
+Counts (sandboxes by state, snapshots by status) are read from the runtime at scrape time, so they
+can never drift from the truth; latencies are histograms observed where the work happens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+disable_created_metrics()  # the *_created series double the output and say nothing an operator needs
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+
+
+class _StateGauges(Collector):
+    def __init__(self, sandbox_states: Callable[[], Iterable[str]], snapshot_states: Callable[[], Iterable[str]]):
+        self._sandbox_states = sandbox_states
+        self._snapshot_states = snapshot_states
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        for name, doc, states in (("forkd_sandboxes", "Sandboxes by state", self._sandbox_states),
+                                  ("forkd_snapshots", "Snapshots by status", self._snapshot_states)):
+            family = GaugeMetricFamily(name, doc, labels=["state"])
+            for state, count in sorted(Tally(states()).items()):
+                family.add_metric([state], count)
+            yield family
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.spawn_seconds = Histogram(
+            "forkd_spawn_seconds", "Fork request start to the child's first answer, per child",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.spawn_failures = Counter("forkd_spawn_failures", "Children that failed to start",
+                                      registry=self.registry)
+        self.branch_seconds = Histogram(
+            "forkd_branch_seconds", "BRANCH latency seen by the caller, by mode", ["mode"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.branch_pause_seconds = Histogram(
+            "forkd_branch_pause_seconds", "Time a branched sandbox was paused, by mode", ["mode"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.agent_roundtrip_seconds = Histogram(
+            "forkd_agent_roundtrip_seconds", "Guest agent request round trip, by op", ["op"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.http_requests = Counter("forkd_http_requests", "HTTP requests by route, method and status",
+                                     ["route", "method", "status"], registry=self.registry)
+        self.http_errors = Counter("forkd_http_errors", "HTTP answers with status >= 400 by route and status",
+                                   ["route", "status"], registry=self.registry)
+
+    def watch_states(self, sandbox_states: Callable[[], Iterable[str]],
+                     snapshot_states: Callable[[], Iterable[str]]) -> None:
+        self.registry.register(_StateGauges(sandbox_states, snapshot_states))
+
+    def count_request(self, route: str, method: str, status: int) -> None:
+        self.http_requests.labels(route, method, str(status)).inc()
+        if status >= 400:
+            self.http_errors.labels(route, str(status)).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,163 @@
+"""What the Sandbox SDK returns, shaped like E2B's classes of the same names so E2B code reads them unchanged."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from forkd.sdk.errors import ForkdError
+
+
+@dataclass
+class CommandResult:
+    stdout: str
+    stderr: str
+    exit_code: int
+    error: str | None = None
+
+
+class CommandExitException(ForkdError):
+    """A command exited non-zero; carries its ``CommandResult`` fields like E2B's exception."""
+
+    def __init__(self, result: CommandResult) -> None:
+        message = result.error or f"command exited with code {result.exit_code}"
+        if result.stderr.strip():
+            message += f": {result.stderr.strip()[-500:]}"
+        super().__init__(0, "command_exit", message)
+        self.stdout = result.stdout
+        self.stderr = result.stderr
+        self.exit_code = result.exit_code
+        self.error = result.error
+
+
+@dataclass
+class ProcessInfo:
+    pid: int
+    cmd: str
+    args: list[str]
+    running: bool
+    exit_code: int | None
+    started_at: float | None
+
+
+class FileType(str, Enum):
+    FILE = "file"
+    DIR = "dir"
+    SYMLINK = "symlink"
+    OTHER = "other"
+
+
+@dataclass
+class EntryInfo:
+    name: str
+    type: FileType
+    path: str
+    size: int
+    mode: int
+    permissions: str
+    modified_time: dt.datetime
+
+    @classmethod
+    def from_agent(cls, entry: dict[str, Any]) -> EntryInfo:
+        return cls(name=entry["name"], type=FileType(entry["type"]), path=entry["path"], size=entry["size"],
+                   mode=entry["mode"], permissions=_permissions(entry["mode"]),
+                   modified_time=dt.datetime.fromtimestamp(entry["mtime"], dt.timezone.utc))
+
+
+def _permissions(mode: int) -> str:
+    return "".join(flag if mode & (1 << (8 - i)) else "-" for i, flag in enumerate("rwxrwxrwx"))
+
+
+@dataclass
+class WriteInfo:
+    name: str
+    path: str
+    type: FileType = FileType.FILE
+
+
+@dataclass
+class WriteEntry:
+    path: str
+    data: str | bytes
+
+
+@dataclass
+class SandboxInfo:
+    sandbox_id: str
+    template_id: str
+    metadata: dict[str, str]
+    started_at: dt.datetime
+    end_at: dt.datetime | None
+    state: str
+
+    @classmethod
+    def from_daemon(cls, sandbox: dict[str, Any]) -> SandboxInfo:
+        end_at = sandbox.get("end_at")
+        return cls(sandbox_id=sandbox["id"], template_id=sandbox["snapshot_tag"],
+                   metadata=dict(sandbox.get("metadata") or {}),
+                   started_at=dt.datetime.fromtimestamp(sandbox["created_at"], dt.timezone.utc),
+                   end_at=None if end_at is None else dt.datetime.fromtimestamp(end_at, dt.timezone.utc),
+                   state=sandbox["status"])
+
+
+@dataclass
+class OutputMessage:
+    """One line a cell printed (``run_code``'s ``on_stdout``/``on_stderr`` receive these)."""
+
+    line: str
+    timestamp: int  # ns since the epoch, when the host received it
+    error: bool = False
+
+    def __str__(self) -> str:
+        return self.line
+
+
+@dataclass
+class Result:
+    """The value of a cell's last expression: ``text`` is its repr, ``json`` the value when JSON-able."""
+
+    text: str | None = None
+    json: Any = None
+    is_main_result: bool = True
+
+    def formats(self) -> list[str]:
+        return [name for name in ("text", "json") if getattr(self, name) is not None]
+
+    def __str__(self) -> str:
+        return self.text or ""
+
+
+@dataclass
+class Logs:
+    stdout: list[str] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ExecutionError:
+    name: str
+    value: str
+    traceback: str
+
+
+@dataclass
+class Execution:
+    results: list[Result] = field(default_factory=list)
+    logs: Logs = field(default_factory=Logs)
+    error: ExecutionError | None = None
+    execution_count: int | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The main result's text, as in E2B's code interpreter."""
+        return next((r.text for r in self.results if r.is_main_result), None)
+
+
+class CodeError(ForkdError):
+    """``eval`` of an expression that raised; ``error`` holds name, value and traceback."""
+
+    def __init__(self, error: ExecutionError) -> None:
+        super().__init__(0, "code_error", f"{error.name}: {error.value}")
+        self.error = error
