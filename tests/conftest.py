@@ -26,7 +26,7 @@ VM_SNAPSHOT = "vmtest"
 WARMUP_CMD = "echo warmed > /tmp/warm-marker; echo '{\"ready\": true}'; exec sleep 86400"
 
 
-def _vm_env(home: Path) -> dict[str, str]:
+def vm_env_for(home: Path) -> dict[str, str]:
     env = os.environ.copy()
     env["FORKD_HOME"] = str(home)
     env["FORKD_SOCKET"] = str(home / "forkd.sock")
@@ -46,7 +46,39 @@ def forkd_home() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def vm_env(forkd_home: Path) -> dict[str, str]:
-    return _vm_env(forkd_home)
+    return vm_env_for(forkd_home)
+
+
+def start_daemon(home: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Controller]:
+    """A real daemon process on ``home``, answering on its socket (fails the test if it does not start)."""
+    with open(home / "daemon.log", "ab") as log:
+        process = subprocess.Popen([sys.executable, "-m", "forkd", "daemon"], env=env, stdout=log, stderr=log)
+    controller = Controller(url=f"unix://{env['FORKD_SOCKET']}")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            controller.health()
+            return process, controller
+        except DaemonUnreachable:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail(f"daemon did not start: {(home / 'daemon.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+
+
+def stop_daemon(process: subprocess.Popen[bytes], controller: Controller, home: Path) -> None:
+    """SIGTERM the daemon and check it took every VMM it started down with it."""
+    controller.close()
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    leaked = vmm_processes_under(home)
+    for pid in leaked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not leaked, f"the stopped daemon left VMM processes running: {leaked}"
 
 
 @pytest.fixture(scope="session")
@@ -54,31 +86,9 @@ def daemon(forkd_home: Path, vm_env: dict[str, str]) -> Iterator[Controller]:
     """A real daemon process for the whole session; stopped (and its VMs with it) at the end."""
     if os.geteuid() != 0:
         pytest.skip("VM tests need root")
-    log = open(forkd_home / "daemon.log", "ab")
-    process = subprocess.Popen([sys.executable, "-m", "forkd", "daemon"], env=vm_env, stdout=log, stderr=log)
-    controller = Controller(url=f"unix://{vm_env['FORKD_SOCKET']}")
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            controller.health()
-            break
-        except DaemonUnreachable:
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"daemon did not start: {(forkd_home / 'daemon.log').read_text()[-2000:]}")
-            time.sleep(0.1)
+    process, controller = start_daemon(forkd_home, vm_env)
     yield controller
-    controller.close()
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    log.close()
-    leaked = vmm_processes_under(forkd_home)
-    for pid in leaked:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert not leaked, f"the stopped daemon left VMM processes running: {leaked}"
+    stop_daemon(process, controller, forkd_home)
 
 
 def vmm_processes_under(directory: Path) -> list[int]:

@@ -58,3 +58,16 @@ def test_an_older_database_gains_the_readoption_columns(tmp_path: Path) -> None:
         8, 12345, tmp_path / "a.sock", tmp_path / "q.sock")
     registry.close()
     Registry(db_path).close()  # opening an upgraded database again changes nothing
+
+
+def test_replace_snapshots_is_all_or_nothing(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state.db")
+    registry.add_snapshot(SnapshotRecord("old", "ready", "default", tmp_path / "old", 1.0))
+    registry.add_snapshot(SnapshotRecord("other", "ready", "default", tmp_path / "other", 1.0))
+    clash = [SnapshotRecord("new", "ready", "default", tmp_path, 2.0), SnapshotRecord("other", "ready", "d", tmp_path, 2.0)]
+    with pytest.raises(sqlite3.IntegrityError):
+        registry.replace_snapshots(clash, remove=("old",))
+    assert [r.tag for r in registry.list_snapshots()] == ["old", "other"]
+    registry.replace_snapshots([SnapshotRecord("old", "ready", "default", tmp_path / "new", 3.0)], remove=("old",))
+    record = registry.get_snapshot("old")
+    assert record is not None and record.path == tmp_path / "new"

@@ -136,10 +136,13 @@ def snapshot_create(tag: str, image_name: str, memory_mib: int, vcpus: int, warm
 
 
 def _list_snapshots() -> None:
-    table = Table("tag", "status", "image", "memory", "vcpus", "created")
+    table = Table("tag", "parent", "status", "image", "memory", "vcpus", "size", "on disk", "created")
     for item in daemon().snapshots():
-        table.add_row(item["tag"], item["status"], item["image"], f"{item['boot']['memory_mib']} MiB",
-                      str(item["boot"]["vcpus"]), time.strftime("%Y-%m-%d %H:%M", time.localtime(item["created_at"])))
+        disk = item.get("disk", {})
+        table.add_row(item["tag"], item.get("parent_tag") or "-", item["status"], item["image"],
+                      f"{item['boot']['memory_mib']} MiB", str(item["boot"]["vcpus"]),
+                      f"{disk.get('logical_bytes', 0) / 2**20:.0f} MiB", f"{disk.get('physical_bytes', 0) / 2**20:.0f} MiB",
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(item["created_at"])))
     console.print(table)
 
 
@@ -349,6 +352,10 @@ def files_mkdir(sandbox_id: str, path: str) -> None:
 cli.add_command(quickstart)
 cli.add_command(daemon_command)
 cli.add_command(doctor)
+from forkd.cli.packs import PACK_COMMANDS  # noqa: E402 - it uses the helpers defined above
+
+for _command in PACK_COMMANDS:
+    cli.add_command(_command)
 
 
 def main() -> None:

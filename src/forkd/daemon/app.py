@@ -28,6 +28,7 @@ from forkd.guest import protocol
 from forkd.host.doctor import run_checks
 from forkd.image.builder import ImageError, ImageNotFound, ImageSpec
 from forkd.image.spec import BASE_PACKAGES
+from forkd.packs.format import PackError
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from forkd.runtime.runtime import Runtime
@@ -39,6 +40,7 @@ from forkd.runtime.snapshots import (
     SnapshotError,
     SnapshotRequest,
 )
+from forkd.store.usage import directory_usage
 from forkd.validation import ValidationError, check_sandbox_id
 from forkd.vmm.base import SnapshotMismatch, VmmError
 
@@ -77,11 +79,12 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (SnapshotDiskFull, 507, "disk_full"),
     (AgentUnavailable, 502, "agent_unavailable"),
     (SnapshotError, 400, "snapshot_error"),
+    (PackError, 400, "pack_refused"),
     (ImageNotFound, 404, "not_found"),
     (ImageError, 400, "image_error"),
     (VmmError, 500, "vmm_error"),
 ]
-HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError)
+HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError, PackError)
 _AGENT_STATUS = {protocol.ERR_NOT_FOUND: 404, protocol.ERR_TIMEOUT: 504, protocol.ERR_BAD_REQUEST: 400,
                  protocol.ERR_OS: 400}
 
@@ -261,7 +264,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.get("/v1/snapshots", response_model=schemas.SnapshotList)
     async def snapshots() -> dict[str, Any]:
-        return {"snapshots": [s.to_dict() for s in runtime.registry.list_snapshots()]}
+        return {"snapshots": [{**s.to_dict(), "disk": directory_usage(s.path)} for s in runtime.registry.list_snapshots()]}
 
     @app.post("/v1/snapshots", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
     async def create_snapshot(body: schemas.SnapshotCreate) -> StreamingResponse:
@@ -287,6 +290,9 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def remove_snapshot(tag: str) -> dict[str, Any]:
         runtime.remove_snapshot(tag)
         return {"removed": tag}
+
+    from forkd.daemon.routes_packs import packs_router  # here: it imports this module's helpers
+    app.include_router(packs_router(runtime))
 
     # sandboxes
 

@@ -108,6 +108,46 @@ class RenameBody(Strict):
     dst: str = Field(min_length=1, max_length=4096)
 
 
+# packs
+
+HostPath = Annotated[str, Field(min_length=2, max_length=4096, pattern=r"^/",
+                                description="absolute path on the daemon's host")]
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")]
+PackUrl = Annotated[str, Field(min_length=1, max_length=8192, pattern=r"^(https?://|file:///|/)")]
+
+
+class PackCreate(Strict):
+    tag: Tag
+    path: HostPath
+    force: bool = Field(default=False, description="overwrite an existing file")
+
+
+class PackUnpack(Strict):
+    path: HostPath
+    tag: Tag | None = Field(default=None, description="register the top snapshot under this tag")
+    force: bool = Field(default=False, description="replace a snapshot of that tag")
+
+
+class PackPull(Strict):
+    url: PackUrl | None = None
+    index: PackUrl | None = Field(default=None, description="index file or URL; then name a pack in it")
+    name: Tag | None = None
+    sha256: Sha256Hex | None = Field(default=None, description="advertised SHA-256 of the pack file")
+    tag: Tag | None = None
+    force: bool = False
+
+    @model_validator(mode="after")
+    def one_source(self) -> PackPull:
+        if (self.url is None) == (self.index is None):
+            raise ValueError("give exactly one of 'url' or 'index' (with 'name')")
+        if self.index is not None and (self.name is None or self.sha256 is not None):
+            raise ValueError("with 'index' give 'name' (the index advertises the SHA-256)")
+        return self
+
+
+class PackPush(Strict):
+    tag: Tag
+    url: Annotated[str, Field(min_length=8, max_length=8192, pattern=r"^https?://")]
 # Answers. They allow extra fields: a snapshot or sandbox carries backend-specific details.
 
 class Open(BaseModel):
@@ -175,8 +215,17 @@ class Snapshot(Open):
     created_at: float
 
 
+class DiskUsage(Open):
+    logical_bytes: int = Field(description="sum of the snapshot's file sizes")
+    physical_bytes: int = Field(description="blocks allocated to them, each inode once (holes are free)")
+
+
+class ListedSnapshot(Snapshot):
+    disk: DiskUsage
+
+
 class SnapshotList(Open):
-    snapshots: list[Snapshot]
+    snapshots: list[ListedSnapshot]
 
 
 class Printed(Open):

@@ -102,10 +102,21 @@ class Registry:
     # snapshots
 
     def add_snapshot(self, record: SnapshotRecord) -> None:
-        self._execute(
-            "INSERT INTO snapshots (tag, status, image, path, created_at, meta) VALUES (?, ?, ?, ?, ?, ?)",
-            (record.tag, record.status, record.image, str(record.path), record.created_at, json.dumps(record.meta)),
-        )
+        self._execute(_INSERT_SNAPSHOT, _snapshot_row(record))
+
+    def replace_snapshots(self, records: list[SnapshotRecord], remove: tuple[str, ...] = ()) -> None:
+        """Remove the ``remove`` tags and add ``records`` in one transaction: all of it or none of it."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for tag in remove:
+                    self._db.execute("DELETE FROM snapshots WHERE tag = ?", (tag,))
+                for record in records:
+                    self._db.execute(_INSERT_SNAPSHOT, _snapshot_row(record))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def get_snapshot(self, tag: str) -> SnapshotRecord | None:
         rows = self._execute("SELECT tag, status, image, path, created_at, meta FROM snapshots WHERE tag = ?", (tag,))
@@ -161,6 +172,13 @@ class Registry:
     def remove_sandbox(self, sandbox_id: str) -> None:
         self._execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
 
+
+
+_INSERT_SNAPSHOT = "INSERT INTO snapshots (tag, status, image, path, created_at, meta) VALUES (?, ?, ?, ?, ?, ?)"
+
+
+def _snapshot_row(record: SnapshotRecord) -> tuple[Any, ...]:
+    return (record.tag, record.status, record.image, str(record.path), record.created_at, json.dumps(record.meta))
 
 
 def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from forkd.config import Paths
 from forkd.image.builder import Image, ImageSpec, build_image, list_images, load_image, remove_image
+from forkd.packs.service import PackService
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import Recovery, recover
@@ -31,6 +32,7 @@ class Runtime:
         self.options = options or RuntimeOptions()
         self.metrics = Metrics()
         self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics, self.options)
+        self.packs = PackService(paths, self.registry, vmm, self.snapshots, self.sandboxes.count_of)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self._image_lock = asyncio.Lock()

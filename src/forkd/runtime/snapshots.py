@@ -8,13 +8,14 @@ hidden directory and renamed into place only when complete, then registered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,18 @@ class SnapshotService:
         }
         write_json_atomic(build_dir / META_FILE, meta)
         return meta
+
+    @contextlib.contextmanager
+    def reserving(self, tags: list[str]) -> Iterator[None]:
+        """Hold ``tags`` as being created (by an unpack) so a concurrent ``create`` is refused, not raced."""
+        busy = [t for t in tags if t in self._creating]
+        if busy:
+            raise SnapshotConflict(f"snapshot {busy[0]!r} is being created right now; try again when it is done")
+        self._creating.update(tags)
+        try:
+            yield
+        finally:
+            self._creating.difference_update(tags)
 
     async def abort_all(self) -> None:
         """Kill parents still being baked (their build directories are removed by ``create``)."""

@@ -297,6 +297,31 @@ class Controller:
     def rename(self, sandbox_id: str, src: str, dst: str) -> None:
         self.request("POST", f"/v1/sandboxes/{sandbox_id}/files/rename", json={"src": src, "dst": dst})
 
+    # packs
+
+    def pack(self, tag: str, path: str, force: bool = False,
+             on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Write snapshot ``tag`` and its ancestors to ``path`` (a path on the daemon's host)."""
+        return self.stream("POST", "/v1/packs", _progress(on_progress), json={"tag": tag, "path": path, "force": force})
+
+    def unpack(self, path: str, tag: str | None = None, force: bool = False,
+               on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"path": path, "force": force}
+        if tag is not None:
+            body["tag"] = tag
+        return self.stream("POST", "/v1/packs/unpack", _progress(on_progress), json=body)
+
+    def pull(self, url: str | None = None, *, index: str | None = None, name: str | None = None,
+             sha256: str | None = None, tag: str | None = None, force: bool = False,
+             on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Download a pack (from ``url``, or pack ``name`` of ``index``), verify it and unpack it."""
+        body = {key: value for key, value in (("url", url), ("index", index), ("name", name), ("sha256", sha256),
+                                              ("tag", tag)) if value is not None}
+        return self.stream("POST", "/v1/packs/pull", _progress(on_progress), json={**body, "force": force})
+
+    def push(self, tag: str, url: str, on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Pack ``tag`` and upload it with one HTTP PUT to ``url`` (e.g. a presigned object-store URL)."""
+        return self.stream("POST", "/v1/packs/push", _progress(on_progress), json={"tag": tag, "url": url})
     # branch
 
     def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "full", wait: bool = True) -> dict[str, Any]:

@@ -1,0 +1,128 @@
+"""Moving packs over the network: streamed downloads checked against an advertised digest, and uploads.
+
+A download never trusts the server's word: it stops as soon as it holds more bytes than were
+advertised, and the whole file's SHA-256 must equal the advertised one before anything unpacks
+it. Presigned URLs carry credentials in their query string, so only the scheme, host and path of
+a URL are ever shown.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import httpx
+
+from forkd.packs.archive import CHUNK, Meter, Progress
+from forkd.packs.format import MAX_FILE_BYTES, PackError
+
+HTTP_TIMEOUT = httpx.Timeout(60.0, read=300.0)
+SCHEMES = ("http", "https", "file")
+
+
+def shown(url: str) -> str:
+    """``url`` without its query string and credentials (a presigned URL's signature stays private)."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.hostname or "", parts.path, "", "")) if parts.scheme else url
+
+
+def local_path(url: str) -> Path | None:
+    """The file a ``file://`` URL or an absolute path names; ``None`` for a network URL."""
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise PackError(f"file URL {url!r} names another host; use file:///absolute/path")
+        return Path(unquote(parts.path))
+    if parts.scheme in ("http", "https"):
+        return None
+    if url.startswith("/"):
+        return Path(url)
+    raise PackError(f"cannot fetch {shown(url)!r}: use an http(s):// or file:// URL or an absolute path")
+
+
+def check_regular_file(path: Path) -> None:
+    """Refuse anything but an existing regular file at an absolute path (a FIFO or device could block)."""
+    if not path.is_absolute():
+        raise PackError(f"pack {path} must be an absolute path on the daemon's host")
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise PackError(f"{path} is not a regular file")
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise PackError(f"cannot read pack {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def check_advertised(path: Path, sha256: str | None, size: int | None, progress: Progress) -> str:
+    """Hash a local file and compare it with what was advertised; returns its SHA-256."""
+    check_regular_file(path)
+    actual_size = path.stat().st_size
+    if size is not None and actual_size != size:
+        raise PackError(f"{path} holds {actual_size} bytes, {size} were advertised")
+    meter = Meter(progress, "checked", actual_size)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            meter.advance(len(chunk))
+    return _compare(digest.hexdigest(), sha256, shown(str(path)))
+
+
+async def download(url: str, destination: Path, sha256: str | None, size: int | None, progress: Progress) -> str:
+    """Stream ``url`` into ``destination``; refuses more bytes than advertised or another digest."""
+    limit = size if size is not None else MAX_FILE_BYTES
+    digest = hashlib.sha256()
+    received = 0
+    try:
+        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, follow_redirects=True) as client:
+            async with client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise PackError(f"downloading {shown(url)} failed: HTTP {response.status_code}")
+                announced = response.headers.get("content-length")
+                meter = Meter(progress, "downloaded", size or int(announced or 0))
+                with open(destination, "xb") as out:
+                    async for chunk in response.aiter_bytes(CHUNK):
+                        received += len(chunk)
+                        if received > limit:
+                            raise PackError(f"{shown(url)} sent more than the {limit} bytes advertised; refused")
+                        digest.update(chunk)
+                        out.write(chunk)
+                        meter.advance(len(chunk))
+                    out.flush()
+                    os.fsync(out.fileno())
+    except httpx.HTTPError as exc:
+        raise PackError(f"downloading {shown(url)} failed: {type(exc).__name__}: {exc}") from None
+    if size is not None and received != size:
+        raise PackError(f"{shown(url)} sent {received} bytes, {size} were advertised: the download is truncated")
+    progress(meter.line())
+    return _compare(digest.hexdigest(), sha256, shown(url))
+
+
+async def upload(path: Path, url: str, progress: Progress) -> int:
+    """PUT ``path`` to ``url`` (e.g. a presigned object-store URL) as one streamed body of known length."""
+    size = path.stat().st_size
+    meter = Meter(progress, "uploaded", size)
+
+    async def body() -> AsyncIterator[bytes]:
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK):
+                meter.advance(len(chunk))
+                yield chunk
+
+    try:
+        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client:
+            response = await client.put(url, content=body(), headers={"Content-Length": str(size)})
+    except httpx.HTTPError as exc:
+        raise PackError(f"uploading to {shown(url)} failed: {type(exc).__name__}: {exc}") from None
+    if not response.is_success:
+        raise PackError(f"uploading to {shown(url)} failed: HTTP {response.status_code} {response.text[:200]}")
+    progress(meter.line())
+    return size
+
+
+def _compare(actual: str, advertised: str | None, what: str) -> str:
+    if advertised is not None and actual != advertised.lower():
+        raise PackError(f"{what} has SHA-256 {actual}, but {advertised} was advertised: refused, nothing unpacked")
+    return actual
