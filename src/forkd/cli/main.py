@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from forkd.cli.isolation import describe_limits, describe_net, fork_options, isolation_options
 from forkd.cli.quickstart import quickstart
 from forkd.config import paths_from_env
 from forkd.sdk.autostart import ensure_daemon
@@ -181,12 +182,13 @@ def rmi(tag: str) -> None:
 @cli.command("fork")
 @click.option("--tag", required=True, help="snapshot to fork from")
 @click.option("-n", "count", default=1, show_default=True, help="number of children")
+@isolation_options
 @click.option("--json", "as_json", is_flag=True)
 @reports_errors
-def fork(tag: str, count: int, as_json: bool) -> None:
+def fork(tag: str, count: int, as_json: bool, **isolation: Any) -> None:
     """Fork N children from a snapshot; one line per child with its time to first answer."""
     started = time.monotonic()
-    result = daemon().fork(tag, count)
+    result = daemon().fork(tag, count, **fork_options(**isolation))
     total = time.monotonic() - started
     if as_json:
         print_json({**result, "total_seconds": total})
@@ -209,11 +211,12 @@ def ls(as_json: bool) -> None:
     if as_json:
         print_json(items)
         return
-    table = Table("id", "snapshot", "status", "pid", "answered in", "age")
+    table = Table("id", "snapshot", "status", "pid", "net", "limits", "answered in", "age")
     for item in items:
         answered = item.get("seconds_to_answer")
-        table.add_row(item["id"], item["snapshot_tag"], item["status"], str(item["pid"]),
-                      f"{answered * 1000:.0f} ms" if answered else "-", f"{time.time() - item['created_at']:.0f} s")
+        table.add_row(item["id"], item["snapshot_tag"], item["status"], str(item["pid"]), describe_net(item),
+                      describe_limits(item), f"{answered * 1000:.0f} ms" if answered else "-",
+                      f"{time.time() - item['created_at']:.0f} s")
     console.print(table)
 
 

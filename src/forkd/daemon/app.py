@@ -237,7 +237,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.post("/v1/sandboxes", status_code=201)
     async def fork(body: schemas.SandboxCreate) -> dict[str, Any]:
-        outcomes = await runtime.sandboxes.fork(body.snapshot_tag, body.n)
+        outcomes = await runtime.sandboxes.fork(body.snapshot_tag, body.n, body.options())
         return {
             "sandboxes": [o.sandbox for o in outcomes if o.sandbox is not None],
             "errors": [o.error for o in outcomes if o.error is not None],
@@ -249,7 +249,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.get("/v1/sandboxes/{sandbox_id}")
     async def get_sandbox(sandbox_id: str) -> dict[str, Any]:
-        return runtime.sandboxes.describe(sandbox(sandbox_id), with_memory=True)
+        return runtime.sandboxes.lookup(check_sandbox_id(sandbox_id))
 
     @app.delete("/v1/sandboxes/{sandbox_id}")
     async def kill_sandbox(sandbox_id: str) -> dict[str, Any]:

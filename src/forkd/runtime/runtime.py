@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from forkd.config import Paths
 from forkd.image.builder import Image, ImageSpec, build_image, list_images, load_image, remove_image
+from forkd.runtime.isolation import Isolation
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
@@ -25,7 +26,7 @@ class Runtime:
         self.vmm = vmm
         self.registry = Registry(paths.db)
         self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
-        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots)
+        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, Isolation.from_env(self.registry))
         self._image_lock = asyncio.Lock()
 
     def start(self) -> list[str]:

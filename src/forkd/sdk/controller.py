@@ -143,9 +143,18 @@ class Controller:
 
     # sandboxes
 
-    def fork(self, tag: str, n: int = 1) -> dict[str, Any]:
-        """``{"sandboxes": [...], "errors": [...]}``: a failed child does not fail the others."""
-        return self.request("POST", "/v1/sandboxes", json={"snapshot_tag": tag, "n": n}, timeout=LONG_TIMEOUT_S)
+    def fork(self, tag: str, n: int = 1, *, net: str | None = None, egress: dict[str, Any] | None = None,
+             memory_limit_mib: int | None = None, cpu_quota: float | None = None, cpu_weight: int | None = None,
+             pids_max: int | None = None) -> dict[str, Any]:
+        """``{"sandboxes": [...], "errors": [...]}``: a failed child does not fail the others.
+
+        ``net`` is ``"none"`` (default) or ``"nat"``; ``egress`` e.g. ``{"default": "deny", "allow":
+        [{"cidr": "203.0.113.0/24", "ports": [443]}]}``; the limits apply to each child's VMM.
+        """
+        options = {"net": net, "egress": egress, "memory_limit_mib": memory_limit_mib, "cpu_quota": cpu_quota,
+                   "cpu_weight": cpu_weight, "pids_max": pids_max}
+        body = {"snapshot_tag": tag, "n": n, **{k: v for k, v in options.items() if v is not None}}
+        return self.request("POST", "/v1/sandboxes", json=body, timeout=LONG_TIMEOUT_S)
 
     def sandboxes(self) -> list[dict[str, Any]]:
         return self.request("GET", "/v1/sandboxes")["sandboxes"]
