@@ -145,6 +145,12 @@ def _sockaddr_in(address: str) -> bytes:
     return _SOCKADDR_IN.pack(socket.AF_INET, b"\0\0", socket.inet_aton(address))
 
 
+def default_route(gateway: str) -> bytes:
+    """A struct rtentry for ``default via gateway`` (no device: the kernel finds it from the gateway)."""
+    anywhere = _sockaddr_in("0.0.0.0")
+    return _RTENTRY.pack(0, anywhere, _sockaddr_in(gateway), anywhere, RTF_UP | RTF_GATEWAY, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
 def configure_network() -> None:
     """eth0 gets the fixed guest address and a default route; DNS goes to the gateway.
 
@@ -160,9 +166,7 @@ def configure_network() -> None:
             fcntl.ioctl(sock, request, _IFREQ_ADDR.pack(name, _sockaddr_in(address)))
         _, flags = _IFREQ_FLAGS.unpack(fcntl.ioctl(sock, SIOCGIFFLAGS, _IFREQ_FLAGS.pack(name, 0)))
         fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ_FLAGS.pack(name, flags | IFF_UP))
-        route = _RTENTRY.pack(0, _sockaddr_in("0.0.0.0"), _sockaddr_in(netconf.GATEWAY), _sockaddr_in("0.0.0.0"),
-                              RTF_UP | RTF_GATEWAY, 0, 0, None, 0, None, 0, 0, 0)
-        fcntl.ioctl(sock, SIOCADDRT, route)
+        fcntl.ioctl(sock, SIOCADDRT, default_route(netconf.GATEWAY))
     with open(RESOLV_CONF + ".forkd", "w", encoding="ascii") as f:
         f.write(f"nameserver {netconf.NAMESERVER}\n")
     os.replace(RESOLV_CONF + ".forkd", RESOLV_CONF)

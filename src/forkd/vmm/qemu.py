@@ -48,8 +48,8 @@ CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
 _IGNORE_SHARED = {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
 NIC_ID = "nic0"
 #: An inert NIC backend: a hub with this one port, so frames go nowhere. Backends are not
-#: migrated, so a parent baked on it can restore onto a tap; vnet headers stay off on both, so the
-#: offload features the guest negotiated are the same whichever backend a child gets.
+#: migrated, so a parent baked on it can restore onto a tap. The tap is opened without vnet headers,
+#: so the offload features the guest negotiated are the same whichever backend a child gets.
 _INERT_NETDEV = "hubport,id=net0,hubid=0"
 
 
@@ -152,7 +152,7 @@ class QemuVmm:
         """
         boot = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if share else []
         accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MIB}"
-        netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off,vnet_hdr=off"
+        netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
         return [
             self.binary,
             "-nodefaults", "-no-user-config", "-nographic", "-display", "none",
@@ -197,9 +197,10 @@ class QemuVmm:
         if on_spawn is not None:
             try:
                 on_spawn(process.pid)
-            except BaseException:
+            except Exception as exc:  # e.g. it could not join its cgroup, or it died at once
                 await self.kill(vm)
-                raise
+                raise VmmError(f"QEMU for {name} could not be set up ({exc}; exit status {process.returncode}): "
+                               f"{_tail(log_path)}") from None
         # QEMU creates its sockets before it has parsed every option (and binds before it
         # listens), so only a monitor answer proves the machine was really created.
         try:
