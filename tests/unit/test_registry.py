@@ -36,3 +36,27 @@ def test_sandbox_updates_merge_meta(tmp_path: Path) -> None:
     registry.update_sandbox("sb-missing00000", status="running")  # a vanished record is not an error
     registry.remove_sandbox("sb-aaaaaaaaaaaa")
     assert registry.list_sandboxes() == []
+
+
+def test_address_leases_are_unique_under_concurrency_and_persist(tmp_path: Path) -> None:
+    import threading
+
+    from forkd.runtime.registry import LeasesExhausted
+
+    registry = Registry(tmp_path / "state.db")
+    slots: list[int] = []
+    threads = [threading.Thread(target=lambda i=i: slots.append(registry.lease_slot(f"sb-{i}", "p", 64)))
+               for i in range(40)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(slots) == list(range(40))
+    registry.release_slot("sb-7")
+    assert registry.lease_slot("sb-new", "p", 64, taken={7, 40}) == 41  # 7 is free here but taken on the host
+    registry.close()
+    reopened = Registry(tmp_path / "state.db")
+    assert reopened.leases()["sb-new"] == ("p", 41) and "sb-7" not in reopened.leases()
+    assert reopened.lease_slot("sb-again", "p", 64) == 7
+    with pytest.raises(LeasesExhausted):
+        reopened.lease_slot("sb-full", "small", 0)

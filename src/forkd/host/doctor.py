@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from forkd.config import Paths
+from forkd.host.isolation_checks import isolation_checks
 from forkd.vmm.accel import choose_accelerator, probe_kvm
 from forkd.vmm.kvm_speed import probe_speed
 
@@ -18,7 +19,8 @@ MIN_FREE_DISK_GIB = 4
 TOOLS = (("qemu", ["qemu-system-x86_64", "--version"], "qemu-system-x86"),
          ("qemu-img", ["qemu-img", "--version"], "qemu-utils"),
          ("debootstrap", ["debootstrap", "--version"], "debootstrap"),
-         ("mkfs.ext4", ["mkfs.ext4", "-V"], "e2fsprogs"))
+         ("mkfs.ext4", ["mkfs.ext4", "-V"], "e2fsprogs"),
+         ("nft", ["nft", "--version"], "nftables"))
 PACKAGE_CHECKS = frozenset(name for name, _, _ in TOOLS)
 
 
@@ -64,6 +66,7 @@ def run_checks(paths: Paths) -> list[Check]:
         version = _command_version(argv) if shutil.which(argv[0]) else None
         checks.append(Check(name, "ok" if version is not None else "fail", version or "not installed",
                             "" if version is not None else f"run `bash scripts/setup` (installs {package})"))
+    checks += isolation_checks(Check)
     images = [manifest.parent.name for manifest in paths.images.glob("*/manifest.json")]
     checks.append(Check("image cache", "ok" if images else "warn",
                         f"{paths.images}: {', '.join(sorted(images)) or 'no images'}",
