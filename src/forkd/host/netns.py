@@ -234,8 +234,13 @@ def release_network(sandbox_id: str) -> list[str]:
     """Remove the host rules, the veth pair and the namespace of ``sandbox_id``; idempotent.
 
     Returns what was actually removed (empty when nothing was left). The tap goes with the last
-    holder of its fd (the VMM), the namespace end of the veth with its peer.
+    holder of its fd (the VMM), the namespace end of the veth with its peer. Safe to call from
+    an event loop's thread: pyroute2's blocking API runs its own loop, so this runs on its own.
     """
+    return _on_own_thread(lambda: _release_network(sandbox_id))
+
+
+def _release_network(sandbox_id: str) -> list[str]:
     removed = []
     if _delete_nft_table("ip", host_table(sandbox_id)):
         removed.append(f"nft table {host_table(sandbox_id)}")
@@ -259,6 +264,10 @@ def _sandbox_of_link(ifname: str) -> str:
 
 def leftover_networks() -> list[Leftover]:
     """Every forkd-named namespace, host link and host nft table, live or not, for re-adoption."""
+    return _on_own_thread(_leftover_networks)
+
+
+def _leftover_networks() -> list[Leftover]:
     found = [Leftover("netns", n, n.removeprefix(NETNS_PREFIX)) for n in netns.listnetns()
              if n.startswith(NETNS_PREFIX)]
     with IPRoute() as ipr:

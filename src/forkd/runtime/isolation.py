@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyroute2 import NetlinkError
+
 from forkd.host.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup, release_cgroup
 from forkd.host.netns import NetworkError, create_child_network, host_resolver, release_network, slots_in_use_on_host
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool, Lease, NetRequest
@@ -137,8 +139,19 @@ class Isolation:
 
         ``network=False`` skips looking for network objects of a sandbox known to have had none.
         """
-        removed = release_network(sandbox_id) if network else []
-        if release_cgroup(sandbox_id, self.cgroups):
-            removed.append(f"cgroup {sandbox_id}")
-        self.registry.release_slot(sandbox_id)
+        removed: list[str] = []
+        failures: list[str] = []
+        try:
+            removed += release_network(sandbox_id) if network else []
+        except (OSError, NetlinkError, NetworkError) as exc:
+            failures.append(f"network: {exc}")
+        else:  # the block is free only once nothing on the host uses it any more
+            self.registry.release_slot(sandbox_id)
+        try:
+            if release_cgroup(sandbox_id, self.cgroups):
+                removed.append(f"cgroup {sandbox_id}")
+        except (OSError, CgroupError) as exc:
+            failures.append(f"cgroup: {exc}")
+        if failures:
+            raise IsolationError(f"could not release all of {sandbox_id}: {'; '.join(failures)}")
         return removed
