@@ -52,11 +52,12 @@ def test_address_leases_are_unique_under_concurrency_and_persist(tmp_path: Path)
     for thread in threads:
         thread.join()
     assert sorted(slots) == list(range(40))
-    registry.release_slot("sb-7")
+    holder = next(sandbox for sandbox, (_, slot) in registry.leases().items() if slot == 7)
+    registry.release_slot(holder)
     assert registry.lease_slot("sb-new", "p", 64, taken={7, 40}) == 41  # 7 is free here but taken on the host
     registry.close()
     reopened = Registry(tmp_path / "state.db")
-    assert reopened.leases()["sb-new"] == ("p", 41) and "sb-7" not in reopened.leases()
+    assert reopened.leases()["sb-new"] == ("p", 41) and holder not in reopened.leases()
     assert reopened.lease_slot("sb-again", "p", 64) == 7
     with pytest.raises(LeasesExhausted):
         reopened.lease_slot("sb-full", "small", 0)
