@@ -24,7 +24,7 @@ from forkd.sdk.controller import Controller
 pytestmark = pytest.mark.vm
 
 OUTSIDE_HOST = "192.168.250.1"  # the host's end of the outside link
-OUTSIDE = "192.168.250.2"
+OUTSIDE = "192.168.250.2"  # also FORKD_DNS of the test daemon (tests/conftest.py)
 OPEN_PORT, OTHER_PORT = 8080, 8081
 # Connect, read a line; prints ok/refused/timeout/unreachable so the test sees how it failed.
 PROBE = """
@@ -48,10 +48,31 @@ def serve(port):
     while True:
         c, peer = s.accept()
         c.sendall(f"hello {peer[0]}\\n".encode()); c.close()
+def dns():  # a stand-in resolver: answers each datagram on port 53 with who sent it
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", 53))
+    while True:
+        data, peer = s.recvfrom(512)
+        s.sendto(f"answer {peer[0]}".encode(), peer)
 for port in sys.argv[1:]:
     threading.Thread(target=serve, args=(int(port),)).start()
+threading.Thread(target=dns).start()
 print("listening", flush=True)
 """
+
+
+DNS_PROBE = """
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(4)
+s.sendto(b"query", (open("/etc/resolv.conf").read().split()[-1], 53))
+try:
+    print(s.recv(512).decode())
+except socket.timeout:
+    print("timeout")
+"""
+
+
+def dns_probe(daemon: Controller, sandbox_id: str) -> str:
+    return daemon.exec(sandbox_id, ["python3", "-c", DNS_PROBE], timeout_s=30)["stdout"].strip()
 
 
 def probe(daemon: Controller, sandbox_id: str, host: str, port: int) -> str:
@@ -63,8 +84,9 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
-def _server_in(netns: str, *ports: int) -> subprocess.Popen[str]:
-    server = subprocess.Popen(["nsenter", f"--net=/run/netns/{netns}", sys.executable, "-c", SERVER,
+def _server_in(netns: str, *ports: int, dns: bool = False) -> subprocess.Popen[str]:
+    script = SERVER if dns else SERVER.replace("threading.Thread(target=dns).start()", "")
+    server = subprocess.Popen(["nsenter", f"--net=/run/netns/{netns}", sys.executable, "-c", script,
                                *map(str, ports)], stdout=subprocess.PIPE, text=True)
     assert server.stdout is not None and server.stdout.readline().strip() == "listening"
     return server
@@ -83,7 +105,7 @@ def outside() -> Iterator[str]:
         _ip("-n", name, "addr", "add", f"{OUTSIDE}/24", "dev", "eth0")
         _ip("-n", name, "link", "set", "eth0", "up")
         _ip("-n", name, "route", "add", "default", "via", OUTSIDE_HOST)
-        server = _server_in(name, OPEN_PORT, OTHER_PORT)
+        server = _server_in(name, OPEN_PORT, OTHER_PORT, dns=True)
         yield name
     finally:
         if server is not None:
@@ -117,6 +139,7 @@ def test_nat_child_reaches_the_outside_masqueraded(daemon: Controller, outside: 
     assert "52:54:00:fd:00:02" in addr and "nameserver 172.29.255.1" in addr
     # NAT twice: to the namespace's address, then out of the host as the host's address on that link.
     assert probe(daemon, child["id"], OUTSIDE, OPEN_PORT) == f"ok hello {OUTSIDE_HOST}"
+    assert dns_probe(daemon, child["id"]) == f"answer {OUTSIDE_HOST}"  # the gateway relays DNS to FORKD_DNS
 
 
 def test_children_reach_neither_each_other_nor_the_host(daemon: Controller, outside: str, fork_one) -> None:
@@ -147,6 +170,9 @@ def test_deny_policy_admits_only_the_allow_list(daemon: Controller, outside: str
                                         "allow": [{"cidr": f"{OUTSIDE}/32", "ports": [OPEN_PORT], "protocol": "tcp"}]})
     assert probe(daemon, child["id"], OUTSIDE, OPEN_PORT).startswith("ok")
     assert probe(daemon, child["id"], OUTSIDE, OTHER_PORT) == "refused"  # rejected in its namespace
+    assert dns_probe(daemon, child["id"]) == f"answer {OUTSIDE_HOST}"  # dns: true by default
+    closed = fork_one(net="nat", egress={"default": "deny", "dns": False})
+    assert dns_probe(daemon, closed["id"]) == "timeout"
 
 
 def test_none_child_has_no_network(daemon: Controller, outside: str, fork_one) -> None:

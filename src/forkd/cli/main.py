@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from forkd.cli.isolation import describe_limits, describe_net, fork_options, isolation_options
 from forkd.cli.quickstart import quickstart
@@ -211,7 +211,8 @@ def ls(as_json: bool) -> None:
     if as_json:
         print_json(items)
         return
-    table = Table("id", "snapshot", "status", "pid", "net", "limits", "answered in", "age")
+    table = Table(Column("id", no_wrap=True, min_width=15), "snapshot", "status", "pid", "net", "limits",
+                  "answered in", "age")
     for item in items:
         answered = item.get("seconds_to_answer")
         table.add_row(item["id"], item["snapshot_tag"], item["status"], str(item["pid"]), describe_net(item),
