@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from forkd.host.cgroups import CgroupLayout
+from forkd.host.cgroups import CgroupLayout, leftover_cgroups
 from forkd.sdk.controller import Controller, ForkdError
 
 pytestmark = pytest.mark.vm
@@ -50,6 +50,10 @@ def test_memory_limit_kills_only_the_child_that_exceeds_it(daemon: Controller, f
     while (ended := daemon.sandbox(hog["id"]))["status"] != "killed" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert (ended["status"], ended["exit_reason"]) == ("killed", "out_of_memory")
+    deadline = time.monotonic() + 30
+    while hog["id"] in leftover_cgroups() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hog["id"] not in leftover_cgroups(), "the dead child's cgroup is removed"
     assert daemon.eval(bystander["id"], "6 * 7")["value_json"] == 42
     usage = daemon.sandbox(bystander["id"])["cgroup"]
     assert usage["memory_limit_mib"] == MEMORY_LIMIT_MIB and 0 < usage["memory_peak_kib"] <= MEMORY_LIMIT_MIB * 1024
