@@ -31,6 +31,8 @@ def vm_env_for(home: Path) -> dict[str, str]:
     env["FORKD_HOME"] = str(home)
     env["FORKD_SOCKET"] = str(home / "forkd.sock")
     env.pop("FORKD_URL", None)
+    # nat guests' DNS relay goes to the "outside" namespace tests/vm/test_network.py makes, never off the host.
+    env["FORKD_DNS"] = "192.168.250.2"
     return env
 
 

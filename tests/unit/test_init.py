@@ -36,3 +36,15 @@ def test_mounts_parents_come_first() -> None:
     targets = [m.target for m in init.MOUNTS]
     for i, target in enumerate(targets):
         assert all(not target.startswith(later + "/") for later in targets[i + 1 :])
+
+
+def test_network_structs_match_the_kernel_layout() -> None:
+    assert init._IFREQ_ADDR.size == 40  # struct ifreq
+    assert init._RTENTRY.size == 120  # struct rtentry on x86_64
+    assert init._sockaddr_in("172.29.255.1") == b"\x02\x00\x00\x00\xac\x1d\xff\x01" + b"\0" * 8
+
+
+def test_default_route_entry() -> None:
+    entry = init.default_route("172.29.255.1")
+    assert len(entry) == 120 and entry[24:40] == init._sockaddr_in("172.29.255.1")
+    assert int.from_bytes(entry[56:58], "little") == init.RTF_UP | init.RTF_GATEWAY

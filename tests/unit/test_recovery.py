@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from forkd.config import Paths
+from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.recovery import recover
 from forkd.runtime.registry import Registry, SandboxRecord, SnapshotRecord
@@ -39,7 +40,8 @@ def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path) -> None:
     registry.add_snapshot(SnapshotRecord("kept", "ready", "default", paths.snapshots / "kept", 1.0))
 
     vmm = QemuVmm()
-    service = SandboxService(paths, registry, vmm, SnapshotService(paths, registry, vmm, DigestCache()), Metrics())
+    service = SandboxService(paths, registry, vmm, SnapshotService(paths, registry, vmm, DigestCache()), Metrics(),
+                             Isolation.from_env(registry))
     released: list[str] = []
     service.releasers.append(released.append)
 

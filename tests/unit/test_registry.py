@@ -71,3 +71,28 @@ def test_replace_snapshots_is_all_or_nothing(tmp_path: Path) -> None:
     registry.replace_snapshots([SnapshotRecord("old", "ready", "default", tmp_path / "new", 3.0)], remove=("old",))
     record = registry.get_snapshot("old")
     assert record is not None and record.path == tmp_path / "new"
+
+
+def test_address_leases_are_unique_under_concurrency_and_persist(tmp_path: Path) -> None:
+    import threading
+
+    from forkd.runtime.registry import LeasesExhausted
+
+    registry = Registry(tmp_path / "state.db")
+    slots: list[int] = []
+    threads = [threading.Thread(target=lambda i=i: slots.append(registry.lease_slot(f"sb-{i}", "p", 64)))
+               for i in range(40)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(slots) == list(range(40))
+    holder = next(sandbox for sandbox, (_, slot) in registry.leases().items() if slot == 7)
+    registry.release_slot(holder)
+    assert registry.lease_slot("sb-new", "p", 64, taken={7, 40}) == 41  # 7 is free here but taken on the host
+    registry.close()
+    reopened = Registry(tmp_path / "state.db")
+    assert reopened.leases()["sb-new"] == ("p", 41) and holder not in reopened.leases()
+    assert reopened.lease_slot("sb-again", "p", 64) == 7
+    with pytest.raises(LeasesExhausted):
+        reopened.lease_slot("sb-full", "small", 0)

@@ -11,10 +11,11 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from forkd.cli.daemon import daemon_command
 from forkd.cli.doctor import doctor
+from forkd.cli.isolation import describe_limits, describe_net, fork_options, isolation_options
 from forkd.cli.quickstart import quickstart
 from forkd.config import paths_from_env
 from forkd.sdk.autostart import ensure_daemon
@@ -44,6 +45,14 @@ def daemon() -> Controller:
 def progress_printer(prefix: str = "") -> Callable[[str], None]:
     started = time.monotonic()
     return lambda line: err_console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {prefix}{line}")
+
+
+def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str]:
+    """``KEY=VALUE`` options as a dict; a pair without ``=`` is a usage error, not silently dropped."""
+    bad = [pair for pair in pairs if "=" not in pair or pair.startswith("=")]
+    if bad:
+        raise click.UsageError(f"{option} wants KEY=VALUE, got {bad[0]!r}")
+    return dict(pair.split("=", 1) for pair in pairs)
 
 
 def print_json(data: Any) -> None:
@@ -174,12 +183,19 @@ def rmi(tag: str) -> None:
 @cli.command("fork")
 @click.option("--tag", required=True, help="snapshot to fork from")
 @click.option("-n", "count", default=1, show_default=True, help="number of children")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
+              help="seconds until the daemon kills each child (default: never)")
+@click.option("--env", "-e", "envs", multiple=True, help="KEY=VALUE default env of every command (repeatable)")
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE metadata kept with the sandbox (repeatable)")
+@isolation_options
 @click.option("--json", "as_json", is_flag=True)
 @reports_errors
-def fork(tag: str, count: int, as_json: bool) -> None:
+def fork(tag: str, count: int, timeout_s: float | None, envs: tuple[str, ...], labels: tuple[str, ...],
+         as_json: bool, **isolation: Any) -> None:
     """Fork N children from a snapshot; one line per child with its time to first answer."""
     started = time.monotonic()
-    result = daemon().fork(tag, count)
+    result = daemon().fork(tag, count, timeout_s=timeout_s, envs=key_values(envs, "--env"),
+                           metadata=key_values(labels, "--label"), **fork_options(**isolation))
     total = time.monotonic() - started
     if as_json:
         print_json({**result, "total_seconds": total})
@@ -202,11 +218,13 @@ def ls(as_json: bool) -> None:
     if as_json:
         print_json(items)
         return
-    table = Table("id", "snapshot", "status", "pid", "answered in", "age")
+    table = Table(Column("id", no_wrap=True, min_width=15), "snapshot", "status", "pid", "net", "limits",
+                  "answered in", "age")
     for item in items:
         answered = item.get("seconds_to_answer")
-        table.add_row(item["id"], item["snapshot_tag"], item["status"], str(item["pid"]),
-                      f"{answered * 1000:.0f} ms" if answered else "-", f"{time.time() - item['created_at']:.0f} s")
+        table.add_row(item["id"], item["snapshot_tag"], item["status"], str(item["pid"]), describe_net(item),
+                      describe_limits(item), f"{answered * 1000:.0f} ms" if answered else "-",
+                      f"{time.time() - item['created_at']:.0f} s")
     console.print(table)
 
 
@@ -236,7 +254,7 @@ def kill(sandbox_ids: tuple[str, ...], kill_all: bool) -> None:
 def exec_command(sandbox_id: str, command: tuple[str, ...], shell: bool, envs: tuple[str, ...], cwd: str | None,
                  timeout: float) -> None:
     """Run a command in a sandbox, streaming its output; exits with the command's status."""
-    env = dict(pair.split("=", 1) for pair in envs if "=" in pair)
+    env = key_values(envs, "--env")
 
     def on_event(event: dict[str, Any]) -> None:
         if event.get("event") == "stdout":

@@ -298,7 +298,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.post("/v1/sandboxes", status_code=201, response_model=schemas.ForkResult)
     async def fork(body: schemas.SandboxCreate) -> dict[str, Any]:
-        options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata)
+        options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata, isolation=body.options())
         outcomes = await runtime.sandboxes.fork(body.snapshot_tag, body.n, options)
         return {
             "sandboxes": [o.sandbox for o in outcomes if o.sandbox is not None],
@@ -311,7 +311,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=schemas.Sandbox)
     async def get_sandbox(sandbox_id: str) -> dict[str, Any]:
-        return runtime.sandboxes.describe(sandbox(sandbox_id), with_memory=True)
+        return runtime.sandboxes.lookup(check_sandbox_id(sandbox_id))
 
     @app.delete("/v1/sandboxes/{sandbox_id}")
     async def kill_sandbox(sandbox_id: str) -> dict[str, Any]:

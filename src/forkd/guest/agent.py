@@ -44,7 +44,7 @@ from typing import Any
 
 from . import protocol
 
-AGENT_VERSION = "0.1.0"
+AGENT_VERSION = "0.2.0"  # 0.2: the guest has eth0 (snapshots without a NIC cannot load)
 
 DEFAULT_CONTEXT = "default"
 

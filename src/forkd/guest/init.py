@@ -1,5 +1,5 @@
-"""PID 1 of a forkd guest: mount the pseudo filesystems, bring up loopback, keep the agent
-running and reap every orphan.
+"""PID 1 of a forkd guest: mount the pseudo filesystems, bring up loopback and eth0, keep the
+agent running and reap every orphan.
 
 Stdlib only; runs as ``python3 -m forkd_guest.init``. If PID 1 exits the kernel panics, so
 every setup step logs its failure and carries on, and the supervisor loop survives anything.
@@ -16,6 +16,8 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from . import netconf
 
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
@@ -70,8 +72,20 @@ AGENT_STABLE_S = 30.0
 # first member, for these ioctls, is the short ifr_flags.
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
+SIOCSIFADDR = 0x8916
+SIOCSIFNETMASK = 0x891C
+SIOCADDRT = 0x890B
 IFF_UP = 0x1
+RTF_UP = 0x1
+RTF_GATEWAY = 0x2
 _IFREQ_FLAGS = struct.Struct("16sh22x")
+#: struct ifreq with a struct sockaddr_in as the union.
+_IFREQ_ADDR = struct.Struct("16s16s8x")
+#: struct rtentry (x86_64): pad, dst, gateway, genmask, flags, pad, pad, pad, metric, dev, mtu, window,
+#: irtt, tail padding to its 120 bytes.
+_RTENTRY = struct.Struct("@L16s16s16sHhLPhPLLH6x")
+_SOCKADDR_IN = struct.Struct("H2s4s8x")
+RESOLV_CONF = "/etc/resolv.conf"
 
 
 def log(message: str) -> None:
@@ -127,6 +141,37 @@ def bring_up_loopback() -> None:
         fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ_FLAGS.pack(b"lo", flags | IFF_UP))
 
 
+def _sockaddr_in(address: str) -> bytes:
+    return _SOCKADDR_IN.pack(socket.AF_INET, b"\0\0", socket.inet_aton(address))
+
+
+def default_route(gateway: str) -> bytes:
+    """A struct rtentry for ``default via gateway`` (no device: the kernel finds it from the gateway)."""
+    anywhere = _sockaddr_in("0.0.0.0")
+    return _RTENTRY.pack(0, anywhere, _sockaddr_in(gateway), anywhere, RTF_UP | RTF_GATEWAY, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def configure_network() -> None:
+    """eth0 gets the fixed guest address and a default route; DNS goes to the gateway.
+
+    Done once, in the parent, with ioctls (the root may have no iproute2); children inherit it.
+    A VM without a NIC has no eth0 and simply has no network.
+    """
+    name = netconf.INTERFACE.encode()
+    if not os.path.exists(f"/sys/class/net/{netconf.INTERFACE}"):
+        log(f"no {netconf.INTERFACE}: this VM has no network")
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for request, address in ((SIOCSIFADDR, netconf.GUEST_ADDRESS), (SIOCSIFNETMASK, netconf.NETMASK)):
+            fcntl.ioctl(sock, request, _IFREQ_ADDR.pack(name, _sockaddr_in(address)))
+        _, flags = _IFREQ_FLAGS.unpack(fcntl.ioctl(sock, SIOCGIFFLAGS, _IFREQ_FLAGS.pack(name, 0)))
+        fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ_FLAGS.pack(name, flags | IFF_UP))
+        fcntl.ioctl(sock, SIOCADDRT, default_route(netconf.GATEWAY))
+    with open(RESOLV_CONF + ".forkd", "w", encoding="ascii") as f:
+        f.write(f"nameserver {netconf.NAMESERVER}\n")
+    os.replace(RESOLV_CONF + ".forkd", RESOLV_CONF)
+
+
 def _step(what: str, action: Callable[..., Any], *args: Any) -> None:
     try:
         action(*args)
@@ -141,6 +186,7 @@ def set_up_system() -> None:
         _step(f"linking {link}", symlink, target, link)
     _step("setting the hostname", set_hostname_from_cmdline)
     _step("bringing up lo", bring_up_loopback)
+    _step(f"configuring {netconf.INTERFACE}", configure_network)
 
 
 def spawn_agent() -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from forkd.config import Paths
 from forkd.host import probes
+from forkd.host.isolation_checks import isolation_checks
 from forkd.vmm.accel import choose_accelerator, probe_kvm
 from forkd.vmm.kvm_speed import probe_speed
 
@@ -23,7 +24,8 @@ IP_FORWARD_CHECK = "ip_forward"
 TOOLS = (("qemu", ["qemu-system-x86_64", "--version"], "qemu-system-x86"),
          ("qemu-img", ["qemu-img", "--version"], "qemu-utils"),
          ("debootstrap", ["debootstrap", "--version"], "debootstrap"),
-         ("mkfs.ext4", ["mkfs.ext4", "-V"], "e2fsprogs"))
+         ("mkfs.ext4", ["mkfs.ext4", "-V"], "e2fsprogs"),
+         ("nft", ["nft", "--version"], "nftables"))
 PACKAGE_CHECKS = frozenset(name for name, _, _ in TOOLS)
 
 
@@ -50,6 +52,7 @@ def _command_version(argv: list[str]) -> str | None:
 def run_checks(paths: Paths) -> list[Check]:
     """Every check, in the order a user fixes them: platform, virtualization, tools, kernel, resources."""
     return [*_platform(), *_virtualization(), *_tools(), *_images(paths), *_cgroups(), *_network(),
+            *isolation_checks(Check),
             *_memory_features(), *_resources(paths)]
 
 

@@ -57,10 +57,13 @@ async def recover(sandboxes: SandboxService) -> Recovery:
         for leftover in sorted(paths.sandboxes.iterdir()):
             if leftover.name not in known and leftover.is_dir() and is_sandbox_id(leftover.name):
                 await _kill_all(vmms.pop(leftover.name, []), str(leftover) + "/")
-                sandboxes.release(leftover.name, leftover)
+                await sandboxes.release(leftover.name, leftover)
                 result.reaped.append(leftover.name)
     for name, refs in vmms.items():  # VMMs whose directory is gone altogether
         await _kill_all(refs, f"{paths.sandboxes}/{name}/")
+    for orphan in sorted(set(sandboxes.registry.leases()) - set(result.adopted)):  # a lease without a record
+        await asyncio.to_thread(sandboxes.isolation.release, orphan)
+        result.reaped.append(orphan)
     result.removed_builds = await _remove_half_built(sandboxes)
     return result
 
@@ -87,7 +90,7 @@ async def _recover_one(sandboxes: SandboxService, record: SandboxRecord, refs: l
                 sandboxes.watch(record, vm, agent)
                 return True
     await _kill_all(refs, f"{record.run_dir}/")
-    sandboxes.release(record.id, record.run_dir)
+    await sandboxes.release(record.id, record.run_dir)
     return False
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,23 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     created_at   REAL NOT NULL,
     meta         TEXT NOT NULL
 );
+-- One /30 of the nat address pool per sandbox; kept across daemon restarts so leftovers are known.
+CREATE TABLE IF NOT EXISTS net_leases (
+    pool       TEXT NOT NULL,
+    slot       INTEGER NOT NULL,
+    sandbox_id TEXT NOT NULL UNIQUE,
+    PRIMARY KEY (pool, slot)
+);
 """
 # Columns added after the first release, created on open when an older state.db lacks them.
 # What re-adopting a VMM after a daemon restart needs: its start time (a pid alone may have been
 # reused) and the sockets to reconnect.
 SANDBOX_COLUMNS_ADDED = (("vmm_started", "INTEGER"), ("agent_socket", "TEXT"), ("monitor_socket", "TEXT"))
 _SANDBOX_FIELDS = "id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, agent_socket, monitor_socket"
+
+
+class LeasesExhausted(RuntimeError):
+    """No address block is free in the pool."""
 
 
 @dataclass
@@ -171,6 +183,36 @@ class Registry:
 
     def remove_sandbox(self, sandbox_id: str) -> None:
         self._execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    # network address leases
+
+    def lease_slot(self, sandbox_id: str, pool: str, capacity: int, taken: Collection[int] = ()) -> int:
+        """The lowest slot of ``pool`` that no sandbox holds and is not in ``taken``, now held by ``sandbox_id``.
+
+        One immediate transaction: concurrent forks (and another daemon on the same db) never get one slot twice.
+        """
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                held = {row[0] for row in self._db.execute("SELECT slot FROM net_leases WHERE pool = ?", (pool,))}
+                slot = next((i for i in range(capacity) if i not in held and i not in taken), None)
+                if slot is None:
+                    raise LeasesExhausted(f"all {capacity} address blocks of {pool} are in use; kill sandboxes "
+                                          f"or set a larger FORKD_NET_POOL")
+                self._db.execute("INSERT INTO net_leases (pool, slot, sandbox_id) VALUES (?, ?, ?)",
+                                 (pool, slot, sandbox_id))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return slot
+
+    def release_slot(self, sandbox_id: str) -> None:
+        self._execute("DELETE FROM net_leases WHERE sandbox_id = ?", (sandbox_id,))
+
+    def leases(self) -> dict[str, tuple[str, int]]:
+        """Sandbox id → (pool, slot) of every lease held."""
+        return {row[2]: (row[0], row[1]) for row in self._execute("SELECT pool, slot, sandbox_id FROM net_leases")}
 
 
 

@@ -14,6 +14,7 @@ from forkd.packs.service import PackService
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import Recovery, recover
+from forkd.runtime.isolation import Isolation
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
@@ -31,7 +32,8 @@ class Runtime:
         self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
         self.options = options or RuntimeOptions()
         self.metrics = Metrics()
-        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics, self.options)
+        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics,
+                                        Isolation.from_env(self.registry), self.options)
         self.packs = PackService(paths, self.registry, vmm, self.snapshots, self.sandboxes.count_of)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))

@@ -8,6 +8,7 @@ sockets and record are released. In a batch, one failed child is reported, not f
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -26,12 +27,14 @@ from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_answering
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
+from forkd.runtime.isolation import END_OUT_OF_MEMORY, Isolation, IsolationError, Prepared, SandboxOptions, sandbox_meta
 from forkd.runtime.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
 from forkd.vmm.process import start_time
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
+ENDED_KEPT = 1000  # how many ended sandboxes GET /v1/sandboxes/{id} still describes
 log = logging.getLogger("forkd.sandboxes")
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
@@ -61,6 +64,7 @@ class LiveSandbox:
     agent: AgentClient
     watcher: asyncio.Task[None] | None = None
     killing: bool = False
+    isolation: Prepared | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class ForkOptions:
     timeout_s: float | None = None  # the daemon kills the child this long after it answered
     envs: dict[str, str] = field(default_factory=dict)  # defaults for every command run in it
     metadata: dict[str, str] = field(default_factory=dict)  # caller's labels, returned as given
+    isolation: SandboxOptions = field(default_factory=SandboxOptions)  # network and resource limits
 
 
 @dataclass
@@ -83,15 +88,18 @@ class ForkOutcome:
 
 class SandboxService:
     def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotService,
-                 metrics: Metrics, options: RuntimeOptions | None = None) -> None:
+                 metrics: Metrics, isolation: Isolation, options: RuntimeOptions | None = None) -> None:
         self.paths = paths
         self.metrics = metrics
         self.registry = registry
         self.vmm = vmm
         self.snapshots = snapshots
         self.options = options or RuntimeOptions()
-        self.releasers: list[Releaser] = []  # per-sandbox resources beyond files and record, freed by id
+        self.isolation = isolation
+        # Per-sandbox resources beyond files and record, freed by id (each runs in a worker thread).
+        self.releasers: list[Releaser] = [self._release_isolation]
         self._live: dict[str, LiveSandbox] = {}
+        self._ended: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._forking: Counter[str] = Counter()  # children being restored, per snapshot tag
         self._restoring = 0
         self._restore_slots = asyncio.Semaphore(self.options.max_concurrent_forks or 1 << 30)
@@ -110,7 +118,7 @@ class SandboxService:
         async def one() -> ForkOutcome:
             try:
                 sandbox = await self._spawn(record.tag, saved, spec, options)
-            except (VmmError, AgentError, OSError, SandboxLimitReached) as exc:
+            except (VmmError, AgentError, IsolationError, OSError, SandboxLimitReached) as exc:
                 self.metrics.spawn_failures.inc()
                 return ForkOutcome(error=str(exc))
             finally:
@@ -142,12 +150,20 @@ class SandboxService:
         run_dir.mkdir(parents=True)
         record = SandboxRecord(id=sandbox_id, snapshot_tag=tag, status="starting", pid=None, run_dir=run_dir,
                                created_at=time.time(), meta={"hostname": sandbox_id, "envs": options.envs,
-                                                             "metadata": options.metadata, "end_at": None})
-        self.registry.add_sandbox(record)
+                                                             "metadata": options.metadata, "end_at": None,
+                                                             **sandbox_meta(options.isolation, None)})
+        self.registry.add_sandbox(record)  # first, so a crash from here on leaves a record to reap by
         vm: VmHandle | None = None
         agent: AgentClient | None = None
+        prepared: Prepared | None = None
         try:
-            vm = await self.vmm.restore(sandbox_id, saved, spec, run_dir)
+            prepared = await asyncio.to_thread(self.isolation.prepare, sandbox_id, options.isolation)
+            record.meta.update(sandbox_meta(options.isolation, prepared.lease))
+            self.registry.update_sandbox(sandbox_id, meta=record.meta)
+            try:
+                vm = await self.vmm.restore(sandbox_id, saved, spec, run_dir, prepared.setup())
+            finally:
+                prepared.close_tap()
             self.registry.set_vmm(sandbox_id, vm.pid, start_time(vm.pid), vm.agent_socket, vm.monitor_socket)
             # The first answer a child gives is to its reseed: nothing runs on a copied RNG or clock.
             agent, _ = await connect_when_answering(vm.agent_socket, vm.process, RESTORE_ANSWER_TIMEOUT_S,
@@ -162,17 +178,18 @@ class SandboxService:
                 await agent.close()
             if vm is not None:
                 await self.vmm.kill(vm)
-            self.release(sandbox_id, run_dir)
+            await self.release(sandbox_id, run_dir)
             raise
         agent.on_roundtrip = lambda op, seconds: self.metrics.agent_roundtrip_seconds.labels(op).observe(seconds)
         record.pid = vm.pid
         record.status = "running"
         self.registry.update_sandbox(sandbox_id, status="running")
-        return self.watch(record, vm, agent)
+        return self.watch(record, vm, agent, prepared)
 
-    def watch(self, record: SandboxRecord, vm: VmHandle, agent: AgentClient) -> LiveSandbox:
-        """Serve a running child: a fresh one, or one re-adopted after a daemon restart."""
-        live = LiveSandbox(record=record, vm=vm, agent=agent)
+    def watch(self, record: SandboxRecord, vm: VmHandle, agent: AgentClient,
+              isolation: Prepared | None = None) -> LiveSandbox:
+        """Serve a running child: a fresh one, or one re-adopted after a daemon restart (``isolation`` None)."""
+        live = LiveSandbox(record=record, vm=vm, agent=agent, isolation=isolation)
         live.watcher = asyncio.create_task(self._watch(live))
         self._live[record.id] = live
         return live
@@ -180,20 +197,38 @@ class SandboxService:
     async def _watch(self, live: LiveSandbox) -> None:
         """Release everything a child held as soon as its VMM process exits, however it died."""
         code = await live.vm.process.wait()
-        if not live.killing:
-            live.record.status = f"exited({code})"
+        record = live.record
+        reason = self.isolation.end_reason(live.isolation)
+        if reason == END_OUT_OF_MEMORY:
+            limit = record.meta.get("limits", {}).get("memory_limit_mib")
+            record.status, record.meta["exit_reason"] = "killed", reason
+            log.warning("sandbox %s was killed by the kernel's OOM killer: its VMM exceeded its memory limit "
+                        "(%s MiB)", record.id, limit)
+        elif live.killing:
+            record.status, record.meta["exit_reason"] = "killed", "requested"
+        else:
+            record.status, record.meta["exit_reason"] = "exited", f"exit status {code}"
         await live.agent.close()
-        self._live.pop(live.record.id, None)
-        self.release(live.record.id, live.record.run_dir)
+        self._live.pop(record.id, None)
+        self._ended[record.id] = {**record.to_dict(), "ended_at": time.time()}
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+        await self.release(record.id, record.run_dir)
 
-    def release(self, sandbox_id: str, run_dir: Path) -> None:
+    def _release_isolation(self, sandbox_id: str) -> None:
+        removed = self.isolation.release(sandbox_id)
+        if removed:
+            log.info("released %s: %s", sandbox_id, ", ".join(removed))
+
+    async def release(self, sandbox_id: str, run_dir: Path) -> None:
         """Free everything a sandbox whose VMM is gone held: plugged-in resources, files, then the record.
 
         The record goes last, so a daemon dying midway finds it again on restart and finishes the job.
+        Releasers run in a worker thread (pyroute2's netlink calls block and keep their own loop).
         """
         for releaser in self.releasers:
             try:
-                releaser(sandbox_id)
+                await asyncio.to_thread(releaser, sandbox_id)
             except Exception:  # one resource that cannot be freed must not keep the others
                 log.exception("releasing %s for %s failed", getattr(releaser, "__name__", releaser), sandbox_id)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -229,8 +264,18 @@ class SandboxService:
     def get(self, sandbox_id: str) -> LiveSandbox:
         live = self._live.get(sandbox_id)
         if live is None:
+            ended = self._ended.get(sandbox_id)
+            if ended is not None:
+                raise SandboxNotFound(f"sandbox {sandbox_id!r} has ended: {ended['status']} "
+                                      f"({ended['exit_reason']})")
             raise SandboxNotFound(f"no running sandbox {sandbox_id!r}; list them with `forkd ls`")
         return live
+
+    def lookup(self, sandbox_id: str) -> dict[str, Any]:
+        """A running sandbox with its memory and cgroup figures, or the final record of an ended one."""
+        if sandbox_id not in self._live and sandbox_id in self._ended:
+            return self._ended[sandbox_id]
+        return self.describe(self.get(sandbox_id), with_memory=True)
 
     def live(self) -> list[LiveSandbox]:
         return list(self._live.values())
@@ -246,6 +291,9 @@ class SandboxService:
                 stats: MemoryStats = self.vmm.memory_stats(live.vm)
                 info["memory"] = {"pss_kib": stats.pss_kib, "private_dirty_kib": stats.private_dirty_kib,
                                   "rss_kib": stats.rss_kib}
+            cgroup = self.isolation.usage(live.isolation)
+            if cgroup is not None:
+                info["cgroup"] = cgroup
         return info
 
     async def kill(self, sandbox_id: str) -> None:

@@ -188,14 +188,20 @@ class Controller:
     # sandboxes
 
     def fork(self, tag: str, n: int = 1, *, timeout_s: float | None = None, envs: dict[str, str] | None = None,
-             metadata: dict[str, str] | None = None) -> dict[str, Any]:
+             metadata: dict[str, str] | None = None, net: str | None = None, egress: dict[str, Any] | None = None,
+             memory_limit_mib: int | None = None, cpu_quota: float | None = None, cpu_weight: int | None = None,
+             pids_max: int | None = None) -> dict[str, Any]:
         """``{"sandboxes": [...], "errors": [...]}``: a failed child does not fail the others.
 
-        ``timeout_s``: the daemon kills each child that long after it answered (renew with ``set_timeout``).
+        ``timeout_s``: the daemon kills each child that long after it answered (renew with ``set_timeout``);
+        ``envs``: default environment of every command; ``metadata``: labels kept with the sandbox.
+        ``net`` is ``"none"`` (default) or ``"nat"``; ``egress`` e.g. ``{"default": "deny", "allow":
+        [{"cidr": "203.0.113.0/24", "ports": [443]}]}``; the limits apply to each child's VMM.
         """
-        body: dict[str, Any] = {"snapshot_tag": tag, "n": n, "envs": envs or {}, "metadata": metadata or {}}
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
+        options = {"timeout_s": timeout_s, "envs": envs, "metadata": metadata, "net": net, "egress": egress,
+                   "memory_limit_mib": memory_limit_mib, "cpu_quota": cpu_quota, "cpu_weight": cpu_weight,
+                   "pids_max": pids_max}
+        body = {"snapshot_tag": tag, "n": n, **{k: v for k, v in options.items() if v is not None}}
         return self.request("POST", "/v1/sandboxes", json=body, timeout=LONG_TIMEOUT_S)
 
     def set_timeout(self, sandbox_id: str, timeout_s: float) -> float:

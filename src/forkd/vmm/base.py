@@ -7,6 +7,7 @@ through :class:`Capabilities` rather than the runtime assuming it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -79,6 +80,19 @@ class VmProcess(Protocol):
     def kill(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class ChildSetup:
+    """What the host prepared for one child before its VMM starts.
+
+    ``tap_fd`` is a tap opened inside the child's network namespace, passed to the VMM, which
+    itself needs no network; without one the NIC sits on a dead hub port with its link down.
+    ``on_spawn`` runs with the VMM's pid before any guest state is loaded (e.g. joins a cgroup).
+    """
+
+    tap_fd: int | None = None
+    on_spawn: Callable[[int], None] | None = None
+
+
 @dataclass(eq=False)  # a handle is one process: identity, not value, equality
 class VmHandle:
     """A running VMM process and the host-side endpoints it exposes."""
@@ -137,7 +151,8 @@ class Vmm(Protocol):
         """Write the paused VM's device and vCPU state to ``state``; RAM stays in its memory file."""
         ...
 
-    async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path) -> VmHandle:
+    async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
+                      setup: ChildSetup = ChildSetup()) -> VmHandle:
         """Start a child that maps ``saved.memory`` copy-on-write and resumes from ``saved.state``."""
         ...
 

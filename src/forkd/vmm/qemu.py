@@ -25,11 +25,13 @@ from pathlib import Path
 
 from qemu.qmp import QMPClient, QMPError
 
+from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
 from forkd.vmm.accel import choose_accelerator
 from forkd.vmm.base import (
     BootSpec,
     Capabilities,
+    ChildSetup,
     MachineIdentity,
     MemoryStats,
     SavedVm,
@@ -46,6 +48,11 @@ TCG_TB_SIZE_MIB = 16
 CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
 # Shared RAM (the memory file) is neither written to nor read from the migration stream.
 _IGNORE_SHARED = {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
+NIC_ID = "nic0"
+#: An inert NIC backend: a hub with this one port, so frames go nowhere. Backends are not
+#: migrated, so a parent baked on it can restore onto a tap. The tap is opened without vnet headers,
+#: so the offload features the guest negotiated are the same whichever backend a child gets.
+_INERT_NETDEV = "hubport,id=net0,hubid=0"
 
 
 @functools.cache
@@ -139,7 +146,8 @@ class QemuVmm:
             agent_version=spec.agent_version,
         )
 
-    def _argv(self, spec: BootSpec, run_dir: Path, disk: Path, memory: Path, share: bool) -> list[str]:
+    def _argv(self, spec: BootSpec, run_dir: Path, disk: Path, memory: Path, share: bool,
+              tap_fd: int | None = None) -> list[str]:
         """The machine; parent and children must agree on every device for state to load.
 
         Only a parent (``share=True``) is given the kernel: a child's kernel is already in the RAM
@@ -147,6 +155,7 @@ class QemuVmm:
         """
         boot = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if share else []
         accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MIB}"
+        netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
         return [
             self.binary,
             "-nodefaults", "-no-user-config", "-nographic", "-display", "none",
@@ -161,6 +170,8 @@ class QemuVmm:
             *boot,
             "-drive", f"file={disk},format=qcow2,if=none,id=root,cache=writeback,discard=unmap",
             "-device", "virtio-blk-pci,drive=root,id=rootdisk",
+            "-netdev", netdev,
+            "-device", f"virtio-net-pci,netdev=net0,mac={netconf.GUEST_MAC},id={NIC_ID}",
             "-device", "virtio-serial-pci,id=vser",
             "-chardev", f"socket,id=agent,path={run_dir / 'agent.sock'},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},id=agentport",
@@ -172,8 +183,9 @@ class QemuVmm:
         ]
 
     async def _start(self, name: str, argv: list[str], run_dir: Path, disk: Path, pass_fds: tuple[int, ...] = (),
-                     setup: Callable[[QMPClient], Awaitable[object]] | None = None) -> VmHandle:
-        """Start QEMU, prove it is up with a monitor answer, then run ``setup`` on that monitor."""
+                     setup: Callable[[QMPClient], Awaitable[object]] | None = None,
+                     on_spawn: Callable[[int], None] | None = None) -> VmHandle:
+        """Start QEMU, run ``on_spawn(pid)``, prove it is up with a monitor answer, then run ``setup`` on it."""
         log_path = run_dir / "qemu.log"
         with open(log_path, "ab") as log:
             try:
@@ -185,6 +197,13 @@ class QemuVmm:
                 raise VmmError(f"cannot start {self.binary}: {exc}; install QEMU with `bash scripts/setup`") from None
         vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
                       monitor_socket=run_dir / "qmp.sock", disk=disk)
+        if on_spawn is not None:
+            try:
+                on_spawn(process.pid)
+            except Exception as exc:  # e.g. it could not join its cgroup, or it died at once
+                await self.kill(vm)
+                raise VmmError(f"QEMU for {name} could not be set up ({exc}; exit status {process.returncode}): "
+                               f"{_tail(log_path)}") from None
         # QEMU creates its sockets before it has parsed every option (and binds before it
         # listens), so only a monitor answer proves the machine was really created.
         try:
@@ -216,7 +235,8 @@ class QemuVmm:
                 os.replace(partial, template)
         return template
 
-    async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path) -> VmHandle:
+    async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
+                      setup: ChildSetup = ChildSetup()) -> VmHandle:
         disk = run_dir / "disk.qcow2"
         shutil.copyfile(await self._child_overlay_template(saved.disk), disk)
         state_fd = os.open(saved.state, os.O_RDONLY)
@@ -226,11 +246,15 @@ class QemuVmm:
             # The state file is inherited as this fd number; RAM comes from the mapped file.
             await qmp.execute("migrate-incoming", {"uri": f"fd:{state_fd}"})
             await _wait_for_migration(qmp, name, "restoring")
+            if setup.tap_fd is None:  # the guest sees no carrier: a child without network
+                await qmp.execute("set_link", {"name": NIC_ID, "up": False})
             await qmp.execute("cont")  # the parent was paused when saved, so the child loads paused
 
         try:
-            argv = self._argv(spec, run_dir, disk, saved.memory, share=False) + ["-incoming", "defer"]
-            return await self._start(name, argv, run_dir, disk, pass_fds=(state_fd,), setup=load_state)
+            argv = self._argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd)
+            fds = (state_fd,) if setup.tap_fd is None else (state_fd, setup.tap_fd)
+            return await self._start(name, argv + ["-incoming", "defer"], run_dir, disk, pass_fds=fds,
+                                     setup=load_state, on_spawn=setup.on_spawn)
         finally:
             os.close(state_fd)
 

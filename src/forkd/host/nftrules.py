@@ -1,0 +1,107 @@
+"""The nftables rulesets of one ``nat`` child: one inside its namespace, one on the host.
+
+Generated as nft's own syntax and loaded atomically with ``nft -f`` (a ruleset file is one
+transaction: all of it applies or none). The namespace table NATs the guest to the namespace's
+address and enforces the egress policy; the host table masquerades the child out of the host
+and holds the rules no policy can lift: nothing from a child reaches the host itself, another
+child, or any address of the pool.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from forkd.guest import netconf
+from forkd.host.netpolicy import AllowRule, EgressPolicy, Lease
+
+TAP = "tap0"
+NS_VETH = "veth0"
+LINK_PREFIX = "fkd"  # host-side veth: fkd + the 12 characters of the sandbox id = 15, the kernel's limit
+NS_TABLE = "forkd"
+HOST_TABLE_PREFIX = "forkd_"
+
+
+def host_link(sandbox_id: str) -> str:
+    return LINK_PREFIX + sandbox_id.removeprefix("sb-")
+
+
+def host_table(sandbox_id: str) -> str:
+    return HOST_TABLE_PREFIX + sandbox_id.replace("-", "_")
+
+
+@dataclass(frozen=True)
+class ChildNetwork:
+    sandbox_id: str
+    lease: Lease
+    pool: ipaddress.IPv4Network
+    policy: EgressPolicy
+    dns: ipaddress.IPv4Address | None  # the resolver the gateway relays to; None: no DNS
+
+
+def _ports(rule: AllowRule) -> str:
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in rule.ports)
+
+
+def _allow(rule: AllowRule, out: str) -> list[str]:
+    match = f'{out} ip daddr {rule.cidr}'
+    if not rule.ports:
+        protocol = "" if rule.protocol == "any" else f" meta l4proto {rule.protocol}"
+        return [f"{match}{protocol} accept"]
+    protocols = ("tcp", "udp") if rule.protocol == "any" else (rule.protocol,)
+    return [f"{match} {proto} dport {{ {_ports(rule)} }} accept" for proto in protocols]
+
+
+_REJECT = ("meta l4proto tcp reject with tcp reset", "reject with icmp type admin-prohibited")
+
+
+def namespace_ruleset(net: ChildNetwork) -> str:
+    """NAT and the egress policy, in the child's namespace (the guest cannot touch it: it is in a VM)."""
+    out = f'iifname "{TAP}" oifname "{NS_VETH}"'
+    dnat, forward = [], [f"{out} ip daddr {net.pool} drop"]
+    if net.dns is not None:
+        for proto in ("udp", "tcp"):
+            dnat.append(f'iifname "{TAP}" ip daddr {netconf.GATEWAY} {proto} dport 53 dnat to {net.dns}')
+            if net.policy.dns or net.policy.default == "allow":
+                forward.append(f"{out} ip daddr {net.dns} {proto} dport 53 accept")
+    if net.policy.default == "allow":
+        forward.append(f"{out} accept")
+    else:
+        for rule in net.policy.allow:
+            forward.extend(_allow(rule, out))
+    rejects = [f'iifname "{TAP}" {r}' for r in _REJECT]
+    return _ruleset("ip", NS_TABLE, {
+        "prerouting": ("type nat hook prerouting priority dstnat; policy accept;", dnat),
+        "postrouting": ("type nat hook postrouting priority srcnat; policy accept;",
+                        [f'oifname "{NS_VETH}" snat to {net.lease.ns_address}']),
+        "input": ("type filter hook input priority filter; policy drop;",
+                  ['iifname "lo" accept', "ct state established,related accept", *rejects]),
+        "forward": ("type filter hook forward priority filter; policy drop;",
+                    ["ct state established,related accept", *forward, *rejects]),
+    })
+
+
+def host_ruleset(net: ChildNetwork) -> str:
+    """Masquerade the child out of the host; keep it away from the host and from other children."""
+    link = host_link(net.sandbox_id)
+    mine, any_child = f'iifname "{link}"', f'"{LINK_PREFIX}*"'
+    return _ruleset("ip", host_table(net.sandbox_id), {
+        "input": ("type filter hook input priority filter - 10; policy accept;",
+                  [f"{mine} {r}" for r in _REJECT]),
+        "forward": ("type filter hook forward priority filter - 10; policy accept;", [
+            f"{mine} oifname {any_child} drop",
+            f'iifname {any_child} oifname "{link}" drop',
+            f"{mine} ip daddr {net.pool} drop",
+        ]),
+        "postrouting": ("type nat hook postrouting priority srcnat; policy accept;",
+                        [f"{mine} oifname != {any_child} masquerade"]),
+    })
+
+
+def _ruleset(family: str, table: str, chains: dict[str, tuple[str, list[str]]]) -> str:
+    """A table that replaces any earlier one of the same name, in one transaction."""
+    lines = [f"table {family} {table} {{}}", f"delete table {family} {table}", f"table {family} {table} {{"]
+    for name, (hook, rules) in chains.items():
+        lines += [f"    chain {name} {{", f"        {hook}", *(f"        {rule}" for rule in rules), "    }"]
+    lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,41 @@
+"""A child's network objects made and removed for real (root only; no VM, no traffic)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import shutil
+
+import pytest
+
+from forkd.host.netns import create_child_network, leftover_networks, release_network
+from forkd.host.netpolicy import AddressPool, EgressPolicy
+from forkd.host.nftrules import ChildNetwork
+from forkd.runtime.sandboxes import new_sandbox_id
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
+                                reason="needs root and nftables")
+POOL = AddressPool.parse("10.213.0.0/16")
+
+
+def test_create_list_release_idempotently() -> None:
+    sandbox_id = new_sandbox_id()
+    slot = POOL.capacity - 1  # far from what a running daemon would lease first
+    tap_fd = create_child_network(ChildNetwork(sandbox_id, POOL.lease(slot), POOL.network, EgressPolicy(),
+                                               ipaddress.IPv4Address("192.0.2.53")))
+    try:
+        kinds = {x.kind for x in leftover_networks() if x.sandbox_id == sandbox_id}
+        assert kinds == {"netns", "link", "nft"}
+    finally:
+        os.close(tap_fd)
+        removed = release_network(sandbox_id)
+    assert len(removed) == 3, removed
+    assert [x for x in leftover_networks() if x.sandbox_id == sandbox_id] == []
+    assert release_network(sandbox_id) == []
+
+
+def test_release_works_from_an_event_loop() -> None:
+    async def release() -> list[str]:  # the daemon reaps from its loop's thread
+        return release_network(new_sandbox_id())
+    assert asyncio.run(release()) == []
