@@ -209,11 +209,11 @@ class SandboxService:
         else:
             record.status, record.meta["exit_reason"] = "exited", f"exit status {code}"
         await live.agent.close()
-        self._live.pop(record.id, None)
         self._ended[record.id] = {**record.to_dict(), "ended_at": time.time()}
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
         await self.release(record.id, record.run_dir)
+        self._live.pop(record.id, None)  # listed until released: gone from `ls` means gone from the host
 
     def _release_isolation(self, sandbox_id: str) -> None:
         removed = self.isolation.release(sandbox_id)
