@@ -22,10 +22,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from forkd import __version__
 from forkd.daemon import schemas
+from forkd.daemon.routes_branch import router as branch_router
 from forkd.guest import protocol
 from forkd.host.doctor import run_checks
 from forkd.image.builder import ImageError, ImageNotFound, ImageSpec
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
+from forkd.runtime.branches import BranchBusy
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import LiveSandbox, SandboxNotFound
 from forkd.runtime.snapshots import SnapshotConflict, SnapshotCorrupt, SnapshotError, SnapshotRequest
@@ -42,6 +44,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (SnapshotConflict, 409, "conflict"),
     (SnapshotMismatch, 409, "snapshot_mismatch"),
     (SnapshotCorrupt, 409, "snapshot_corrupt"),
+    (BranchBusy, 503, "busy"),
     (AgentUnavailable, 502, "agent_unavailable"),
     (SnapshotError, 400, "snapshot_error"),
     (ImageNotFound, 404, "not_found"),
@@ -139,6 +142,8 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     app = FastAPI(title="forkd", version=__version__, lifespan=lifespan,
                   description="Fork warm microVMs copy-on-write; every forkd client speaks this API.")
+    app.state.runtime = runtime
+    app.include_router(branch_router)
 
     async def runtime_error(_: Request, exc: Exception) -> JSONResponse:
         status, body = error_body(exc)
@@ -221,17 +226,9 @@ def create_app(runtime: Runtime) -> FastAPI:
 
         return ndjson_stream(work)
 
-    @app.get("/v1/snapshots/{tag}")
-    async def get_snapshot(tag: str) -> dict[str, Any]:
-        record = runtime.registry.get_snapshot(tag)
-        if record is None:
-            raise LookupError(f"no snapshot {tag!r}")
-        return record.to_dict()
-
     @app.delete("/v1/snapshots/{tag}")
-    async def remove_snapshot(tag: str) -> dict[str, Any]:
-        runtime.remove_snapshot(tag)
-        return {"removed": tag}
+    async def remove_snapshot(tag: str, cascade: bool = False, force: bool = False) -> dict[str, Any]:
+        return {"removed": tag, "removed_tags": runtime.remove_snapshot(tag, cascade=cascade, force=force)}
 
     # sandboxes
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
@@ -80,3 +80,11 @@ class PathBody(Strict):
 class RenameBody(Strict):
     src: str = Field(min_length=1, max_length=4096)
     dst: str = Field(min_length=1, max_length=4096)
+
+
+class BranchRequest(Strict):
+    tag: Tag
+    mode: Literal["full", "diff", "live"] = Field(
+        default="diff", description="full: whole memory file; diff: only pages changed since the parent; "
+                                    "live: full, with RAM copied while the guest runs (needs tmpfs memory files)")
+    wait: bool = Field(default=True, description="false: answer 202 at once with status `writing`")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from forkd.config import Paths
 from forkd.image.builder import Image, ImageSpec, build_image, list_images, load_image, remove_image
+from forkd.runtime.branches import BranchService, max_concurrent_from_env
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
@@ -26,13 +27,17 @@ class Runtime:
         self.registry = Registry(paths.db)
         self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
         self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots)
+        self.branches = BranchService(paths, self.registry, vmm, self.snapshots, self.sandboxes,
+                                      max_concurrent_from_env())
         self._image_lock = asyncio.Lock()
 
     def start(self) -> list[str]:
         """Reap whatever a previous daemon left behind; returns the sandbox ids reaped."""
+        self.branches.reap_stale()
         return self.sandboxes.reap_stale()
 
     async def stop(self) -> None:
+        await self.branches.wait_all()
         await asyncio.gather(self.sandboxes.kill_all(), self.snapshots.abort_all())
         self.registry.close()
 
@@ -50,5 +55,5 @@ class Runtime:
         image = load_image(self.paths, request.image)
         return await self.snapshots.create(request, image, progress)
 
-    def remove_snapshot(self, tag: str) -> None:
-        self.snapshots.remove(tag, self.sandboxes.count_of(tag))
+    def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
+        return self.snapshots.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)

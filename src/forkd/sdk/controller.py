@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -138,8 +139,10 @@ class Controller:
                         **options: Any) -> dict[str, Any]:
         return self.stream("POST", "/v1/snapshots", _progress(on_progress), json={"tag": tag, **options})
 
-    def remove_snapshot(self, tag: str) -> None:
-        self.request("DELETE", f"/v1/snapshots/{tag}")
+    def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
+        """Returns the tags removed (``cascade`` removes the snapshots branched from ``tag`` too)."""
+        params = {"cascade": cascade, "force": force}
+        return self.request("DELETE", f"/v1/snapshots/{tag}", params=params)["removed_tags"]
 
     # sandboxes
 
@@ -217,6 +220,22 @@ class Controller:
 
     def rename(self, sandbox_id: str, src: str, dst: str) -> None:
         self.request("POST", f"/v1/sandboxes/{sandbox_id}/files/rename", json={"src": src, "dst": dst})
+
+    # branch
+
+    def branch(self, sandbox_id: str, tag: str, mode: str = "diff", wait: bool = True) -> dict[str, Any]:
+        """Save a running sandbox as snapshot ``tag`` (it keeps running); ``wait=False`` returns it ``writing``."""
+        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/branch",
+                            json={"tag": tag, "mode": mode, "wait": wait}, timeout=LONG_TIMEOUT_S)
+
+    def wait_snapshot(self, tag: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> dict[str, Any]:
+        """Poll until snapshot ``tag`` is no longer ``writing``; returns it (``ready`` or ``failed``)."""
+        deadline = time.monotonic() + timeout_s
+        while (info := self.snapshot(tag))["status"] == "writing":
+            if time.monotonic() > deadline:
+                raise ForkdError(504, "timeout", f"snapshot {tag!r} still writing after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+        return info
 
 
 def _progress(on_progress: Callable[[str], None] | None) -> Callable[[dict[str, Any]], None] | None:
