@@ -47,4 +47,28 @@ def snapshot_info(tag: str, as_json: bool) -> None:
         console.print(f"  error: {info['error']}")
 
 
-BRANCH_COMMANDS = (branch, snapshot_info)
+@click.command("snapshot-compact")
+@click.option("--from", "from_tag", required=True, help="the top of the chain to flatten")
+@click.option("--to", "to_tag", required=True, help="name of the standalone snapshot")
+@reports_errors
+def snapshot_compact(from_tag: str, to_tag: str) -> None:
+    """Flatten a snapshot chain into one standalone snapshot (the chain itself is kept)."""
+    info = daemon().compact(from_tag, to_tag)
+    console.print(f"{to_tag}: ready, standalone copy of {' ← '.join(info['compacted_chain'])} "
+                  f"in {info['compact_seconds']:.1f} s")
+
+
+@click.command("snapshot-diff")
+@click.option("--from", "base_tag", required=True, help="snapshot to start from")
+@click.option("--tag", required=True, help="name of the new diff snapshot")
+@click.option("--exec", "cmd", required=True, help="shell command whose changes the snapshot keeps")
+@click.option("--timeout", "timeout_s", default=600.0, show_default=True, help="seconds the command may run")
+@reports_errors
+def snapshot_diff(base_tag: str, tag: str, cmd: str, timeout_s: float) -> None:
+    """Fork a child of --from, run --exec in it, save what it changed as a diff layer, kill the child."""
+    info = daemon().snapshot_diff(base_tag, tag, cmd, timeout_s=timeout_s)
+    console.print(f"{tag}: ready, {info['changed_pages']} pages over {base_tag} "
+                  f"({info['sizes']['memory.layer'] / 2**20:.1f} MiB layer)")
+
+
+BRANCH_COMMANDS = (branch, snapshot_info, snapshot_compact, snapshot_diff)

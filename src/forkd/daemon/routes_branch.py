@@ -33,3 +33,16 @@ async def snapshot_info(tag: str, request: Request) -> dict[str, Any]:
     if record is None:
         raise LookupError(f"no snapshot {tag!r}; list them with `forkd snapshots`")
     return {**record.to_dict(), **describe_chain(runtime.registry, record)}
+
+
+@router.post("/v1/snapshots/compact", status_code=201)
+async def compact(body: schemas.CompactRequest, request: Request) -> dict[str, Any]:
+    """A standalone copy of ``from_tag``'s whole chain (no parent) named ``to_tag``."""
+    return (await _runtime(request).compaction.compact(body.from_tag, body.to_tag)).to_dict()
+
+
+@router.post("/v1/snapshots/diff", status_code=201)
+async def diff(body: schemas.DiffRequest, request: Request) -> dict[str, Any]:
+    """Run ``cmd`` in a fresh child of ``base_tag`` and keep what it changed as diff snapshot ``tag``."""
+    record = await _runtime(request).branches.diff_exec(body.base_tag, body.tag, body.cmd, body.timeout_s)
+    return record.to_dict()

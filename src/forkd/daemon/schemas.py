@@ -88,3 +88,15 @@ class BranchRequest(Strict):
         default="diff", description="full: whole memory file; diff: only pages changed since the parent; "
                                     "live: full, with RAM copied while the guest runs (needs tmpfs memory files)")
     wait: bool = Field(default=True, description="false: answer 202 at once with status `writing`")
+
+
+class CompactRequest(Strict):
+    from_tag: Tag
+    to_tag: Tag
+
+
+class DiffRequest(Strict):
+    base_tag: Tag
+    tag: Tag
+    cmd: str = Field(min_length=1, max_length=65536, description="shell command run in a child of base_tag")
+    timeout_s: float = Field(default=600.0, gt=0, le=MAX_TIMEOUT_S)

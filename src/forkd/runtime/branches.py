@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.config import Paths
+from forkd.guest import protocol
 from forkd.runtime.chains import (
     DISK_FILE,
     LAYER_FILE,
@@ -45,7 +46,7 @@ from forkd.runtime.snapshots import (
     seal_files,
 )
 from forkd.store import layers as memory_layers
-from forkd.store.files import fsync_dir, link_or_copy, write_json_atomic
+from forkd.store.files import link_or_copy, write_json_atomic
 from forkd.validation import check_tag
 from forkd.vmm.base import Vmm
 
@@ -118,7 +119,12 @@ class BranchService:
         captured = False
         try:
             async with source.lock:  # one capture of a sandbox at a time, in order
-                parent = self.registry.get_snapshot(record.parent_tag or "")
+                if source.broken:
+                    raise SnapshotConflict(f"sandbox {live.record.id} cannot be branched again: {source.broken}")
+                # The head may have moved while this branch waited for the one before it.
+                record.parent_tag = live.record.meta.get("branch_head", live.record.snapshot_tag)
+                self.registry.update_snapshot(record.tag, status="writing", parent_tag=record.parent_tag)
+                parent = self.registry.get_snapshot(record.parent_tag)
                 if parent is None or parent.status != "ready":
                     raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} is not ready")
                 parent_chain = ancestry(self.registry, parent)
@@ -137,13 +143,8 @@ class BranchService:
                     "captured_bytes_stream": meta.pop("_stream_bytes"),
                 })
                 write_json_atomic(build_dir / META_FILE, meta)
-                if record.path.exists():
-                    shutil.rmtree(record.path)  # left by a crash before the record became ready
-                os.rename(build_dir, record.path)
-                fsync_dir(self.paths.snapshots)
-                self.registry.update_snapshot(record.tag, status="ready", meta=meta)
-                for name, digest in meta["sha256"].items():
-                    self.snapshots.digests.remember(record.path / name, digest)
+                record.meta = meta
+                self.snapshots.publish(build_dir, record, registered=True)
                 live.record.meta["branch_head"] = record.tag
                 self.registry.update_sandbox(live.record.id, meta={"branch_head": record.tag})
         except BaseException as exc:
@@ -154,7 +155,6 @@ class BranchService:
             raise
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
-        record.status, record.meta = "ready", meta
         return record
 
     async def _assemble(self, build_dir: Path, parent: SnapshotRecord, parent_chain: list[SnapshotRecord],
@@ -206,6 +206,33 @@ class BranchService:
         memory_layers.write_layer(build_dir / LAYER_FILE, full, offsets)
         full.unlink()
         return len(offsets)
+
+    async def diff_exec(self, base_tag: str, tag: str, command: str, timeout_s: float) -> SnapshotRecord:
+        """Fork a child of ``base_tag``, run ``command`` in it, branch it as diff layer ``tag``, kill it."""
+        check_tag(tag)
+        if self.registry.get_snapshot(tag) is not None:
+            raise SnapshotConflict(f"snapshot {tag!r} exists; pick another tag or remove it with `forkd rmi {tag}`")
+        [outcome] = await self.sandboxes.fork(base_tag, 1)
+        if outcome.sandbox is None:
+            raise SnapshotError(f"could not fork {base_tag!r} to run the command: {outcome.error}")
+        sandbox_id = outcome.sandbox["id"]
+        try:
+            stderr = bytearray()
+
+            def on_event(name: str, data: dict[str, Any]) -> None:
+                if name == protocol.EVENT_STDERR:
+                    stderr.extend(protocol.b64decode(data.get("data_b64", "")))
+
+            result = await self.sandboxes.get(sandbox_id).agent.call(
+                protocol.OP_EXEC, {"shell": command, "timeout_s": timeout_s}, timeout=timeout_s + 30,
+                on_event=on_event)
+            if result.get("exit_code") != 0:
+                raise SnapshotError(f"the command exited with {result.get('exit_code')} "
+                                    f"(signal {result.get('signal')}), so no layer was saved: "
+                                    f"{stderr.decode(errors='replace')[-500:].strip()}")
+            return await self.branch(sandbox_id, tag, mode="diff", wait=True)
+        finally:
+            await self.sandboxes.kill(sandbox_id)
 
     async def wait_all(self) -> None:
         """Let branches being written finish (or fail) before the daemon stops their sources."""

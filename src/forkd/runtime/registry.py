@@ -97,12 +97,17 @@ class Registry:
              record.parent_tag),
         )
 
-    def update_snapshot(self, tag: str, *, status: str, meta: dict[str, Any] | None = None) -> None:
-        """Set a snapshot's status and replace its meta (when given) in one statement."""
-        if meta is None:
-            self._execute("UPDATE snapshots SET status = ? WHERE tag = ?", (status, tag))
-        else:
-            self._execute("UPDATE snapshots SET status = ?, meta = ? WHERE tag = ?", (status, json.dumps(meta), tag))
+    def update_snapshot(self, tag: str, *, status: str, meta: dict[str, Any] | None = None,
+                        parent_tag: str | None = None) -> None:
+        """Set a snapshot's status, and its meta and parent link when given, in one statement."""
+        sets, params = ["status = ?"], [status]
+        if meta is not None:
+            sets.append("meta = ?")
+            params.append(json.dumps(meta))
+        if parent_tag is not None:
+            sets.append("parent_tag = ?")
+            params.append(parent_tag)
+        self._execute(f"UPDATE snapshots SET {', '.join(sets)} WHERE tag = ?", (*params, tag))
 
     def snapshot_children(self, tag: str) -> list[str]:
         return [r[0] for r in self._execute("SELECT tag FROM snapshots WHERE parent_tag = ? ORDER BY created_at",

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from forkd.config import Paths
 from forkd.image.builder import Image, ImageSpec, build_image, list_images, load_image, remove_image
 from forkd.runtime.branches import BranchService, max_concurrent_from_env
+from forkd.runtime.compact import CompactService
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
@@ -27,6 +28,7 @@ class Runtime:
         self.registry = Registry(paths.db)
         self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
         self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots)
+        self.compaction = CompactService(paths, self.registry, vmm, self.snapshots)
         self.branches = BranchService(paths, self.registry, vmm, self.snapshots, self.sandboxes,
                                       max_concurrent_from_env())
         self._image_lock = asyncio.Lock()

@@ -23,7 +23,7 @@ from forkd.guest import protocol
 from forkd.guest.agent import AGENT_VERSION
 from forkd.image.builder import Image
 from forkd.runtime.agent_client import AgentClient, connect_when_answering
-from forkd.runtime.chains import ChainBroken, ancestry, chain_memory, descendants
+from forkd.runtime.chains import DISK_FILE, MEMORY_FILE, ChainBroken, ancestry, chain_memory, descendants
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.store.layers import LayerError, read_layer
 from forkd.store.files import DigestCache, fsync_dir, link_or_copy, sha256_file, write_json_atomic
@@ -35,7 +35,7 @@ Progress = Callable[[str], None]
 BOOT_TIMEOUT_S = 300.0
 WARMUP_TIMEOUT_S = 600.0
 KERNEL_FILE, INITRD_FILE, BASE_DISK_FILE = "vmlinuz", "initrd.img", "base.ext4"
-DISK_FILE, MEMORY_FILE, STATE_FILE, META_FILE = "disk.qcow2", "memory", "state", "meta.json"
+STATE_FILE, META_FILE = "state", "meta.json"
 HASHED_FILES = (KERNEL_FILE, INITRD_FILE, BASE_DISK_FILE, DISK_FILE, MEMORY_FILE, STATE_FILE)
 # init_on_alloc=0: the Debian kernel otherwise zeroes, and so dirties, every page it hands out,
 # which turns shared copy-on-write pages into private ones in every child.
@@ -87,17 +87,9 @@ class SnapshotService:
         try:
             build_dir.mkdir(parents=True)
             meta = await self._bake(request, image, build_dir, progress)
-            final_dir = self.paths.snapshots / tag
-            if final_dir.exists():
-                shutil.rmtree(final_dir)  # left by a crash before registration: never registered, so unused
-            os.rename(build_dir, final_dir)
-            fsync_dir(self.paths.snapshots)
-            record = SnapshotRecord(tag=tag, status="ready", image=image.name, path=final_dir,
+            record = SnapshotRecord(tag=tag, status="ready", image=image.name, path=self.paths.snapshots / tag,
                                     created_at=time.time(), meta=meta)
-            self.registry.add_snapshot(record)
-            # Trust the digests just computed so the first fork does not hash a gigabyte again.
-            for name, digest in meta["sha256"].items():
-                self.digests.remember(final_dir / name, digest)
+            self.publish(build_dir, record, registered=False)
             return record
         except BaseException:
             kept = self._keep_console(build_dir, tag)
@@ -165,6 +157,21 @@ class SnapshotService:
         }
         write_json_atomic(build_dir / META_FILE, meta)
         return meta
+
+    def publish(self, build_dir: Path, record: SnapshotRecord, registered: bool) -> None:
+        """Rename a finished build dir into place, then register it ready (files first, record second)."""
+        if record.path.exists():
+            shutil.rmtree(record.path)  # left by a crash before it was ready: never used
+        os.rename(build_dir, record.path)
+        fsync_dir(self.paths.snapshots)
+        record.status = "ready"
+        if registered:
+            self.registry.update_snapshot(record.tag, status="ready", meta=record.meta)
+        else:
+            self.registry.add_snapshot(record)
+        # Trust the digests just computed so the first fork does not hash a gigabyte again.
+        for name, digest in record.meta["sha256"].items():
+            self.digests.remember(record.path / name, digest)
 
     async def abort_all(self) -> None:
         """Kill parents still being baked (their build directories are removed by ``create``)."""

@@ -237,6 +237,17 @@ class Controller:
             time.sleep(poll_s)
         return info
 
+    def compact(self, from_tag: str, to_tag: str) -> dict[str, Any]:
+        """Flatten ``from_tag``'s chain into the standalone snapshot ``to_tag``."""
+        return self.request("POST", "/v1/snapshots/compact", json={"from_tag": from_tag, "to_tag": to_tag},
+                            timeout=LONG_TIMEOUT_S)
+
+    def snapshot_diff(self, base_tag: str, tag: str, cmd: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Run ``cmd`` in a child of ``base_tag`` and save what it changed as the diff snapshot ``tag``."""
+        return self.request("POST", "/v1/snapshots/diff",
+                            json={"base_tag": base_tag, "tag": tag, "cmd": cmd, "timeout_s": timeout_s},
+                            timeout=_call_timeout(timeout_s))
+
 
 def _progress(on_progress: Callable[[str], None] | None) -> Callable[[dict[str, Any]], None] | None:
     if on_progress is None:

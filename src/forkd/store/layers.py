@@ -162,3 +162,19 @@ def write_layer(path: Path, memory: Path, offsets: array) -> Layer:
         out.flush()
         os.fsync(out.fileno())
     return layer
+
+
+def flatten(memory: ChainMemory, dest: Path) -> None:
+    """Write the memory ``memory``'s children see into one sparse file: the base's data, then each layer."""
+    size = os.path.getsize(memory.base)
+    with open(memory.base, "rb") as src, open(dest, "wb") as out:
+        out.truncate(size)
+        for start, end in data_extents(memory.base):
+            for pos in range(start, end, _CHUNK):
+                os.pwrite(out.fileno(), os.pread(src.fileno(), min(_CHUNK, end - pos), pos), pos)
+        for layer in memory.layers:
+            with open(layer.path, "rb") as data:
+                for guest_offset, position, length in layer.runs():
+                    os.pwrite(out.fileno(), os.pread(data.fileno(), length, position), guest_offset)
+        out.flush()
+        os.fsync(out.fileno())

@@ -142,6 +142,10 @@ class Vmm(Protocol):
         """Copy a frozen disk layer into a snapshot, backed by ``backing_name`` (relative to ``dest``)."""
         ...
 
+    async def flatten_disk(self, disk: Path, base_name: str) -> None:
+        """Make ``disk`` hold everything its backing chain held above the raw ``base_name`` next to it."""
+        ...
+
     async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
                        work_dir: Path) -> None:
         """Turn a capture into ``memory`` (RAM file) + ``state`` (devices only): a snapshot's files."""

@@ -297,6 +297,9 @@ class QemuVmm:
     async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
         await qemu_branch.freeze_disk_copy(frozen, dest, backing_name)
 
+    async def flatten_disk(self, disk: Path, base_name: str) -> None:
+        await qemu_branch.rebase(disk, base_name, "raw", unsafe=False)
+
     async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
                        work_dir: Path) -> None:
         await qemu_branch.reparent(self, spec, stream, disk, memory, state, work_dir, _wait_for_migration)

@@ -100,7 +100,13 @@ async def freeze_disk_copy(frozen: Path, dest: Path, backing_name: str) -> None:
     gets its own copy, which holds only what the source wrote since its last branch.
     """
     await asyncio.to_thread(shutil.copyfile, frozen, dest)
-    await _qemu_img("rebase", "-u", "-f", "qcow2", "-b", backing_name, "-F", "qcow2", str(dest))
+    await rebase(dest, backing_name, "qcow2", unsafe=True)
+
+
+async def rebase(disk: Path, backing_name: str, backing_format: str, unsafe: bool) -> None:
+    """Point ``disk`` at another backing file; ``unsafe=False`` first copies in what the two differ in."""
+    await _qemu_img("rebase", *(["-u"] if unsafe else []), "-f", "qcow2", "-b", backing_name,
+                    "-F", backing_format, str(disk))
 
 
 async def _qemu_img(*args: str) -> None:
