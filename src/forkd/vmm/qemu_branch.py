@@ -14,6 +14,7 @@ them private copy-on-write pages, exactly as they were in the source.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -21,14 +22,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from qemu.qmp import QMPClient
+from qemu.qmp import EventListener, QMPClient
 
 from forkd.store.layers import Layer
 from forkd.vmm.base import BootSpec, VmHandle, VmmError
 
-# The default migration throttle (32 MiB/s) would stretch a pause over seconds.
+# The default migration throttle (32 MiB/s) would stretch a capture over seconds.
 _MAX_BANDWIDTH = 64 << 30
+_DOWNTIME_MS = 50  # QEMU switches over once what is left to send fits this
 _POLL_S = 0.002
+CONVERGE_S = 20.0
 LIVE_TIMEOUT_S = 300.0
 
 
@@ -40,18 +43,23 @@ class Capture:
 
 def _caps(live: bool) -> dict[str, object]:
     caps = [{"capability": "x-ignore-shared", "state": False},
-            {"capability": "background-snapshot", "state": live}]
+            {"capability": "background-snapshot", "state": live},
+            {"capability": "pause-before-switchover", "state": not live}]
     return {"capabilities": caps}
 
 
 async def capture(qmp: QMPClient, vm: VmHandle, new_top: Path, stream: Path, live: bool,
                   wait_for_migration) -> Capture:
-    """Pause, freeze the disk (the source goes on in ``new_top``), stream RAM and devices, resume.
+    """Stream RAM and devices to ``stream`` and freeze the disk (the source goes on in ``new_top``),
+    all as of one instant at which the guest is stopped.
 
-    Disk, memory and vCPU state are all taken while the guest is stopped, so they are from one
-    instant. ``live`` lets QEMU resume the guest once the device state is saved and copy RAM under
-    userfaultfd write protection; QEMU 7.2 prepares that protection (it faults in every page of
-    guest RAM) before resuming, so on a 1 GiB guest it pauses longer, not shorter, than a plain copy.
+    Default: a pre-copy migration while the guest runs; QEMU stops the guest when what is left to
+    send fits its downtime limit and, with ``pause-before-switchover``, waits; the disk is frozen
+    then, the last pages and the device state are sent, and the guest continues. ``live`` instead
+    stops the guest, freezes the disk and lets QEMU's ``background-snapshot`` resume it after the
+    device state and copy RAM under userfaultfd write protection; QEMU 7.2 write-protects all of
+    guest RAM before resuming, so that pause is long. The pause is read from QEMU's own STOP and
+    RESUME event timestamps.
     """
     try:
         await qmp.execute("migrate-set-capabilities", _caps(live))
@@ -59,38 +67,74 @@ async def capture(qmp: QMPClient, vm: VmHandle, new_top: Path, stream: Path, liv
         raise VmmError(f"QEMU refused a {'live ' if live else ''}capture of {vm.name}: {exc}"
                        + ("; live mode needs the memory file on tmpfs or hugetlbfs (userfaultfd "
                           "write-protect), use --mode full or diff" if live else "")) from None
-    await qmp.execute("migrate-set-parameters", {"max-bandwidth": _MAX_BANDWIDTH})
+    await qmp.execute("migrate-set-parameters", {"max-bandwidth": _MAX_BANDWIDTH, "downtime-limit": _DOWNTIME_MS})
     fd = os.open(stream, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     frozen = vm.disk
-    started = time.monotonic()
-    resumed_at: float | None = None
+    runstate = EventListener(("STOP", "RESUME"))
     try:
-        await qmp.execute("stop")
-        try:
-            await qmp.execute("blockdev-snapshot-sync", {"device": "root", "snapshot-file": str(new_top),
-                                                         "format": "qcow2"})
-            vm.disk = new_top
+        with qmp.listen(runstate):
             qmp.send_fd_scm(fd)
             await qmp.execute("getfd", {"fdname": "forkd-branch"})
-            await qmp.execute("migrate", {"uri": "fd:forkd-branch"})
-            if live:
-                # QEMU resumes the guest itself once the device state is written.
-                deadline = time.monotonic() + LIVE_TIMEOUT_S
-                while not (await qmp.execute("query-status"))["running"]:
-                    info = await qmp.execute("query-migrate")
-                    if info.get("status") in {"failed", "cancelled"} or time.monotonic() > deadline:
-                        break
-                    await asyncio.sleep(_POLL_S)
+            try:
+                if live:
+                    await qmp.execute("stop")
+                    await _freeze(qmp, vm, new_top)
+                    await qmp.execute("migrate", {"uri": "fd:forkd-branch"})
                 else:
-                    resumed_at = time.monotonic()
-            await wait_for_migration(qmp, vm.name, "capturing")
-        finally:
-            if not (await qmp.execute("query-status"))["running"]:
-                await qmp.execute("cont")
-                resumed_at = resumed_at or time.monotonic()
+                    await qmp.execute("migrate", {"uri": "fd:forkd-branch"})
+                    await _until_switchover(qmp, vm.name)
+                    await _freeze(qmp, vm, new_top)
+                    await qmp.execute("migrate-continue", {"state": "pre-switchover"})
+                await wait_for_migration(qmp, vm.name, "capturing")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await qmp.execute("migrate_cancel")
+                raise
+            finally:
+                if not (await qmp.execute("query-status"))["running"]:
+                    await qmp.execute("cont")
+            pause_s = await _pause_window(runstate)
     finally:
         os.close(fd)
-    return Capture(pause_s=(resumed_at or time.monotonic()) - started, frozen_disk=frozen)
+    return Capture(pause_s=pause_s, frozen_disk=frozen)
+
+
+async def _freeze(qmp: QMPClient, vm: VmHandle, new_top: Path) -> None:
+    """The guest is stopped: its disk overlay becomes read-only history, writes go to ``new_top``."""
+    await qmp.execute("blockdev-snapshot-sync", {"device": "root", "snapshot-file": str(new_top),
+                                                 "format": "qcow2"})
+    vm.disk = new_top
+
+
+async def _until_switchover(qmp: QMPClient, name: str) -> None:
+    """Wait until QEMU has stopped the guest for the switchover; stop it ourselves if RAM never converges."""
+    started = time.monotonic()
+    stopped = False
+    while True:
+        info = await qmp.execute("query-migrate")
+        status = info.get("status")
+        if status == "pre-switchover":
+            return
+        if status in {"failed", "cancelled", "completed"}:
+            raise VmmError(f"capturing {name} ended early: {info.get('error-desc', status)}")
+        waited = time.monotonic() - started
+        if waited > CONVERGE_S and not stopped:  # the guest dirties RAM faster than it is written out
+            await qmp.execute("stop")
+            stopped = True
+        if waited > LIVE_TIMEOUT_S:
+            raise VmmError(f"capturing {name} did not reach the switchover in {LIVE_TIMEOUT_S:.0f} s")
+        await asyncio.sleep(_POLL_S)
+
+
+async def _pause_window(runstate: EventListener) -> float:
+    """Seconds from the first STOP to the last RESUME, by QEMU's event timestamps."""
+    events = runstate.clear()
+    if not any(e["event"] == "RESUME" for e in events):
+        events.append(await asyncio.wait_for(runstate.get(), timeout=5))
+    def stamps(name: str) -> list[float]:
+        return [e["timestamp"]["seconds"] + e["timestamp"]["microseconds"] / 1e6 for e in events if e["event"] == name]
+
+    return max(stamps("RESUME")) - min(stamps("STOP"))
 
 
 async def freeze_disk_copy(frozen: Path, dest: Path, backing_name: str) -> None:
@@ -167,7 +211,8 @@ async def reparent(vmm, spec: BootSpec, stream: Path, disk: Path, memory: Path, 
         state_fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
         async def load_and_save(qmp: QMPClient, _vm: VmHandle) -> None:
-            await qmp.execute("migrate-set-capabilities", _caps(False))
+            await qmp.execute("migrate-set-capabilities", {"capabilities": [
+                {"capability": "x-ignore-shared", "state": False}]})
             await qmp.execute("migrate-incoming", {"uri": f"fd:{stream_fd}"})
             await wait_for_migration(qmp, "re-parent", "loading the capture")
             await qmp.execute("migrate-set-capabilities", {"capabilities": [
