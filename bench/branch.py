@@ -69,12 +69,12 @@ def one_branch(controller: Controller, tag: str, mode: str, mib: int, name: str)
             "disk_layer_bytes": info["sizes"]["disk.qcow2"], "physical_bytes": sizes["physical_bytes"]}
 
 
-def modes_grid(controller: Controller, tag: str, dirty: list[int], repeats: int) -> dict[str, Any]:
+def modes_grid(controller: Controller, tag: str, modes: list[str], dirty: list[int], repeats: int) -> dict[str, Any]:
     grid: dict[str, Any] = {}
-    for mode in ("full", "diff", "live"):
+    for mode in modes:
         for mib in dirty:
             runs: list[dict[str, Any]] = []
-            for r in range(repeats if mode != "live" else 1):
+            for r in range(repeats):
                 try:
                     runs.append(one_branch(controller, tag, mode, mib, f"bench-{mode}-{mib}-{r}"))
                 except ForkdError as exc:
@@ -161,6 +161,9 @@ def main() -> None:
     parser.add_argument("--tag", default="quickstart", help="a ready snapshot with 1 GiB of RAM")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dirty", default="0,64,256", help="MiB to dirty before each BRANCH")
+    parser.add_argument("--modes", default="full,diff,live")
+    parser.add_argument("--only-modes", action="store_true", help="skip the series and chain runs")
+    parser.add_argument("--out", default="branch", help="results file name (without extension)")
     parser.add_argument("--series", type=int, default=10)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--layer-mib", type=int, default=16)
@@ -168,14 +171,18 @@ def main() -> None:
     controller = ensure_daemon(paths_from_env())
     started = time.monotonic()
     data = {"tag": args.tag, "repeats": args.repeats, "host": controller.version()}
-    data["modes"] = modes_grid(controller, args.tag, [int(x) for x in args.dirty.split(",")], args.repeats)
-    data["series"] = series(controller, args.tag, args.series)
-    data["chain"] = chain_spawns(controller, args.tag, args.depth, args.layer_mib, max(3, args.repeats))
+    data["home"] = str(paths_from_env().home)
+    data["modes"] = modes_grid(controller, args.tag, args.modes.split(","), [int(x) for x in args.dirty.split(",")],
+                               args.repeats)
+    if not args.only_modes:
+        data["series"] = series(controller, args.tag, args.series)
+        data["chain"] = chain_spawns(controller, args.tag, args.depth, args.layer_mib, max(3, args.repeats))
     data["runtime_s"] = time.monotonic() - started
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "branch.json").write_text(json.dumps(data, indent=2))
-    plot(data, RESULTS / "branch.png")
-    print(json.dumps({k: data[k] for k in ("series", "chain", "runtime_s")}, indent=2))
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(data, indent=2))
+    if not args.only_modes:
+        plot(data, RESULTS / f"{args.out}.png")
+    print(json.dumps({k: v for k, v in data.items() if k != "modes"}, indent=2))
 
 
 if __name__ == "__main__":

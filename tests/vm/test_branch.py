@@ -14,8 +14,8 @@ from forkd.sdk.controller import Controller, ForkdError
 pytestmark = pytest.mark.vm
 
 # A process started before the branch: it rewrites a counter every 0.2 s until killed.
-TICKER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/ticks; sleep 0.2; done) >/dev/null 2>&1 & "
-          "echo $! > /tmp/ticker.pid")
+TICKER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/ticks.new; mv /tmp/ticks.new /tmp/ticks; sleep 0.2; "
+          "done) >/dev/null 2>&1 & echo $! > /tmp/ticker.pid")
 ALIVE = "kill -0 $(cat /tmp/ticker.pid) && a=$(cat /tmp/ticks) && sleep 1 && b=$(cat /tmp/ticks) && [ $b -gt $a ] && echo ticking"
 
 
