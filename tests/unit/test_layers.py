@@ -15,6 +15,7 @@ from forkd.store.layers import (
     changed_pages,
     data_extents,
     flatten,
+    punch_zero_pages,
     read_layer,
     write_layer,
 )
@@ -98,3 +99,16 @@ def test_flatten_writes_what_children_see_and_stays_sparse(tmp_path: Path) -> No
     flatten(ChainMemory(base, [layer]), tmp_path / "flat")
     assert (tmp_path / "flat").read_bytes() == top.read_bytes()
     assert os.stat(tmp_path / "flat").st_blocks * 512 < SIZE
+
+
+def test_zero_pages_become_holes_again(tmp_path: Path) -> None:
+    path = sparse(tmp_path / "m", {0: b"a", 1: b"\0", 2: b"\0", 3: b"b"})
+    with open(path, "r+b") as f:  # a written zero MiB (what a VMM leaves on tmpfs)
+        f.seek(16 * PAGE_SIZE)
+        f.write(bytes(1 << 20))
+    content = path.read_bytes()
+    before = os.stat(path).st_blocks
+    freed = punch_zero_pages(path)
+    assert freed == 2 * PAGE_SIZE + (1 << 20)
+    assert path.read_bytes() == content and os.stat(path).st_blocks < before
+    assert punch_zero_pages(path) == 0

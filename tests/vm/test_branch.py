@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -217,3 +220,27 @@ def test_snapshot_diff_then_compact_to_a_standalone_snapshot(daemon: Controller,
             assert sh(daemon, child, "cat /tmp/d1 /root/d1 /tmp/d2 /tmp/warm-marker") == "one\ndisk\ntwo\nwarmed\n"
     finally:
         daemon.remove_snapshot("diff-flat")
+
+
+def test_cli_branch_info_compact_and_rmi(daemon: Controller, source: str, vm_env: dict[str, str]) -> None:
+    def forkd(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "forkd", *args], env=vm_env, capture_output=True, text=True,
+                              timeout=300)
+
+    sh(daemon, source, "echo cli > /tmp/cli-marker")
+    started = forkd("branch", source, "--tag", "cli-1", "--no-wait", "--json")
+    assert started.returncode == 0, started.stderr
+    assert json.loads(started.stdout)["status"] == "writing"
+    daemon.wait_snapshot("cli-1", timeout_s=300)
+    info = forkd("snapshot-info", "cli-1")
+    assert info.returncode == 0 and "ready, depth 1" in info.stdout and "ancestors:" in info.stdout, info.stdout
+    compacted = forkd("snapshot-compact", "--from", "cli-1", "--to", "cli-flat")
+    assert compacted.returncode == 0 and "standalone copy of cli-1" in compacted.stdout, compacted.stderr
+    refused = forkd("branch", source, "--tag", "cli-1")
+    assert refused.returncode == 1 and "exists" in refused.stderr
+    with child_of(daemon, "cli-flat") as child:
+        assert sh(daemon, child, "cat /tmp/cli-marker") == "cli\n"
+    removed = forkd("rmi", "cli-flat")
+    assert removed.returncode == 0 and "removed snapshot cli-flat" in removed.stdout
+    removed = forkd("rmi", "cli-1")
+    assert removed.returncode == 0, removed.stderr

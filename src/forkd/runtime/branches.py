@@ -173,7 +173,9 @@ class BranchService:
         stream.unlink()
         memory_kind = "diff" if mode == "diff" else "full"
         pages = None
-        if memory_kind == "diff":
+        if memory_kind == "full":
+            await asyncio.to_thread(memory_layers.punch_zero_pages, build_dir / MEMORY_FILE)
+        else:
             started = time.monotonic()
             pages = await asyncio.to_thread(self._diff_memory, build_dir, parent_chain)
             timings["diff_seconds"] = round(time.monotonic() - started, 3)

@@ -31,7 +31,7 @@ from forkd.runtime.snapshots import (
     seal_files,
 )
 from forkd.store.files import link_or_copy, write_json_atomic
-from forkd.store.layers import ChainMemory, flatten
+from forkd.store.layers import ChainMemory, flatten, punch_zero_pages
 from forkd.validation import check_tag
 from forkd.vmm.base import Vmm
 
@@ -59,6 +59,7 @@ class CompactService:
                                  (root.path / BASE_DISK_FILE, BASE_DISK_FILE)):
                 link_or_copy(source, build_dir / name)
             await asyncio.to_thread(flatten, ChainMemory(saved.memory, list(saved.layers)), build_dir / MEMORY_FILE)
+            await asyncio.to_thread(punch_zero_pages, build_dir / MEMORY_FILE)
             shutil.copyfile(record.path / STATE_FILE, build_dir / STATE_FILE)
             shutil.copyfile(record.path / DISK_FILE, build_dir / DISK_FILE)
             os.chmod(build_dir / DISK_FILE, 0o600)
