@@ -97,6 +97,9 @@ class BranchService:
         if len(self._writing) >= self.max_concurrent:
             raise BranchBusy(f"{len(self._writing)} branches are being written (the limit is "
                              f"{self.max_concurrent}, FORKD_MAX_BRANCHES); retry when one is ready")
+        running = {s.record.id for s in self.sandboxes.live()}
+        for gone in [sid for sid, state in self._sources.items() if sid not in running and not state.lock.locked()]:
+            del self._sources[gone]  # bookkeeping of sandboxes that have exited
         source = self._sources.setdefault(sandbox_id, _SourceState(lock=asyncio.Lock()))
         if source.broken:
             raise SnapshotConflict(f"sandbox {sandbox_id} cannot be branched again: {source.broken}")
@@ -108,10 +111,15 @@ class BranchService:
         self.registry.add_snapshot(record)
         task = asyncio.create_task(self._build(live, source, record, mode))
         self._writing[tag] = task
-        task.add_done_callback(lambda _: self._writing.pop(tag, None))
+        task.add_done_callback(lambda done: self._finished(tag, done))
         if not wait:
             return record
         return await asyncio.shield(task)  # a client that goes away does not abandon the build
+
+    def _finished(self, tag: str, task: asyncio.Task[SnapshotRecord]) -> None:
+        self._writing.pop(tag, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here: a failure is recorded as the snapshot's status and error
 
     async def _build(self, live: LiveSandbox, source: _SourceState, record: SnapshotRecord,
                      mode: str) -> SnapshotRecord:
