@@ -181,8 +181,9 @@ def test_mismatched_snapshot_is_refused(daemon: Controller, snapshot_tag: str, f
         (meta_text,) = db.execute("SELECT meta FROM snapshots WHERE tag = ?", (snapshot_tag,)).fetchone()
         meta = json.loads(meta_text)
         meta["identity"]["vmm_version"] = "6.0.0"
-        db.execute("INSERT INTO snapshots SELECT 'mismatch', status, image, path, created_at, ? FROM snapshots "
-                   "WHERE tag = ?", (json.dumps(meta), snapshot_tag))
+        db.execute("INSERT INTO snapshots (tag, status, image, path, created_at, meta) "
+                   "SELECT 'mismatch', status, image, path, created_at, ? FROM snapshots WHERE tag = ?",
+                   (json.dumps(meta), snapshot_tag))
         db.commit()
         with pytest.raises(ForkdError) as refused:
             daemon.fork("mismatch", 1)

@@ -171,11 +171,13 @@ def images() -> None:
 
 @cli.command("rmi")
 @click.argument("tag")
+@click.option("--cascade", is_flag=True, help="also remove the snapshots branched from it")
+@click.option("--force", is_flag=True, help="remove it even if snapshots were branched from it (they stop working)")
 @reports_errors
-def rmi(tag: str) -> None:
-    """Remove a snapshot (refused while sandboxes forked from it run)."""
-    daemon().remove_snapshot(tag)
-    console.print(f"removed snapshot {tag}")
+def rmi(tag: str, cascade: bool, force: bool) -> None:
+    """Remove a snapshot (refused while sandboxes forked from it run, or snapshots depend on it)."""
+    removed = daemon().remove_snapshot(tag, cascade=cascade, force=force)
+    console.print(f"removed snapshot{'s' if len(removed) > 1 else ''} {', '.join(removed)}")
 
 
 # sandboxes ---------------------------------------------------------------------------------------
@@ -373,6 +375,10 @@ cli.add_command(doctor)
 from forkd.cli.packs import PACK_COMMANDS  # noqa: E402 - it uses the helpers defined above
 
 for _command in PACK_COMMANDS:
+    cli.add_command(_command)
+from forkd.cli.branch import BRANCH_COMMANDS  # noqa: E402 (uses the helpers above)
+
+for _command in BRANCH_COMMANDS:
     cli.add_command(_command)
 
 

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from forkd import __version__
 from forkd.daemon import schemas
 from forkd.daemon.body_limit import BodyTooLarge
+from forkd.daemon.routes_branch import router as branch_router
 from forkd.guest import protocol
 from forkd.host.doctor import run_checks
 from forkd.image.builder import ImageError, ImageNotFound, ImageSpec
@@ -31,6 +32,7 @@ from forkd.image.spec import BASE_PACKAGES
 from forkd.packs.format import PackError
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from forkd.runtime.branches import BranchBusy
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
 from forkd.runtime.snapshots import (
@@ -77,6 +79,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [
     (SnapshotMismatch, 409, "snapshot_mismatch"),
     (SnapshotCorrupt, 409, "snapshot_corrupt"),
     (SnapshotDiskFull, 507, "disk_full"),
+    (BranchBusy, 503, "busy"),
     (AgentUnavailable, 502, "agent_unavailable"),
     (SnapshotError, 400, "snapshot_error"),
     (PackError, 400, "pack_refused"),
@@ -178,6 +181,8 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     app = FastAPI(title="forkd", version=__version__, lifespan=lifespan, responses=schemas.ERROR_RESPONSES,
                   description="Fork warm microVMs copy-on-write; every forkd client speaks this API.")
+    app.state.runtime = runtime
+    app.include_router(branch_router)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
@@ -279,17 +284,9 @@ def create_app(runtime: Runtime) -> FastAPI:
 
         return ndjson_stream(work)
 
-    @app.get("/v1/snapshots/{tag}", response_model=schemas.Snapshot)
-    async def get_snapshot(tag: str) -> dict[str, Any]:
-        record = runtime.registry.get_snapshot(tag)
-        if record is None:
-            raise LookupError(f"no snapshot {tag!r}")
-        return record.to_dict()
-
     @app.delete("/v1/snapshots/{tag}")
-    async def remove_snapshot(tag: str) -> dict[str, Any]:
-        runtime.remove_snapshot(tag)
-        return {"removed": tag}
+    async def remove_snapshot(tag: str, cascade: bool = False, force: bool = False) -> dict[str, Any]:
+        return {"removed": tag, "removed_tags": runtime.remove_snapshot(tag, cascade=cascade, force=force)}
 
     from forkd.daemon.routes_packs import packs_router  # here: it imports this module's helpers
     app.include_router(packs_router(runtime))

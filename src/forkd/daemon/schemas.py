@@ -191,6 +191,30 @@ class PackPull(Strict):
 class PackPush(Strict):
     tag: Tag
     url: Annotated[str, Field(min_length=8, max_length=8192, pattern=r"^https?://")]
+
+
+# branch and chains
+
+class BranchRequest(Strict):
+    tag: Tag
+    mode: Literal["full", "diff", "live"] = Field(
+        default="diff", description="full: whole memory file; diff: only pages changed since the parent; "
+                                    "live: full, with RAM copied while the guest runs (needs tmpfs memory files)")
+    wait: bool = Field(default=True, description="false: answer 202 at once with status `writing`")
+
+
+class CompactRequest(Strict):
+    from_tag: Tag
+    to_tag: Tag
+
+
+class DiffRequest(Strict):
+    base_tag: Tag
+    tag: Tag
+    cmd: str = Field(min_length=1, max_length=65536, description="shell command run in a child of base_tag")
+    timeout_s: float = Field(default=600.0, gt=0, le=MAX_TIMEOUT_S)
+
+
 # Answers. They allow extra fields: a snapshot or sandbox carries backend-specific details.
 
 class Open(BaseModel):

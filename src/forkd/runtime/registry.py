@@ -22,7 +22,8 @@ CREATE TABLE IF NOT EXISTS snapshots (
     image      TEXT NOT NULL,
     path       TEXT NOT NULL,
     created_at REAL NOT NULL,
-    meta       TEXT NOT NULL
+    meta       TEXT NOT NULL,
+    parent_tag TEXT
 );
 CREATE TABLE IF NOT EXISTS sandboxes (
     id           TEXT PRIMARY KEY,
@@ -60,10 +61,11 @@ class SnapshotRecord:
     path: Path
     created_at: float
     meta: dict[str, Any] = field(default_factory=dict)
+    parent_tag: str | None = None  # the snapshot this one was branched from (its chain's next link)
 
     def to_dict(self) -> dict[str, Any]:
         return {"tag": self.tag, "status": self.status, "image": self.image, "path": str(self.path),
-                "created_at": self.created_at, **self.meta}
+                "created_at": self.created_at, "parent_tag": self.parent_tag, **self.meta}
 
 
 PRIVATE_SANDBOX_META = frozenset({"envs"})  # may hold secrets: used by the daemon, never returned
@@ -101,6 +103,9 @@ class Registry:
         for name, sql_type in SANDBOX_COLUMNS_ADDED:
             if name not in present:
                 self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {sql_type}")
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")}
+        if "parent_tag" not in columns:  # a database made before snapshot chains
+            self._db.execute("ALTER TABLE snapshots ADD COLUMN parent_tag TEXT")
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -130,12 +135,28 @@ class Registry:
                 self._db.execute("ROLLBACK")
                 raise
 
+    def update_snapshot(self, tag: str, *, status: str, meta: dict[str, Any] | None = None,
+                        parent_tag: str | None = None) -> None:
+        """Set a snapshot's status, and its meta and parent link when given, in one statement."""
+        sets, params = ["status = ?"], [status]
+        if meta is not None:
+            sets.append("meta = ?")
+            params.append(json.dumps(meta))
+        if parent_tag is not None:
+            sets.append("parent_tag = ?")
+            params.append(parent_tag)
+        self._execute(f"UPDATE snapshots SET {', '.join(sets)} WHERE tag = ?", (*params, tag))
+
+    def snapshot_children(self, tag: str) -> list[str]:
+        return [r[0] for r in self._execute("SELECT tag FROM snapshots WHERE parent_tag = ? ORDER BY created_at",
+                                            (tag,))]
+
     def get_snapshot(self, tag: str) -> SnapshotRecord | None:
-        rows = self._execute("SELECT tag, status, image, path, created_at, meta FROM snapshots WHERE tag = ?", (tag,))
+        rows = self._execute("SELECT tag, status, image, path, created_at, meta, parent_tag FROM snapshots WHERE tag = ?", (tag,))
         return _snapshot(rows[0]) if rows else None
 
     def list_snapshots(self) -> list[SnapshotRecord]:
-        rows = self._execute("SELECT tag, status, image, path, created_at, meta FROM snapshots ORDER BY created_at")
+        rows = self._execute("SELECT tag, status, image, path, created_at, meta, parent_tag FROM snapshots ORDER BY created_at")
         return [_snapshot(r) for r in rows]
 
     def remove_snapshot(self, tag: str) -> None:
@@ -216,16 +237,18 @@ class Registry:
 
 
 
-_INSERT_SNAPSHOT = "INSERT INTO snapshots (tag, status, image, path, created_at, meta) VALUES (?, ?, ?, ?, ?, ?)"
+_INSERT_SNAPSHOT = ("INSERT INTO snapshots (tag, status, image, path, created_at, meta, parent_tag) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)")
 
 
 def _snapshot_row(record: SnapshotRecord) -> tuple[Any, ...]:
-    return (record.tag, record.status, record.image, str(record.path), record.created_at, json.dumps(record.meta))
+    return (record.tag, record.status, record.image, str(record.path), record.created_at, json.dumps(record.meta),
+            record.parent_tag)
 
 
 def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:
     return SnapshotRecord(tag=row[0], status=row[1], image=row[2], path=Path(row[3]), created_at=row[4],
-                          meta=json.loads(row[5]))
+                          meta=json.loads(row[5]), parent_tag=row[6])
 
 
 def _sandbox(row: tuple[Any, ...]) -> SandboxRecord:

@@ -15,6 +15,8 @@ from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import Recovery, recover
 from forkd.runtime.isolation import Isolation
+from forkd.runtime.branches import BranchService, max_concurrent_from_env
+from forkd.runtime.compact import CompactService
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
@@ -37,20 +39,26 @@ class Runtime:
         self.packs = PackService(paths, self.registry, vmm, self.snapshots, self.sandboxes.count_of)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
+        self.compaction = CompactService(paths, self.registry, vmm, self.snapshots)
+        self.branches = BranchService(paths, self.registry, vmm, self.snapshots, self.sandboxes,
+                                      max_concurrent_from_env())
         self._image_lock = asyncio.Lock()
         self._deadline_keeper: asyncio.Task[None] | None = None
 
     async def start(self) -> Recovery:
-        """Re-adopt the sandboxes a previous daemon left running, reap the rest and half-built snapshots,
-        then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline)."""
+        """Re-adopt the sandboxes a previous daemon left running, reap the rest, half-built snapshots and
+        branches, then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline)."""
+        self.branches.reap_stale()
         recovery = await recover(self.sandboxes)
         self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
         return recovery
 
     async def stop(self) -> None:
-        """Kill every sandbox, or leave them for the next daemon when ``keep_sandboxes_on_stop``."""
+        """Finish branches being written, then kill every sandbox (or leave them for the next daemon when
+        ``keep_sandboxes_on_stop``)."""
         if self._deadline_keeper is not None:
             self._deadline_keeper.cancel()
+        await self.branches.wait_all()
         leave = self.sandboxes.detach_all() if self.options.keep_sandboxes_on_stop else self.sandboxes.kill_all()
         await asyncio.gather(leave, self.snapshots.abort_all())
         self.registry.close()
@@ -76,5 +84,5 @@ class Runtime:
             raise
         return await self.snapshots.create(request, image, progress, reserved=reserved)
 
-    def remove_snapshot(self, tag: str) -> None:
-        self.snapshots.remove(tag, self.sandboxes.count_of(tag))
+    def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
+        return self.snapshots.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)

@@ -25,7 +25,9 @@ from forkd.guest import protocol
 from forkd.guest.agent import AGENT_VERSION
 from forkd.image.builder import Image
 from forkd.runtime.agent_client import AgentClient, connect_when_answering
+from forkd.runtime.chains import DISK_FILE, MEMORY_FILE, ChainBroken, ancestry, chain_memory, descendants
 from forkd.runtime.registry import Registry, SnapshotRecord
+from forkd.store.layers import LayerError, read_layer
 from forkd.store.files import DigestCache, fsync_dir, link_or_copy, sha256_file, write_json_atomic
 from forkd.validation import check_tag
 from forkd.vmm.base import BootSpec, MachineIdentity, SavedVm, SnapshotMismatch, Vmm, VmHandle
@@ -35,7 +37,7 @@ Progress = Callable[[str], None]
 BOOT_TIMEOUT_S = 300.0
 WARMUP_TIMEOUT_S = 600.0
 KERNEL_FILE, INITRD_FILE, BASE_DISK_FILE = "vmlinuz", "initrd.img", "base.ext4"
-DISK_FILE, MEMORY_FILE, STATE_FILE, META_FILE = "disk.qcow2", "memory", "state", "meta.json"
+STATE_FILE, META_FILE = "state", "meta.json"
 HASHED_FILES = (KERNEL_FILE, INITRD_FILE, BASE_DISK_FILE, DISK_FILE, MEMORY_FILE, STATE_FILE)
 # init_on_alloc=0: the Debian kernel otherwise zeroes, and so dirties, every page it hands out,
 # which turns shared copy-on-write pages into private ones in every child.
@@ -114,17 +116,9 @@ class SnapshotService:
             check_free_space(self.paths.snapshots, _space_needed(request, image, self.paths.snapshots))
             build_dir.mkdir()
             meta = await self._bake(request, image, build_dir, progress)
-            final_dir = self.paths.snapshots / tag
-            if final_dir.exists():
-                shutil.rmtree(final_dir)  # left by a crash before registration: never registered, so unused
-            os.rename(build_dir, final_dir)
-            fsync_dir(self.paths.snapshots)
-            record = SnapshotRecord(tag=tag, status="ready", image=image.name, path=final_dir,
+            record = SnapshotRecord(tag=tag, status="ready", image=image.name, path=self.paths.snapshots / tag,
                                     created_at=time.time(), meta=meta)
-            self.registry.add_snapshot(record)
-            # Trust the digests just computed so the first fork does not hash a gigabyte again.
-            for name, digest in meta["sha256"].items():
-                self.digests.remember(final_dir / name, digest)
+            self.publish(build_dir, record, registered=False)
             return record
         except BaseException as exc:
             kept = self._keep_console(build_dir, tag)
@@ -180,7 +174,7 @@ class SnapshotService:
         for leftover in ("agent.sock", "qmp.sock"):
             (build_dir / leftover).unlink(missing_ok=True)
         progress("recording content digests")
-        digests = await asyncio.to_thread(self._digest_all, build_dir)
+        digests = await asyncio.to_thread(seal_files, build_dir, HASHED_FILES)
         meta = {
             "identity": asdict(self.vmm.identity(spec)),
             "boot": {"cmdline": spec.cmdline, "memory_mib": spec.memory_mib, "vcpus": spec.vcpus,
@@ -208,6 +202,21 @@ class SnapshotService:
         finally:
             self._creating.difference_update(tags)
 
+    def publish(self, build_dir: Path, record: SnapshotRecord, registered: bool) -> None:
+        """Rename a finished build dir into place, then register it ready (files first, record second)."""
+        if record.path.exists():
+            shutil.rmtree(record.path)  # left by a crash before it was ready: never used
+        os.rename(build_dir, record.path)
+        fsync_dir(self.paths.snapshots)
+        record.status = "ready"
+        if registered:
+            self.registry.update_snapshot(record.tag, status="ready", meta=record.meta)
+        else:
+            self.registry.add_snapshot(record)
+        # Trust the digests just computed so the first fork does not hash a gigabyte again.
+        for name, digest in record.meta["sha256"].items():
+            self.digests.remember(record.path / name, digest)
+
     async def abort_all(self) -> None:
         """Kill parents still being baked (their build directories are removed by ``create``)."""
         await asyncio.gather(*(self.vmm.kill(vm) for vm in list(self._parents)), return_exceptions=True)
@@ -225,14 +234,6 @@ class SnapshotService:
             return None
         return kept
 
-    def _digest_all(self, directory: Path) -> dict[str, str]:
-        result = {}
-        for name in HASHED_FILES:
-            path = directory / name
-            os.chmod(path, 0o400)  # children map these; nobody should write them again
-            result[name] = sha256_file(path)
-        return result
-
     def open(self, tag: str) -> tuple[SnapshotRecord, SavedVm, BootSpec]:
         """The verified files and machine of a snapshot, ready to restore children from."""
         record = self.registry.get_snapshot(check_tag(tag))
@@ -242,6 +243,32 @@ class SnapshotService:
             raise SnapshotError(f"no snapshot {tag!r}; create it with `forkd snapshot create --tag {tag}`")
         if record.status != "ready":
             raise SnapshotConflict(f"snapshot {tag!r} is {record.status}, not ready")
+        try:
+            chain = ancestry(self.registry, record)
+        except ChainBroken as exc:
+            raise SnapshotCorrupt(str(exc)) from None
+        for link in chain:  # a stat per file and link: each file version is hashed once (DigestCache)
+            self._verify(link)
+        memory = chain_memory(chain)
+        try:
+            layers = tuple(read_layer(path) for path in memory.layers)
+        except LayerError as exc:
+            raise SnapshotCorrupt(f"snapshot {tag!r}: {exc}") from None
+        spec = boot_spec(record.path, record.meta)
+        saved_identity = MachineIdentity.from_dict(record.meta["identity"])
+        differences = saved_identity.differences(self.vmm.identity(spec))
+        if AGENT_VERSION != spec.agent_version:
+            differences.append(f"agent_version: snapshot has {spec.agent_version!r}, this forkd speaks {AGENT_VERSION!r}")
+        if differences:
+            raise SnapshotMismatch(f"snapshot {tag!r} was saved on a different machine; " + "; ".join(differences)
+                                   + f". Create it again here with `forkd snapshot create --tag {tag}`")
+        saved = SavedVm(memory=memory.base, state=record.path / STATE_FILE,
+                        disk=record.path / DISK_FILE, identity=saved_identity, layers=layers)
+        return record, saved, spec
+
+    def _verify(self, record: SnapshotRecord) -> None:
+        """Every file of one snapshot still has the digest recorded when it was saved."""
+        tag = record.tag
         for name, digest in record.meta["sha256"].items():
             path = record.path / name
             try:
@@ -252,26 +279,43 @@ class SnapshotService:
                 raise SnapshotCorrupt(f"snapshot {tag!r}: {name} was modified after it was saved (SHA-256 "
                                       f"{actual[:12]}… ≠ recorded {digest[:12]}…); remove it with `forkd rmi {tag}` "
                                       "and create it again")
-        spec = boot_spec(record.path, record.meta)
-        saved_identity = MachineIdentity.from_dict(record.meta["identity"])
-        differences = saved_identity.differences(self.vmm.identity(spec))
-        if AGENT_VERSION != spec.agent_version:
-            differences.append(f"agent_version: snapshot has {spec.agent_version!r}, this forkd speaks {AGENT_VERSION!r}")
-        if differences:
-            raise SnapshotMismatch(f"snapshot {tag!r} was saved on a different machine; " + "; ".join(differences)
-                                   + f". Create it again here with `forkd snapshot create --tag {tag}`")
-        saved = SavedVm(memory=record.path / MEMORY_FILE, state=record.path / STATE_FILE,
-                        disk=record.path / DISK_FILE, identity=saved_identity)
-        return record, saved, spec
 
-    def remove(self, tag: str, live_children: int) -> None:
+    def remove(self, tag: str, live_children: Callable[[str], int], cascade: bool = False,
+               force: bool = False) -> list[str]:
+        """Remove a snapshot; with ``cascade`` also every snapshot branched from it. Returns the tags removed.
+
+        Without ``cascade`` or ``force`` a snapshot others were branched from is kept: removing it
+        would leave them unusable. ``force`` removes it anyway (its dependents then refuse to fork).
+        """
         record = self.registry.get_snapshot(check_tag(tag))
         if record is None:
             raise SnapshotError(f"no snapshot {tag!r}")
-        if live_children:
-            raise SnapshotConflict(f"snapshot {tag!r} has {live_children} live sandboxes; kill them first")
-        self.registry.remove_snapshot(tag)
-        shutil.rmtree(record.path, ignore_errors=True)
+        dependents = descendants(self.registry, tag)
+        if dependents and not (cascade or force):
+            raise SnapshotConflict(f"snapshot {tag!r} has dependents {', '.join(sorted(dependents))}; remove them "
+                                   f"too with `forkd rmi --cascade {tag}`, or orphan them with `--force`")
+        doomed = [*dependents, tag] if cascade else [tag]
+        busy = {t: n for t in doomed if (n := live_children(t)) or t in self._creating
+                or self.registry.get_snapshot(t).status == "writing"}  # type: ignore[union-attr]
+        if busy:
+            raise SnapshotConflict("snapshots in use: " + ", ".join(
+                f"{t!r} ({n} live sandboxes)" if n else f"{t!r} (being written)" for t, n in busy.items())
+                + "; kill the sandboxes or wait, then remove again")
+        for victim in doomed:
+            path = self.registry.get_snapshot(victim).path  # type: ignore[union-attr]
+            self.registry.remove_snapshot(victim)
+            shutil.rmtree(path, ignore_errors=True)
+        return doomed
+
+
+def seal_files(directory: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """Make a snapshot's files read-only and return their SHA-256 digests."""
+    result = {}
+    for name in names:
+        path = directory / name
+        os.chmod(path, 0o400)  # children map these; nobody should write them again
+        result[name] = sha256_file(path)
+    return result
 
 
 def _space_needed(request: SnapshotRequest, image: Image, directory: Path) -> int:

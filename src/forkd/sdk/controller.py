@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import ssl
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -182,8 +184,10 @@ class Controller:
                         **options: Any) -> dict[str, Any]:
         return self.stream("POST", "/v1/snapshots", _progress(on_progress), json={"tag": tag, **options})
 
-    def remove_snapshot(self, tag: str) -> None:
-        self.request("DELETE", f"/v1/snapshots/{tag}")
+    def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
+        """Returns the tags removed (``cascade`` removes the snapshots branched from ``tag`` too)."""
+        params = {"cascade": cascade, "force": force}
+        return self.request("DELETE", f"/v1/snapshots/{tag}", params=params)["removed_tags"]
 
     # sandboxes
 
@@ -328,14 +332,37 @@ class Controller:
     def push(self, tag: str, url: str, on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Pack ``tag`` and upload it with one HTTP PUT to ``url`` (e.g. a presigned object-store URL)."""
         return self.stream("POST", "/v1/packs/push", _progress(on_progress), json={"tag": tag, "url": url})
+
     # branch
 
-    def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "full", wait: bool = True) -> dict[str, Any]:
-        """Save a running sandbox as a new snapshot; with ``wait=False`` the answer has status ``writing``."""
-        body: dict[str, Any] = {"mode": mode, "wait": wait}
-        if tag is not None:
-            body["tag"] = tag
-        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/branch", json=body, timeout=LONG_TIMEOUT_S)
+    def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "diff", wait: bool = True) -> dict[str, Any]:
+        """Save a running sandbox as snapshot ``tag`` (it keeps running); ``wait=False`` returns it ``writing``.
+
+        Without a tag one is made from the sandbox id.
+        """
+        tag = tag or f"{sandbox_id}-{secrets.token_hex(4)}"
+        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/branch",
+                            json={"tag": tag, "mode": mode, "wait": wait}, timeout=LONG_TIMEOUT_S)
+
+    def wait_snapshot(self, tag: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> dict[str, Any]:
+        """Poll until snapshot ``tag`` is no longer ``writing``; returns it (``ready`` or ``failed``)."""
+        deadline = time.monotonic() + timeout_s
+        while (info := self.snapshot(tag))["status"] == "writing":
+            if time.monotonic() > deadline:
+                raise ForkdError(504, "timeout", f"snapshot {tag!r} still writing after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+        return info
+
+    def compact(self, from_tag: str, to_tag: str) -> dict[str, Any]:
+        """Flatten ``from_tag``'s chain into the standalone snapshot ``to_tag``."""
+        return self.request("POST", "/v1/snapshots/compact", json={"from_tag": from_tag, "to_tag": to_tag},
+                            timeout=LONG_TIMEOUT_S)
+
+    def snapshot_diff(self, base_tag: str, tag: str, cmd: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Run ``cmd`` in a child of ``base_tag`` and save what it changed as the diff snapshot ``tag``."""
+        return self.request("POST", "/v1/snapshots/diff",
+                            json={"base_tag": base_tag, "tag": tag, "cmd": cmd, "timeout_s": timeout_s},
+                            timeout=_call_timeout(timeout_s))
 
 
 def _progress(on_progress: Callable[[str], None] | None) -> Callable[[dict[str, Any]], None] | None:

@@ -118,6 +118,7 @@ class SavedVm:
     state: Path
     disk: Path
     identity: MachineIdentity
+    layers: tuple[Any, ...] = ()  # diff snapshots: forkd.store.layers.Layer laid over memory, base first
 
 
 @dataclass(frozen=True)
@@ -164,3 +165,20 @@ class Vmm(Protocol):
     async def kill(self, vm: VmHandle) -> None: ...
 
     def memory_stats(self, vm: VmHandle) -> MemoryStats: ...
+
+    async def capture(self, vm: VmHandle, new_top: Path, stream: Path, live: bool) -> Any:
+        """Pause, freeze the disk (the VM continues in ``new_top``), stream RAM + devices, resume."""
+        ...
+
+    async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
+        """Copy a frozen disk layer into a snapshot, backed by ``backing_name`` (relative to ``dest``)."""
+        ...
+
+    async def flatten_disk(self, disk: Path, base_name: str) -> None:
+        """Make ``disk`` hold everything its backing chain held above the raw ``base_name`` next to it."""
+        ...
+
+    async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
+                       work_dir: Path) -> None:
+        """Turn a capture into ``memory`` (RAM file) + ``state`` (devices only): a snapshot's files."""
+        ...

@@ -27,6 +27,7 @@ from qemu.qmp import QMPClient, QMPError
 
 from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
+from forkd.vmm import qemu_branch
 from forkd.vmm.accel import choose_accelerator
 from forkd.vmm.base import (
     BootSpec,
@@ -147,13 +148,14 @@ class QemuVmm:
         )
 
     def _argv(self, spec: BootSpec, run_dir: Path, disk: Path, memory: Path, share: bool,
-              tap_fd: int | None = None) -> list[str]:
+              tap_fd: int | None = None, boot: bool | None = None) -> list[str]:
         """The machine; parent and children must agree on every device for state to load.
 
         Only a parent (``share=True``) is given the kernel: a child's kernel is already in the RAM
         it maps, and QEMU would otherwise keep a private ~14 MB copy of vmlinuz and initrd per child.
         """
-        boot = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if share else []
+        with_kernel = share if boot is None else boot
+        kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if with_kernel else []
         accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MIB}"
         netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
         return [
@@ -167,7 +169,7 @@ class QemuVmm:
             "-m", f"{spec.memory_mib}M",
             "-object",
             f"memory-backend-file,id=ram,size={spec.memory_mib}M,mem-path={memory},share={'on' if share else 'off'}",
-            *boot,
+            *kernel,
             "-drive", f"file={disk},format=qcow2,if=none,id=root,cache=writeback,discard=unmap",
             "-device", "virtio-blk-pci,drive=root,id=rootdisk",
             "-netdev", netdev,
@@ -183,7 +185,7 @@ class QemuVmm:
         ]
 
     async def _start(self, name: str, argv: list[str], run_dir: Path, disk: Path, pass_fds: tuple[int, ...] = (),
-                     setup: Callable[[QMPClient], Awaitable[object]] | None = None,
+                     setup: Callable[[QMPClient, VmHandle], Awaitable[object]] | None = None,
                      on_spawn: Callable[[int], None] | None = None) -> VmHandle:
         """Start QEMU, run ``on_spawn(pid)``, prove it is up with a monitor answer, then run ``setup`` on it."""
         log_path = run_dir / "qemu.log"
@@ -210,7 +212,7 @@ class QemuVmm:
             async with self._monitor(vm, wait_s=STARTUP_TIMEOUT_S) as qmp:
                 await qmp.execute("query-status")
                 if setup is not None:
-                    await setup(qmp)
+                    await setup(qmp, vm)
         except (VmmError, QMPError) as exc:
             await self.kill(vm)
             raise VmmError(f"QEMU for {name} did not start ({exc}; exit status {process.returncode}): "
@@ -241,7 +243,10 @@ class QemuVmm:
         shutil.copyfile(await self._child_overlay_template(saved.disk), disk)
         state_fd = os.open(saved.state, os.O_RDONLY)
 
-        async def load_state(qmp: QMPClient) -> None:
+        async def load_state(qmp: QMPClient, vm: VmHandle) -> None:
+            if saved.layers:  # a diff snapshot: its pages go into the mapping before the state loads
+                await asyncio.to_thread(qemu_branch.write_layers, vm.pid, saved.memory,
+                                        spec.memory_mib << 20, list(saved.layers))
             await qmp.execute("migrate-set-capabilities", _IGNORE_SHARED)
             # The state file is inherited as this fd number; RAM comes from the mapped file.
             await qmp.execute("migrate-incoming", {"uri": f"fd:{state_fd}"})
@@ -321,6 +326,22 @@ class QemuVmm:
 
     def memory_stats(self, vm: VmHandle) -> MemoryStats:
         return read_memory_stats(vm.pid)
+
+    # branch
+
+    async def capture(self, vm: VmHandle, new_top: Path, stream: Path, live: bool) -> qemu_branch.Capture:
+        async with self._monitor(vm) as qmp:
+            return await qemu_branch.capture(qmp, vm, new_top, stream, live, _wait_for_migration)
+
+    async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
+        await qemu_branch.freeze_disk_copy(frozen, dest, backing_name)
+
+    async def flatten_disk(self, disk: Path, base_name: str) -> None:
+        await qemu_branch.rebase(disk, base_name, "raw", unsafe=False)
+
+    async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
+                       work_dir: Path) -> None:
+        await qemu_branch.reparent(self, spec, stream, disk, memory, state, work_dir, _wait_for_migration)
 
 
 async def _wait_for_migration(qmp: QMPClient, name: str, doing: str) -> None:

@@ -1,0 +1,74 @@
+"""``forkd branch`` and the snapshot-chain commands (``snapshot-info``)."""
+
+from __future__ import annotations
+
+import click
+
+from forkd.cli.main import console, daemon, print_json, reports_errors
+
+
+@click.command("branch")
+@click.argument("sandbox_id")
+@click.option("--tag", required=True, help="name of the new snapshot")
+@click.option("--mode", type=click.Choice(["full", "diff", "live"]), default="diff", show_default=True,
+              help="full: whole memory; diff: only pages changed since the parent; live: copy RAM while it runs")
+@click.option("--no-wait", is_flag=True, help="return as soon as the sandbox runs again (snapshot `writing`)")
+@click.option("--json", "as_json", is_flag=True)
+@reports_errors
+def branch(sandbox_id: str, tag: str, mode: str, no_wait: bool, as_json: bool) -> None:
+    """Save a running sandbox as a new snapshot; the sandbox keeps running, the snapshot is forkable."""
+    info = daemon().branch(sandbox_id, tag, mode=mode, wait=not no_wait)
+    if as_json:
+        print_json(info)
+    elif info["status"] == "ready":
+        console.print(f"{tag}: ready ({info['memory_kind']} memory, paused {info['pause_ms']:.0f} ms, "
+                      f"{info['total_seconds']:.1f} s) from {info['parent_tag']}")
+    else:
+        console.print(f"{tag}: {info['status']} (watch it with `forkd snapshot-info {tag}`)")
+
+
+@click.command("snapshot-info")
+@click.argument("tag")
+@click.option("--json", "as_json", is_flag=True)
+@reports_errors
+def snapshot_info(tag: str, as_json: bool) -> None:
+    """A snapshot's status, chain (depth, ancestors, dependents) and sizes."""
+    info = daemon().snapshot(tag)
+    if as_json:
+        print_json(info)
+        return
+    console.print(f"{tag}: {info['status']}, depth {info['depth']}"
+                  + (f", mode {info['mode']}" if "mode" in info else ""))
+    console.print(f"  ancestors:  {' ← '.join(info['ancestors']) or '(none: a baked snapshot)'}")
+    console.print(f"  dependents: {', '.join(info['all_dependents']) or '(none)'}")
+    console.print(f"  size: {info['physical_bytes'] / 2**20:.1f} MiB own, "
+                  f"{info['logical_bytes'] / 2**20:.1f} MiB with its chain")
+    if "error" in info:
+        console.print(f"  error: {info['error']}")
+
+
+@click.command("snapshot-compact")
+@click.option("--from", "from_tag", required=True, help="the top of the chain to flatten")
+@click.option("--to", "to_tag", required=True, help="name of the standalone snapshot")
+@reports_errors
+def snapshot_compact(from_tag: str, to_tag: str) -> None:
+    """Flatten a snapshot chain into one standalone snapshot (the chain itself is kept)."""
+    info = daemon().compact(from_tag, to_tag)
+    console.print(f"{to_tag}: ready, standalone copy of {' ← '.join(info['compacted_chain'])} "
+                  f"in {info['compact_seconds']:.1f} s")
+
+
+@click.command("snapshot-diff")
+@click.option("--from", "base_tag", required=True, help="snapshot to start from")
+@click.option("--tag", required=True, help="name of the new diff snapshot")
+@click.option("--exec", "cmd", required=True, help="shell command whose changes the snapshot keeps")
+@click.option("--timeout", "timeout_s", default=600.0, show_default=True, help="seconds the command may run")
+@reports_errors
+def snapshot_diff(base_tag: str, tag: str, cmd: str, timeout_s: float) -> None:
+    """Fork a child of --from, run --exec in it, save what it changed as a diff layer, kill the child."""
+    info = daemon().snapshot_diff(base_tag, tag, cmd, timeout_s=timeout_s)
+    console.print(f"{tag}: ready, {info['changed_pages']} pages over {base_tag} "
+                  f"({info['sizes']['memory.layer'] / 2**20:.1f} MiB layer)")
+
+
+BRANCH_COMMANDS = (branch, snapshot_info, snapshot_compact, snapshot_diff)

@@ -1,0 +1,111 @@
+"""Snapshot chains: each branch records its parent; a child of a branch needs every link below it.
+
+A chain is walked from the snapshot down to its root (a baked snapshot, no parent). Its memory is
+the nearest ``full`` memory file on the way down with the ``diff`` layers above it laid over it; its
+disk is the qcow2 backing chain (each link's ``disk.qcow2`` names its parent's by relative path).
+Every link records the digests of its parent's memory and disk layers, so a parent replaced under
+the same tag is noticed, not silently used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forkd.runtime.registry import Registry, SnapshotRecord
+
+DISK_FILE, MEMORY_FILE, LAYER_FILE = "disk.qcow2", "memory", "memory.layer"
+
+
+class ChainBroken(LookupError):
+    """A link of a chain is missing (removed with ``rmi --force``) or was replaced."""
+
+
+@dataclass(frozen=True)
+class ChainMemory:
+    base: Path  # a full memory file
+    layers: tuple[Path, ...]  # diff layers above it, base first
+
+
+def memory_layer_name(meta: dict[str, Any]) -> str:
+    """The file holding a snapshot's own memory: the whole of it, or only its changed pages."""
+    return LAYER_FILE if meta.get("memory_kind") == "diff" else MEMORY_FILE
+
+
+def parent_digests(parent: SnapshotRecord) -> dict[str, str]:
+    """What a branch records of its parent so that a replaced parent is refused."""
+    digests = parent.meta["sha256"]
+    return {name: digests[name] for name in (memory_layer_name(parent.meta), DISK_FILE)}
+
+
+def ancestry(registry: Registry, record: SnapshotRecord) -> list[SnapshotRecord]:
+    """``record`` and its ancestors, top first; raises if a link is missing or was replaced."""
+    chain = [record]
+    seen = {record.tag}
+    while chain[-1].parent_tag is not None:
+        child = chain[-1]
+        parent = registry.get_snapshot(child.parent_tag)
+        if parent is None or parent.status != "ready":
+            state = "missing" if parent is None else parent.status
+            raise ChainBroken(f"snapshot {child.tag!r} needs its parent {child.parent_tag!r}, which is {state}; "
+                              f"remove {child.tag!r} with `forkd rmi {child.tag}`")
+        if parent.tag in seen:
+            raise ChainBroken(f"snapshot chain of {record.tag!r} loops at {parent.tag!r}")
+        recorded = child.meta.get("parent_sha256", {})
+        if recorded != parent_digests(parent):
+            raise ChainBroken(f"snapshot {child.tag!r} was branched from another {parent.tag!r} than the one "
+                              f"registered now; remove {child.tag!r} with `forkd rmi {child.tag}`")
+        seen.add(parent.tag)
+        chain.append(parent)
+    return chain
+
+
+def chain_memory(chain: list[SnapshotRecord]) -> ChainMemory:
+    """The base memory file and layers a child of ``chain[0]`` maps."""
+    layers: list[Path] = []
+    for link in chain:
+        if memory_layer_name(link.meta) == MEMORY_FILE:
+            return ChainMemory(base=link.path / MEMORY_FILE, layers=tuple(reversed(layers)))
+        layers.append(link.path / LAYER_FILE)
+    raise ChainBroken(f"snapshot chain of {chain[0].tag!r} has no full memory file at its root")
+
+
+def descendants(registry: Registry, tag: str) -> list[str]:
+    """Every snapshot branched (directly or not) from ``tag``, deepest first: a safe removal order."""
+    found: list[str] = []
+    frontier = [tag]
+    while frontier:
+        children = [c for t in frontier for c in registry.snapshot_children(t)]
+        found.extend(children)
+        frontier = children
+    return list(reversed(found))
+
+
+def describe_chain(registry: Registry, record: SnapshotRecord) -> dict[str, Any]:
+    """Depth, ancestors, dependents, and physical (this link's own files) vs logical (whole chain) size."""
+    ancestors: list[SnapshotRecord] = []
+    link = record
+    while link.parent_tag is not None and (parent := registry.get_snapshot(link.parent_tag)) is not None:
+        ancestors.append(parent)
+        link = parent
+    return {
+        "depth": len(ancestors),
+        "ancestors": [a.tag for a in ancestors],
+        "dependents": registry.snapshot_children(record.tag),
+        "all_dependents": descendants(registry, record.tag),
+        "physical_bytes": own_bytes(record.path),
+        "logical_bytes": sum(own_bytes(r.path) for r in (record, *ancestors)),
+    }
+
+
+def own_bytes(directory: Path) -> int:
+    """Bytes a snapshot's files really occupy (memory files are sparse); hard links to an image are not its own."""
+    if not directory.is_dir():
+        return 0
+    total = 0
+    for path in directory.iterdir():
+        st = path.stat()
+        if path.is_file() and st.st_nlink == 1:
+            total += st.st_blocks * 512
+    return total

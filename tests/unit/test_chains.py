@@ -1,0 +1,80 @@
+"""Walking snapshot chains in the registry: parents, digests, removal order, sizes."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from forkd.runtime.chains import ChainBroken, ancestry, chain_memory, descendants, describe_chain, parent_digests
+from forkd.runtime.registry import Registry, SnapshotRecord
+
+
+def add(registry: Registry, tmp_path: Path, tag: str, parent: str | None, kind: str = "diff") -> SnapshotRecord:
+    own = "memory.layer" if kind == "diff" else "memory"
+    meta = {"memory_kind": kind, "sha256": {own: f"{tag}-mem", "disk.qcow2": f"{tag}-disk"}}
+    if parent is not None:
+        meta["parent_sha256"] = parent_digests(registry.get_snapshot(parent))
+    (tmp_path / tag).mkdir()
+    (tmp_path / tag / own).write_bytes(b"x" * 5000)
+    record = SnapshotRecord(tag, "ready", "default", tmp_path / tag, float(len(registry.list_snapshots())),
+                            meta, parent_tag=parent)
+    registry.add_snapshot(record)
+    return record
+
+
+@pytest.fixture
+def chain(tmp_path: Path) -> Registry:
+    registry = Registry(tmp_path / "state.db")
+    add(registry, tmp_path, "root", None, kind="full")
+    add(registry, tmp_path, "a", "root")
+    add(registry, tmp_path, "b", "a")
+    add(registry, tmp_path, "full", "b", kind="full")
+    add(registry, tmp_path, "c", "full")
+    add(registry, tmp_path, "side", "a")
+    return registry
+
+
+def test_chain_memory_starts_at_the_nearest_full_file(chain: Registry, tmp_path: Path) -> None:
+    links = ancestry(chain, chain.get_snapshot("b"))
+    assert [r.tag for r in links] == ["b", "a", "root"]
+    memory = chain_memory(links)
+    assert memory.base == tmp_path / "root" / "memory"
+    assert memory.layers == (tmp_path / "a" / "memory.layer", tmp_path / "b" / "memory.layer")
+    over_full = chain_memory(ancestry(chain, chain.get_snapshot("c")))
+    assert over_full.base == tmp_path / "full" / "memory" and over_full.layers == (tmp_path / "c" / "memory.layer",)
+
+
+def test_missing_or_replaced_parents_are_named(chain: Registry, tmp_path: Path) -> None:
+    chain.remove_snapshot("a")
+    with pytest.raises(ChainBroken, match="'b' needs its parent 'a', which is missing"):
+        ancestry(chain, chain.get_snapshot("b"))
+    chain.add_snapshot(SnapshotRecord("a", "ready", "default", tmp_path / "a", 9.0,
+                                      {"memory_kind": "diff", "sha256": {"memory.layer": "other", "disk.qcow2": "d"}},
+                                      parent_tag="root"))
+    with pytest.raises(ChainBroken, match="another 'a'"):
+        ancestry(chain, chain.get_snapshot("b"))
+
+
+def test_descendants_deepest_first_and_description(chain: Registry) -> None:
+    order = descendants(chain, "a")
+    assert set(order) == {"b", "full", "c", "side"}
+    assert order.index("c") < order.index("full") < order.index("b")
+    info = describe_chain(chain, chain.get_snapshot("c"))
+    assert (info["depth"], info["ancestors"]) == (4, ["full", "b", "a", "root"])
+    assert info["dependents"] == [] and 0 < info["physical_bytes"] < info["logical_bytes"]
+    assert sorted(describe_chain(chain, chain.get_snapshot("a"))["dependents"]) == ["b", "side"]
+
+
+def test_old_database_gains_parent_column(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute("CREATE TABLE snapshots (tag TEXT PRIMARY KEY, status TEXT NOT NULL, image TEXT NOT NULL, "
+               "path TEXT NOT NULL, created_at REAL NOT NULL, meta TEXT NOT NULL)")
+    db.execute("INSERT INTO snapshots VALUES ('old', 'ready', 'default', '/x', 1.0, '{}')")
+    db.commit()
+    db.close()
+    registry = Registry(tmp_path / "state.db")
+    assert registry.get_snapshot("old").parent_tag is None
+    registry.update_snapshot("old", status="failed", meta={"error": "e"})
+    assert (registry.get_snapshot("old").status, registry.get_snapshot("old").meta) == ("failed", {"error": "e"})

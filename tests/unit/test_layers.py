@@ -1,0 +1,114 @@
+"""The memory-layer format and diff: pages that differ from a chain's memory, and nothing else."""
+
+from __future__ import annotations
+
+import os
+from array import array
+from pathlib import Path
+
+import pytest
+
+from forkd.store.layers import (
+    PAGE_SIZE,
+    ChainMemory,
+    LayerError,
+    changed_pages,
+    data_extents,
+    flatten,
+    punch_zero_pages,
+    read_layer,
+    write_layer,
+)
+
+SIZE = 64 * PAGE_SIZE
+
+
+def sparse(path: Path, pages: dict[int, bytes]) -> Path:
+    """A sparse file of SIZE bytes with the given pages written (the rest holes)."""
+    with open(path, "wb") as f:
+        f.truncate(SIZE)
+        for index, fill in pages.items():
+            f.seek(index * PAGE_SIZE)
+            f.write(fill * (PAGE_SIZE // len(fill)))
+    return path
+
+
+def view(memory: ChainMemory) -> bytes:
+    fds = [os.open(layer.path, os.O_RDONLY) for layer in memory.layers]
+    base = os.open(memory.base, os.O_RDONLY)
+    try:
+        return memory.read(fds, base, 0, SIZE)
+    finally:
+        for fd in (*fds, base):
+            os.close(fd)
+
+
+def test_layer_round_trip_and_runs(tmp_path: Path) -> None:
+    memory = sparse(tmp_path / "m", {1: b"a", 2: b"b", 7: b"c"})
+    offsets = array("Q", [1 * PAGE_SIZE, 2 * PAGE_SIZE, 7 * PAGE_SIZE])
+    written = write_layer(tmp_path / "l", memory, offsets)
+    layer = read_layer(tmp_path / "l")
+    assert list(layer.offsets) == list(offsets) and layer.page_size == PAGE_SIZE
+    assert [(o, n) for o, _, n in layer.runs()] == [(PAGE_SIZE, 2 * PAGE_SIZE), (7 * PAGE_SIZE, PAGE_SIZE)]
+    assert list(written.runs()) == list(layer.runs())
+    with open(tmp_path / "l", "rb") as f:
+        _, position, _ = list(layer.runs())[1]
+        f.seek(position)
+        assert f.read(PAGE_SIZE) == b"c" * PAGE_SIZE
+
+
+def test_truncated_or_foreign_layers_are_refused(tmp_path: Path) -> None:
+    memory = sparse(tmp_path / "m", {3: b"x"})
+    write_layer(tmp_path / "l", memory, array("Q", [3 * PAGE_SIZE]))
+    data = (tmp_path / "l").read_bytes()
+    (tmp_path / "short").write_bytes(data[:-1])
+    (tmp_path / "foreign").write_bytes(b"NOTLAYER" + data[8:])
+    for name, reason in (("short", "truncated"), ("foreign", "not a forkd memory layer")):
+        with pytest.raises(LayerError, match=reason):
+            read_layer(tmp_path / name)
+
+
+def test_diff_holds_changed_and_zeroed_pages_only(tmp_path: Path) -> None:
+    base = sparse(tmp_path / "base", {0: b"k", 5: b"s", 9: b"z"})
+    # The child changed page 5, wrote new page 20, zeroed page 9 (a hole in its capture), kept page 0.
+    child = sparse(tmp_path / "child", {0: b"k", 5: b"S", 20: b"n"})
+    parent = ChainMemory(base, [])
+    assert data_extents(base)[0][0] == 0
+    offsets = changed_pages(child, parent)
+    assert list(offsets) == [5 * PAGE_SIZE, 9 * PAGE_SIZE, 20 * PAGE_SIZE]
+    layer = write_layer(tmp_path / "layer", child, offsets)
+    assert view(ChainMemory(base, [layer])) == (tmp_path / "child").read_bytes()
+
+
+def test_layers_stack_base_first(tmp_path: Path) -> None:
+    base = sparse(tmp_path / "base", {1: b"0", 2: b"0"})
+    one = sparse(tmp_path / "one", {1: b"1", 2: b"0"})
+    first = write_layer(tmp_path / "l1", one, changed_pages(one, ChainMemory(base, [])))
+    two = sparse(tmp_path / "two", {1: b"1", 2: b"2", 3: b"2"})
+    second_offsets = changed_pages(two, ChainMemory(base, [first]))
+    assert list(second_offsets) == [2 * PAGE_SIZE, 3 * PAGE_SIZE]  # page 1 is already in the first layer
+    second = write_layer(tmp_path / "l2", two, second_offsets)
+    assert view(ChainMemory(base, [first, second])) == (tmp_path / "two").read_bytes()
+    assert not list(changed_pages(two, ChainMemory(base, [first, second])))
+
+
+def test_flatten_writes_what_children_see_and_stays_sparse(tmp_path: Path) -> None:
+    base = sparse(tmp_path / "base", {1: b"0", 30: b"0"})
+    top = sparse(tmp_path / "top", {1: b"1", 30: b"0", 40: b"4"})
+    layer = write_layer(tmp_path / "l", top, changed_pages(top, ChainMemory(base, [])))
+    flatten(ChainMemory(base, [layer]), tmp_path / "flat")
+    assert (tmp_path / "flat").read_bytes() == top.read_bytes()
+    assert os.stat(tmp_path / "flat").st_blocks * 512 < SIZE
+
+
+def test_zero_pages_become_holes_again(tmp_path: Path) -> None:
+    path = sparse(tmp_path / "m", {0: b"a", 1: b"\0", 2: b"\0", 3: b"b"})
+    with open(path, "r+b") as f:  # a written zero MiB (what a VMM leaves on tmpfs)
+        f.seek(16 * PAGE_SIZE)
+        f.write(bytes(1 << 20))
+    content = path.read_bytes()
+    before = os.stat(path).st_blocks
+    freed = punch_zero_pages(path)
+    assert freed == 2 * PAGE_SIZE + (1 << 20)
+    assert path.read_bytes() == content and os.stat(path).st_blocks < before
+    assert punch_zero_pages(path) == 0

@@ -1,0 +1,246 @@
+"""BRANCH of running guests and snapshot chains, through the real daemon, QEMU and guest agent."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from forkd.sdk.controller import Controller, ForkdError
+
+pytestmark = pytest.mark.vm
+
+# A process started before the branch: it rewrites a counter every 0.2 s until killed.
+TICKER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/ticks.new; mv /tmp/ticks.new /tmp/ticks; sleep 0.2; "
+          "done) >/dev/null 2>&1 & echo $! > /tmp/ticker.pid")
+ALIVE = "kill -0 $(cat /tmp/ticker.pid) && a=$(cat /tmp/ticks) && sleep 1 && b=$(cat /tmp/ticks) && [ $b -gt $a ] && echo ticking"
+
+
+@pytest.fixture
+def source(daemon: Controller, snapshot_tag: str) -> Iterator[str]:
+    """One child of the session snapshot to branch from, killed after the test."""
+    result = daemon.fork(snapshot_tag, 1)
+    assert result["errors"] == []
+    sandbox_id = result["sandboxes"][0]["id"]
+    yield sandbox_id
+    with contextlib.suppress(ForkdError):
+        daemon.kill(sandbox_id)
+
+
+@contextlib.contextmanager
+def child_of(daemon: Controller, tag: str) -> Iterator[str]:
+    result = daemon.fork(tag, 1)
+    assert result["errors"] == [], result["errors"]
+    sandbox_id = result["sandboxes"][0]["id"]
+    try:
+        yield sandbox_id
+    finally:
+        daemon.kill(sandbox_id)
+
+
+def sh(daemon: Controller, sandbox_id: str, cmd: str) -> str:
+    result = daemon.exec(sandbox_id, cmd, timeout_s=60)
+    assert result["exit_code"] == 0, result
+    return result["stdout"]
+
+
+def has(daemon: Controller, sandbox_id: str, *paths: str) -> list[bool]:
+    out = daemon.exec(sandbox_id, "; ".join(f"test -e {p} && echo y || echo n" for p in paths))["stdout"]
+    return [line == "y" for line in out.split()]
+
+
+@pytest.mark.parametrize("mode", ["diff", "full"])
+def test_branch_keeps_processes_files_and_interpreter_state(daemon: Controller, snapshot_tag: str, source: str,
+                                                            mode: str) -> None:
+    tag = f"br-state-{mode}"
+    sh(daemon, source, f"{TICKER}; echo ram > /tmp/before-ram; echo disk > /root/before-disk; sync")
+    assert daemon.run_code(source, "kept = 41")["error"] is None
+    info = daemon.branch(source, tag, mode=mode)
+    try:
+        assert info["status"] == "ready" and info["parent_tag"] == snapshot_tag
+        assert info["memory_kind"] == mode and info["pause_ms"] > 0
+        # The source goes on: same process, same files, new writes.
+        assert sh(daemon, source, ALIVE) == "ticking\n"
+        sh(daemon, source, "echo later > /tmp/after-branch")
+        with child_of(daemon, tag) as child:
+            assert sh(daemon, child, ALIVE) == "ticking\n"
+            assert sh(daemon, child, "cat /tmp/before-ram /root/before-disk /tmp/warm-marker") == "ram\ndisk\nwarmed\n"
+            assert has(daemon, child, "/tmp/after-branch") == [False]
+            assert daemon.run_code(child, "kept + 1")["value"] == "42"
+        with child_of(daemon, snapshot_tag) as sibling:  # the base snapshot never saw any of it
+            assert has(daemon, sibling, "/tmp/before-ram", "/root/before-disk", "/tmp/ticker.pid") == [False] * 3
+    finally:
+        daemon.remove_snapshot(tag)
+
+
+def test_three_layer_chain_info_tamper_and_removal(daemon: Controller, snapshot_tag: str, source: str,
+                                                   forkd_home: Path) -> None:
+    tags = ["chain-1", "chain-2", "chain-3"]
+    sh(daemon, source, "echo 1 > /tmp/layer-1")
+    daemon.branch(source, tags[0])
+    with child_of(daemon, tags[0]) as one:
+        sh(daemon, one, "echo 2 > /tmp/layer-2; echo 2 > /root/layer-2; sync")
+        daemon.branch(one, tags[1])
+        with child_of(daemon, tags[1]) as two:
+            sh(daemon, two, "echo 3 > /tmp/layer-3; rm /tmp/layer-1")
+            daemon.branch(two, tags[2])
+    try:
+        with child_of(daemon, tags[2]) as three:
+            assert has(daemon, three, "/tmp/layer-1", "/tmp/layer-2", "/root/layer-2", "/tmp/layer-3") == \
+                [False, True, True, True]
+        with child_of(daemon, tags[1]) as two_again:
+            assert has(daemon, two_again, "/tmp/layer-1", "/tmp/layer-2", "/tmp/layer-3") == [True, True, False]
+
+        top = daemon.snapshot(tags[2])
+        assert (top["depth"], top["ancestors"], top["parent_tag"]) == (3, [tags[1], tags[0], snapshot_tag], tags[1])
+        assert top["dependents"] == [] and top["memory_kind"] == "diff"
+        assert 0 < top["physical_bytes"] < top["logical_bytes"]
+        base = daemon.snapshot(tags[0])
+        assert base["dependents"] == [tags[1]] and set(base["all_dependents"]) == set(tags[1:])
+        assert tags[0] in daemon.snapshot(snapshot_tag)["dependents"]
+
+        with pytest.raises(ForkdError) as refused:
+            daemon.remove_snapshot(tags[0])
+        assert refused.value.status == 409 and "--cascade" in refused.value.message
+
+        layer = forkd_home / "snapshots" / tags[1] / "memory.layer"
+        with open(layer, "r+b") as f:  # flip one byte of page data
+            f.seek(os.path.getsize(layer) - 100)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(ForkdError) as corrupt:
+            daemon.fork(tags[2], 1)
+        assert corrupt.value.status == 409
+        assert tags[1] in corrupt.value.message and "memory.layer" in corrupt.value.message
+    finally:
+        removed = daemon.remove_snapshot(tags[0], cascade=True)
+    assert sorted(removed) == sorted(tags)
+    assert all(not (forkd_home / "snapshots" / t).exists() for t in tags)
+
+
+def test_ten_consecutive_branches_and_forced_removal(daemon: Controller, source: str) -> None:
+    tags = [f"series-{i}" for i in range(10)]
+    sh(daemon, source, TICKER)
+    pauses = []
+    for i, tag in enumerate(tags):
+        sh(daemon, source, f"echo {i} > /tmp/step")
+        info = daemon.branch(source, tag)
+        assert info["status"] == "ready"
+        assert info["parent_tag"] == (tags[i - 1] if i else daemon.sandbox(source)["snapshot_tag"])
+        pauses.append(info["pause_ms"])
+    print(f"pause per branch (ms): {pauses}")
+    assert sh(daemon, source, ALIVE) == "ticking\n"
+    with child_of(daemon, tags[-1]) as last:
+        assert sh(daemon, last, "cat /tmp/step") == "9\n"
+        assert sh(daemon, last, ALIVE) == "ticking\n"
+    try:
+        assert daemon.remove_snapshot(tags[4], force=True) == [tags[4]]
+        with pytest.raises(ForkdError) as orphaned:
+            daemon.fork(tags[5], 1)
+        assert orphaned.value.status == 409 and tags[4] in orphaned.value.message
+        with child_of(daemon, tags[3]) as below:  # links under the removed one still work
+            assert sh(daemon, below, "cat /tmp/step") == "3\n"
+    finally:
+        daemon.remove_snapshot(tags[5], cascade=True)
+        daemon.remove_snapshot(tags[0], cascade=True)
+    assert not [s for s in daemon.snapshots() if s["tag"].startswith("series-")]
+
+
+def test_no_wait_branch_conflicts_and_cap(daemon: Controller, source: str) -> None:
+    sh(daemon, source, "echo queued > /tmp/queued")
+    first = daemon.branch(source, "async-1", wait=False)
+    try:
+        assert first["status"] == "writing"
+        with pytest.raises(ForkdError) as writing:
+            daemon.fork("async-1", 1)
+        assert writing.value.status == 409 and "writing" in writing.value.message
+        with pytest.raises(ForkdError) as same_tag:
+            daemon.branch(source, "async-1", wait=False)
+        assert same_tag.value.status == 409
+        second = daemon.branch(source, "async-2", wait=False)  # queued behind the first (same sandbox)
+        assert second["status"] == "writing"
+        with pytest.raises(ForkdError) as capped:  # the default cap is 2 branches being written
+            daemon.branch(source, "async-3", wait=False)
+        assert capped.value.status == 503
+        assert daemon.wait_snapshot("async-1", timeout_s=300)["status"] == "ready"
+        assert daemon.wait_snapshot("async-2", timeout_s=300)["status"] == "ready"
+        assert daemon.snapshot("async-2")["parent_tag"] == "async-1"
+        with child_of(daemon, "async-1") as child:
+            assert sh(daemon, child, "cat /tmp/queued") == "queued\n"
+    finally:
+        for tag in ("async-2", "async-1"):
+            with contextlib.suppress(ForkdError):
+                daemon.wait_snapshot(tag, timeout_s=300)
+                daemon.remove_snapshot(tag)
+
+
+def test_live_branch_is_consistent_or_refused_clearly(daemon: Controller, source: str) -> None:
+    sh(daemon, source, "echo live > /tmp/live-marker")
+    try:
+        info = daemon.branch(source, "live-1", mode="live")
+    except ForkdError as exc:  # the memory file is on a filesystem without userfaultfd write-protect
+        assert "tmpfs" in exc.message and "--mode full or diff" in exc.message
+        assert daemon.snapshot("live-1")["status"] == "failed"
+    else:
+        assert info["status"] == "ready" and info["memory_kind"] == "full"
+        with child_of(daemon, "live-1") as child:
+            assert sh(daemon, child, "cat /tmp/live-marker") == "live\n"
+    finally:
+        with contextlib.suppress(ForkdError):
+            daemon.remove_snapshot("live-1")
+    assert sh(daemon, source, "cat /tmp/live-marker") == "live\n"
+
+
+def test_snapshot_diff_then_compact_to_a_standalone_snapshot(daemon: Controller, snapshot_tag: str) -> None:
+    running = {s["id"] for s in daemon.sandboxes()}
+    first = daemon.snapshot_diff(snapshot_tag, "diff-1", "echo one > /tmp/d1; echo disk > /root/d1; sync")
+    try:
+        assert (first["parent_tag"], first["memory_kind"]) == (snapshot_tag, "diff") and first["changed_pages"] > 0
+        daemon.snapshot_diff("diff-1", "diff-2", "echo two > /tmp/d2")
+        with pytest.raises(ForkdError) as failed:
+            daemon.snapshot_diff(snapshot_tag, "diff-bad", "echo nope >&2; exit 3")
+        assert "exited with 3" in failed.value.message and "nope" in failed.value.message
+        assert "diff-bad" not in {s["tag"] for s in daemon.snapshots()}
+        assert {s["id"] for s in daemon.sandboxes()} == running, "snapshot-diff must kill its child"
+
+        flat = daemon.compact("diff-2", "diff-flat")
+        assert flat["parent_tag"] is None and flat["compacted_chain"] == ["diff-2", "diff-1", snapshot_tag]
+    finally:
+        daemon.remove_snapshot("diff-1", cascade=True)
+    try:
+        assert daemon.snapshot("diff-flat")["depth"] == 0
+        with child_of(daemon, "diff-flat") as child:  # its chain is gone: it needs none of it
+            assert sh(daemon, child, "cat /tmp/d1 /root/d1 /tmp/d2 /tmp/warm-marker") == "one\ndisk\ntwo\nwarmed\n"
+    finally:
+        daemon.remove_snapshot("diff-flat")
+
+
+def test_cli_branch_info_compact_and_rmi(daemon: Controller, source: str, vm_env: dict[str, str]) -> None:
+    def forkd(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "forkd", *args], env=vm_env, capture_output=True, text=True,
+                              timeout=300)
+
+    sh(daemon, source, "echo cli > /tmp/cli-marker")
+    started = forkd("branch", source, "--tag", "cli-1", "--no-wait", "--json")
+    assert started.returncode == 0, started.stderr
+    assert json.loads(started.stdout)["status"] == "writing"
+    daemon.wait_snapshot("cli-1", timeout_s=300)
+    info = forkd("snapshot-info", "cli-1")
+    assert info.returncode == 0 and "ready, depth 1" in info.stdout and "ancestors:" in info.stdout, info.stdout
+    compacted = forkd("snapshot-compact", "--from", "cli-1", "--to", "cli-flat")
+    assert compacted.returncode == 0 and "standalone copy of cli-1" in compacted.stdout, compacted.stderr
+    refused = forkd("branch", source, "--tag", "cli-1")
+    assert refused.returncode == 1 and "exists" in refused.stderr
+    with child_of(daemon, "cli-flat") as child:
+        assert sh(daemon, child, "cat /tmp/cli-marker") == "cli\n"
+    removed = forkd("rmi", "cli-flat")
+    assert removed.returncode == 0 and "removed snapshot cli-flat" in removed.stdout
+    removed = forkd("rmi", "cli-1")
+    assert removed.returncode == 0, removed.stderr
