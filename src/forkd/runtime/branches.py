@@ -32,6 +32,7 @@ from forkd.runtime.chains import (
     memory_layer_name,
     parent_digests,
 )
+from forkd.runtime.metrics import Metrics
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import LiveSandbox, SandboxService
 from forkd.runtime.snapshots import (
@@ -75,8 +76,9 @@ def max_concurrent_from_env() -> int:
 
 class BranchService:
     def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotService,
-                 sandboxes: SandboxService, max_concurrent: int) -> None:
+                 sandboxes: SandboxService, max_concurrent: int, metrics: Metrics) -> None:
         self.paths = paths
+        self.metrics = metrics
         self.registry = registry
         self.vmm = vmm
         self.snapshots = snapshots
@@ -118,8 +120,11 @@ class BranchService:
 
     def _finished(self, tag: str, task: asyncio.Task[SnapshotRecord]) -> None:
         self._writing.pop(tag, None)
-        if not task.cancelled():
-            task.exception()  # retrieved here: a failure is recorded as the snapshot's status and error
+        if task.cancelled() or task.exception() is not None:
+            return  # a failure is recorded as the snapshot's status and error
+        meta = task.result().meta
+        self.metrics.branch_seconds.labels(meta["mode"]).observe(meta["total_seconds"])
+        self.metrics.branch_pause_seconds.labels(meta["mode"]).observe(meta["pause_ms"] / 1000)
 
     async def _build(self, live: LiveSandbox, source: _SourceState, record: SnapshotRecord,
                      mode: str) -> SnapshotRecord:

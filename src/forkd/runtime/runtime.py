@@ -41,7 +41,7 @@ class Runtime:
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.compaction = CompactService(paths, self.registry, vmm, self.snapshots)
         self.branches = BranchService(paths, self.registry, vmm, self.snapshots, self.sandboxes,
-                                      max_concurrent_from_env())
+                                      max_concurrent_from_env(), self.metrics)
         self._image_lock = asyncio.Lock()
         self._deadline_keeper: asyncio.Task[None] | None = None
 
