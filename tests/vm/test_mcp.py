@@ -99,6 +99,17 @@ def test_stdio_session_drives_a_sandbox(daemon: Controller, snapshot_tag: str, s
                                                    max_bytes=10)
                 assert "is a directory" in await _error(client, "read_file", sandbox_id=sandbox_id, path="/root")
 
+                branched = await _ok(client, "branch", sandbox_id=sandbox_id, mode="diff")
+                assert branched["status"] == "ready" and branched["parent_tag"] == snapshot_tag
+                copy = (await _ok(client, "spawn", snapshot_tag=branched["tag"], count=1))["sandboxes"][0]["id"]
+                try:  # the copy has the interpreter state and files of the moment of the BRANCH
+                    assert (await _ok(client, "eval", sandbox_id=copy, expr="x"))["value_json"] == 20
+                    assert (await _ok(client, "read_file", sandbox_id=copy, path="/root/new/notes.txt"))[
+                        "content"] == "héllo\n"
+                finally:
+                    await _ok(client, "kill", sandbox_id=copy)
+                    daemon.remove_snapshot(branched["tag"])
+
                 await _ok(client, "exec", sandbox_id=sandbox_id,
                           command="sh -c 'sleep 1; echo done > /tmp/m' > /dev/null 2>&1 &")
                 waited = await _ok(client, "wait_for_text", sandbox_id=sandbox_id, path="/tmp/m", text="done",
@@ -111,7 +122,7 @@ def test_stdio_session_drives_a_sandbox(daemon: Controller, snapshot_tag: str, s
                 killed = await client.call_tool("kill", {"sandbox_id": sandbox_id})
             assert not killed.is_error, _text(killed)
             assert sandbox_id not in [s["id"] for s in await _ok(client, "list_sandboxes")]
-            assert "no running sandbox" in await _error(client, "exec", sandbox_id=sandbox_id, command="true")
+            assert "has ended: killed" in await _error(client, "exec", sandbox_id=sandbox_id, command="true")
 
     anyio.run(session)
 
@@ -128,7 +139,7 @@ def test_stdio_errors_are_the_daemons_readable_messages(daemon: Controller, snap
             taken = await _error(client, "create_snapshot", tag=snapshot_tag)
             assert snapshot_tag in taken and "Next: pick another tag" in taken
             branch = await _error(client, "branch", sandbox_id="sb-000000000000")
-            assert "does not offer this operation" in branch or "no running sandbox" in branch, branch
+            assert "no running sandbox 'sb-000000000000'" in branch, branch
 
     anyio.run(session)
 

@@ -232,7 +232,7 @@ def build_server(controller: Controller) -> MCPServer:
             "tag of the new snapshot (1-64 of A-Z a-z 0-9 _ -); null lets the daemon pick one"))] = None,
         mode: Annotated[Literal["full", "diff", "live"], Field(description=(
             "full: a standalone snapshot; diff: only the pages changed since the parent; live: copy memory "
-            "while the sandbox keeps running"))] = "full",
+            "while the sandbox keeps running (needs memory files on tmpfs)"))] = "diff",
         wait: Annotated[bool, Field(description=(
             "wait until the snapshot is written; false returns at once with status 'writing'"))] = True,
     ) -> dict[str, Any]:
