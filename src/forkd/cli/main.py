@@ -381,6 +381,10 @@ from forkd.cli.branch import BRANCH_COMMANDS  # noqa: E402 (uses the helpers abo
 for _command in BRANCH_COMMANDS:
     cli.add_command(_command)
 
+from forkd.cli.workspaces import workspace  # noqa: E402 (uses the helpers above)
+
+cli.add_command(workspace)
+
 
 def main() -> None:
     cli()

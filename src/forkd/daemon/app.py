@@ -25,6 +25,7 @@ from forkd import __version__
 from forkd.daemon import schemas
 from forkd.daemon.body_limit import BodyTooLarge
 from forkd.daemon.routes_branch import router as branch_router
+from forkd.daemon.routes_workspaces import router as workspaces_router
 from forkd.guest import protocol
 from forkd.host.doctor import run_checks
 from forkd.image.builder import ImageError, ImageNotFound, ImageSpec
@@ -183,6 +184,7 @@ def create_app(runtime: Runtime) -> FastAPI:
                   description="Fork warm microVMs copy-on-write; every forkd client speaks this API.")
     app.state.runtime = runtime
     app.include_router(branch_router)
+    app.include_router(workspaces_router)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]

@@ -203,6 +203,11 @@ class BranchRequest(Strict):
     wait: bool = Field(default=True, description="false: answer 202 at once with status `writing`")
 
 
+class WorkspaceCreate(Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,40}$", description="[A-Za-z0-9_-]{1,40}")]
+    snapshot_tag: Tag
+
+
 class CompactRequest(Strict):
     from_tag: Tag
     to_tag: Tag

@@ -34,6 +34,15 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     created_at   REAL NOT NULL,
     meta         TEXT NOT NULL
 );
+-- A named long-lived sandbox: running as sandbox_id, or suspended to snapshot_tag (its VMM gone).
+CREATE TABLE IF NOT EXISTS workspaces (
+    name         TEXT PRIMARY KEY,
+    state        TEXT NOT NULL,
+    sandbox_id   TEXT,
+    snapshot_tag TEXT NOT NULL,
+    created_at   REAL NOT NULL,
+    meta         TEXT NOT NULL
+);
 -- One /30 of the nat address pool per sandbox; kept across daemon restarts so leftovers are known.
 CREATE TABLE IF NOT EXISTS net_leases (
     pool       TEXT NOT NULL,
@@ -66,6 +75,20 @@ class SnapshotRecord:
     def to_dict(self) -> dict[str, Any]:
         return {"tag": self.tag, "status": self.status, "image": self.image, "path": str(self.path),
                 "created_at": self.created_at, "parent_tag": self.parent_tag, **self.meta}
+
+
+@dataclass
+class WorkspaceRecord:
+    name: str
+    state: str  # "running" or "suspended"
+    sandbox_id: str | None  # while running
+    snapshot_tag: str  # what it runs from, or was suspended to
+    created_at: float
+    meta: dict[str, Any] = field(default_factory=dict)  # base tag, suspend snapshots, counts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "state": self.state, "sandbox_id": self.sandbox_id,
+                "snapshot_tag": self.snapshot_tag, "created_at": self.created_at, **self.meta}
 
 
 PRIVATE_SANDBOX_META = frozenset({"envs"})  # may hold secrets: used by the daemon, never returned
@@ -231,6 +254,27 @@ class Registry:
     def release_slot(self, sandbox_id: str) -> None:
         self._execute("DELETE FROM net_leases WHERE sandbox_id = ?", (sandbox_id,))
 
+    # workspaces
+
+    def put_workspace(self, record: WorkspaceRecord) -> None:
+        """Insert or replace the whole record (one statement: a crash leaves the old or the new one)."""
+        self._execute("INSERT OR REPLACE INTO workspaces (name, state, sandbox_id, snapshot_tag, created_at, meta) "
+                      "VALUES (?, ?, ?, ?, ?, ?)", (record.name, record.state, record.sandbox_id, record.snapshot_tag,
+                                                   record.created_at, json.dumps(record.meta)))
+
+    def get_workspace(self, name: str) -> WorkspaceRecord | None:
+        rows = self._execute("SELECT name, state, sandbox_id, snapshot_tag, created_at, meta FROM workspaces "
+                             "WHERE name = ?", (name,))
+        return _workspace(rows[0]) if rows else None
+
+    def list_workspaces(self) -> list[WorkspaceRecord]:
+        rows = self._execute("SELECT name, state, sandbox_id, snapshot_tag, created_at, meta FROM workspaces "
+                             "ORDER BY created_at")
+        return [_workspace(r) for r in rows]
+
+    def remove_workspace(self, name: str) -> None:
+        self._execute("DELETE FROM workspaces WHERE name = ?", (name,))
+
     def leases(self) -> dict[str, tuple[str, int]]:
         """Sandbox id → (pool, slot) of every lease held."""
         return {row[2]: (row[0], row[1]) for row in self._execute("SELECT pool, slot, sandbox_id FROM net_leases")}
@@ -244,6 +288,11 @@ _INSERT_SNAPSHOT = ("INSERT INTO snapshots (tag, status, image, path, created_at
 def _snapshot_row(record: SnapshotRecord) -> tuple[Any, ...]:
     return (record.tag, record.status, record.image, str(record.path), record.created_at, json.dumps(record.meta),
             record.parent_tag)
+
+
+def _workspace(row: tuple[Any, ...]) -> WorkspaceRecord:
+    return WorkspaceRecord(name=row[0], state=row[1], sandbox_id=row[2], snapshot_tag=row[3], created_at=row[4],
+                           meta=json.loads(row[5]))
 
 
 def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:

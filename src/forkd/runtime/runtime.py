@@ -9,17 +9,25 @@ import asyncio
 from collections.abc import Callable
 
 from forkd.config import Paths
-from forkd.image.builder import Image, ImageSpec, build_image, list_images, load_image, remove_image
+from forkd.image.builder import (
+    Image,
+    ImageSpec,
+    build_image,
+    list_images,
+    load_image,
+    remove_image,
+)
 from forkd.packs.service import PackService
+from forkd.runtime.branches import BranchService, max_concurrent_from_env
+from forkd.runtime.compact import CompactService
+from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import Recovery, recover
-from forkd.runtime.isolation import Isolation
-from forkd.runtime.branches import BranchService, max_concurrent_from_env
-from forkd.runtime.compact import CompactService
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
+from forkd.runtime.workspaces import WorkspaceService
 from forkd.store.files import DigestCache
 from forkd.vmm.base import Vmm
 
@@ -42,6 +50,7 @@ class Runtime:
         self.compaction = CompactService(paths, self.registry, vmm, self.snapshots)
         self.branches = BranchService(paths, self.registry, vmm, self.snapshots, self.sandboxes,
                                       max_concurrent_from_env(), self.metrics)
+        self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.branches, self.remove_snapshot)
         self._image_lock = asyncio.Lock()
         self._deadline_keeper: asyncio.Task[None] | None = None
 

@@ -364,6 +364,28 @@ class Controller:
                             json={"base_tag": base_tag, "tag": tag, "cmd": cmd, "timeout_s": timeout_s},
                             timeout=_call_timeout(timeout_s))
 
+    # workspaces
+
+    def create_workspace(self, name: str, snapshot_tag: str) -> dict[str, Any]:
+        return self.request("POST", "/v1/workspaces", json={"name": name, "snapshot_tag": snapshot_tag},
+                            timeout=LONG_TIMEOUT_S)
+
+    def workspaces(self) -> list[dict[str, Any]]:
+        return self.request("GET", "/v1/workspaces")["workspaces"]
+
+    def workspace(self, name: str) -> dict[str, Any]:
+        return self.request("GET", f"/v1/workspaces/{name}")
+
+    def suspend_workspace(self, name: str) -> dict[str, Any]:
+        """Save the workspace as its next diff layer and stop its sandbox (its memory is freed)."""
+        return self.request("POST", f"/v1/workspaces/{name}/suspend", timeout=LONG_TIMEOUT_S)
+
+    def resume_workspace(self, name: str) -> dict[str, Any]:
+        return self.request("POST", f"/v1/workspaces/{name}/resume", timeout=LONG_TIMEOUT_S)
+
+    def remove_workspace(self, name: str) -> list[str]:
+        return self.request("DELETE", f"/v1/workspaces/{name}", timeout=LONG_TIMEOUT_S)["removed_tags"]
+
 
 def _progress(on_progress: Callable[[str], None] | None) -> Callable[[dict[str, Any]], None] | None:
     if on_progress is None:

@@ -1,0 +1,113 @@
+"""Workspaces: a named, long-lived sandbox that can be suspended to a snapshot and resumed later.
+
+Suspending is a diff BRANCH of the workspace's sandbox followed by killing it, so its memory and
+VMM are freed and only the pages it changed stay on disk; resuming forks a child of that snapshot,
+which finds its processes, files and interpreter state as they were. Each suspend adds a layer to
+the workspace's chain (``ws-NAME-1``, ``ws-NAME-2``, …); removing the workspace removes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+from forkd.runtime.branches import BranchService
+from forkd.runtime.registry import Registry, WorkspaceRecord
+from forkd.runtime.sandboxes import ForkOptions, SandboxNotFound, SandboxService
+from forkd.runtime.snapshots import SnapshotConflict, SnapshotError
+from forkd.validation import ValidationError, check_tag
+
+MAX_NAME_CHARS = 40  # leaves room for the "ws-NAME-N" snapshot tags within 64 characters
+
+
+class WorkspaceNotFound(LookupError):
+    pass
+
+
+class WorkspaceService:
+    def __init__(self, registry: Registry, sandboxes: SandboxService, branches: BranchService,
+                 remove_snapshot: Any) -> None:
+        self.registry = registry
+        self.sandboxes = sandboxes
+        self.branches = branches
+        self._remove_snapshot = remove_snapshot  # Runtime.remove_snapshot(tag, cascade=...)
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # one change at a time
+
+    def get(self, name: str) -> WorkspaceRecord:
+        record = self.registry.get_workspace(name)
+        if record is None:
+            raise WorkspaceNotFound(f"no workspace {name!r}; list them with `forkd workspace ls`")
+        return record
+
+    def describe(self, record: WorkspaceRecord) -> dict[str, Any]:
+        """The record, with ``lost`` when its sandbox ended without a suspend (killed, timed out)."""
+        info = record.to_dict()
+        if record.state == "running" and not any(s.record.id == record.sandbox_id for s in self.sandboxes.live()):
+            info["state"] = "lost"
+        return info
+
+    async def create(self, name: str, snapshot_tag: str) -> WorkspaceRecord:
+        check_tag(name)
+        if len(name) > MAX_NAME_CHARS:
+            raise ValidationError(f"a workspace name has at most {MAX_NAME_CHARS} characters")
+        async with self._locks[name]:
+            if self.registry.get_workspace(name) is not None:
+                raise SnapshotConflict(f"workspace {name!r} exists; resume it or remove it with "
+                                       f"`forkd workspace rm {name}`")
+            sandbox_id = await self._start(name, snapshot_tag)
+            record = WorkspaceRecord(name=name, state="running", sandbox_id=sandbox_id, snapshot_tag=snapshot_tag,
+                                     created_at=time.time(), meta={"base_tag": snapshot_tag, "suspends": []})
+            self.registry.put_workspace(record)
+            return record
+
+    async def suspend(self, name: str) -> WorkspaceRecord:
+        """Save the workspace's sandbox as its next layer, then stop it (memory and VMM freed)."""
+        async with self._locks[name]:
+            record = self.get(name)
+            if record.state != "running":
+                raise SnapshotConflict(f"workspace {name!r} is {record.state}; resume it first")
+            try:
+                self.sandboxes.get(record.sandbox_id or "")
+            except SandboxNotFound:
+                raise SnapshotConflict(f"workspace {name!r} lost its sandbox {record.sandbox_id} (killed or timed "
+                                       "out) before it was suspended; remove it and create it again") from None
+            tag = f"ws-{name}-{len(record.meta['suspends']) + 1}"
+            snapshot = await self.branches.branch(record.sandbox_id, tag, mode="diff", wait=True)
+            await self.sandboxes.kill(record.sandbox_id)
+            record.meta["suspends"].append(tag)
+            record.meta["last_pause_ms"] = snapshot.meta.get("pause_ms")
+            record.state, record.sandbox_id, record.snapshot_tag = "suspended", None, tag
+            self.registry.put_workspace(record)
+            return record
+
+    async def resume(self, name: str) -> WorkspaceRecord:
+        """Fork the workspace's last layer: its sandbox runs again where it was suspended."""
+        async with self._locks[name]:
+            record = self.get(name)
+            if record.state != "suspended":
+                raise SnapshotConflict(f"workspace {name!r} is already running as {record.sandbox_id}")
+            record.sandbox_id = await self._start(name, record.snapshot_tag)
+            record.state = "running"
+            self.registry.put_workspace(record)
+            return record
+
+    async def remove(self, name: str) -> list[str]:
+        """Stop its sandbox and remove its layers; returns the snapshot tags removed."""
+        async with self._locks[name]:
+            record = self.get(name)
+            if record.sandbox_id is not None:
+                try:
+                    await self.sandboxes.kill(record.sandbox_id)
+                except SandboxNotFound:
+                    pass  # it ended already
+            removed = self._remove_snapshot(record.meta["suspends"][0], cascade=True) if record.meta["suspends"] else []
+            self.registry.remove_workspace(name)
+            return removed
+
+    async def _start(self, name: str, snapshot_tag: str) -> str:
+        (outcome,) = await self.sandboxes.fork(snapshot_tag, 1, ForkOptions(metadata={"workspace": name}))
+        if outcome.sandbox is None:
+            raise SnapshotError(f"the workspace's sandbox did not start: {outcome.error}")
+        return outcome.sandbox["id"]
