@@ -33,6 +33,7 @@ from forkd.image.spec import BASE_PACKAGES
 from forkd.packs.format import PackError
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from forkd.runtime.metrics import Metrics
 from forkd.runtime.branches import BranchBusy
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
@@ -65,6 +66,32 @@ MAYBE_RUN_CODE_ANSWER = _json_or_ndjson("CodeOutcome")
 BYTES_ANSWER: dict[int | str, dict[str, Any]] = {200: {
     "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
     "description": "the file's bytes"}}
+
+
+class RequestMetrics:
+    """ASGI middleware counting every answer by route template, method and status (errors included)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def status_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, status_send)
+        finally:  # the router put the matched route into this scope
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.count_request(route, scope["method"], status)
 
 
 class NDJSONResponse(StreamingResponse):
@@ -186,12 +213,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.include_router(branch_router)
     app.include_router(workspaces_router)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
-        response = await call_next(request)
-        route = request.scope.get("route")
-        runtime.metrics.count_request(getattr(route, "path", "unmatched"), request.method, response.status_code)
-        return response
+    app.add_middleware(RequestMetrics, metrics=runtime.metrics)
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_: Request, __: BodyTooLarge) -> JSONResponse:

@@ -216,7 +216,10 @@ class SandboxService:
         self._live.pop(record.id, None)  # listed until released: gone from `ls` means gone from the host
 
     def _release_isolation(self, sandbox_id: str) -> None:
-        removed = self.isolation.release(sandbox_id)
+        record = self.registry.get_sandbox(sandbox_id)  # still there: the record is removed last
+        # Only a nat sandbox has network objects; without a record (a stray directory) look anyway.
+        network = record is None or record.meta.get("net", {}).get("mode") == "nat"
+        removed = self.isolation.release(sandbox_id, network=network)
         if removed:
             log.info("released %s: %s", sandbox_id, ", ".join(removed))
 
