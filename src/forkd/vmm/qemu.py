@@ -40,7 +40,9 @@ from forkd.vmm.qemu_machine import (
     DISK_KEY,
     MONITOR_KEY,
     NIC_ID,
+    QEMU_BINARY,
     QemuMachine,
+    cpu_model,
     create_overlay,
     kill,
     monitor,
@@ -53,22 +55,12 @@ CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
 _IGNORE_SHARED = {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
 
 
-def cpu_model(accelerator: str) -> str:
-    """The guest CPU: the host's under KVM; under TCG a model QEMU 7.2 emulates correctly.
-
-    QEMU 7.2's TCG corrupts flags in the guest kernel's SLUB cmpxchg16b fast path: 4 of 4 parents
-    booted in parallel double-faulted; without cx16 the kernel takes its locked fallback and 4 of 4
-    ran clean.
-    """
-    return "host" if accelerator == "kvm" else "qemu64,-cx16"
-
-
 class QemuVmm:
     """The :class:`forkd.vmm.base.Vmm` backend for ``qemu-system-x86_64``, with the branching capability."""
 
     kind = "qemu"
 
-    def __init__(self, binary: str = "qemu-system-x86_64", accelerator: str = "auto") -> None:
+    def __init__(self, binary: str = QEMU_BINARY, accelerator: str = "auto") -> None:
         self.program = Path(binary).name
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
         self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator))

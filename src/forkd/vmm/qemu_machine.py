@@ -25,6 +25,7 @@ from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
 from forkd.vmm.base import BootSpec, VmHandle, VmmError
 
+QEMU_BINARY = "qemu-system-x86_64"
 MACHINE_ALIAS = "q35"
 STARTUP_TIMEOUT_S = 20.0
 QMP_TIMEOUT_S = 10.0  # one monitor command; QEMU answers in milliseconds unless it is stalled
@@ -38,9 +39,27 @@ _INERT_NETDEV = "hubport,id=net0,hubid=0"
 #: QEMU's seccomp filter: no obsolete syscalls, no setuid/setgid/capset, no fork/exec, no
 #: scheduler or resource-limit changes. Migration to an fd and userfaultfd (live BRANCH) need none.
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
-#: The VMM keeps uid 0 (it must open root's 0400 snapshot files read-write, see docs/security.md)
-#: but no capability: empty bounding, inheritable and ambient sets, and no_new_privs.
-CONFINE = ("setpriv", "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--")
+#: The VMM keeps uid 0 and one capability, CAP_DAC_OVERRIDE: QEMU 7.2 opens a child's memory file
+#: (root's, mode 0400) read-write even for a private mapping. Every other capability is gone from
+#: its bounding, inheritable and ambient sets, and no_new_privs stops it regaining any (docs/security.md).
+CONFINE = ("setpriv", "--no-new-privs", "--bounding-set=-all,+dac_override", "--inh-caps=-all",
+           "--ambient-caps=-all", "--")
+
+
+#: The guest CPU under TCG: a named, versioned model (its CPUID never moves with a QEMU release,
+#: unlike ``max``) that QEMU 7.2's TCG implements completely, minus cx16. ``qemu64`` claims to be
+#: a family-15 AMD, so OpenBLAS picks its Opteron kernels, which execute the 3DNow! ``femms``
+#: (``dgemm_otcopy_OPTERON_SSE3``) that qemu64 does not offer: SIGILL. ``max`` is the same AMD
+#: family 15 (and changes with every QEMU). Westmere is Intel (OpenBLAS: Nehalem kernels) with
+#: SSSE3, SSE4.1/4.2, POPCNT, AES-NI and PCLMULQDQ; its AVX-capable successors are not fully
+#: implemented by 7.2's TCG. cx16 stays off: QEMU 7.2's TCG corrupted flags in the guest kernel's
+#: SLUB cmpxchg16b fast path (4 of 4 parents booted in parallel double-faulted; 0 of 4 without).
+TCG_CPU_MODEL = "Westmere-v1,-cx16"
+
+
+def cpu_model(accelerator: str) -> str:
+    """The host's CPU under KVM; under TCG the model above."""
+    return "host" if accelerator == "kvm" else TCG_CPU_MODEL
 
 
 class MonitorStalled(VmmError):
