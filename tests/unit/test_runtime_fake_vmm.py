@@ -120,7 +120,12 @@ def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_pa
             [outcome] = await runtime.sandboxes.fork("base", 1)
             source = runtime.sandboxes.get(outcome.sandbox["id"])
             vmm.write_guest_memory(source.vm, 3 * PAGE_SIZE, b"written by the source")
+            disk_before = source.vm.state["disk"]
             record = await runtime.branches.branch(source.record.id, "b1", mode="diff")
+            persisted = runtime.registry.get_sandbox(source.record.id)
+            # What a restarted daemon adopts is the overlay the source writes now, not the frozen one.
+            assert persisted is not None and persisted.vmm_state == source.vm.state
+            assert source.vm.state["disk"] != disk_before
             [child] = await runtime.sandboxes.fork("b1", 1)
             vm = runtime.sandboxes.get(child.sandbox["id"]).vm
             with open(vm.state["ram"], "rb") as ram:

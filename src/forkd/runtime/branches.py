@@ -149,6 +149,7 @@ class BranchService:
                 stream = build_dir / ".capture"
                 capture = await branching_of(self.vmm).capture(live.vm, top, stream, live=mode == "live")
                 captured = True
+                self.registry.set_vmm_state(live.record.id, live.vm.state)  # a restarted daemon adopts the new top
                 captured_s = time.monotonic() - started
                 meta = await self._assemble(build_dir, parent, parent_chain, capture.frozen_disk, stream, mode)
                 meta.update({

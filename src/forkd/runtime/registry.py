@@ -255,6 +255,10 @@ class Registry:
         self._execute("UPDATE sandboxes SET pid = ?, vmm_started = ?, vmm_state = ? WHERE id = ?",
                       (pid, started, json.dumps(vmm_state), sandbox_id))
 
+    def set_vmm_state(self, sandbox_id: str, vmm_state: dict[str, Any]) -> None:
+        """The backend's state of a running VMM changed (a BRANCH moved its disk to a new overlay)."""
+        self._execute("UPDATE sandboxes SET vmm_state = ? WHERE id = ?", (json.dumps(vmm_state), sandbox_id))
+
     def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
         rows = self._execute(f"SELECT {_SANDBOX_FIELDS} FROM sandboxes WHERE id = ?", (sandbox_id,))
         return _sandbox(rows[0]) if rows else None

@@ -74,7 +74,8 @@ async def capture(qmp: Monitor, vm: VmHandle, new_top: Path, stream: Path, live:
     except QMPError as exc:  # refused before anything was paused
         raise VmmError(f"QEMU refused a {'live ' if live else ''}capture of {vm.name}: {exc}"
                        + ("; live mode needs the memory file on tmpfs or hugetlbfs (userfaultfd "
-                          "write-protect), use --mode full or diff" if live else "")) from None
+                          "write-protect) and, as the VMM runs without CAP_SYS_PTRACE, the sysctl "
+                          "vm.unprivileged_userfaultfd = 1; use --mode full or diff" if live else "")) from None
     await qmp.execute("migrate-set-parameters", {"max-bandwidth": _MAX_BANDWIDTH})
     fd = os.open(stream, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     frozen = disk_of(vm)

@@ -28,7 +28,7 @@ from forkd.vmm.base import BootSpec, VmHandle, VmmError
 QEMU_BINARY = "qemu-system-x86_64"
 MACHINE_ALIAS = "q35"
 STARTUP_TIMEOUT_S = 20.0
-QMP_TIMEOUT_S = 10.0  # one monitor command; QEMU answers in milliseconds unless it is stalled
+QMP_TIMEOUT_S = 30.0  # one monitor command; QEMU answers in milliseconds unless it is stalled
 MIGRATION_TIMEOUT_S = 120.0
 TCG_TB_SIZE_MIB = 16
 NIC_ID = "nic0"
