@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from forkd.host import procmem
+from forkd.vmm import procmem
 
 PAGES = 64
 PAGE = procmem.PAGE_SIZE
@@ -58,7 +58,8 @@ def test_copy_runs_reads_the_private_copies(mapping: tuple[mmap.mmap, int]) -> N
     area[9 * PAGE + 2] = 0xBB
     runs = procmem.private_runs(os.getpid(), base, base + PAGES * PAGE)
     buffer = bytearray(PAGE + 2 * PAGE)
-    assert procmem.copy_runs(os.getpid(), runs, memoryview(buffer), at=PAGE) == 2 * PAGE
+    spans = [(run.start, run.length, PAGE * (i + 1)) for i, run in enumerate(runs)]
+    assert procmem.copy(os.getpid(), spans, memoryview(buffer)) == 2 * PAGE
     assert buffer[:PAGE] == bytes(PAGE)
     assert buffer[PAGE:2 * PAGE] == area[3 * PAGE:4 * PAGE] and buffer[PAGE + 1] == 0xAA
     assert buffer[2 * PAGE:] == area[9 * PAGE:10 * PAGE] and buffer[2 * PAGE + 2] == 0xBB

@@ -263,7 +263,8 @@ class SnapshotService:
             raise SnapshotMismatch(f"snapshot {tag!r} was saved on a different machine; " + "; ".join(differences)
                                    + f". Create it again here with `forkd snapshot create --tag {tag}`")
         saved = SavedVm(memory=memory.base, state=record.path / STATE_FILE,
-                        disk=record.path / DISK_FILE, identity=saved_identity, layers=layers)
+                        disk=record.path / DISK_FILE, identity=saved_identity, layers=layers,
+                        state_format=record.meta.get("state_format", ""))
         return record, saved, spec
 
     def _verify(self, record: SnapshotRecord) -> None:

@@ -135,6 +135,7 @@ class SavedVm:
     disk: Path
     identity: MachineIdentity
     layers: tuple[Any, ...] = ()  # diff snapshots: forkd.store.layers.Layer laid over memory, base first
+    state_format: str = ""  # "": what the backend's save writes; else what a BRANCH capture said it wrote
 
 
 @dataclass(frozen=True)

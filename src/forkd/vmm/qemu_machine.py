@@ -227,7 +227,7 @@ def tail(path: Path, limit: int = 800) -> str:
 
 
 class QemuMachine:
-    """How forkd runs ``qemu-system-x86_64``: one machine definition for parents, children and re-parents."""
+    """How forkd runs ``qemu-system-x86_64``: one machine definition for parents and children."""
 
     def __init__(self, binary: str, accelerator: str, cpu_model: str, confine: bool = True) -> None:
         self.binary = binary

@@ -153,22 +153,21 @@ def _merge(runs: Iterable[Run]) -> list[Run]:
     return merged
 
 
-def copy_runs(pid: int, runs: list[Run], into: memoryview, at: int = 0) -> int:
-    """Copy the runs' bytes from process ``pid`` one after another into ``into`` from ``at``; bytes copied."""
+def copy(pid: int, spans: Iterable[tuple[int, int, int]], into: memoryview) -> int:
+    """Copy ``(address, length, position in into)`` spans out of process ``pid``; bytes copied."""
     try:
         fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     except OSError as exc:
         raise ProcMemError(exc.errno, f"cannot read the memory of process {pid}: {exc.strerror}") from None
-    pos = at
+    copied = 0
     try:
-        for run in runs:
-            got = os.preadv(fd, [into[pos:pos + run.length]], run.start)
-            if got != run.length:
-                raise ProcMemError(errno.EIO, f"short read of process {pid} at {run.start:#x}")
-            pos += got
+        for address, length, pos in spans:
+            if os.preadv(fd, [into[pos:pos + length]], address) != length:
+                raise ProcMemError(errno.EIO, f"short read of process {pid} at {address:#x}")
+            copied += length
     finally:
         os.close(fd)
-    return pos - at
+    return copied
 
 
 def clear_soft_dirty(pid: int) -> None:
