@@ -59,6 +59,14 @@ def print_json(data: Any) -> None:
     console.print_json(json.dumps(data))
 
 
+def print_timings(timings: dict[str, float]) -> None:
+    """A request's stage timings (``timings`` in an answer, milliseconds), one stage per line, in order."""
+    table = Table("stage", Column("ms", justify="right"), box=None)
+    for stage, ms in timings.items():
+        table.add_row(stage, f"{ms:.1f}")
+    console.print(table)
+
+
 @click.group()
 @click.version_option(package_name="forkd")
 def cli() -> None:

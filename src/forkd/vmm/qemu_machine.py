@@ -37,7 +37,7 @@ NIC_ID = "nic0"
 #: so the offload features the guest negotiated are the same whichever backend a child gets.
 _INERT_NETDEV = "hubport,id=net0,hubid=0"
 #: QEMU's seccomp filter: no obsolete syscalls, no setuid/setgid/capset, no fork/exec, no
-#: scheduler or resource-limit changes. Migration to an fd and userfaultfd (live BRANCH) need none.
+#: scheduler or resource-limit changes. Migration to an fd and a BRANCH's device-state file need none.
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 #: The VMM keeps uid 0 and one capability, CAP_DAC_OVERRIDE: QEMU 7.2 opens a child's memory file
 #: (root's, mode 0400) read-write even for a private mapping. Every other capability is gone from
