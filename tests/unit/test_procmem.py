@@ -57,9 +57,9 @@ def test_copy_runs_reads_the_private_copies(mapping: tuple[mmap.mmap, int]) -> N
     area[3 * PAGE + 1] = 0xAA
     area[9 * PAGE + 2] = 0xBB
     runs = procmem.private_runs(os.getpid(), base, base + PAGES * PAGE)
-    buffer = bytearray(PAGE + 2 * PAGE)
+    buffer = mmap.mmap(-1, 3 * PAGE)
     spans = [(run.start, run.length, PAGE * (i + 1)) for i, run in enumerate(runs)]
-    assert procmem.copy(os.getpid(), spans, memoryview(buffer)) == 2 * PAGE
+    assert procmem.copy(os.getpid(), spans, buffer) == 2 * PAGE
     assert buffer[:PAGE] == bytes(PAGE)
     assert buffer[PAGE:2 * PAGE] == area[3 * PAGE:4 * PAGE] and buffer[PAGE + 1] == 0xAA
     assert buffer[2 * PAGE:] == area[9 * PAGE:10 * PAGE] and buffer[2 * PAGE + 2] == 0xBB

@@ -69,7 +69,8 @@ def read_private(pid: int, memory: Path, size: int, previous: Pages | None = Non
     except OSError as exc:
         raise VmmError(f"cannot read the page map of VMM process {pid}: {exc}") from None
     total = sum(run.length for run in runs)
-    data = memoryview(mmap.mmap(-1, max(total, PAGE)))
+    area = mmap.mmap(-1, max(total, PAGE))
+    data = memoryview(area)
     offsets = array("Q")
     known = {} if previous is None else {o: i for i, o in enumerate(previous.offsets)}
     fresh: list[tuple[int, int, int]] = []  # (address, length, position in data) to read from the VMM
@@ -85,7 +86,7 @@ def read_private(pid: int, memory: Path, size: int, previous: Pages | None = Non
             fresh.append((run.start, run.length, pos))
         pos += run.length
     try:
-        procmem.copy(pid, fresh, data)
+        procmem.copy(pid, fresh, area)
     except OSError as exc:
         raise VmmError(f"cannot read the guest RAM of VMM process {pid}: {exc}") from None
     return Pages(offsets=offsets, data=data[:total])

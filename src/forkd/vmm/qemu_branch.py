@@ -70,6 +70,7 @@ async def capture(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, n
         mark("precopy")
     frozen = disk_of(vm)
     overlay = await _prepare_overlay(qmp, frozen, new_top)
+    mark("overlay_prepared")
     stopped_at = time.monotonic()
     switched = False
     try:
