@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from forkd.guest import agent as agent_module
-from forkd.guest import protocol
+from forkd.guest import channel, processes, protocol
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -185,7 +185,7 @@ def text_of(events: list[dict[str, Any]], name: str) -> str:
 
 
 def test_dispatch_table_covers_every_protocol_op() -> None:
-    assert set(agent_module.Agent().handlers) == protocol.ALL_OPS
+    assert set(agent_module.Dispatcher(agent_module.op_families()).handlers) == protocol.ALL_OPS
 
 
 @pytest.mark.parametrize("op", sorted(protocol.ALL_OPS))
@@ -199,7 +199,7 @@ def test_every_op_is_served_and_rejects_nonsense_args(agent: AgentClient, op: st
 
 def test_ping(agent: AgentClient) -> None:
     result = agent.result(protocol.OP_PING)
-    assert result["agent_version"] == agent_module.AGENT_VERSION
+    assert result["agent_version"] == protocol.AGENT_VERSION
     assert result["protocol"] == protocol.PROTOCOL_VERSION
     assert result["hostname"] == socket.gethostname()
     assert isinstance(result["pid"], int) and result["pid"] != os.getpid()
@@ -227,7 +227,7 @@ def test_malformed_frames_get_bad_request(agent: AgentClient, line: bytes, expec
     _, frame = agent.next_frame(expected_id)
     assert frame["ok"] is False
     assert frame["error"]["code"] == protocol.ERR_BAD_REQUEST
-    assert agent.result(protocol.OP_PING)["agent_version"] == agent_module.AGENT_VERSION
+    assert agent.result(protocol.OP_PING)["agent_version"] == protocol.AGENT_VERSION
 
 
 def test_unknown_op(agent: AgentClient) -> None:
@@ -302,7 +302,7 @@ def test_exec_signal_death(agent: AgentClient) -> None:
 def test_exec_large_output_is_chunked(agent: AgentClient) -> None:
     stdout, _, _, events = run_exec(agent, {"shell": "head -c 1000000 /dev/zero"})
     assert stdout == bytes(1_000_000)
-    assert all(len(unb64(e["data"]["data_b64"])) <= agent_module.OUTPUT_CHUNK_BYTES for e in events[1:])
+    assert all(len(unb64(e["data"]["data_b64"])) <= processes.OUTPUT_CHUNK_BYTES for e in events[1:])
 
 
 def test_exec_stdin_b64_larger_than_a_pipe(agent: AgentClient) -> None:
@@ -315,7 +315,7 @@ def test_exec_env_is_clean_and_merged(agent: AgentClient) -> None:
     stdout, _, _, _ = run_exec(
         agent, {"shell": 'echo "$PATH|$FOO|$FORKD_TEST_LEAK|$LANG"', "env": {"FOO": "bar", "LANG": "C"}}
     )
-    assert stdout.decode().strip() == f"{agent_module.DEFAULT_PATH}|bar||C"
+    assert stdout.decode().strip() == f"{processes.DEFAULT_PATH}|bar||C"
 
 
 def test_exec_cwd(agent: AgentClient, tmp_path: Path) -> None:
@@ -858,6 +858,6 @@ def test_find_virtio_port(tmp_path: Path) -> None:
         (tmp_path / port).mkdir()
         (tmp_path / port / "name").write_text(name)
     (tmp_path / "vport0p3").mkdir()  # a port without a name file is skipped
-    assert agent_module.find_virtio_port(ports_dir=str(tmp_path)) == "/dev/vport0p2"
+    assert channel.find_virtio_port(ports_dir=str(tmp_path)) == "/dev/vport0p2"
     with pytest.raises(FileNotFoundError):
-        agent_module.find_virtio_port("org.other", ports_dir=str(tmp_path))
+        channel.find_virtio_port("org.other", ports_dir=str(tmp_path))

@@ -27,6 +27,10 @@ from typing import Any
 
 PROTOCOL_VERSION = 1
 
+#: The agent's version, recorded in snapshots and images. It lives here, not in the agent, so
+#: host code never imports the agent. 0.2: the guest has eth0 (snapshots without a NIC cannot load).
+AGENT_VERSION = "0.2.0"
+
 #: Name of the virtio-serial port the agent listens on (``/sys/class/virtio-ports/*/name``).
 AGENT_PORT_NAME = "org.forkd.agent"
 
@@ -119,7 +123,7 @@ def decode_frame(line: bytes) -> dict[str, Any]:
         raise ProtocolError(f"frame of {len(line)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
         frame = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: [[[[...
         raise ProtocolError(f"frame is not JSON: {exc}") from None
     if not isinstance(frame, dict):
         raise ProtocolError("frame must be a JSON object")
