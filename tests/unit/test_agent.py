@@ -190,9 +190,10 @@ def test_dispatch_table_covers_every_protocol_op() -> None:
 
 @pytest.mark.parametrize("op", sorted(protocol.ALL_OPS))
 def test_every_op_is_served_and_rejects_nonsense_args(agent: AgentClient, op: str) -> None:
-    _, terminal = agent.call(op, {"path": 1, "code": 2, "pid": "x", "modules": 3, "entropy_b64": 4})
+    nonsense = {"path": 1, "code": 2, "pid": "x", "modules": 3, "entropy_b64": 4, "id": [5], "expr": 6}
+    _, terminal = agent.call(op, nonsense)
     if terminal["ok"]:
-        assert op in (protocol.OP_PING, protocol.OP_PROC_LIST)
+        assert op in (protocol.OP_PING, protocol.OP_PROC_LIST, protocol.OP_CONTEXTS_LIST)
     else:
         assert terminal["error"]["code"] == protocol.ERR_BAD_REQUEST, terminal
 
@@ -455,9 +456,12 @@ def run_code(agent: AgentClient, code: str, **args: Any) -> tuple[list[dict[str,
 
 
 def test_run_code_keeps_state_and_returns_the_last_expression(agent: AgentClient) -> None:
-    assert run_code(agent, "x = 40", context="state")[1] == {"value": None, "value_json": None, "error": None}
-    _, result = run_code(agent, "y = x + 1\ny + 1", context="state")
-    assert result == {"value": "42", "value_json": 42, "error": None}
+    assert run_code(agent, "x = 40", context="state")[1] == {"value": None, "value_json": None, "error": None,
+                                                             "results": []}
+    events, result = run_code(agent, "y = x + 1\ny + 1", context="state")
+    main = {"text": "42", "is_main_result": True}
+    assert result == {"value": "42", "value_json": 42, "error": None, "results": [main]}
+    assert [e["data"] for e in events if e["event"] == protocol.EVENT_RESULT] == [main]
 
 
 @pytest.mark.parametrize(
@@ -542,14 +546,20 @@ def test_run_code_timeout_interrupts_python_code(agent: AgentClient) -> None:
     assert run_code(agent, "n > 0", context="spin")[1]["value"] == "True"  # context still usable
 
 
-def test_run_code_timeout_of_code_stuck_in_c(agent: AgentClient) -> None:
-    args = {"code": "import time; time.sleep(4)", "context": "stuck", "timeout_s": 0.2}
-    req_id = agent.start(protocol.OP_RUN_CODE, args)
-    error = agent.collect(req_id)[-1][1]["error"]
-    assert error["code"] == protocol.ERR_TIMEOUT
-    # The request ended before the cell did: the context is still busy, so a bounded request gives up.
-    error = agent.error(protocol.OP_RUN_CODE, {"code": "1", "context": "stuck", "timeout_s": 0.1})
-    assert error["code"] == protocol.ERR_TIMEOUT and "busy" in error["message"]
+def test_run_code_timeout_interrupts_a_blocking_call(agent: AgentClient) -> None:
+    run_code(agent, "kept = 1", context="sleepy")
+    _, result = run_code(agent, "import time; time.sleep(30)", context="sleepy", timeout_s=0.3)
+    assert result["error"]["name"] == "TimeoutError"
+    assert run_code(agent, "kept", context="sleepy")[1]["value"] == "1"
+
+
+def test_run_code_that_ignores_its_timeout_gets_a_fresh_context(agent: AgentClient) -> None:
+    run_code(agent, "lost = 1", context="stuck")
+    code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
+    error = agent.error(protocol.OP_RUN_CODE, {"code": code, "context": "stuck", "timeout_s": 0.2})
+    assert error["code"] == protocol.ERR_TIMEOUT and "restarted" in error["message"]
+    # Not busy any more: the context is a fresh fork of the template, without the old variables.
+    assert run_code(agent, "lost", context="stuck", timeout_s=30)[1]["error"]["name"] == "NameError"
 
 
 @pytest.mark.parametrize(
@@ -593,14 +603,16 @@ def test_warm_imports_and_runs_code_in_the_default_context(agent: AgentClient) -
     assert terminal["result"]["imported"] == ["colorsys", "decimal"] and terminal["result"]["seconds"] >= 0
     assert text_of(events, "stdout") == "warmed\n"
     assert {"colorsys", "decimal"} <= set(agent.result(protocol.OP_PING)["warm_modules"])
-    assert agent.result(protocol.OP_EVAL, {"expr": "WARM"})["value_json"] == [0.0, 1.0, 1.0]
-    # Other contexts find the module already imported.
-    cold = agent.result(protocol.OP_EVAL, {"expr": "'decimal' in __import__('sys').modules", "context": "cold"})
-    assert cold["value"] == "True"
-    # ...and bound by name, in new contexts and in ones that existed before the warm-up.
-    assert agent.result(protocol.OP_EVAL, {"expr": "decimal.Decimal(1) + 1", "context": "fresh"})["value"] == "Decimal('2')"
+    # Contexts created after the warm-up start from the template: its names and its imports...
+    assert agent.result(protocol.OP_EVAL, {"expr": "WARM", "context": "warm-1"})["value_json"] == [0.0, 1.0, 1.0]
+    warm = agent.result(protocol.OP_EVAL, {"expr": "'decimal' in __import__('sys').modules", "context": "warm-2"})
+    assert warm["value"] == "True"
+    # ...bound by name, as `import decimal` would.
+    assert agent.result(protocol.OP_EVAL, {"expr": "decimal.Decimal(1) + 1", "context": "warm-3"})["value"] == "Decimal('2')"
+    # A context that existed before a warm-up keeps its own state and does not see it.
     agent.result(protocol.OP_WARM, {"modules": ["fractions"]})
-    assert agent.result(protocol.OP_EVAL, {"expr": "str(fractions.Fraction(1, 3))", "context": "cold"})["value_json"] == "1/3"
+    assert agent.result(protocol.OP_EVAL, {"expr": "fractions", "context": "warm-1"})["error"]["name"] == "NameError"
+    assert agent.result(protocol.OP_EVAL, {"expr": "str(fractions.Fraction(1, 3))", "context": "warm-4"})["value_json"] == "1/3"
 
 
 def test_warm_failures(agent: AgentClient) -> None:
@@ -637,6 +649,7 @@ def test_reseed_without_privileges_skips_system_steps(unprivileged_agent: AgentC
 
 def test_reseed_python_and_numpy_rngs_follow_the_entropy(unprivileged_agent: AgentClient) -> None:
     unprivileged_agent.result(protocol.OP_WARM, {"modules": ["numpy"], "code": "import random, numpy"})
+    draws(unprivileged_agent)  # the default context exists before the reseeds
     entropy = os.urandom(32)
     first = reseed(unprivileged_agent, entropy)
     assert first["numpy_rng"] is True and first["python_rng"] is True
@@ -861,3 +874,70 @@ def test_find_virtio_port(tmp_path: Path) -> None:
     assert channel.find_virtio_port(ports_dir=str(tmp_path)) == "/dev/vport0p2"
     with pytest.raises(FileNotFoundError):
         channel.find_virtio_port("org.other", ports_dir=str(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------
+# Interpreter crashes and contexts (each context is a fork of the warm template)
+# --------------------------------------------------------------------------------------------
+
+CRASHES = [
+    ("import ctypes; ctypes.string_at(0)", signal.SIGSEGV),
+    ("import os; os.abort()", signal.SIGABRT),
+    ("import os; os.kill(os.getpid(), 4)", signal.SIGILL),
+]
+
+
+@pytest.mark.parametrize(("code", "sig"), CRASHES, ids=[s.name for _, s in CRASHES])
+def test_a_crashing_cell_answers_with_the_signal(agent: AgentClient, code: str, sig: signal.Signals) -> None:
+    context = f"crash-{sig.name}"
+    run_code(agent, "before = 1", context=context)
+    # A generous timeout and a bounded wait far below it: the answer comes from the crash.
+    req_id = agent.start(protocol.OP_RUN_CODE, {"code": code, "context": context, "timeout_s": 600})
+    terminal = agent.collect(req_id, timeout=30)[-1][1]
+    assert terminal["ok"], terminal
+    error = terminal["result"]["error"]
+    assert error["name"] == protocol.INTERPRETER_CRASHED
+    assert (error["signal"], error["signal_name"], error["context"]) == (int(sig), sig.name, "restored")
+    assert sig.name in error["value"]
+    # The next cell in the context works, in a fresh process without the old variables.
+    assert run_code(agent, "before", context=context)[1]["error"]["name"] == "NameError"
+    assert run_code(agent, "1 + 1", context=context)[1]["value"] == "2"
+
+
+def test_a_crashing_eval_answers_too(agent: AgentClient) -> None:
+    result = agent.result(protocol.OP_EVAL, {"expr": "__import__('os').abort()", "context": "crash-eval"})
+    assert result["error"]["name"] == protocol.INTERPRETER_CRASHED and result["type"] is None
+    assert agent.result(protocol.OP_EVAL, {"expr": "2 * 21", "context": "crash-eval"})["value"] == "42"
+
+
+def test_three_contexts_are_independent_processes(agent: AgentClient) -> None:
+    names = [f"indep-{i}" for i in range(3)]
+    for i, name in enumerate(names):
+        run_code(agent, f"import os, random\nmine = {i}", context=name)
+    seen = [agent.result(protocol.OP_EVAL, {"expr": "[mine, os.getpid(), random.random()]", "context": name})
+            ["value_json"] for name in names]
+    assert [s[0] for s in seen] == [0, 1, 2]
+    assert len({s[1] for s in seen}) == 3  # three processes
+    assert len({s[2] for s in seen}) == 3  # each forked with its own random state
+    run_code(agent, "import os; os.abort()", context=names[0])
+    assert agent.result(protocol.OP_EVAL, {"expr": "mine", "context": names[1]})["value"] == "1"
+
+
+def test_contexts_create_list_restart_delete(agent: AgentClient, tmp_path: Path) -> None:
+    created = agent.result(protocol.OP_CONTEXTS_CREATE, {"cwd": str(tmp_path)})
+    assert created["language"] == "python" and created["cwd"] == str(tmp_path) and len(created["id"]) == 32
+    ctx = created["id"]
+    assert run_code(agent, "import os; here = os.getcwd(); here", context=ctx)[1]["value_json"] == str(tmp_path)
+    listed = agent.result(protocol.OP_CONTEXTS_LIST)["contexts"]
+    assert ctx in [c["id"] for c in listed]
+    named = agent.result(protocol.OP_CONTEXTS_CREATE, {"id": "named", "language": "python"})
+    assert named["id"] == "named"
+    assert agent.error(protocol.OP_CONTEXTS_CREATE, {"id": "named"})["code"] == protocol.ERR_BAD_REQUEST
+    assert agent.error(protocol.OP_CONTEXTS_CREATE, {"language": "r"})["code"] == protocol.ERR_BAD_REQUEST
+    restarted = agent.result(protocol.OP_CONTEXTS_RESTART, {"id": ctx})
+    assert restarted["id"] == ctx and restarted["pid"] != created["pid"]
+    assert run_code(agent, "here", context=ctx)[1]["error"]["name"] == "NameError"
+    agent.result(protocol.OP_CONTEXTS_DELETE, {"id": ctx})
+    assert ctx not in [c["id"] for c in agent.result(protocol.OP_CONTEXTS_LIST)["contexts"]]
+    for op in (protocol.OP_CONTEXTS_RESTART, protocol.OP_CONTEXTS_DELETE):
+        assert agent.error(op, {"id": ctx})["code"] == protocol.ERR_NOT_FOUND

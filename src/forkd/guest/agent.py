@@ -21,7 +21,7 @@ from . import protocol, reseed
 from .channel import log, open_channel
 from .dispatch import Dispatcher, Handler, OpFamily, Request, inline
 from .files import FileOps
-from .interpreters import PythonRuntime, install_output_routers
+from .interpreters import PythonRuntime
 from .processes import ProcessTable
 
 
@@ -49,6 +49,7 @@ class AgentOps:
             "pid": os.getpid(),
             "uptime_s": time.monotonic() - self.started,
             "warm_modules": list(self._python.warm_modules),
+            "template_pid": self._python.template.pid,
         }
 
     def reseed(self, req: Request) -> dict[str, Any]:
@@ -67,7 +68,7 @@ class AgentOps:
             "kernel_rng": kernel_rng,
             "clock": clock,
             "hostname": hostname_set,
-            **reseed.reseed_interpreter(entropy),
+            **self._python.reseed(entropy),
             "skipped": skipped,
         }
 
@@ -94,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     channel = open_channel(args.transport)
-    install_output_routers()
     dispatcher = Dispatcher(op_families())
     log(f"agent {protocol.AGENT_VERSION} (protocol {protocol.PROTOCOL_VERSION}) serving on {args.transport}")
     try:

@@ -11,6 +11,7 @@ pre-started worker threads, so no request starts a thread.
 from __future__ import annotations
 
 import errno
+import os
 import queue
 import threading
 import traceback
@@ -71,22 +72,87 @@ def error_frame(req_id: Any, exc: Exception) -> dict[str, Any]:
     )
 
 
+class Control:
+    """How the host steers a running request (``flow.pause``, ``flow.resume``, ``cancel``).
+
+    An op that streams output asks its request for one and watches ``wake_fd`` in its selector:
+    it becomes readable whenever the state changes. Paused, the op stops reading its process's
+    output, so pipes fill and the process blocks: real back-pressure into the guest.
+    """
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.cancelled = False
+        self._on_cancel: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def set(self, *, paused: bool | None = None, cancel: bool = False) -> None:
+        with self._lock:
+            if paused is not None:
+                self.paused = paused
+            callbacks = []
+            if cancel and not self.cancelled:
+                self.cancelled = True
+                callbacks = list(self._on_cancel)
+        for callback in callbacks:
+            callback()
+        try:
+            os.write(self._wake_w, b"!")
+        except OSError:
+            pass  # already awake, or the request just ended
+
+    def on_cancel(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` when the request is cancelled (at once if it already was)."""
+        with self._lock:
+            self._on_cancel.append(callback)
+            cancelled = self.cancelled
+        if cancelled:
+            callback()
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.wake_fd, 64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.wake_fd)
+        os.close(self._wake_w)
+
+
 class Request:
     """One in-flight request: typed argument access, events, and exactly one terminal frame."""
 
-    def __init__(self, channel: Channel, req_id: int, op: str, args: dict[str, Any]) -> None:
+    def __init__(self, channel: Channel, req_id: int, op: str, args: dict[str, Any],
+                 inflight: Inflight | None = None) -> None:
         self.id = req_id
         self.op = op
         self.args = args
         self._channel = channel
         self._lock = threading.Lock()
         self._done = False
+        self._inflight = inflight
+        self._control: Control | None = None
+
+    def control(self) -> Control:
+        """This request's Control, registered so flow.* and cancel can find it by id."""
+        if self._control is None:
+            self._control = Control()
+            if self._inflight is not None:
+                self._inflight.add(self.id, self._control)
+        return self._control
 
     def run(self, handler: Handler) -> None:
         try:
             frame = protocol.ok(self.id, handler(self))
         except Exception as exc:
             frame = error_frame(self.id, exc)
+        if self._control is not None:
+            if self._inflight is not None:
+                self._inflight.remove(self.id, self._control)
+            self._control.close()
         with self._lock:
             self._done = True
             try:
@@ -144,6 +210,53 @@ class Request:
         return value if value is default else protocol.b64decode(value)
 
 
+class Inflight:
+    """Requests that can be steered, by id, and the ops that steer them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._controls: dict[int, Control] = {}
+
+    def add(self, req_id: int, control: Control) -> None:
+        with self._lock:
+            self._controls[req_id] = control
+
+    def remove(self, req_id: int, control: Control) -> None:
+        with self._lock:
+            if self._controls.get(req_id) is control:
+                del self._controls[req_id]
+
+    def handlers(self) -> dict[str, Handler]:
+        return {protocol.OP_FLOW_PAUSE: self.pause, protocol.OP_FLOW_RESUME: self.resume,
+                protocol.OP_CANCEL: self.cancel}
+
+    def shutdown(self) -> None:
+        pass
+
+    @inline
+    def pause(self, req: Request) -> dict[str, Any]:
+        self._target(req).set(paused=True)
+        return {}
+
+    @inline
+    def resume(self, req: Request) -> dict[str, Any]:
+        self._target(req).set(paused=False)
+        return {}
+
+    @inline
+    def cancel(self, req: Request) -> dict[str, Any]:
+        self._target(req).set(paused=False, cancel=True)
+        return {}
+
+    def _target(self, req: Request) -> Control:
+        target = req.arg("id", int)
+        with self._lock:
+            control = self._controls.get(target)
+        if control is None:
+            raise AgentError(protocol.ERR_NOT_FOUND, f"{req.op}: no running request {target} to steer")
+        return control
+
+
 class Workers:
     """Threads started before they are needed; a new one starts only while all are busy."""
 
@@ -190,6 +303,8 @@ class Dispatcher:
     """Reads request lines and hands each to its handler: inline or on a worker."""
 
     def __init__(self, families: list[OpFamily], workers: Workers | None = None) -> None:
+        self.inflight = Inflight()
+        families = [self.inflight, *families]
         self.families = families
         self.handlers: dict[str, Handler] = {}
         for family in families:
@@ -228,7 +343,7 @@ class Dispatcher:
         if handler is None:
             channel.send(protocol.error(req_id, protocol.ERR_UNKNOWN_OP, f"unknown op {op!r}"))
             return
-        request = Request(channel, req_id, op, args)
+        request = Request(channel, req_id, op, args, self.inflight)
         if getattr(handler, "inline", False):
             request.run(handler)
         else:

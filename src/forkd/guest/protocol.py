@@ -58,6 +58,13 @@ OP_FILES_STAT = "files.stat"
 OP_FILES_REMOVE = "files.remove"
 OP_FILES_MKDIR = "files.mkdir"
 OP_FILES_RENAME = "files.rename"
+OP_CONTEXTS_CREATE = "contexts.create"
+OP_CONTEXTS_LIST = "contexts.list"
+OP_CONTEXTS_RESTART = "contexts.restart"
+OP_CONTEXTS_DELETE = "contexts.delete"
+OP_FLOW_PAUSE = "flow.pause"
+OP_FLOW_RESUME = "flow.resume"
+OP_CANCEL = "cancel"
 
 ALL_OPS = frozenset(
     {
@@ -77,6 +84,13 @@ ALL_OPS = frozenset(
         OP_FILES_REMOVE,
         OP_FILES_MKDIR,
         OP_FILES_RENAME,
+        OP_CONTEXTS_CREATE,
+        OP_CONTEXTS_LIST,
+        OP_CONTEXTS_RESTART,
+        OP_CONTEXTS_DELETE,
+        OP_FLOW_PAUSE,
+        OP_FLOW_RESUME,
+        OP_CANCEL,
     }
 )
 
@@ -84,6 +98,10 @@ ALL_OPS = frozenset(
 EVENT_STARTED = "started"  # exec: {"pid": int}
 EVENT_STDOUT = "stdout"  # exec: {"data_b64": str}; run_code: {"text": str}
 EVENT_STDERR = "stderr"  # same shapes as stdout
+EVENT_RESULT = "result"  # run_code: one rich result (display() or the cell's value), E2B's Result keys
+
+#: The error name of a run_code/eval result whose interpreter process died (a signal, OOM kill).
+INTERPRETER_CRASHED = "InterpreterCrashed"
 
 # Error codes in terminal error frames.
 ERR_BAD_REQUEST = "bad_request"
