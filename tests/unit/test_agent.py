@@ -941,3 +941,122 @@ def test_contexts_create_list_restart_delete(agent: AgentClient, tmp_path: Path)
     assert ctx not in [c["id"] for c in agent.result(protocol.OP_CONTEXTS_LIST)["contexts"]]
     for op in (protocol.OP_CONTEXTS_RESTART, protocol.OP_CONTEXTS_DELETE):
         assert agent.error(op, {"id": ctx})["code"] == protocol.ERR_NOT_FOUND
+
+
+# --------------------------------------------------------------------------------------------
+# Warm commands: forks of the template that behave like a fresh python3
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def warm_agent() -> Iterator[AgentClient]:
+    """An agent whose template imported pytest (and json), as a snapshot's warm-up would."""
+    process = AgentProcess()
+    process.client.result(protocol.OP_WARM, {"modules": ["json", "pytest"]})
+    yield process.client
+    process.stop()
+
+
+def fresh_and_warm(agent: AgentClient, args: dict[str, Any]) -> list[tuple[bytes, bytes, int, int | None]]:
+    outcomes = []
+    for warm in (False, True):
+        stdout, stderr, result, events = run_exec(agent, {**args, "warm": warm})
+        assert events[0]["event"] == protocol.EVENT_STARTED
+        outcomes.append((stdout, stderr, result["exit_code"], result["signal"]))
+    return outcomes
+
+
+WARM_LIKE_FRESH = {
+    "stdin-and-exit-code": ("import sys\nprint(sys.stdin.read().upper())\nsys.exit(3)", "hello"),
+    "argv": ("import sys; print(sys.argv)", None),
+    "signal-death": ("import os, signal; print('x', flush=True); os.kill(os.getpid(), signal.SIGTERM)", None),
+    "system-exit-message": ("raise SystemExit('bye')", None),
+    "keyboard-interrupt": ("raise KeyboardInterrupt", None),
+    "atexit-and-buffering": ("import atexit, sys\natexit.register(print, 'at exit')\nsys.stdout.write('main ')", None),
+    "signal-dispositions": ("import signal as s\nprint([s.getsignal(n) for n in (s.SIGINT, s.SIGPIPE, s.SIGCHLD, s.SIGTERM)])", None),
+    "fresh-main": ("import __main__\nprint(sorted(k for k in vars(__main__) if not k.startswith('__')))", None),
+    "non-daemon-thread": ("import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), print('joined'))).start()", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WARM_LIKE_FRESH))
+def test_warm_python_c_behaves_like_a_fresh_one(warm_agent: AgentClient, name: str) -> None:
+    code, stdin = WARM_LIKE_FRESH[name]
+    args: dict[str, Any] = {"argv": [sys.executable, "-c", code, "a", "b"]}
+    if stdin is not None:
+        args["stdin_b64"] = b64(stdin)
+    fresh, warm = fresh_and_warm(warm_agent, args)
+    assert warm == fresh
+
+
+def test_warm_python_m_and_a_script_behave_like_fresh_ones(warm_agent: AgentClient, tmp_path: Path) -> None:
+    stdin = b64('{"b": 1, "a": [2]}')
+    fresh, warm = fresh_and_warm(warm_agent, {"argv": [sys.executable, "-m", "json.tool", "--sort-keys"],
+                                             "stdin_b64": stdin})
+    assert warm == fresh and fresh[2] == 0
+    script = tmp_path / "script.py"
+    script.write_text("import sys, os\nprint(sys.argv, __file__, sys.path[0] == os.path.dirname(__file__))\n")
+    fresh, warm = fresh_and_warm(warm_agent, {"argv": [sys.executable, str(script), "x"], "cwd": str(tmp_path)})
+    assert warm == fresh and b"True" in fresh[0]
+    fresh, warm = fresh_and_warm(warm_agent, {"argv": [sys.executable, "-m", "no_such_module_xyz"]})
+    assert (warm[2], fresh[2]) == (1, 1) and b"No module named no_such_module_xyz" in warm[1]
+
+
+def test_warm_command_is_a_fork_of_the_template(warm_agent: AgentClient) -> None:
+    code = "import sys; print('pytest' in sys.modules)"
+    fresh, warm = fresh_and_warm(warm_agent, {"argv": [sys.executable, "-c", code]})
+    assert (fresh[0], warm[0]) == (b"False\n", b"True\n")  # the documented difference
+
+
+PYTEST_PROJECT = {
+    "conftest.py": "import pytest\n\n@pytest.fixture\ndef answer():\n    return 42\n",
+    "test_ok.py": "import pytest\n\ndef test_fixture(answer):\n    assert answer == 42\n\n"
+                  "@pytest.mark.parametrize('n', [1, 2, 3])\ndef test_param(n):\n    assert n > 0\n",
+    "test_fail.py": "def test_fails():\n    print('captured output')\n    assert 1 + 1 == 3\n",
+}
+
+
+def test_warm_pytest_behaves_like_fresh_pytest(warm_agent: AgentClient, tmp_path: Path) -> None:
+    for name, text in PYTEST_PROJECT.items():
+        (tmp_path / name).write_text(text)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA"]
+    fresh, warm = fresh_and_warm(warm_agent, {"argv": argv, "cwd": str(tmp_path), "timeout_s": 120})
+    assert fresh[2] == warm[2] == 1  # tests failed
+    for outcome in (fresh, warm):
+        out = outcome[0].decode()
+        assert "1 failed, 4 passed" in out and "assert (1 + 1) == 3" in out and "captured output" in out
+    strip_time = [line.split(" in ")[0] for line in fresh[0].decode().splitlines()]
+    assert strip_time == [line.split(" in ")[0] for line in warm[0].decode().splitlines()]
+    only_ok = fresh_and_warm(warm_agent, {"argv": [*argv, "test_ok.py"], "cwd": str(tmp_path)})
+    assert [o[2] for o in only_ok] == [0, 0]
+
+
+def test_warm_command_stdin_signals_and_kill(warm_agent: AgentClient) -> None:
+    req_id, pid = start_process(warm_agent, {"argv": [sys.executable, "-c", "import sys\nfor line in sys.stdin:\n"
+                                                      "    print(line.strip()[::-1], flush=True)"], "warm": True})
+    warm_agent.result(protocol.OP_PROC_STDIN, {"pid": pid, "data_b64": b64("abc\n")})
+    _, frame = warm_agent.next_frame(req_id)
+    assert unb64(frame["data"]["data_b64"]) == b"cba\n"
+    assert any(p["pid"] == pid and p.get("warm") for p in warm_agent.result(protocol.OP_PROC_LIST)["processes"])
+    warm_agent.result(protocol.OP_PROC_KILL, {"pid": pid, "signal": signal.SIGTERM})
+    result = warm_agent.collect(req_id)[-1][1]["result"]
+    assert (result["exit_code"], result["signal"]) == (128 + signal.SIGTERM, signal.SIGTERM)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"shell": "python3 -c 1"},
+        {"argv": ["bash", "-c", "true"]},
+        {"argv": ["python3", "-O", "-c", "1"]},
+        {"argv": ["python3", "-c"]},
+    ],
+)
+def test_warm_command_refuses_what_a_fork_cannot_honour(warm_agent: AgentClient, args: dict[str, Any]) -> None:
+    error = warm_agent.error(protocol.OP_EXEC, {**args, "warm": True})
+    assert error["code"] == protocol.ERR_BAD_REQUEST
+
+
+def test_warm_command_missing_cwd(warm_agent: AgentClient, tmp_path: Path) -> None:
+    args = {"argv": ["python3", "-c", "1"], "warm": True, "cwd": str(tmp_path / "nope")}
+    assert warm_agent.error(protocol.OP_EXEC, args)["code"] == protocol.ERR_NOT_FOUND

@@ -78,7 +78,7 @@ def op_families() -> list[OpFamily]:
     python = PythonRuntime()
     return [
         AgentOps(python),
-        ProcessTable(),
+        ProcessTable(python.template),
         python,
         FileOps(),
     ]

@@ -148,7 +148,10 @@ def run(fresh: FreshState, spec: dict[str, Any], fds: list[int]) -> int:
         code = _system_exit_code(exc)
     except BaseException as exc:
         interrupted = isinstance(exc, KeyboardInterrupt)
-        sys.excepthook(type(exc), exc, exc.__traceback__)
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next  # the traceback starts where a fresh interpreter's would
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         code = 1
     code = _finalize(code)
     if interrupted:  # CPython ≥ 3.8 dies by SIGINT, so callers see the interrupt
@@ -252,7 +255,7 @@ def _finalize(code: int) -> int:
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
-            if stream is not None:
+            if stream is not None and not stream.closed:
                 stream.flush()
         except Exception:
             if stream is sys.stdout:
