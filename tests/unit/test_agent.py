@@ -1060,3 +1060,119 @@ def test_warm_command_refuses_what_a_fork_cannot_honour(warm_agent: AgentClient,
 def test_warm_command_missing_cwd(warm_agent: AgentClient, tmp_path: Path) -> None:
     args = {"argv": ["python3", "-c", "1"], "warm": True, "cwd": str(tmp_path / "nope")}
     assert warm_agent.error(protocol.OP_EXEC, args)["code"] == protocol.ERR_NOT_FOUND
+
+
+def test_files_read_refuses_endless_files(agent: AgentClient, tmp_path: Path) -> None:
+    """A symlink to /dev/zero (or a FIFO) must not turn into an endless download."""
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo")
+    for name in ("zero", "fifo"):
+        error = agent.error(protocol.OP_FILES_READ, {"path": str(tmp_path / name)})
+        assert error["code"] == protocol.ERR_BAD_REQUEST and "not a regular file" in error["message"]
+    link = agent.result(protocol.OP_FILES_STAT, {"path": str(tmp_path / "zero")})
+    target = agent.result(protocol.OP_FILES_STAT, {"path": str(tmp_path / "zero"), "follow": True})
+    assert (link["type"], target["type"]) == ("symlink", "other")  # what files.read would open
+
+
+@pytest.mark.parametrize("line", [b"[" * 100_000, b'{"id": 5, "op": "ping", "args": ' + b"[" * 100_000])
+def test_deeply_nested_frames_are_answered(agent: AgentClient, line: bytes) -> None:
+    agent.send_raw(line + b"\n")
+    _, frame = agent.next_frame(None)
+    assert frame["error"]["code"] == protocol.ERR_BAD_REQUEST
+    assert agent.result(protocol.OP_PING)["protocol"] == protocol.PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------------------------
+# Output budgets, flow control and cancel
+# --------------------------------------------------------------------------------------------
+
+
+def test_exec_output_limit_truncates(agent: AgentClient) -> None:
+    stdout, stderr, result, _ = run_exec(agent, {"shell": "head -c 300000 /dev/zero; echo done >&2",
+                                                 "output_limit": 1000})
+    assert len(stdout) + len(stderr) == 1000 and result["truncated"] is True and result["exit_code"] == 0
+    _, _, result, _ = run_exec(agent, {"shell": "echo small", "output_limit": 1000})
+    assert result["truncated"] is False
+
+
+def test_exec_flow_pause_stops_reading_and_resume_continues(agent: AgentClient, tmp_path: Path) -> None:
+    marker = tmp_path / "writer-done"
+    code = f"yes | head -c 2000000; touch {marker}"  # 2 MB: far more than a pipe holds
+    req_id = agent.start(protocol.OP_EXEC, {"shell": code})
+    agent.result(protocol.OP_FLOW_PAUSE, {"id": req_id})
+    time.sleep(1.0)
+    assert not marker.exists()  # blocked on a full pipe: real back-pressure
+    agent.result(protocol.OP_FLOW_RESUME, {"id": req_id})
+    frames = agent.collect(req_id, timeout=30)
+    got = sum(len(unb64(f["data"]["data_b64"])) for _, f in frames if f.get("event") == "stdout")
+    assert got == 2_000_000 and frames[-1][1]["result"]["exit_code"] == 0 and marker.exists()
+
+
+def test_cancel_ends_a_command_and_a_cell(agent: AgentClient) -> None:
+    req_id, _ = start_process(agent, {"argv": ["sleep", "600"]})
+    agent.result(protocol.OP_CANCEL, {"id": req_id})
+    result = agent.collect(req_id, timeout=30)[-1][1]["result"]
+    assert result["cancelled"] is True and result["signal"] == signal.SIGKILL
+    run_code(agent, "kept = 7", context="cancel")
+    req_id = agent.start(protocol.OP_RUN_CODE, {"code": "print('go', flush=True)\nimport time; time.sleep(600)",
+                                                "context": "cancel"})
+    assert agent.next_frame(req_id, timeout=30)[1]["event"] == "stdout"
+    agent.result(protocol.OP_CANCEL, {"id": req_id})
+    result = agent.collect(req_id, timeout=30)[-1][1]["result"]
+    assert result["error"]["name"] == "KeyboardInterrupt"
+    assert run_code(agent, "kept", context="cancel")[1]["value"] == "7"
+
+
+def test_flow_ops_need_a_running_request(agent: AgentClient) -> None:
+    for op in (protocol.OP_FLOW_PAUSE, protocol.OP_FLOW_RESUME, protocol.OP_CANCEL):
+        assert agent.error(op, {"id": 987654})["code"] == protocol.ERR_NOT_FOUND
+
+
+def test_run_code_output_limit(agent: AgentClient) -> None:
+    events, result = run_code(agent, "for i in range(1000):\n    print('x' * 99)", context="limited",
+                              output_limit=500)
+    assert len(text_of(events, "stdout")) == 500 and result["truncated"] is True
+
+
+# --------------------------------------------------------------------------------------------
+# Rich results
+# --------------------------------------------------------------------------------------------
+
+RICH = '''
+class Rich:
+    def _repr_html_(self):
+        return "<b>rich</b>"
+    def _repr_markdown_(self):
+        return "**rich**"
+    def _repr_json_(self):
+        return {"rich": True}
+    def _repr_png_(self):
+        return b"\\x89PNG fake"
+    def _repr_latex_(self):
+        raise RuntimeError("no latex today")
+    def __repr__(self):
+        return "Rich()"
+display(Rich())
+print("between")
+Rich()
+'''
+
+
+def test_rich_results_from_display_and_the_last_value(agent: AgentClient) -> None:
+    events, result = run_code(agent, RICH, context="rich")
+    shown, main = result["results"]
+    assert shown == {"html": "<b>rich</b>", "markdown": "**rich**", "json": {"rich": True},
+                     "png": b64(b"\x89PNG fake"), "text": "Rich()", "is_main_result": False}
+    assert main == {**shown, "is_main_result": True}
+    assert result["value"] == "Rich()"
+    kinds = [e["event"] for e in events]
+    assert kinds == [protocol.EVENT_RESULT, protocol.EVENT_STDOUT, protocol.EVENT_RESULT]
+
+
+def test_matplotlib_figures_come_back_as_png(agent: AgentClient) -> None:
+    pytest.importorskip("matplotlib")
+    code = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()\nfig = plt.figure()\nfig"
+    _, result = run_code(agent, code, context="plots")
+    pngs = [r for r in result["results"] if "png" in r]
+    assert len(pngs) == 2 and all(unb64(r["png"]).startswith(b"\x89PNG") for r in pngs)
+    assert pngs[-1]["is_main_result"] is True

@@ -135,23 +135,24 @@ class Request:
         self._done = False
         self._inflight = inflight
         self._control: Control | None = None
+        if inflight is not None:
+            inflight.add(self)
 
     def control(self) -> Control:
-        """This request's Control, registered so flow.* and cancel can find it by id."""
-        if self._control is None:
-            self._control = Control()
-            if self._inflight is not None:
-                self._inflight.add(self.id, self._control)
-        return self._control
+        """This request's Control (made on first use: by the op, or by a flow.* / cancel for it)."""
+        with self._lock:
+            if self._control is None:
+                self._control = Control()
+            return self._control
 
     def run(self, handler: Handler) -> None:
         try:
             frame = protocol.ok(self.id, handler(self))
         except Exception as exc:
             frame = error_frame(self.id, exc)
+        if self._inflight is not None:
+            self._inflight.remove(self)
         if self._control is not None:
-            if self._inflight is not None:
-                self._inflight.remove(self.id, self._control)
             self._control.close()
         with self._lock:
             self._done = True
@@ -215,16 +216,16 @@ class Inflight:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._controls: dict[int, Control] = {}
+        self._requests: dict[int, Request] = {}
 
-    def add(self, req_id: int, control: Control) -> None:
+    def add(self, request: Request) -> None:
         with self._lock:
-            self._controls[req_id] = control
+            self._requests[request.id] = request
 
-    def remove(self, req_id: int, control: Control) -> None:
+    def remove(self, request: Request) -> None:
         with self._lock:
-            if self._controls.get(req_id) is control:
-                del self._controls[req_id]
+            if self._requests.get(request.id) is request:
+                del self._requests[request.id]
 
     def handlers(self) -> dict[str, Handler]:
         return {protocol.OP_FLOW_PAUSE: self.pause, protocol.OP_FLOW_RESUME: self.resume,
@@ -251,10 +252,10 @@ class Inflight:
     def _target(self, req: Request) -> Control:
         target = req.arg("id", int)
         with self._lock:
-            control = self._controls.get(target)
-        if control is None:
+            request = self._requests.get(target)
+        if request is None:
             raise AgentError(protocol.ERR_NOT_FOUND, f"{req.op}: no running request {target} to steer")
-        return control
+        return request.control()
 
 
 class Workers:
@@ -343,8 +344,7 @@ class Dispatcher:
         if handler is None:
             channel.send(protocol.error(req_id, protocol.ERR_UNKNOWN_OP, f"unknown op {op!r}"))
             return
-        request = Request(channel, req_id, op, args, self.inflight)
         if getattr(handler, "inline", False):
-            request.run(handler)
+            Request(channel, req_id, op, args).run(handler)
         else:
-            self._workers.submit(request.run, handler)
+            self._workers.submit(Request(channel, req_id, op, args, self.inflight).run, handler)

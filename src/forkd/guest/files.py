@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -9,7 +10,7 @@ from typing import Any
 
 from . import protocol
 from .channel import write_all
-from .dispatch import Handler, Request, inline
+from .dispatch import AgentError, Handler, Request, inline
 
 
 _FILE_TYPES = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "dir"), (stat.S_ISLNK, "symlink"))
@@ -30,9 +31,16 @@ def files_read(req: Request) -> dict[str, Any]:
     path = req.path("path")
     offset = req.arg("offset", int, 0, minimum=0)
     want = min(req.arg("length", int, protocol.FILE_CHUNK_BYTES, minimum=0), protocol.FILE_CHUNK_BYTES)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below anyway.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(st.st_mode):
+            # /dev/zero, /dev/urandom, a FIFO: endless or blocking, so never "read to the end".
+            raise AgentError(protocol.ERR_BAD_REQUEST, f"files.read: {path!r} is not a regular file (a device, "
+                             "FIFO or socket); read a bounded amount with exec instead (e.g. head -c N)")
         data = os.pread(fd, want, offset)
     finally:
         os.close(fd)
@@ -75,7 +83,7 @@ def files_list(req: Request) -> dict[str, Any]:
 @inline
 def files_stat(req: Request) -> dict[str, Any]:
     path = req.path("path")
-    return _entry(path, os.lstat(path))
+    return _entry(path, os.stat(path) if req.arg("follow", bool, False) else os.lstat(path))
 
 
 def files_remove(req: Request) -> dict[str, Any]:

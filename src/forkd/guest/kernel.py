@@ -431,6 +431,9 @@ class Kernel:
             if isinstance(last, ast.Expr):
                 value = eval(compile(ast.Expression(last.value), filename, "eval"), self.namespace)
             _hook_matplotlib()
+            pyplot = sys.modules.get("matplotlib.pyplot")
+            if pyplot is not None and _is_figure(value):
+                pyplot.close(value)  # shown once, as the cell's value
             _show_figures()  # figures left open at the end of a cell are shown, as in Jupyter
             if value is not None and _current is not None:
                 _flush_streams()
