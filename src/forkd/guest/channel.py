@@ -39,6 +39,15 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def drain(fd: int) -> None:
+    """Empty a non-blocking wakeup pipe."""
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
 class Channel:
     """The byte stream to the host, split into lines, plus the lock that keeps frames whole."""
 

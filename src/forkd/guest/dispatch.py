@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from . import protocol
-from .channel import Channel, log
+from .channel import Channel, drain, log
 
 _REQUIRED: Any = object()
 _KIND_NAMES = {
@@ -111,11 +111,7 @@ class Control:
             callback()
 
     def drain(self) -> None:
-        try:
-            while os.read(self.wake_fd, 64):
-                pass
-        except BlockingIOError:
-            pass
+        drain(self.wake_fd)
 
     def close(self) -> None:
         os.close(self.wake_fd)

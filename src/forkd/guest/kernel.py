@@ -105,16 +105,11 @@ class _Run:
     def __init__(self, conn: Connection, req_id: Any, output_limit: int | None) -> None:
         self.conn = conn
         self.id = req_id
-        self.output_left = output_limit
-        self.truncated = False
+        self.budget = protocol.OutputBudget(output_limit)
         self.results: list[dict[str, Any]] = []
 
     def output(self, name: str, text: str) -> None:
-        if self.output_left is not None:
-            if len(text) > self.output_left:
-                text = text[: self.output_left]
-                self.truncated = True
-            self.output_left -= len(text)
+        text = self.budget.clip(text)
         for start in range(0, len(text), OUTPUT_CHUNK_CHARS):
             self.conn.send(protocol.event(self.id, name, {"text": text[start : start + OUTPUT_CHUNK_CHARS]}))
 
@@ -410,7 +405,7 @@ class Kernel:
             _current = None
         if op == protocol.OP_RUN_CODE:
             result["results"] = run.results
-        if run.truncated:
+        if run.budget.truncated:
             result["truncated"] = True
         return result
 

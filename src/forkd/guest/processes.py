@@ -214,26 +214,8 @@ def _spawn_warm(req: Request, template: TemplateProcess, argv: list[str]) -> _Pr
                     {"argv": argv, "warm": True})
 
 
-class _Output:
-    """What exec forwards: output up to a byte budget, then only a note that it was cut."""
-
-    def __init__(self, req: Request, limit: int | None) -> None:
-        self._req = req
-        self._left = limit
-        self.truncated = False
-
-    def forward(self, event: str, chunk: bytes) -> None:
-        if self._left is not None:
-            if len(chunk) > self._left:
-                chunk = chunk[: self._left]
-                self.truncated = True
-            self._left -= len(chunk)
-        if chunk:
-            self._req.emit(event, {"data_b64": protocol.b64encode(chunk)})
-
-
 def _stream_output(req: Request, proc: _Process, timeout_s: float | None, stdin_data: bytes | None,
-                   output: _Output) -> str | None:
+                   output: protocol.OutputBudget) -> str | None:
     """Forward stdout/stderr as it arrives until the process exits and both pipes close.
 
     One selector over both pipes, the exit fd, stdin while exec's stdin_b64 is being written,
@@ -286,7 +268,8 @@ def _stream_output(req: Request, proc: _Process, timeout_s: float | None, stdin_
                     if pending is None:
                         selector.unregister(key.fileobj)
                 elif chunk := os.read(key.fd, OUTPUT_CHUNK_BYTES):
-                    output.forward(key.data, chunk)
+                    if forwarded := output.clip(chunk):
+                        req.emit(key.data, {"data_b64": protocol.b64encode(forwarded)})
                 else:  # pipe closed
                     selector.unregister(key.fileobj)
                     open_pipes.discard(key.fd)
@@ -307,7 +290,7 @@ class ProcessTable:
         warm = req.arg("warm", bool, False)
         stdin_data = req.data("stdin_b64", None)
         timeout_s = req.arg("timeout_s", float, None, minimum=0)
-        output = _Output(req, req.arg("output_limit", int, None, minimum=0))
+        output = protocol.OutputBudget(req.arg("output_limit", int, None, minimum=0))
         if warm and argv is None:
             raise req.bad("a warm command takes 'argv' (python3 ...), not 'shell'")
         started = time.monotonic()

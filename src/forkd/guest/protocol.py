@@ -112,6 +112,23 @@ ERR_OS = "os_error"
 ERR_INTERNAL = "internal"
 
 
+class OutputBudget:
+    """An ``output_limit``: how much output a request may still forward (None: unlimited)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.left = limit
+        self.truncated = False
+
+    def clip(self, data: Any) -> Any:
+        """The part of ``data`` (bytes or text) within the budget; what is cut marks ``truncated``."""
+        if self.left is not None:
+            if len(data) > self.left:
+                data = data[: self.left]
+                self.truncated = True
+            self.left -= len(data)
+        return data
+
+
 class ProtocolError(ValueError):
     """A frame that cannot be parsed or does not have the protocol's shape."""
 

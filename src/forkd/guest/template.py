@@ -32,6 +32,7 @@ import traceback
 from typing import Any
 
 from . import kernel, protocol, reseed, warmexec
+from .channel import drain
 
 EVENT_EXIT = "exit"
 OP_FORK = "fork"
@@ -159,11 +160,7 @@ class Template:
         reseed.reseed_interpreter(os.urandom(32))  # siblings forked from one template must differ
 
     def _reap(self) -> bool:
-        try:
-            while os.read(self._wake_r, 512):
-                pass
-        except BlockingIOError:
-            pass
+        drain(self._wake_r)
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
