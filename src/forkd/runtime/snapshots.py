@@ -152,7 +152,7 @@ class SnapshotService:
         self._parents.add(vm)
         agent: AgentClient | None = None
         try:
-            agent, _ = await connect_when_answering(vm.agent_socket, vm.process, BOOT_TIMEOUT_S)
+            agent, _ = await connect_when_answering(vm, BOOT_TIMEOUT_S)
             boot_s = time.monotonic() - started
             progress(f"guest agent answered after {boot_s:.1f} s")
             if request.warm_modules:
