@@ -20,15 +20,15 @@ def api(tmp_path: Path) -> TestClient:
 @pytest.mark.parametrize("tag", ["../etc", "a/b", "", "x" * 65, "white space"])
 def test_bad_tags_are_refused_with_json_errors(api: TestClient, tag: str) -> None:
     response = api.post("/v1/sandboxes", json={"snapshot_tag": tag, "n": 1})
-    assert response.status_code == 422
+    assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_request"
-    assert api.post("/v1/snapshots", json={"tag": tag}).status_code == 422
+    assert api.post("/v1/snapshots", json={"tag": tag}).status_code == 400
 
 
 @pytest.mark.parametrize("body", [{"snapshot_tag": "ok", "n": 0}, {"snapshot_tag": "ok", "n": 1001},
                                   {"snapshot_tag": "ok", "n": True}, {"snapshot_tag": "ok", "extra": 1}, []])
 def test_counts_and_shapes_are_bounded(api: TestClient, body: object) -> None:
-    assert api.post("/v1/sandboxes", json=body).status_code == 422
+    assert api.post("/v1/sandboxes", json=body).status_code == 400
 
 
 def test_unknown_snapshot_and_sandbox(api: TestClient) -> None:
@@ -42,7 +42,7 @@ def test_unknown_snapshot_and_sandbox(api: TestClient) -> None:
 
 def test_exec_needs_exactly_one_command_form(api: TestClient) -> None:
     for body in ({}, {"cmd": "ls", "argv": ["ls"]}, {"argv": []}, {"cmd": "ls", "timeout_s": -1}):
-        assert api.post("/v1/sandboxes/sb-000000000000/exec", json=body).status_code == 422
+        assert api.post("/v1/sandboxes/sb-000000000000/exec", json=body).status_code == 400
 
 
 def test_health_version_and_listing(api: TestClient) -> None:

@@ -22,9 +22,9 @@ from pathlib import Path
 import uvicorn
 
 from forkd.daemon.app import create_app
-from forkd.daemon.audit import AuditLog, AuditMiddleware
-from forkd.daemon.auth import TokenAuth, check_token
-from forkd.daemon.body_limit import BodyLimit
+from forkd.daemon.middleware.audit import AuditLog, AuditMiddleware
+from forkd.daemon.middleware.auth import TokenAuth, check_token
+from forkd.daemon.middleware.body_limit import BodyLimit
 from forkd.daemon.config import DaemonConfig
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.qemu import QemuVmm

@@ -55,6 +55,12 @@ OP_FILES_REMOVE = "files.remove"
 OP_FILES_MKDIR = "files.mkdir"
 OP_FILES_RENAME = "files.rename"
 
+# Control ops about another request in flight (``args: {"id": <its id>}``). An agent that does not
+# know them answers ``unknown_op``; the host then falls back (see runtime/agent_client.py).
+OP_FLOW_PAUSE = "flow.pause"  # stop reading that request's process pipes (the process blocks on write)
+OP_FLOW_RESUME = "flow.resume"  # read them again
+OP_CANCEL = "cancel"  # end that request: kill its process group / interrupt its cell
+
 ALL_OPS = frozenset(
     {
         OP_PING,
