@@ -34,6 +34,7 @@ log = logging.getLogger("forkd.sessions")
 MAX_TIMEOUT_S = 24 * 3600  # longest a command, cell or eval may be given
 CALL_GRACE_S = 30.0  # the host waits this much longer than the guest's own timeout
 CONTROL_TIMEOUT_S = 10.0
+HOLD_FACTOR = 4  # a stream's queue may reach this many buffers before the connection's reader is held
 Stream = Literal["stdout", "stderr"]
 
 
@@ -226,8 +227,12 @@ class Execution:
         return None
 
     def _hold(self) -> Any:
-        """Over the buffer: pause the command in the guest, or hold the reader if it cannot be paused."""
-        if self._agent.declined(protocol.OP_FLOW_PAUSE):
+        """Over the buffer: pause the command in the guest, or hold the reader if it cannot be paused.
+
+        The reader is also held past ``HOLD_FACTOR`` buffers, while a pause is not answered yet (its
+        answer queues behind the output already sent) or when an agent ignores it.
+        """
+        if self._agent.declined(protocol.OP_FLOW_PAUSE) or self._queued_bytes > HOLD_FACTOR * self._buffer_bytes:
             self._drained.clear()
             return self._drained.wait()
         if not self._paused:
