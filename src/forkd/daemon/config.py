@@ -31,7 +31,7 @@ pool = "10.213.0.0/16"           # private IPv4 range nat children's /30s come f
 dns = "192.0.2.53"               # resolver nat guests' DNS is relayed to (default: the host's)  [FORKD_DNS]
 
 [output]                         # guest output one exec/run_code call may hold in the daemon
-result_bytes = 16777216          # a non-streamed answer keeps this much stdout+stderr, then `truncated`
+result_bytes = 4194304           # a non-streamed answer keeps this much stdout+stderr, then `truncated`
 stream_bytes = 1073741824        # a streamed call forwards this much in all (unset: no cap)
 stream_buffer_bytes = 1048576    # queued for a slow stream reader before the guest is paused
 

@@ -16,6 +16,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Send
@@ -23,6 +24,7 @@ from starlette.types import Send
 from forkd.daemon.errors import error_body
 
 NDJSON = "application/x-ndjson"
+CLOSE_TIMEOUT_S = 30.0  # ending a streamed call in the guest (cancel, or a kill) takes at most this
 MAX_QUEUED_PROGRESS = 1000  # progress lines waiting for a slow client; older ones are dropped
 _DOC = {"schema": {"type": "string", "description": "one JSON object per line: progress or event lines, "
                                                      "then one {\"result\": ...} or {\"error\": ...} line"}}
@@ -45,7 +47,10 @@ class NDJSONResponse(StreamingResponse):
         finally:  # the client left or the answer ended: end the generator (and what it streams) now
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
-                await close()
+                # Shielded: Starlette cancels this scope when the client disconnects, and anyio would
+                # cancel every await of the cleanup too; bounded so a stuck guest cannot hold it.
+                with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                    await close()
 
 
 def _line(item: dict[str, Any]) -> bytes:

@@ -19,7 +19,7 @@ class OutputLimits:
 
     # A non-streamed result keeps at most this many bytes of stdout plus stderr; the rest is
     # dropped (the guest stops sending it) and the result says ``truncated: true``.
-    result_bytes: int = 16 << 20
+    result_bytes: int = 4 << 20
     # A streamed call forwards at most this many bytes in all (None: no cap, the stream flows on).
     stream_bytes: int | None = None
     # Output queued for a stream reader before the guest is told to pause that command.
