@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.guest import protocol
-from forkd.guest.agent import AGENT_VERSION
+from forkd.guest.protocol import AGENT_VERSION
 from forkd.store.layers import PAGE_SIZE, Layer, Pages
 from forkd.vmm.base import (
     BootSpec,
