@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from forkd.cli.main import console, daemon, print_json, print_timings, reports_errors
+from forkd.cli.main import console, daemon, describe_timings, print_json, reports_errors
 
 
 @click.command("branch")
@@ -25,7 +25,7 @@ def branch(sandbox_id: str, tag: str, mode: str, no_wait: bool, as_json: bool, v
         console.print(f"{tag}: ready ({info['memory_kind']} memory, paused {info['pause_ms']:.0f} ms, "
                       f"{info['total_seconds']:.1f} s) from {info['parent_tag']}")
         if verbose:
-            print_timings(info.get("timings", {}))
+            console.print("    " + describe_timings(info.get("timings") or {}))
     else:
         console.print(f"{tag}: {info['status']} (watch it with `forkd snapshot-info {tag}`)")
 

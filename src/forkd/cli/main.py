@@ -59,12 +59,10 @@ def print_json(data: Any) -> None:
     console.print_json(json.dumps(data))
 
 
-def print_timings(timings: dict[str, float]) -> None:
-    """A request's stage timings (``timings`` in an answer, milliseconds), one stage per line, in order."""
-    table = Table("stage", Column("ms", justify="right"), box=None)
-    for stage, ms in timings.items():
-        table.add_row(stage, f"{ms:.1f}")
-    console.print(table)
+def describe_timings(timings: dict[str, float]) -> str:
+    """``stop 1.2 · disk_switched 0.4 · ... ms``: the stages of a spawn or a BRANCH in the order they ran."""
+    stages = [f"{stage} {ms:.1f}" for stage, ms in timings.items() if stage != "total"]
+    return " · ".join(stages) + " ms" if stages else "(no stage timings)"
 
 
 @click.group()
