@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from forkd.vmm import procmem
+from forkd.vmm import guest_ram, procmem
 
 PAGES = 64
 PAGE = procmem.PAGE_SIZE
@@ -79,3 +79,29 @@ def test_a_gone_process_is_a_clear_error() -> None:
 
 def test_soft_dirty_probe_answers() -> None:
     assert procmem.soft_dirty_supported() in (True, False)
+
+
+def test_read_private_copies_changed_pages_and_reuses_a_clean_precopy(mapping: tuple[mmap.mmap, int],
+                                                                        tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    area, _ = mapping
+    memory, size = tmp_path / "memory", PAGES * PAGE
+    area[2 * PAGE] = 0xA1
+    area[7 * PAGE] = 0xA2
+    first = guest_ram.read_private(os.getpid(), memory, size)
+    assert list(first.offsets) == [2 * PAGE, 7 * PAGE]
+    assert bytes(first.data[:PAGE]) == area[2 * PAGE:3 * PAGE]
+    # Page 2 is rewritten, page 9 written for the first time. Say the kernel marked page 9's run
+    # soft-dirty and not page 2's: clean runs come from the pre-copy, dirty ones are read again.
+    area[2 * PAGE] = 0xB1
+    area[9 * PAGE] = 0xB2
+    scanned = procmem.private_runs
+
+    def marked(pid: int, start: int, end: int) -> list[procmem.Run]:
+        return [procmem.Run(r.start, r.end, r.start - start >= 9 * PAGE) for r in scanned(pid, start, end)]
+
+    monkeypatch.setattr(procmem, "private_runs", marked)
+    second = guest_ram.read_private(os.getpid(), memory, size, previous=first)
+    assert list(second.offsets) == [2 * PAGE, 7 * PAGE, 9 * PAGE]
+    assert second.data[0] == 0xA1  # from the pre-copy: not marked, so not read again
+    assert second.data[2 * PAGE] == 0xB2
