@@ -139,7 +139,7 @@ class BranchService:
                 timings = Timings()
                 top = live.vm.run_dir / f"disk-{secrets.token_hex(4)}.qcow2"
                 capture = await branching_of(self.vmm).capture(
-                    live.vm, memory.base, parent.meta["identity"]["memory_mib"] << 20, top, build_dir / STATE_FILE,
+                    live.vm, parent.meta["identity"]["memory_mib"] << 20, top, build_dir / STATE_FILE,
                     live=mode == "live", mark=timings.mark)
                 self.registry.set_vmm_state(live.record.id, live.vm.state)  # a restarted daemon adopts the new top
                 meta = await self._assemble(build_dir, parent, memory, capture, mode, timings)
@@ -243,9 +243,12 @@ class BranchService:
 def _write_memory(build_dir: Path, memory: ChainMemory, captured: memory_layers.Pages, kind: str) -> int:
     """The snapshot's own memory from the captured private pages; returns how many pages differ.
 
-    Pages equal to what the parent's children see are dropped (a child of a diff snapshot holds
-    its chain's layers privately too: it got them laid in at restore). ``full`` flattens the
-    chain's memory and that layer into one sparse file, so it needs no parent memory.
+    The source's memory is the file it was restored from plus its private pages, and a page once
+    private stays private; its head (``memory``, the parent) is that same file plus the private
+    pages it had then. So outside the captured pages both agree, and of the captured pages those
+    equal to the parent's image are dropped (a child of a diff snapshot holds its chain's layers
+    privately too: they were laid in at restore). ``full`` flattens the parent's memory and that
+    layer into one sparse file, so it needs no parent memory.
     """
     parent = memory_layers.ChainMemory(memory.base, [memory_layers.read_layer(p) for p in memory.layers])
     changed = memory_layers.drop_unchanged(captured, parent)

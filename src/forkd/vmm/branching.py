@@ -33,10 +33,11 @@ class Capture:
 
 
 class Branching(Protocol):
-    async def capture(self, vm: VmHandle, memory: Path, memory_bytes: int, new_top: Path, state: Path,
+    async def capture(self, vm: VmHandle, memory_bytes: int, new_top: Path, state: Path,
                       live: bool, mark: Callable[[str], None]) -> Capture:
         """Stop the guest; switch its disk to ``new_top`` (the old top freezes); write its device state
-        (no RAM) to ``state``; copy the pages it holds privately over the mapped ``memory``; resume it.
+        (no RAM) to ``state``; copy the pages of its ``memory_bytes`` of guest RAM it holds privately
+        over the memory file it was restored from (what it changed since); resume it.
 
         ``mark(stage)`` is called as each stage ends (``runtime/timings.py`` names). ``live`` first
         copies the pages while the guest runs, then re-reads only those written since, where the

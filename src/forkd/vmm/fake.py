@@ -40,7 +40,7 @@ from forkd.vmm.base import (
 from forkd.vmm.branching import Capture
 
 PROGRAM = "tail"  # the fake VMM process: `tail -f RUN_DIR/console.log`
-RAM_KEY, DISK_KEY = "ram", "disk"
+RAM_KEY, DISK_KEY, BASE_KEY = "ram", "disk", "base"  # BASE_KEY: the memory file a child was restored from
 
 
 @dataclass
@@ -99,6 +99,7 @@ class FakeVmm:
         os.chmod(ram, 0o600)
         disk.write_bytes(b"overlay of " + str(saved.disk).encode())
         vm = await self._start(name, run_dir, ram, disk)
+        vm.state[BASE_KEY] = str(saved.memory)
         if setup.on_spawn is not None:
             try:
                 setup.on_spawn(vm.pid)
@@ -204,7 +205,7 @@ class FakeBranching:
         self.vmm = vmm
         self.captures = 0
 
-    async def capture(self, vm: VmHandle, memory: Path, memory_bytes: int, new_top: Path, state: Path,
+    async def capture(self, vm: VmHandle, memory_bytes: int, new_top: Path, state: Path,
                       live: bool, mark: Callable[[str], None]) -> Capture:
         frozen = Path(vm.state[DISK_KEY])
         mark("stop")
@@ -213,7 +214,7 @@ class FakeBranching:
         mark("disk_switched")
         state.write_text(json.dumps({"captured": vm.name}))
         mark("device_state_saved")
-        pages = await asyncio.to_thread(_differing_pages, Path(vm.state[RAM_KEY]), memory)
+        pages = await asyncio.to_thread(_differing_pages, Path(vm.state[RAM_KEY]), Path(vm.state[BASE_KEY]))
         mark("pages_read")
         mark("cont")
         self.captures += 1

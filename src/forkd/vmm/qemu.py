@@ -38,6 +38,7 @@ from forkd.vmm.process import read_memory_stats
 from forkd.vmm.qemu_branch import DEVICE_STATE, DEVICE_STATE_ARGS, QemuBranching
 from forkd.vmm.qemu_machine import (
     DISK_KEY,
+    MEMORY_KEY,
     MONITOR_KEY,
     NIC_ID,
     QEMU_BINARY,
@@ -134,6 +135,7 @@ class QemuVmm:
         vm = await self.machine.start(name, argv + ["-incoming", "defer", "-S"], run_dir, disk,
                                       pass_fds=() if setup.tap_fd is None else (setup.tap_fd,),
                                       on_spawn=setup.on_spawn)
+        vm.state[MEMORY_KEY] = str(saved.memory)
         if setup.tap_fd is None:
             self._offline.add(vm)
         return vm
@@ -183,7 +185,7 @@ class QemuVmm:
         if not isinstance(state.get(MONITOR_KEY), str) or not isinstance(state.get(DISK_KEY), str):
             raise VmmError(f"the record of {name} lacks its QEMU monitor socket or disk")
         vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
-                      state={MONITOR_KEY: state[MONITOR_KEY], DISK_KEY: state[DISK_KEY]})
+                      state={k: state[k] for k in (MONITOR_KEY, DISK_KEY, MEMORY_KEY) if k in state})
         try:
             async with monitor(vm, wait_s=ADOPT_MONITOR_TIMEOUT_S, timeout_s=ADOPT_MONITOR_TIMEOUT_S) as qmp:
                 status = (await qmp.execute("query-status")).get("status")

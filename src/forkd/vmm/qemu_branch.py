@@ -32,7 +32,7 @@ from forkd.store.layers import Pages
 from forkd.vmm import guest_ram, procmem
 from forkd.vmm.base import VmHandle, VmmError
 from forkd.vmm.branching import Capture
-from forkd.vmm.qemu_machine import DISK_KEY, Monitor, disk_of, monitor, qemu_img
+from forkd.vmm.qemu_machine import DISK_KEY, MEMORY_KEY, Monitor, disk_of, monitor, qemu_img
 
 #: ``SavedVm.state_format`` of a state written by ``xen-save-devices-state``.
 DEVICE_STATE = "qemu-devices"
@@ -44,8 +44,12 @@ ROOT_DRIVE = "root"
 class QemuBranching:
     """BRANCH for :class:`forkd.vmm.qemu.QemuVmm`."""
 
-    async def capture(self, vm: VmHandle, memory: Path, memory_bytes: int, new_top: Path, state: Path,
+    async def capture(self, vm: VmHandle, memory_bytes: int, new_top: Path, state: Path,
                       live: bool, mark: Callable[[str], None]) -> Capture:
+        if MEMORY_KEY not in vm.state:
+            raise VmmError(f"{vm.name} was started by an older forkd that did not record its memory file; "
+                           "fork a new sandbox to branch from")
+        memory = Path(vm.state[MEMORY_KEY])
         try:
             async with monitor(vm) as qmp:
                 return await capture(qmp, vm, memory, memory_bytes, new_top, state, live, mark)

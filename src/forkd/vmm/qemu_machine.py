@@ -128,6 +128,7 @@ async def qemu_img(*args: str, timeout_s: float = 120.0) -> None:
 
 # What a QEMU VmHandle keeps in its backend state (persisted with the sandbox record).
 MONITOR_KEY, DISK_KEY = "monitor_socket", "disk"
+MEMORY_KEY = "memory"  # the memory file a child maps (share=off): its private pages are what it changed
 
 
 def disk_of(vm: VmHandle) -> Path:
