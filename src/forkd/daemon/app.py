@@ -37,14 +37,8 @@ from forkd.runtime.metrics import Metrics
 from forkd.runtime.branches import BranchBusy
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
-from forkd.runtime.snapshots import (
-    SnapshotConflict,
-    SnapshotCorrupt,
-    SnapshotDiskFull,
-    SnapshotError,
-    SnapshotRequest,
-)
-from forkd.store.usage import directory_usage
+from forkd.runtime.snapshots import SnapshotRequest
+from forkd.store.errors import SnapshotConflict, SnapshotCorrupt, SnapshotDiskFull, SnapshotError
 from forkd.validation import ValidationError, check_sandbox_id
 from forkd.vmm.base import SnapshotMismatch, VmmError
 
@@ -286,31 +280,31 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.delete("/v1/images/{name}")
     async def remove_image(name: str) -> dict[str, Any]:
-        runtime.remove_image(name)
+        await runtime.remove_image(name)
         return {"removed": name}
 
     # snapshots
 
     @app.get("/v1/snapshots", response_model=schemas.SnapshotList)
     async def snapshots() -> dict[str, Any]:
-        return {"snapshots": [{**s.to_dict(), "disk": directory_usage(s.path)} for s in runtime.registry.list_snapshots()]}
+        return {"snapshots": await runtime.store.listing()}
 
     @app.post("/v1/snapshots", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
     async def create_snapshot(body: schemas.SnapshotCreate) -> StreamingResponse:
         request = SnapshotRequest(tag=body.tag, image=body.image, memory_mib=body.memory_mib, vcpus=body.vcpus,
                                   warm_modules=tuple(body.warm_modules), warmup_cmd=body.warmup_cmd)
 
-        runtime.snapshots.reserve(body.tag)  # a taken tag is a 409 before any streaming starts
+        claim = runtime.snapshots.claim(body.tag)  # a taken tag is a 409 before any streaming starts
 
         async def work(emit):
-            record = await runtime.create_snapshot(request, lambda line: emit({"progress": line}), reserved=True)
+            record = await runtime.create_snapshot(request, lambda line: emit({"progress": line}), claim=claim)
             return record.to_dict()
 
         return ndjson_stream(work)
 
     @app.delete("/v1/snapshots/{tag}")
     async def remove_snapshot(tag: str, cascade: bool = False, force: bool = False) -> dict[str, Any]:
-        return {"removed": tag, "removed_tags": runtime.remove_snapshot(tag, cascade=cascade, force=force)}
+        return {"removed": tag, "removed_tags": await runtime.remove_snapshot(tag, cascade=cascade, force=force)}
 
     from forkd.daemon.routes_packs import packs_router  # here: it imports this module's helpers
     app.include_router(packs_router(runtime))

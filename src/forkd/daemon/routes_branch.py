@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from forkd.daemon import schemas
-from forkd.runtime.chains import describe_chain
+from forkd.store.chains import describe_chain
 from forkd.runtime.runtime import Runtime
 from forkd.validation import check_sandbox_id
 

@@ -20,7 +20,7 @@ from forkd.host.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup,
 from forkd.host.netns import NetworkError, create_child_network, host_resolver, release_network, slots_in_use_on_host
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool, Lease, NetRequest
 from forkd.host.nftrules import ChildNetwork
-from forkd.runtime.registry import LeasesExhausted, Registry
+from forkd.store.registry import LeasesExhausted, Registry
 from forkd.validation import ValidationError
 from forkd.vmm.base import ChildSetup
 

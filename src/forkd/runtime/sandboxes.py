@@ -28,7 +28,7 @@ from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_ans
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.isolation import END_OUT_OF_MEMORY, Isolation, IsolationError, Prepared, SandboxOptions, sandbox_meta
-from forkd.runtime.registry import Registry, SandboxRecord
+from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
 from forkd.vmm.process import start_time
@@ -110,7 +110,7 @@ class SandboxService:
         # Counted before the first await, so `rmi` of this tag is refused while its children start.
         self._forking[tag] += count
         try:
-            record, saved, spec = await asyncio.to_thread(self.snapshots.open, tag)
+            record, saved, spec = await asyncio.to_thread(self.snapshots.store.open, tag)
         except BaseException:
             self._forking[tag] -= count
             raise

@@ -1,0 +1,391 @@
+"""The daemon's record of snapshots, sandboxes, workspaces and address leases, in SQLite, and its schema.
+
+Every change is one transaction, so a crash leaves either the old or the new record, never half
+of one. Files on disk are published first (atomic rename) and registered second, so a registered
+snapshot always has its files.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The schema as the first versioned release found it. Databases older than versioning may lack the
+# columns a later release added to it (re-adoption's, snapshot chains'): migration 1 adds them.
+_INITIAL_SCHEMA = """
+CREATE TABLE IF NOT EXISTS snapshots (
+    tag        TEXT PRIMARY KEY,
+    status     TEXT NOT NULL,
+    image      TEXT NOT NULL,
+    path       TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    meta       TEXT NOT NULL,
+    parent_tag TEXT
+);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id           TEXT PRIMARY KEY,
+    snapshot_tag TEXT NOT NULL,
+    status       TEXT NOT NULL,
+    pid          INTEGER,
+    run_dir      TEXT NOT NULL,
+    created_at   REAL NOT NULL,
+    meta         TEXT NOT NULL,
+    -- What re-adopting a VMM after a daemon restart needs: its start time (a pid alone may have
+    -- been reused) and the sockets to reconnect.
+    vmm_started    INTEGER,
+    agent_socket   TEXT,
+    monitor_socket TEXT
+);
+-- A named long-lived sandbox: running as sandbox_id, or suspended to snapshot_tag (its VMM gone).
+CREATE TABLE IF NOT EXISTS workspaces (
+    name         TEXT PRIMARY KEY,
+    state        TEXT NOT NULL,
+    sandbox_id   TEXT,
+    snapshot_tag TEXT NOT NULL,
+    created_at   REAL NOT NULL,
+    meta         TEXT NOT NULL
+);
+-- One /30 of the nat address pool per sandbox, kept across daemon restarts so leftovers are known.
+CREATE TABLE IF NOT EXISTS net_leases (
+    pool       TEXT NOT NULL,
+    slot       INTEGER NOT NULL,
+    sandbox_id TEXT NOT NULL UNIQUE,
+    PRIMARY KEY (pool, slot)
+);
+"""
+_UNVERSIONED_COLUMNS = {"sandboxes": (("vmm_started", "INTEGER"), ("agent_socket", "TEXT"), ("monitor_socket", "TEXT")),
+                        "snapshots": (("parent_tag", "TEXT"),)}
+
+
+def _initial(db: sqlite3.Connection) -> None:
+    """Version 1: the tables; a database from before versioning gains the columns it may lack."""
+    for statement in filter(str.strip, _INITIAL_SCHEMA.split(";")):  # not executescript: it would commit
+        db.execute(statement)
+    for table, columns in _UNVERSIONED_COLUMNS.items():
+        present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        for name, sql_type in columns:
+            if name not in present:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sql_type}")
+
+
+def _snapshot_state_out_of_meta(db: sqlite3.Connection) -> None:
+    """Version 2: ``meta`` is exactly the snapshot's meta.json; what changes lives in columns.
+
+    A failure's message moves to ``error``; the parent link lives only in ``parent_tag`` (unpacked
+    chains of earlier releases had it only in meta, so their dependents were not known to ``rmi``).
+    """
+    db.execute("ALTER TABLE snapshots ADD COLUMN error TEXT")
+    db.execute("UPDATE snapshots SET parent_tag = json_extract(meta, '$.parent_tag') "
+               "WHERE parent_tag IS NULL AND json_extract(meta, '$.parent_tag') IS NOT NULL")
+    db.execute("UPDATE snapshots SET error = json_extract(meta, '$.error') WHERE json_extract(meta, '$.error') IS NOT NULL")
+    db.execute("UPDATE snapshots SET meta = json_remove(meta, '$.parent_tag', '$.error')")
+
+
+#: Ordered: ``MIGRATIONS[n - 1]`` takes a database from version ``n - 1`` to ``n``. Append only.
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_initial, _snapshot_state_out_of_meta)
+SCHEMA_VERSION = len(MIGRATIONS)
+_SANDBOX_FIELDS = "id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, agent_socket, monitor_socket"
+_SNAPSHOT_FIELDS = "tag, status, image, path, created_at, meta, parent_tag, error"
+
+
+class SchemaTooNew(RuntimeError):
+    """state.db was written by a newer forkd than this one."""
+
+
+def schema_version(db: sqlite3.Connection) -> int:
+    db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
+    return db.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0]
+
+
+def migrate(db: sqlite3.Connection) -> list[int]:
+    """Apply the migrations ``db`` lacks, each in its own transaction, in order; returns those applied."""
+    current = schema_version(db)
+    if current > SCHEMA_VERSION:
+        raise SchemaTooNew(f"state.db has schema version {current}, this forkd knows up to {SCHEMA_VERSION}: "
+                           "run the newer forkd that wrote it, or restore a backup of the database")
+    applied = []
+    for version in range(current + 1, SCHEMA_VERSION + 1):
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if schema_version(db) >= version:  # another process migrated it meanwhile
+                db.execute("ROLLBACK")
+                continue
+            MIGRATIONS[version - 1](db)
+            db.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", (version, time.time()))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        applied.append(version)
+    return applied
+
+
+class LeasesExhausted(RuntimeError):
+    """No address block is free in the pool."""
+
+
+@dataclass
+class SnapshotRecord:
+    tag: str
+    status: str
+    image: str
+    path: Path
+    created_at: float
+    meta: dict[str, Any] = field(default_factory=dict)  # exactly its meta.json: written once, never changed
+    parent_tag: str | None = None  # the snapshot this one was branched from: the one record of its parent
+    error: str | None = None  # why a ``failed`` snapshot failed
+
+    def to_dict(self) -> dict[str, Any]:
+        described = {**self.meta, "tag": self.tag, "status": self.status, "image": self.image, "path": str(self.path),
+                     "created_at": self.created_at, "parent_tag": self.parent_tag}
+        if self.error is not None:
+            described["error"] = self.error
+        return described
+
+
+@dataclass
+class WorkspaceRecord:
+    name: str
+    state: str  # "running" or "suspended"
+    sandbox_id: str | None  # while running
+    snapshot_tag: str  # what it runs from, or was suspended to
+    created_at: float
+    meta: dict[str, Any] = field(default_factory=dict)  # base tag, suspend snapshots, counts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "state": self.state, "sandbox_id": self.sandbox_id,
+                "snapshot_tag": self.snapshot_tag, "created_at": self.created_at, **self.meta}
+
+
+PRIVATE_SANDBOX_META = frozenset({"envs"})  # may hold secrets: used by the daemon, never returned
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    snapshot_tag: str
+    status: str
+    pid: int | None
+    run_dir: Path
+    created_at: float
+    meta: dict[str, Any] = field(default_factory=dict)
+    vmm_started: int | None = None  # clock ticks after boot, from /proc/PID/stat
+    agent_socket: Path | None = None
+    monitor_socket: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        public = {k: v for k, v in self.meta.items() if k not in PRIVATE_SANDBOX_META}
+        return {"id": self.id, "snapshot_tag": self.snapshot_tag, "status": self.status, "pid": self.pid,
+                "created_at": self.created_at, **public}
+
+
+class Registry:
+    """Access to ``state.db`` from any thread; the daemon holds one instance.
+
+    Each thread gets its own connection, and the database runs in WAL mode: readers never wait for
+    a writer, and no Python lock is shared between the event loop and worker threads. SQLite
+    serializes writers itself (each waits up to ``BUSY_TIMEOUT_S`` for the other).
+    """
+
+    BUSY_TIMEOUT_S = 30.0
+
+    def __init__(self, db_path: Path) -> None:
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        self._path = db_path
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._guard = threading.Lock()  # only around the list of connections, never around a query
+        self._closed = False
+        db = self._db
+        db.execute("PRAGMA journal_mode=WAL")
+        migrate(db)
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            with self._guard:
+                if self._closed:
+                    raise sqlite3.ProgrammingError("the registry is closed")
+                db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None,
+                                     timeout=self.BUSY_TIMEOUT_S)
+                db.execute("PRAGMA synchronous=NORMAL")
+                self._connections.append(db)
+            self._local.db = db
+        return db
+
+    def close(self) -> None:
+        with self._guard:
+            self._closed = True
+            for db in self._connections:
+                db.close()
+            self._connections.clear()
+
+    def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._db.execute(sql, params).fetchall()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """``BEGIN IMMEDIATE`` … ``COMMIT`` on this thread's connection: all of it or none of it."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    # snapshots
+
+    def add_snapshot(self, record: SnapshotRecord) -> None:
+        self._execute(_INSERT_SNAPSHOT, _snapshot_row(record))
+
+    def publish_snapshots(self, records: list[SnapshotRecord], remove: tuple[str, ...] = ()) -> None:
+        """In one transaction: remove the ``remove`` tags, then register ``records`` (each new, or
+        replacing its own ``writing`` record). A tag registered otherwise fails it all."""
+        with self._transaction() as db:
+            for tag in remove:
+                db.execute("DELETE FROM snapshots WHERE tag = ?", (tag,))
+            for record in records:
+                db.execute("DELETE FROM snapshots WHERE tag = ? AND status = 'writing'", (record.tag,))
+                db.execute(_INSERT_SNAPSHOT, _snapshot_row(record))
+
+    def update_snapshot(self, tag: str, *, status: str, error: str | None = None,
+                        parent_tag: str | None = None) -> None:
+        """Set a snapshot's status, and its error and parent link when given, in one statement."""
+        sets, params = ["status = ?"], [status]
+        if error is not None:
+            sets.append("error = ?")
+            params.append(error)
+        if parent_tag is not None:
+            sets.append("parent_tag = ?")
+            params.append(parent_tag)
+        self._execute(f"UPDATE snapshots SET {', '.join(sets)} WHERE tag = ?", (*params, tag))
+
+    def snapshot_children(self, tag: str) -> list[str]:
+        return [r[0] for r in self._execute("SELECT tag FROM snapshots WHERE parent_tag = ? ORDER BY created_at",
+                                            (tag,))]
+
+    def get_snapshot(self, tag: str) -> SnapshotRecord | None:
+        rows = self._execute(f"SELECT {_SNAPSHOT_FIELDS} FROM snapshots WHERE tag = ?", (tag,))
+        return _snapshot(rows[0]) if rows else None
+
+    def list_snapshots(self) -> list[SnapshotRecord]:
+        rows = self._execute(f"SELECT {_SNAPSHOT_FIELDS} FROM snapshots ORDER BY created_at")
+        return [_snapshot(r) for r in rows]
+
+    def remove_snapshot(self, tag: str) -> None:
+        self._execute("DELETE FROM snapshots WHERE tag = ?", (tag,))
+
+    # sandboxes
+
+    def add_sandbox(self, record: SandboxRecord) -> None:
+        self._execute(
+            "INSERT INTO sandboxes (id, snapshot_tag, status, pid, run_dir, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (record.id, record.snapshot_tag, record.status, record.pid, str(record.run_dir), record.created_at,
+             json.dumps(record.meta)),
+        )
+
+    def update_sandbox(self, sandbox_id: str, *, status: str | None = None, pid: int | None = None,
+                       meta: dict[str, Any] | None = None) -> None:
+        with self._transaction() as db:
+            row = db.execute("SELECT status, pid, meta FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+            if row is not None:
+                merged = {**json.loads(row[2]), **(meta or {})}
+                db.execute("UPDATE sandboxes SET status = ?, pid = ?, meta = ? WHERE id = ?",
+                           (status or row[0], pid if pid is not None else row[1], json.dumps(merged), sandbox_id))
+
+    def set_vmm(self, sandbox_id: str, pid: int, started: int | None, agent_socket: Path,
+                monitor_socket: Path) -> None:
+        """Record the VMM of a sandbox, everything a restarted daemon needs to find and reconnect it."""
+        self._execute("UPDATE sandboxes SET pid = ?, vmm_started = ?, agent_socket = ?, monitor_socket = ? WHERE id = ?",
+                      (pid, started, str(agent_socket), str(monitor_socket), sandbox_id))
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
+        rows = self._execute(f"SELECT {_SANDBOX_FIELDS} FROM sandboxes WHERE id = ?", (sandbox_id,))
+        return _sandbox(rows[0]) if rows else None
+
+    def list_sandboxes(self) -> list[SandboxRecord]:
+        rows = self._execute(f"SELECT {_SANDBOX_FIELDS} FROM sandboxes ORDER BY created_at")
+        return [_sandbox(r) for r in rows]
+
+    def remove_sandbox(self, sandbox_id: str) -> None:
+        self._execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    # network address leases
+
+    def lease_slot(self, sandbox_id: str, pool: str, capacity: int, taken: Collection[int] = ()) -> int:
+        """The lowest slot of ``pool`` that no sandbox holds and is not in ``taken``, now held by ``sandbox_id``.
+
+        One immediate transaction: concurrent forks (and another daemon on the same db) never get one slot twice.
+        """
+        with self._transaction() as db:
+            held = {row[0] for row in db.execute("SELECT slot FROM net_leases WHERE pool = ?", (pool,))}
+            slot = next((i for i in range(capacity) if i not in held and i not in taken), None)
+            if slot is None:
+                raise LeasesExhausted(f"all {capacity} address blocks of {pool} are in use; kill sandboxes "
+                                      f"or set a larger FORKD_NET_POOL")
+            db.execute("INSERT INTO net_leases (pool, slot, sandbox_id) VALUES (?, ?, ?)", (pool, slot, sandbox_id))
+        return slot
+
+    def release_slot(self, sandbox_id: str) -> None:
+        self._execute("DELETE FROM net_leases WHERE sandbox_id = ?", (sandbox_id,))
+
+    # workspaces
+
+    def put_workspace(self, record: WorkspaceRecord) -> None:
+        """Insert or replace the whole record (one statement: a crash leaves the old or the new one)."""
+        self._execute("INSERT OR REPLACE INTO workspaces (name, state, sandbox_id, snapshot_tag, created_at, meta) "
+                      "VALUES (?, ?, ?, ?, ?, ?)", (record.name, record.state, record.sandbox_id, record.snapshot_tag,
+                                                   record.created_at, json.dumps(record.meta)))
+
+    def get_workspace(self, name: str) -> WorkspaceRecord | None:
+        rows = self._execute("SELECT name, state, sandbox_id, snapshot_tag, created_at, meta FROM workspaces "
+                             "WHERE name = ?", (name,))
+        return _workspace(rows[0]) if rows else None
+
+    def list_workspaces(self) -> list[WorkspaceRecord]:
+        rows = self._execute("SELECT name, state, sandbox_id, snapshot_tag, created_at, meta FROM workspaces "
+                             "ORDER BY created_at")
+        return [_workspace(r) for r in rows]
+
+    def remove_workspace(self, name: str) -> None:
+        self._execute("DELETE FROM workspaces WHERE name = ?", (name,))
+
+    def leases(self) -> dict[str, tuple[str, int]]:
+        """Sandbox id → (pool, slot) of every lease held."""
+        return {row[2]: (row[0], row[1]) for row in self._execute("SELECT pool, slot, sandbox_id FROM net_leases")}
+
+
+
+_INSERT_SNAPSHOT = f"INSERT INTO snapshots ({_SNAPSHOT_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+
+
+def _snapshot_row(record: SnapshotRecord) -> tuple[Any, ...]:
+    return (record.tag, record.status, record.image, str(record.path), record.created_at, json.dumps(record.meta),
+            record.parent_tag, record.error)
+
+
+def _workspace(row: tuple[Any, ...]) -> WorkspaceRecord:
+    return WorkspaceRecord(name=row[0], state=row[1], sandbox_id=row[2], snapshot_tag=row[3], created_at=row[4],
+                           meta=json.loads(row[5]))
+
+
+def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:
+    return SnapshotRecord(tag=row[0], status=row[1], image=row[2], path=Path(row[3]), created_at=row[4],
+                          meta=json.loads(row[5]), parent_tag=row[6], error=row[7])
+
+
+def _sandbox(row: tuple[Any, ...]) -> SandboxRecord:
+    return SandboxRecord(id=row[0], snapshot_tag=row[1], status=row[2], pid=row[3], run_dir=Path(row[4]),
+                         created_at=row[5], meta=json.loads(row[6]), vmm_started=row[7],
+                         agent_socket=Path(row[8]) if row[8] else None,
+                         monitor_socket=Path(row[9]) if row[9] else None)
