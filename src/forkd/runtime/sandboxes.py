@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import secrets
-import shutil
 import string
 import time
 from collections import Counter
@@ -28,6 +27,7 @@ from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_ans
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.isolation import END_OUT_OF_MEMORY, Isolation, IsolationError, Prepared, SandboxOptions, sandbox_meta
+from forkd.store.io import remove_tree
 from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
@@ -234,7 +234,7 @@ class SandboxService:
                 await asyncio.to_thread(releaser, sandbox_id)
             except Exception:  # one resource that cannot be freed must not keep the others
                 log.exception("releasing %s for %s failed", getattr(releaser, "__name__", releaser), sandbox_id)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        await remove_tree(run_dir)  # a child's overlay can hold gigabytes: deleted off the loop
         self.registry.remove_sandbox(sandbox_id)
 
     def _update_meta(self, live: LiveSandbox, **meta: Any) -> None:
