@@ -29,6 +29,7 @@ from forkd.store.files import link_or_copy
 from forkd.store.registry import SnapshotRecord
 from forkd.store.snapshots import SnapshotStore
 from forkd.vmm.base import Vmm
+from forkd.vmm.branching import branching_of
 
 
 class CompactService:
@@ -52,7 +53,7 @@ class CompactService:
                 for name in (STATE_FILE, DISK_FILE):
                     await blocking(shutil.copyfile, record.path / name, build_dir / name)
                 os.chmod(build_dir / DISK_FILE, 0o600)
-                await self.vmm.flatten_disk(build_dir / DISK_FILE, BASE_DISK_FILE)
+                await branching_of(self.vmm).flatten_disk(build_dir / DISK_FILE, BASE_DISK_FILE)
                 meta = {k: v for k, v in record.meta.items()
                         if k in ("identity", "boot", "image_key", "warm_modules", "warmup_cmd")}
                 meta.update({"memory_kind": "full", "compacted_from": record.tag,

@@ -59,7 +59,7 @@ class Runtime:
     async def start(self) -> Recovery:
         """Re-adopt the sandboxes a previous daemon left running, reap the rest, half-built snapshots and
         branches, then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline)."""
-        await asyncio.to_thread(self.vmm.capabilities)  # runs `qemu --version` once, off the loop
+        await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
         recovery = await recover(self.sandboxes, self.store)
         self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
         return recovery

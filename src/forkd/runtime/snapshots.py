@@ -100,7 +100,7 @@ class SnapshotService:
         if image.agent_version != AGENT_VERSION:
             raise SnapshotError(f"image {image.name!r} has agent {image.agent_version}, this forkd speaks "
                                 f"{AGENT_VERSION}: rebuild it with `forkd image build --force`")
-        caps = await asyncio.to_thread(self.vmm.capabilities)  # the first call runs `qemu --version`
+        caps = self.vmm.capabilities()  # resolved off the loop when the runtime started
         progress(f"booting parent VM ({caps.kind} {caps.version}, {caps.accelerator}: {caps.accelerator_reason})")
         started = time.monotonic()
         vm = await self.vmm.boot(f"parent-{request.tag}", spec, build_dir, build_dir / BASE_DISK_FILE,
@@ -108,7 +108,7 @@ class SnapshotService:
         self._parents.add(vm)
         agent: AgentClient | None = None
         try:
-            agent, _ = await connect_when_answering(vm.agent_socket, vm.process, BOOT_TIMEOUT_S)
+            agent, _ = await connect_when_answering(vm, BOOT_TIMEOUT_S)
             boot_s = time.monotonic() - started
             progress(f"guest agent answered after {boot_s:.1f} s")
             if request.warm_modules:

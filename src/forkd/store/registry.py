@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The schema as the first versioned release found it. Databases older than versioning may lack the
-# columns a later release added to it (re-adoption's, snapshot chains'): migration 1 adds them.
-_INITIAL_SCHEMA = """
+# The unversioned shape (what forkd created before schema versions); MIGRATIONS bring it up to date.
+SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
     tag        TEXT PRIMARY KEY,
     status     TEXT NOT NULL,
@@ -36,12 +34,7 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     pid          INTEGER,
     run_dir      TEXT NOT NULL,
     created_at   REAL NOT NULL,
-    meta         TEXT NOT NULL,
-    -- What re-adopting a VMM after a daemon restart needs: its start time (a pid alone may have
-    -- been reused) and the sockets to reconnect.
-    vmm_started    INTEGER,
-    agent_socket   TEXT,
-    monitor_socket TEXT
+    meta         TEXT NOT NULL
 );
 -- A named long-lived sandbox: running as sandbox_id, or suspended to snapshot_tag (its VMM gone).
 CREATE TABLE IF NOT EXISTS workspaces (
@@ -52,7 +45,7 @@ CREATE TABLE IF NOT EXISTS workspaces (
     created_at   REAL NOT NULL,
     meta         TEXT NOT NULL
 );
--- One /30 of the nat address pool per sandbox, kept across daemon restarts so leftovers are known.
+-- One /30 of the nat address pool per sandbox; kept across daemon restarts so leftovers are known.
 CREATE TABLE IF NOT EXISTS net_leases (
     pool       TEXT NOT NULL,
     slot       INTEGER NOT NULL,
@@ -60,27 +53,34 @@ CREATE TABLE IF NOT EXISTS net_leases (
     PRIMARY KEY (pool, slot)
 );
 """
-_UNVERSIONED_COLUMNS = {"sandboxes": (("vmm_started", "INTEGER"), ("agent_socket", "TEXT"), ("monitor_socket", "TEXT")),
-                        "snapshots": (("parent_tag", "TEXT"),)}
+_SANDBOX_FIELDS = "id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, vmm_state"
+_SNAPSHOT_FIELDS = "tag, status, image, path, created_at, meta, parent_tag, error"
 
 
-def _initial(db: sqlite3.Connection) -> None:
-    """Version 1: the tables; a database from before versioning gains the columns it may lack."""
-    for statement in filter(str.strip, _INITIAL_SCHEMA.split(";")):  # not executescript: it would commit
-        db.execute(statement)
-    for table, columns in _UNVERSIONED_COLUMNS.items():
-        present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
-        for name, sql_type in columns:
-            if name not in present:
-                db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sql_type}")
+def _add_columns(db: sqlite3.Connection) -> None:
+    """1: columns added before the schema had a version (snapshot chains; re-adoption after a restart)."""
+    for table, name, sql_type in (("snapshots", "parent_tag", "TEXT"), ("sandboxes", "vmm_started", "INTEGER"),
+                                  ("sandboxes", "agent_socket", "TEXT"), ("sandboxes", "monitor_socket", "TEXT")):
+        if name not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sql_type}")
+
+
+def _vmm_state_blob(db: sqlite3.Connection) -> None:
+    """2: what a backend needs to re-adopt its VMM is its own opaque JSON (``VmHandle.state``), not
+    QEMU columns. Records written by the QEMU backend before keep their monitor socket and disk."""
+    db.execute("ALTER TABLE sandboxes ADD COLUMN vmm_state TEXT")
+    rows = db.execute("SELECT id, run_dir, monitor_socket FROM sandboxes WHERE monitor_socket IS NOT NULL")
+    for sandbox_id, run_dir, monitor_socket in rows.fetchall():
+        state = {"monitor_socket": monitor_socket, "disk": str(Path(run_dir) / "disk.qcow2")}
+        db.execute("UPDATE sandboxes SET vmm_state = ? WHERE id = ?", (json.dumps(state), sandbox_id))
+    db.execute("ALTER TABLE sandboxes DROP COLUMN agent_socket")
+    db.execute("ALTER TABLE sandboxes DROP COLUMN monitor_socket")
 
 
 def _snapshot_state_out_of_meta(db: sqlite3.Connection) -> None:
-    """Version 2: ``meta`` is exactly the snapshot's meta.json; what changes lives in columns.
-
-    A failure's message moves to ``error``; the parent link lives only in ``parent_tag`` (unpacked
-    chains of earlier releases had it only in meta, so their dependents were not known to ``rmi``).
-    """
+    """3: a snapshot's ``meta`` is exactly its meta.json; what changes lives in columns. A failure's
+    message moves to ``error``; the parent link lives only in ``parent_tag`` (chains unpacked by
+    earlier releases had it only in meta, so ``rmi`` of their base did not see them)."""
     db.execute("ALTER TABLE snapshots ADD COLUMN error TEXT")
     db.execute("UPDATE snapshots SET parent_tag = json_extract(meta, '$.parent_tag') "
                "WHERE parent_tag IS NULL AND json_extract(meta, '$.parent_tag') IS NOT NULL")
@@ -88,42 +88,40 @@ def _snapshot_state_out_of_meta(db: sqlite3.Connection) -> None:
     db.execute("UPDATE snapshots SET meta = json_remove(meta, '$.parent_tag', '$.error')")
 
 
-#: Ordered: ``MIGRATIONS[n - 1]`` takes a database from version ``n - 1`` to ``n``. Append only.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_initial, _snapshot_state_out_of_meta)
+#: Schema migrations, in order: step N brings ``PRAGMA user_version`` from N-1 to N in one
+#: transaction. A new database is created in the unversioned shape and migrated like any other.
+MIGRATIONS = (_add_columns, _vmm_state_blob, _snapshot_state_out_of_meta)
 SCHEMA_VERSION = len(MIGRATIONS)
-_SANDBOX_FIELDS = "id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, agent_socket, monitor_socket"
-_SNAPSHOT_FIELDS = "tag, status, image, path, created_at, meta, parent_tag, error"
 
 
 class SchemaTooNew(RuntimeError):
-    """state.db was written by a newer forkd than this one."""
+    """state.db was written by a newer forkd; this one would misread it."""
 
 
 def schema_version(db: sqlite3.Connection) -> int:
-    db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
-    return db.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0]
+    return db.execute("PRAGMA user_version").fetchone()[0]
 
 
 def migrate(db: sqlite3.Connection) -> list[int]:
     """Apply the migrations ``db`` lacks, each in its own transaction, in order; returns those applied."""
-    current = schema_version(db)
-    if current > SCHEMA_VERSION:
-        raise SchemaTooNew(f"state.db has schema version {current}, this forkd knows up to {SCHEMA_VERSION}: "
-                           "run the newer forkd that wrote it, or restore a backup of the database")
+    version = schema_version(db)
+    if version > SCHEMA_VERSION:
+        raise SchemaTooNew(f"state.db has schema version {version}, this forkd knows up to {SCHEMA_VERSION}; "
+                           "upgrade forkd or use another FORKD_HOME")
     applied = []
-    for version in range(current + 1, SCHEMA_VERSION + 1):
+    for number in range(version + 1, SCHEMA_VERSION + 1):
         db.execute("BEGIN IMMEDIATE")
         try:
-            if schema_version(db) >= version:  # another process migrated it meanwhile
+            if schema_version(db) >= number:  # another process migrated it meanwhile
                 db.execute("ROLLBACK")
                 continue
-            MIGRATIONS[version - 1](db)
-            db.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", (version, time.time()))
+            MIGRATIONS[number - 1](db)
+            db.execute(f"PRAGMA user_version = {number}")
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        applied.append(version)
+        applied.append(number)
     return applied
 
 
@@ -177,8 +175,7 @@ class SandboxRecord:
     created_at: float
     meta: dict[str, Any] = field(default_factory=dict)
     vmm_started: int | None = None  # clock ticks after boot, from /proc/PID/stat
-    agent_socket: Path | None = None
-    monitor_socket: Path | None = None
+    vmm_state: dict[str, Any] | None = None  # the backend's own VmHandle.state, for re-adoption
 
     def to_dict(self) -> dict[str, Any]:
         public = {k: v for k, v in self.meta.items() if k not in PRIVATE_SANDBOX_META}
@@ -204,8 +201,13 @@ class Registry:
         self._guard = threading.Lock()  # only around the list of connections, never around a query
         self._closed = False
         db = self._db
-        db.execute("PRAGMA journal_mode=WAL")
-        migrate(db)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+            migrate(db)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def _db(self) -> sqlite3.Connection:
@@ -303,11 +305,14 @@ class Registry:
                 db.execute("UPDATE sandboxes SET status = ?, pid = ?, meta = ? WHERE id = ?",
                            (status or row[0], pid if pid is not None else row[1], json.dumps(merged), sandbox_id))
 
-    def set_vmm(self, sandbox_id: str, pid: int, started: int | None, agent_socket: Path,
-                monitor_socket: Path) -> None:
+    def set_vmm(self, sandbox_id: str, pid: int, started: int | None, vmm_state: dict[str, Any]) -> None:
         """Record the VMM of a sandbox, everything a restarted daemon needs to find and reconnect it."""
-        self._execute("UPDATE sandboxes SET pid = ?, vmm_started = ?, agent_socket = ?, monitor_socket = ? WHERE id = ?",
-                      (pid, started, str(agent_socket), str(monitor_socket), sandbox_id))
+        self._execute("UPDATE sandboxes SET pid = ?, vmm_started = ?, vmm_state = ? WHERE id = ?",
+                      (pid, started, json.dumps(vmm_state), sandbox_id))
+
+    def set_vmm_state(self, sandbox_id: str, vmm_state: dict[str, Any]) -> None:
+        """The backend's state of a running VMM changed (a BRANCH moved its disk to a new overlay)."""
+        self._execute("UPDATE sandboxes SET vmm_state = ? WHERE id = ?", (json.dumps(vmm_state), sandbox_id))
 
     def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
         rows = self._execute(f"SELECT {_SANDBOX_FIELDS} FROM sandboxes WHERE id = ?", (sandbox_id,))
@@ -387,5 +392,4 @@ def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:
 def _sandbox(row: tuple[Any, ...]) -> SandboxRecord:
     return SandboxRecord(id=row[0], snapshot_tag=row[1], status=row[2], pid=row[3], run_dir=Path(row[4]),
                          created_at=row[5], meta=json.loads(row[6]), vmm_started=row[7],
-                         agent_socket=Path(row[8]) if row[8] else None,
-                         monitor_socket=Path(row[9]) if row[9] else None)
+                         vmm_state=json.loads(row[8]) if row[8] else None)
