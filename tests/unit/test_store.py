@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 from store_helpers import make_runtime, make_snapshot, pack_of, unpack
+from test_runtime_fake_vmm import _image as fake_image
+from test_runtime_fake_vmm import _runtime as fake_runtime
+from test_runtime_fake_vmm import run as fake_run
 
 from forkd.runtime.runtime import Runtime
+from forkd.runtime.snapshots import SnapshotRequest
 from forkd.store.errors import SnapshotConflict
 from forkd.store.files import sha256_file
 from forkd.store.registry import SnapshotRecord
+from forkd.vmm.fake import FakeVmm
 
 TAG = "contested"
 
@@ -229,3 +236,48 @@ def test_an_unpacked_chain_keeps_its_parent_link_so_its_base_is_not_removed_unde
         clean.store.open("layer")
     assert asyncio.run(clean.store.remove("base", lambda _: 0, cascade=True)) == ["layer", "base"]
     assert _no_work_left(clean) and sorted(p.name for p in clean.paths.snapshots.iterdir()) == []
+
+
+# The same race with every contender able to win: on the FakeVmm (real registry, files, processes and
+# guest protocol, no VM) create bakes and BRANCH captures for real too. Whichever starts first wins.
+
+FAKE_CONTENDERS = ("create", "branch", "diff", "compact")
+
+
+@pytest.mark.parametrize("winner", FAKE_CONTENDERS)
+def test_each_way_to_make_a_snapshot_wins_alone_against_all_the_others(winner: str) -> None:
+    home = Path(tempfile.mkdtemp(prefix="fks-", dir="/tmp"))  # short: agent socket paths are bounded
+
+    async def scenario() -> tuple[dict[str, object], str, dict[str, object]]:
+        vmm = FakeVmm()
+        runtime = await fake_runtime(home, vmm)
+        try:
+            [outcome] = await runtime.sandboxes.fork("base", 1)
+            source = outcome.sandbox["id"]
+            ways = {
+                "create": lambda: runtime.snapshots.create(SnapshotRequest(tag=TAG, memory_mib=1), fake_image(home),
+                                                           lambda _: None),
+                "branch": lambda: runtime.branches.branch(source, TAG, "diff"),
+                "diff": lambda: runtime.branches.diff_exec("base", TAG, "true", 10),
+                "compact": lambda: runtime.compaction.compact("base", TAG),
+            }
+            order = [winner, *(w for w in FAKE_CONTENDERS if w != winner)]
+            results = await asyncio.gather(*(ways[w]() for w in order), return_exceptions=True)
+            [child] = await runtime.sandboxes.fork(TAG, 1)  # the winner's snapshot is whole and forks
+            return dict(zip(order, results)), child.error or "", runtime.store.get(TAG).meta
+        finally:
+            await runtime.stop()
+
+    try:
+        outcomes, fork_error, meta = fake_run(scenario)
+        assert [w for w, r in outcomes.items() if not isinstance(r, BaseException)] == [winner]
+        for name, result in outcomes.items():
+            if name != winner:
+                assert isinstance(result, SnapshotConflict) and f"snapshot {TAG!r} is being" in str(result), result
+        assert fork_error == ""
+        made_by = {"compact": "compacted_from" in meta, "create": "image_key" in meta and "mode" not in meta,
+                   "branch": meta.get("mode") == "diff", "diff": meta.get("mode") == "diff"}
+        assert made_by[winner]
+        assert not [p for p in (home / "home" / "snapshots").iterdir() if p.name.startswith(".")]
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
