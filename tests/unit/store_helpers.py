@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from forkd.config import Paths
-from forkd.guest.agent import AGENT_VERSION
+from forkd.guest.protocol import AGENT_VERSION
 from forkd.runtime.runtime import Runtime
 from forkd.store.files import sha256_file, write_json_atomic
 from forkd.store.registry import SnapshotRecord

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forkd.guest.agent import AGENT_VERSION
+from forkd.guest.protocol import AGENT_VERSION
 from forkd.store.chains import ChainBroken, ancestry, chain_memory, descendants
 from forkd.store.errors import SnapshotConflict, SnapshotCorrupt, SnapshotError
 from forkd.store.files import RENAME_NOREPLACE, DigestCache, fsync_dir, fsync_tree, renameat2, write_json_atomic
