@@ -3,6 +3,7 @@ overwrites, the one reaper, and the races the store exists to settle (no VM is s
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import shutil
@@ -17,10 +18,11 @@ from test_runtime_fake_vmm import _image as fake_image
 from test_runtime_fake_vmm import _runtime as fake_runtime
 from test_runtime_fake_vmm import run as fake_run
 
+import forkd.store
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.snapshots import SnapshotRequest
 from forkd.store.errors import SnapshotConflict
-from forkd.store.files import sha256_file
+from forkd.store.files import DigestCache, sha256_file
 from forkd.store.registry import SnapshotRecord
 from forkd.vmm.fake import FakeVmm
 
@@ -281,3 +283,32 @@ def test_each_way_to_make_a_snapshot_wins_alone_against_all_the_others(winner: s
         assert not [p for p in (home / "home" / "snapshots").iterdir() if p.name.startswith(".")]
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_file_changed_behind_a_restored_mtime_is_hashed_again(tmp_path: Path) -> None:
+    """Digests are cached per file version; putting the mtime back after a write does not fool it."""
+    cache = DigestCache()
+    path = tmp_path / "memory"
+    path.write_bytes(b"a" * 4096)
+    first = cache.sha256(path)
+    before = path.stat()
+    with open(path, "r+b") as f:
+        f.write(b"b")  # same size
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime as it was
+    assert path.stat().st_mtime_ns == before.st_mtime_ns and path.stat().st_size == before.st_size
+    assert cache.sha256(path) == sha256_file(path) != first
+
+
+def test_the_store_imports_only_what_its_room_allows() -> None:
+    """store/ sits below runtime/ and daemon/ (docs/architecture.md): it may use validation, the VMM's data
+    types and the agent version, nothing above it."""
+    allowed = ("forkd.store", "forkd.validation", "forkd.vmm.base", "forkd.guest.protocol")
+    store = Path(forkd.store.__file__).parent
+    imported = set()
+    for module in store.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("forkd"):
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names if a.name.startswith("forkd"))
+    assert imported and not [m for m in imported if not m.startswith(allowed)]

@@ -68,7 +68,7 @@ class BranchService:
         self.vmm = vmm
         self.sandboxes = sandboxes
         self.max_concurrent = max_concurrent
-        self._writing: dict[str, asyncio.Task[SnapshotRecord]] = {}  # builds under way, by tag (claimed in the store)
+        self._builds: dict[str, asyncio.Task[SnapshotRecord]] = {}  # builds under way, by tag (claimed in the store)
         self._sources: dict[str, _SourceState] = {}
 
     async def branch(self, sandbox_id: str, tag: str, mode: str = "diff", wait: bool = True,
@@ -83,8 +83,8 @@ class BranchService:
         claim = claim or self.store.claim(tag, "branched")
         try:
             live = self.sandboxes.get(sandbox_id)
-            if len(self._writing) >= self.max_concurrent:
-                raise BranchBusy(f"{len(self._writing)} branches are being written (the limit is "
+            if len(self._builds) >= self.max_concurrent:
+                raise BranchBusy(f"{len(self._builds)} branches are being written (the limit is "
                                  f"{self.max_concurrent}, FORKD_MAX_BRANCHES); retry when one is ready")
             running = {s.record.id for s in self.sandboxes.live()}
             for gone in [sid for sid, state in self._sources.items()
@@ -108,14 +108,14 @@ class BranchService:
             claim.release()
             raise
         task = asyncio.create_task(self._build(live, source, record, mode, claim))
-        self._writing[tag] = task
+        self._builds[tag] = task
         task.add_done_callback(lambda done: self._finished(tag, done))
         if not wait:
             return record
         return await asyncio.shield(task)  # a client that goes away does not abandon the build
 
     def _finished(self, tag: str, task: asyncio.Task[SnapshotRecord]) -> None:
-        self._writing.pop(tag, None)
+        self._builds.pop(tag, None)
         if task.cancelled() or task.exception() is not None:
             return  # a failure is recorded as the snapshot's status and error
         meta = task.result().meta
@@ -254,4 +254,4 @@ class BranchService:
 
     async def wait_all(self) -> None:
         """Let branches being written finish (or fail) before the daemon stops their sources."""
-        await asyncio.gather(*self._writing.values(), return_exceptions=True)
+        await asyncio.gather(*self._builds.values(), return_exceptions=True)
