@@ -33,8 +33,9 @@ def packs_router(runtime: Runtime) -> APIRouter:
     async def unpack(body: schemas.PackUnpack) -> NDJSONResponse:
         manifest = await asyncio.to_thread(packs.inspect, Path(body.path))
         packs.plan(manifest, body.tag, body.force)
+        claim = packs.claim(manifest, body.tag)  # a tag another request holds is a 409 before streaming
         return ndjson_stream(lambda emit: packs.unpack(Path(body.path), body.tag, body.force,
-                                                       lambda line: emit({"progress": line})))
+                                                       lambda line: emit({"progress": line}), claim))
 
     @router.post("/pull", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
     async def pull(body: schemas.PackPull) -> NDJSONResponse:

@@ -132,11 +132,18 @@ class PackService:
         except OSError as exc:
             raise PackError(f"cannot read pack {source}: {exc.strerror or exc}") from None
 
-    async def unpack(self, source: Path, tag: str | None, force: bool, progress: Progress) -> dict[str, Any]:
-        manifest = await asyncio.to_thread(self.inspect, source)
+    def claim(self, manifest: Manifest, tag: str | None) -> Claim:
+        """Hold every tag an unpack of ``manifest`` writes or reuses (409 if another request holds one);
+        its ancestors may be in the store already (reused, so held against removal meanwhile)."""
         wanted = [tag or manifest.top.tag, *(s.tag for s in manifest.snapshots[:-1])]
-        # Its ancestors may be in the store already (reused, so held against removal meanwhile).
-        with self.store.claim(wanted, "unpacked", existing_ok=True) as claim:
+        return self.store.claim(wanted, "unpacked", existing_ok=True)
+
+    async def unpack(self, source: Path, tag: str | None, force: bool, progress: Progress,
+                     claim: Claim | None = None) -> dict[str, Any]:
+        """Unpack ``source``; ``claim`` when the caller already holds its tags (:meth:`claim`)."""
+        if claim is None:
+            claim = self.claim(await asyncio.to_thread(self.inspect, source), tag)
+        with claim:
             async with self._lock:
                 work = self.store.build_dir("unpack")
                 try:
