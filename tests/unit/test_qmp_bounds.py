@@ -18,6 +18,7 @@ import pytest
 from forkd.config import Paths
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
+from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
 from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
@@ -120,7 +121,7 @@ def test_recovery_reaps_a_stalled_vmm_and_finishes(short_dir: Path, monkeypatch:
         vmm.program = "tail"
         store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
         service = SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
-                                 Isolation.from_env(registry))
+                                 Isolation.from_options(registry, RuntimeOptions()))
         try:
             result = await recover(service, store)
             await asyncio.wait_for(process.wait(), 5)
