@@ -113,9 +113,10 @@ def test_the_reaper_fails_writing_records_and_removes_what_no_record_names(runti
     runtime.registry.add_snapshot(SnapshotRecord("halfway", "writing", "default", runtime.paths.snapshots / "halfway",
                                                  1.0, {"mode": "diff"}, parent_tag="kept"))
     (runtime.paths.snapshots / ".build-halfway-0a0b0c0d").mkdir()
+    (runtime.paths.snapshots / ".unpack-0a0b0c0d0e0f").mkdir()  # left by a daemon from before the store
     (runtime.paths.snapshots / "unregistered").mkdir()
     (runtime.paths.snapshots / "lost+found").mkdir()
-    assert runtime.store.reap() == [".build-halfway-0a0b0c0d", "unregistered"]
+    assert runtime.store.reap() == [".build-halfway-0a0b0c0d", ".unpack-0a0b0c0d0e0f", "unregistered"]
     halfway = runtime.registry.get_snapshot("halfway")
     assert halfway is not None and (halfway.status, halfway.error) == ("failed", "the daemon stopped while writing it")
     assert sorted(p.name for p in runtime.paths.snapshots.iterdir()) == ["kept", "lost+found"]

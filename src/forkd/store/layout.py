@@ -15,6 +15,7 @@ STATE_FILE, META_FILE = "state", "meta.json"
 # The files of a baked (root) snapshot; a branch holds KERNEL, INITRD, DISK, STATE and its memory file.
 HASHED_FILES = (KERNEL_FILE, INITRD_FILE, BASE_DISK_FILE, DISK_FILE, MEMORY_FILE, STATE_FILE)
 BUILD_PREFIX = ".build-"  # snapshots/.build-LABEL-*: work directories, renamed into place or removed
+OLDER_WORK_PREFIXES = (".unpack-", ".pull-", ".push-")  # what daemons before the store named theirs
 
 
 def memory_layer_name(meta: dict[str, Any]) -> str:

@@ -46,6 +46,7 @@ from forkd.store.layout import (
     INITRD_FILE,
     KERNEL_FILE,
     META_FILE,
+    OLDER_WORK_PREFIXES,
     STATE_FILE,
     snapshot_format,
 )
@@ -343,7 +344,8 @@ class SnapshotStore:
         removed = []
         for entry in sorted(self.directory.iterdir()) if self.directory.exists() else ():
             # Only names forkd makes: a filesystem's own lost+found (a mount point) is left alone.
-            ours = entry.name.startswith(BUILD_PREFIX) or (is_tag(entry.name) and entry.name not in registered)
+            ours = (entry.name.startswith((BUILD_PREFIX, *OLDER_WORK_PREFIXES))
+                    or (is_tag(entry.name) and entry.name not in registered))
             if ours and entry.is_dir() and not entry.is_symlink() and not self.held_for(entry.name):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
