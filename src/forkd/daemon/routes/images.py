@@ -36,5 +36,5 @@ async def build_image(body: schemas.ImageBuild, runtime: RuntimeDep) -> NDJSONRe
 
 @router.delete("/v1/images/{name}")
 async def remove_image(name: str, runtime: RuntimeDep) -> dict[str, Any]:
-    runtime.remove_image(name)
+    await runtime.remove_image(name)
     return {"removed": name}
