@@ -22,7 +22,7 @@ from typing import Any
 
 from forkd.config import Paths
 from forkd.guest import protocol
-from forkd.guest.agent import AGENT_VERSION
+from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.builder import Image
 from forkd.runtime.agent_client import AgentClient, connect_when_answering
 from forkd.runtime.chains import DISK_FILE, MEMORY_FILE, ChainBroken, ancestry, chain_memory, descendants
