@@ -28,7 +28,7 @@ from forkd.vmm.base import VmHandle
 from forkd.vmm.qemu import QemuVmm
 
 pytestmark = pytest.mark.timeout(60)
-BOUND_S = 10.0  # far above how long failing takes; only bounds a hang
+BOUND_S = 60.0  # far above how long failing takes; only bounds a hang
 
 
 def _deep(levels: int) -> bytes:
@@ -75,13 +75,17 @@ class Guest:
 async def _with_guest(tmp_path: Path, body: Callable[[AgentClient, Guest], Awaitable[None]]) -> None:
     guest = Guest()
     server = await asyncio.start_unix_server(guest.serve, path=str(tmp_path / "agent.sock"))
-    client = await AgentClient.connect(tmp_path / "agent.sock")
+    process = await _stand_in_vmm()
+    client = await AgentClient.connect(VmHandle("guest", tmp_path, process, tmp_path / "agent.sock"))
     try:
         await asyncio.wait_for(guest.connected.wait(), BOUND_S)
         await body(client, guest)
     finally:
         await client.close()
         server.close()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 def _echo_handler(name: str, data: dict) -> None:
@@ -144,7 +148,7 @@ def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_pa
         record = SandboxRecord("sb-hostile000000", "base", "running", process.pid, run_dir, time.time())
         registry.add_sandbox(record)
         vm = VmHandle(name=record.id, run_dir=run_dir, process=process, agent_socket=tmp_path / "agent.sock",
-                      monitor_socket=run_dir / "qmp.sock", disk=run_dir / "disk.qcow2")
+                      state={"monitor_socket": str(run_dir / "qmp.sock"), "disk": str(run_dir / "disk.qcow2")})
         live = service.watch(record, vm, client)
         call = asyncio.create_task(client.call("exec", {}, timeout=300))
         request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
