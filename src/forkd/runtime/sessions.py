@@ -277,9 +277,18 @@ class Execution:
                 await self.cancel()
 
     async def raw_result(self) -> dict[str, Any]:
-        """The agent's terminal result; raises :class:`AgentError` when the call failed."""
+        """The agent's terminal result; raises :class:`AgentError` when the call failed.
+
+        When the host gave up waiting (the guest's own timeout did not end it), the call is ended
+        in the guest too, so it does not run on unseen.
+        """
         assert self._result is not None, "start() the execution first"
-        return await self._result
+        try:
+            return await self._result
+        except AgentError as exc:
+            if exc.code == protocol.ERR_TIMEOUT and self._req_id is not None:
+                await _end_in_guest(self._agent, self._req_id, self.pid)
+            raise
 
     async def cancel(self) -> None:
         """End the call: ask the guest to cancel it (older agents: kill its process group), drop its output."""
@@ -300,12 +309,18 @@ class Execution:
 
 
 async def _end_in_guest(agent: AgentClient, req_id: int, pid: int | None) -> None:
-    try:
-        if await agent.control(protocol.OP_CANCEL, req_id, timeout=CONTROL_TIMEOUT_S) or pid is None:
-            return
-        await agent.call(protocol.OP_PROC_KILL, {"pid": pid, "signal": int(signal.SIGKILL)}, timeout=CONTROL_TIMEOUT_S)
-    except AgentError as exc:
-        log.debug("could not end request %d in the guest: %s", req_id, exc)
+    """Ask the agent to cancel the request and, for a command, also kill its process group at once.
+
+    Both are sent without waiting for the other: an agent without ``cancel`` still kills, and the
+    kill acts as soon as the agent reads it even while its answers queue behind output in flight.
+    """
+    calls = [agent.control(protocol.OP_CANCEL, req_id, timeout=CONTROL_TIMEOUT_S)]
+    if pid is not None:
+        calls.append(agent.call(protocol.OP_PROC_KILL, {"pid": pid, "signal": int(signal.SIGKILL)},
+                                timeout=CONTROL_TIMEOUT_S))
+    for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(outcome, Exception):
+            log.debug("ending request %d in the guest: %s", req_id, outcome)
 
 
 # ---------------------------------------------------------------------------------------------
