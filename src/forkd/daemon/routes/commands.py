@@ -59,7 +59,7 @@ async def _lines(execution: Execution) -> AsyncIterator[dict[str, Any]]:
         for tail in execution.flush():
             yield _wire(tail)
     finally:
-        await execution.cancel()  # a no-op once the call ended; ends it in the guest otherwise
+        execution.cancel()  # a no-op once the call ended; ends it in the guest otherwise
 
 
 def command_spec(body: schemas.ExecRequest) -> CommandSpec:
