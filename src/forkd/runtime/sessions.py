@@ -110,6 +110,7 @@ class CommandSpec:
     stdin: bytes | None = None  # written, then closed; None leaves stdin open for write_stdin
     timeout_s: float | None = 60.0
     user: str | None = None
+    warm: bool = False  # a python3 argv forked from the guest's warm template (see docs/guest-protocol.md)
 
     def __post_init__(self) -> None:
         if (self.cmd is None) == (self.argv is None):
@@ -384,6 +385,8 @@ class Sessions:
         for key in ("cwd", "timeout_s", "user"):
             if getattr(spec, key) is not None:
                 args[key] = getattr(spec, key)
+        if spec.warm:
+            args["warm"] = True
         if spec.stdin is not None:
             args["stdin_b64"] = protocol.b64encode(spec.stdin)
         return args

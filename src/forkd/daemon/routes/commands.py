@@ -64,7 +64,8 @@ async def _lines(execution: Execution) -> AsyncIterator[dict[str, Any]]:
 
 def command_spec(body: schemas.ExecRequest) -> CommandSpec:
     return CommandSpec(cmd=body.cmd, argv=body.argv, env=body.env, cwd=body.cwd, timeout_s=body.timeout_s,
-                       user=body.user, stdin=body.stdin.encode() if body.stdin is not None else None)
+                       user=body.user, stdin=body.stdin.encode() if body.stdin is not None else None,
+                       warm=body.warm)
 
 
 async def _answer(request: Request, stream: bool, collect: Callable[[], Awaitable[Any]],
