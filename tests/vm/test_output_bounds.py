@@ -1,6 +1,6 @@
 """Guest output cannot exhaust the daemon's memory (issue: hostile guests flooding stdout).
 
-A real guest floods (``cat /dev/urandom``, ``yes``) through a non-streamed exec and through a stream
+A real guest floods (``/dev/urandom``, ``yes``) through a non-streamed exec and through a stream
 whose client stops reading. The daemon's peak RSS (``VmHWM`` in /proc, reset before each flood)
 stays under ``RSS_GROWTH_BOUND_MIB`` above its level before, while a sibling sandbox keeps answering.
 """
@@ -93,12 +93,12 @@ def test_a_flood_through_exec_is_truncated_and_memory_stays_bounded(daemon: Cont
     sibling = Sibling(daemon, sibling_id)
     sibling.start()
     try:
-        # The command ends itself: the flood must not depend on the agent's own timeout.
-        result = daemon.exec(flooder, "timeout 20 cat /dev/urandom", timeout_s=120)
+        # Six times the result budget, however fast the guest makes it.
+        result = daemon.exec(flooder, "head -c 24M /dev/urandom", timeout_s=600)
     finally:
         answers = sibling.finish()
     growth_mib = (_status_kib(pid, "VmHWM") - before_kib) / 1024
-    assert result["truncated"] is True and result["exit_code"] == 124
+    assert result["truncated"] is True and result["exit_code"] == 0
     assert 0 < len(result["stdout"].encode()) <= 3 * (4 << 20)  # 4 MiB of bytes, each at most one U+FFFD
     assert answers and answers == [f"sibling-{n}" for n in range(1, len(answers) + 1)]
     assert growth_mib < RSS_GROWTH_BOUND_MIB, f"daemon RSS grew {growth_mib:.0f} MiB during the flood"
