@@ -35,6 +35,9 @@ from forkd.vmm.base import Vmm
 from forkd.vmm.branching import branching_of
 
 MODES = ("full", "diff", "live")
+STDERR_TAIL_BYTES = 4096  # of a diff command's stderr, for the error message when it fails
+
+
 class BranchBusy(SnapshotError):
     """Too many branches are being written at once; try again shortly."""
 
@@ -221,11 +224,12 @@ class BranchService:
         sandbox_id = outcome.sandbox["id"]
         branching = False
         try:
-            stderr = bytearray()
+            stderr = bytearray()  # only its tail is kept: the guest decides how much it prints
 
             def on_event(name: str, data: dict[str, Any]) -> None:
                 if name == protocol.EVENT_STDERR:
-                    stderr.extend(protocol.b64decode(data.get("data_b64", "")))
+                    stderr.extend(protocol.b64decode(str(data.get("data_b64", ""))))
+                    del stderr[:-STDERR_TAIL_BYTES]
 
             result = await self.sandboxes.get(sandbox_id).agent.call(
                 protocol.OP_EXEC, {"shell": command, "timeout_s": timeout_s}, timeout=timeout_s + 30,

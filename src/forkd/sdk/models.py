@@ -16,6 +16,7 @@ class CommandResult:
     stderr: str
     exit_code: int
     error: str | None = None
+    truncated: bool = False  # the command printed past the daemon's output budget; the rest was dropped
 
 
 class CommandExitException(ForkdError):

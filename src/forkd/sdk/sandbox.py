@@ -101,7 +101,8 @@ class CommandHandle:
         if outcome.get("timed_out"):
             raise TimeoutException(504, "timeout", f"command {self.pid} ran past its timeout and was killed")
         result = CommandResult(stdout="".join(self._stdout), stderr="".join(self._stderr),
-                               exit_code=outcome.get("exit_code", -1), error=_signal_error(outcome))
+                               exit_code=outcome.get("exit_code", -1), error=_signal_error(outcome),
+                               truncated=bool(outcome.get("truncated")))
         if result.exit_code != 0:
             raise CommandExitException(result)
         return result
