@@ -25,6 +25,7 @@ from forkd import __version__
 from forkd.daemon import schemas
 from forkd.daemon.body_limit import BodyTooLarge
 from forkd.daemon.routes_branch import router as branch_router
+from forkd.daemon.routes_contexts import router as contexts_router
 from forkd.daemon.routes_workspaces import router as workspaces_router
 from forkd.guest import protocol
 from forkd.host.doctor import run_checks
@@ -212,6 +213,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.state.runtime = runtime
     app.include_router(branch_router)
     app.include_router(workspaces_router)
+    app.include_router(contexts_router)
 
     app.add_middleware(RequestMetrics, metrics=runtime.metrics)
 
