@@ -36,8 +36,9 @@ LANGUAGE = "python"
 #: After a cell's own deadline, how long it gets to stop before its context is killed and restored.
 GRACE_S = 2.0
 
-#: How long a dead interpreter's exit status may take to arrive from the template.
-EXIT_REPORT_S = 1.0
+#: How long a dead interpreter's exit status may take to arrive from the template. It comes in
+#: milliseconds; a loaded TCG guest can take over a second to schedule the template.
+EXIT_REPORT_S = 5.0
 
 #: Exit reports kept for pids nobody has asked about yet.
 EXITS_KEPT = 1024
