@@ -899,6 +899,7 @@ def test_a_crashing_cell_answers_with_the_signal(agent: AgentClient, code: str, 
     assert error["name"] == protocol.INTERPRETER_CRASHED
     assert (error["signal"], error["signal_name"], error["context"]) == (int(sig), sig.name, "restored")
     assert sig.name in error["value"]
+    assert "Fatal Python error" in error["traceback"] and "<cell-" in error["traceback"]  # where it crashed
     # The next cell in the context works, in a fresh process without the old variables.
     assert run_code(agent, "before", context=context)[1]["error"]["name"] == "NameError"
     assert run_code(agent, "1 + 1", context=context)[1]["value"] == "2"
