@@ -106,7 +106,7 @@ def running_records(home: Path) -> int:
 @pytest.fixture(scope="module")
 def fault_home() -> Iterator[Path]:
     if os.geteuid() != 0:
-        pytest.skip("VM tests need root")
+        pytest.fail("VM tests need root")
     home = Path(tempfile.mkdtemp(prefix="forkd-faults-", dir="/var/tmp"))
     yield home
     for pid in vmm_processes_under(home):

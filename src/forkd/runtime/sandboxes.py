@@ -43,6 +43,10 @@ class SandboxNotFound(LookupError):
     pass
 
 
+class SandboxEnded(RuntimeError):
+    """The sandbox ended (its timeout, a kill, its VMM exited) while an operation on it ran."""
+
+
 class SandboxLimitReached(RuntimeError):
     """The daemon's ``max_sandboxes`` limit is reached; this child is refused, the others are not."""
 
@@ -75,6 +79,7 @@ class LiveSandbox:
     watcher: asyncio.Task[None] | None = None
     killing: bool = False
     isolation: Prepared | None = None
+    kill_reason: str = "requested"  # the exit_reason a kill is reported with
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,7 @@ class SandboxService:
         self._ended: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._forking: Counter[str] = Counter()  # children being restored, per snapshot tag
         self._restoring = 0
+        self._killers: set[asyncio.Task[None]] = set()  # kills started by a callback, kept until done
         self._restore_slots = asyncio.Semaphore(self.options.max_concurrent_forks or 1 << 30)
 
     async def fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> list[ForkOutcome]:
@@ -202,8 +208,19 @@ class SandboxService:
         """Serve a running child: a fresh one, or one re-adopted after a daemon restart (``isolation`` None)."""
         live = LiveSandbox(record=record, vm=vm, agent=agent, isolation=isolation)
         live.watcher = asyncio.create_task(self._watch(live))
+        agent.on_violation = lambda detail: self._agent_violated(live, detail)
         self._live[record.id] = live
         return live
+
+    def _agent_violated(self, live: LiveSandbox, detail: str) -> None:
+        """A guest that broke the protocol is not served any further: kill it and release what it held."""
+        log.warning("sandbox %s: the guest broke the agent protocol (%s); killing it", live.record.id, detail)
+        if not live.killing:
+            live.kill_reason = "agent_protocol_violation"
+            live.killing = True
+            killer = asyncio.get_running_loop().create_task(self.vmm.kill(live.vm))  # the watcher releases it
+            self._killers.add(killer)
+            killer.add_done_callback(self._killers.discard)
 
     async def _watch(self, live: LiveSandbox) -> None:
         """Release everything a child held as soon as its VMM process exits, however it died."""
@@ -216,7 +233,7 @@ class SandboxService:
             log.warning("sandbox %s was killed by the kernel's OOM killer: its VMM exceeded its memory limit "
                         "(%s MiB)", record.id, limit)
         elif live.killing:
-            record.status, record.meta["exit_reason"] = "killed", "requested"
+            record.status, record.meta["exit_reason"] = "killed", live.kill_reason
         else:
             record.status, record.meta["exit_reason"] = "exited", f"exit status {code}"
         await live.agent.close()
