@@ -862,7 +862,7 @@ def test_stdio_transport_in_the_guest_layout(tmp_path: Path) -> None:
 def test_guest_modules_import_without_site_packages(tmp_path: Path) -> None:
     (tmp_path / "forkd_guest").symlink_to(GUEST_PACKAGE)
     subprocess.run(
-        [sys.executable, "-S", "-c", "import forkd_guest.agent, forkd_guest.init"], cwd=tmp_path, check=True, timeout=20
+        [sys.executable, "-S", "-c", "import forkd_guest.agent, forkd_guest.init, forkd_guest.template"], cwd=tmp_path, check=True, timeout=20
     )
 
 
