@@ -150,6 +150,12 @@ class RunCodeRequest(Strict):
     stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")
 
 
+class ContextCreate(Strict):
+    id: Tag | None = Field(default=None, description="default: a random id")
+    language: Literal["python"] = "python"
+    cwd: str | None = Field(default=None, min_length=1, max_length=4096)
+
+
 class PathBody(Strict):
     path: str = Field(min_length=1, max_length=4096)
 
