@@ -276,6 +276,7 @@ def create_app(runtime: Runtime) -> FastAPI:
             source_dir=Path(body.source_dir) if body.source_dir else None,
             source_oci=Path(body.source_oci) if body.source_oci else None,
             disk_size_mib=body.disk_size_mib,
+            ca_certs=tuple(body.ca_certs),
         )
 
         async def work(emit):
