@@ -40,7 +40,7 @@ WARMUP = (
 def psql(sandbox: Sandbox, sql: str) -> list[list[str]]:
     """Rows of ``sql`` as run by the postgres superuser in the sandbox (unaligned, '|'-separated)."""
     result = sandbox.commands.run(f"psql -qAtX -F '|' -v ON_ERROR_STOP=1 -c {shlex.quote(sql)}", user="postgres",
-                                  cwd="/tmp", timeout=60)
+                                  cwd="/tmp", timeout=600)
     return [line.split("|") for line in result.stdout.splitlines() if line]
 
 

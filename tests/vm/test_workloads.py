@@ -12,7 +12,8 @@ import pytest
 
 from forkd.sdk.controller import Controller
 
-pytestmark = pytest.mark.vm
+# The first test builds the workloads image (debootstrap of the scientific stack and PostgreSQL: minutes).
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(2400)]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
