@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import forkd.guest.agent
+import forkd.guest.protocol
 from forkd.image.agent import AgentPayload, current_agent
 from forkd.image.certs import install_ca_certs
 from forkd.image.errors import SourceError
@@ -116,7 +116,7 @@ def test_current_agent_is_the_guest_package() -> None:
     names = [name for name, _ in agent.files]
     assert {"__init__.py", "agent.py", "protocol.py"} <= set(names)
     assert names == sorted(names)
-    assert agent.version == forkd.guest.agent.AGENT_VERSION
+    assert agent.version == forkd.guest.protocol.AGENT_VERSION
 
 
 def test_ca_certificates_change_the_key_and_add_their_package() -> None:

@@ -27,6 +27,10 @@ from typing import Any
 
 PROTOCOL_VERSION = 1
 
+#: The agent's version, recorded in snapshots and images. It lives here, not in the agent, so
+#: host code never imports the agent. 0.2: the guest has eth0 (snapshots without a NIC cannot load).
+AGENT_VERSION = "0.2.0"
+
 #: Name of the virtio-serial port the agent listens on (``/sys/class/virtio-ports/*/name``).
 AGENT_PORT_NAME = "org.forkd.agent"
 
@@ -54,6 +58,19 @@ OP_FILES_STAT = "files.stat"
 OP_FILES_REMOVE = "files.remove"
 OP_FILES_MKDIR = "files.mkdir"
 OP_FILES_RENAME = "files.rename"
+OP_CONTEXTS_CREATE = "contexts.create"
+OP_CONTEXTS_LIST = "contexts.list"
+OP_CONTEXTS_RESTART = "contexts.restart"
+OP_CONTEXTS_DELETE = "contexts.delete"
+OP_FLOW_PAUSE = "flow.pause"
+OP_FLOW_RESUME = "flow.resume"
+OP_CANCEL = "cancel"
+
+# Control ops about another request in flight (``args: {"id": <its id>}``). An agent that does not
+# know them answers ``unknown_op``; the host then falls back (see runtime/agent_client.py).
+OP_FLOW_PAUSE = "flow.pause"  # stop reading that request's process pipes (the process blocks on write)
+OP_FLOW_RESUME = "flow.resume"  # read them again
+OP_CANCEL = "cancel"  # end that request: kill its process group / interrupt its cell
 
 ALL_OPS = frozenset(
     {
@@ -73,6 +90,13 @@ ALL_OPS = frozenset(
         OP_FILES_REMOVE,
         OP_FILES_MKDIR,
         OP_FILES_RENAME,
+        OP_CONTEXTS_CREATE,
+        OP_CONTEXTS_LIST,
+        OP_CONTEXTS_RESTART,
+        OP_CONTEXTS_DELETE,
+        OP_FLOW_PAUSE,
+        OP_FLOW_RESUME,
+        OP_CANCEL,
     }
 )
 
@@ -80,6 +104,10 @@ ALL_OPS = frozenset(
 EVENT_STARTED = "started"  # exec: {"pid": int}
 EVENT_STDOUT = "stdout"  # exec: {"data_b64": str}; run_code: {"text": str}
 EVENT_STDERR = "stderr"  # same shapes as stdout
+EVENT_RESULT = "result"  # run_code: one rich result (display() or the cell's value), E2B's Result keys
+
+#: The error name of a run_code/eval result whose interpreter process died (a signal, OOM kill).
+INTERPRETER_CRASHED = "InterpreterCrashed"
 
 # Error codes in terminal error frames.
 ERR_BAD_REQUEST = "bad_request"
@@ -90,8 +118,29 @@ ERR_OS = "os_error"
 ERR_INTERNAL = "internal"
 
 
+class OutputBudget:
+    """An ``output_limit``: how much output a request may still forward (None: unlimited)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.left = limit
+        self.truncated = False
+
+    def clip(self, data: Any) -> Any:
+        """The part of ``data`` (bytes or text) within the budget; what is cut marks ``truncated``."""
+        if self.left is not None:
+            if len(data) > self.left:
+                data = data[: self.left]
+                self.truncated = True
+            self.left -= len(data)
+        return data
+
+
 class ProtocolError(ValueError):
     """A frame that cannot be parsed or does not have the protocol's shape."""
+
+
+class FrameTooDeep(ProtocolError):
+    """A frame nested past what the parser survives: hostile, never a line torn by a restore."""
 
 
 def b64encode(data: bytes) -> str:
@@ -119,6 +168,8 @@ def decode_frame(line: bytes) -> dict[str, Any]:
         raise ProtocolError(f"frame of {len(line)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
         frame = json.loads(line)
+    except RecursionError:  # [[[[...: valid JSON no honest peer sends
+        raise FrameTooDeep("frame nested too deeply to parse") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"frame is not JSON: {exc}") from None
     if not isinstance(frame, dict):

@@ -2,7 +2,14 @@
 
 Requests are numbered and many may be in flight at once; a reader task routes every frame to the
 request it belongs to, so a long ``exec`` never blocks a ``ping``. Events reach the caller as they
-arrive through an ``on_event`` callback.
+arrive through an ``on_event`` callback; a callback that returns an awaitable holds the reader until
+it completes (back-pressure for agents without ``flow.pause``: the guest's writes then block).
+
+Everything the guest sends is hostile. A frame that breaks the protocol (a line over the frame
+limit, JSON nested past what the parser survives, an id or payload of the wrong type) ends the
+connection: every pending call fails at once with the reason, and ``on_violation`` tells the
+owner, which kills the sandbox. Only a line that is not JSON at all is skipped: a restored guest
+may finish a line its parent began before the snapshot.
 """
 
 from __future__ import annotations
@@ -13,10 +20,10 @@ import itertools
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from forkd.guest import protocol
+from forkd.vmm.base import VmHandle
 
 EventHandler = Callable[[str, dict[str, Any]], Awaitable[None] | None]
 
@@ -36,10 +43,35 @@ class AgentUnavailable(AgentError):
         super().__init__("agent_unavailable", message)
 
 
+class ProtocolViolation(Exception):
+    """The guest sent a frame the protocol does not allow; the connection cannot be trusted any further."""
+
+
+def _checked(frame: dict[str, Any]) -> dict[str, Any]:
+    """``frame`` if its envelope has the protocol's types, else :class:`ProtocolViolation`."""
+    req_id = frame.get("id")
+    if req_id is not None and (not isinstance(req_id, int) or isinstance(req_id, bool)):
+        raise ProtocolViolation(f"a frame's id is a {type(req_id).__name__}, not an integer")
+    if protocol.is_terminal(frame):
+        if not isinstance(frame["ok"], bool):
+            raise ProtocolViolation("a terminal frame's 'ok' is not a boolean")
+        for key in ("result", "error"):
+            if frame.get(key) is not None and not isinstance(frame[key], dict):
+                raise ProtocolViolation(f"a terminal frame's {key!r} is a {type(frame[key]).__name__}, not an object")
+    else:
+        if not isinstance(frame.get("event"), str):
+            raise ProtocolViolation("an event frame has no string 'event'")
+        if frame.get("data") is not None and not isinstance(frame["data"], dict):
+            raise ProtocolViolation(f"an event's 'data' is a {type(frame['data']).__name__}, not an object")
+    return frame
+
+
 class _Pending:
-    def __init__(self, on_event: EventHandler | None) -> None:
+    def __init__(self, op: str, on_event: EventHandler | None) -> None:
         self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.op = op
         self.on_event = on_event
+        self.started = time.monotonic()
 
 
 class AgentClient:
@@ -54,22 +86,23 @@ class AgentClient:
         self._pending: dict[int, _Pending] = {}
         self._write_lock = asyncio.Lock()
         self._closed_reason: str | None = None
+        self._unsupported: set[str] = set()  # control ops this agent answered unknown_op to
         self._reader_task = asyncio.create_task(self._read_loop())
         self.on_roundtrip: Callable[[str, float], None] | None = None  # (op, seconds) of each answered call
+        self.on_violation: Callable[[str], None] | None = None  # the guest broke the protocol (reason)
 
     @classmethod
-    async def connect(cls, socket_path: Path, timeout: float = 10.0) -> AgentClient:
-        """Connect to the VMM's agent socket, retrying until it exists or ``timeout`` passes."""
+    async def connect(cls, vm: VmHandle, timeout: float = 10.0) -> AgentClient:
+        """Connect to the VM's agent channel, retrying until it is open or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(
-                    str(socket_path), limit=protocol.MAX_FRAME_BYTES + 1
-                )
+                reader, writer = await asyncio.wait_for(vm.open_agent(limit=protocol.MAX_FRAME_BYTES + 1),
+                                                        timeout=max(0.1, deadline - time.monotonic()))
                 return cls(reader, writer)
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
+            except (FileNotFoundError, ConnectionRefusedError, asyncio.TimeoutError) as exc:
                 if time.monotonic() > deadline:
-                    raise AgentUnavailable(f"cannot connect to {socket_path}: {exc}") from None
+                    raise AgentUnavailable(f"cannot connect to the agent of {vm.name}: {exc!r}") from None
                 await asyncio.sleep(0.005)
 
     @property
@@ -79,60 +112,120 @@ class AgentClient:
     async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = 60.0,
                    on_event: EventHandler | None = None) -> dict[str, Any]:
         """Send one request and return its result; raise :class:`AgentError` on an error frame."""
+        return await self.wait(await self.start(op, args, on_event=on_event), timeout=timeout)
+
+    async def start(self, op: str, args: dict[str, Any] | None = None, *,
+                    on_event: EventHandler | None = None) -> int:
+        """Send one request and return its id; its events go to ``on_event`` until :meth:`wait` ends it."""
         if self._closed_reason is not None:
             raise AgentUnavailable(self._closed_reason)
         req_id = next(self._ids)
-        started = time.monotonic()
-        pending = _Pending(on_event)
-        self._pending[req_id] = pending
+        self._pending[req_id] = _Pending(op, on_event)
         try:
             async with self._write_lock:
                 self._writer.write(protocol.encode_frame(protocol.request(req_id, op, args)))
                 await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            self._pending.pop(req_id, None)
+            raise AgentUnavailable(f"connection to the agent failed: {exc}") from None
+        except BaseException:
+            self._pending.pop(req_id, None)
+            raise
+        return req_id
+
+    async def wait(self, req_id: int, *, timeout: float | None = 60.0) -> dict[str, Any]:
+        """The result of a started request; it is forgotten however the wait ends (later frames are dropped)."""
+        pending = self._pending.get(req_id)
+        if pending is None:
+            raise AgentError(protocol.ERR_INTERNAL, f"request {req_id} is not in flight")
+        try:
             frame = await asyncio.wait_for(asyncio.shield(pending.done), timeout)
         except asyncio.TimeoutError:
-            raise AgentError(protocol.ERR_TIMEOUT, f"agent did not answer {op} within {timeout} s") from None
-        except (ConnectionError, OSError) as exc:
-            raise AgentUnavailable(f"connection to the agent failed: {exc}") from None
+            raise AgentError(protocol.ERR_TIMEOUT, f"agent did not answer {pending.op} within {timeout} s") from None
         finally:
             self._pending.pop(req_id, None)
         if self.on_roundtrip is not None:
-            self.on_roundtrip(op, time.monotonic() - started)
+            self.on_roundtrip(pending.op, time.monotonic() - pending.started)
         if frame.get("ok"):
             return frame.get("result") or {}
         err = frame.get("error") or {}
         details = {k: v for k, v in err.items() if k not in {"code", "message"}}
         raise AgentError(str(err.get("code", protocol.ERR_INTERNAL)), str(err.get("message", "")), details)
 
+    async def control(self, op: str, req_id: int, timeout: float = 10.0) -> bool:
+        """Send a control op (flow.pause, flow.resume, cancel) about request ``req_id``.
+
+        False when this agent does not implement ``op`` (remembered: it is not asked again), so
+        callers fall back to what older agents offer.
+        """
+        if op in self._unsupported:
+            return False
+        try:
+            await self.call(op, {"id": req_id}, timeout=timeout)
+        except AgentError as exc:
+            if exc.code != protocol.ERR_UNKNOWN_OP:
+                raise
+            self._unsupported.add(op)
+            return False
+        return True
+
+    def declined(self, op: str) -> bool:
+        """True once the agent answered ``unknown_op`` to control op ``op``."""
+        return op in self._unsupported
+
     async def _read_loop(self) -> None:
         try:
             while True:
-                line = await self._reader.readline()
+                try:
+                    line = await self._reader.readline()
+                except ValueError:  # asyncio's LimitOverrunError: a line longer than any frame may be
+                    raise ProtocolViolation(f"a line longer than {protocol.MAX_FRAME_BYTES} bytes") from None
                 if not line:
                     self._fail_all("the agent closed the connection (VM stopped?)")
                     return
                 try:
-                    frame = protocol.decode_frame(line)
+                    frame = _checked(protocol.decode_frame(line))
+                except protocol.FrameTooDeep:
+                    raise ProtocolViolation("a frame nested too deeply to parse") from None
                 except protocol.ProtocolError:
                     continue  # a torn line from before a restore; the request it belonged to is gone
-                pending = self._pending.get(frame.get("id"))  # type: ignore[arg-type]
-                if pending is None:
-                    continue
-                if protocol.is_terminal(frame):
-                    if not pending.done.done():
-                        pending.done.set_result(frame)
-                elif pending.on_event is not None:
-                    result = pending.on_event(str(frame.get("event")), frame.get("data") or {})
-                    if asyncio.iscoroutine(result):
-                        await result
-        except (ConnectionError, OSError, ValueError) as exc:
+                await self._route(frame)
+        except ProtocolViolation as exc:
+            self._violated(str(exc))
+        except (ConnectionError, OSError) as exc:
             self._fail_all(f"connection to the agent failed: {exc}")
         except asyncio.CancelledError:
             self._fail_all("connection closed")
             raise
 
+    async def _route(self, frame: dict[str, Any]) -> None:
+        pending = self._pending.get(frame.get("id"))  # type: ignore[arg-type]
+        if pending is None:
+            return
+        if protocol.is_terminal(frame):
+            if not pending.done.done():
+                pending.done.set_result(frame)
+        elif pending.on_event is not None:
+            try:
+                result = pending.on_event(frame["event"], frame.get("data") or {})
+                if asyncio.iscoroutine(result):
+                    await result
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the guest's payload broke its handler (bad base64, wrong field types)
+                raise ProtocolViolation(f"a {frame['event']!r} event its handler refused "
+                                        f"({type(exc).__name__})") from None
+
+    def _violated(self, detail: str) -> None:
+        """Fail everything at once and tell the owner; the guest is not to be trusted any further."""
+        self._fail_all(f"the guest broke the agent protocol ({detail}); the sandbox is killed")
+        self._writer.close()
+        if self.on_violation is not None:
+            self.on_violation(detail)
+
     def _fail_all(self, reason: str) -> None:
-        self._closed_reason = reason
+        if self._closed_reason is None:
+            self._closed_reason = reason
         for pending in self._pending.values():
             if not pending.done.done():
                 pending.done.set_exception(AgentUnavailable(reason))
@@ -146,8 +239,7 @@ class AgentClient:
             await self._writer.wait_closed()
 
 
-async def connect_when_answering(socket_path: Path, process: asyncio.subprocess.Process, timeout: float,
-                                 op: str = protocol.OP_PING,
+async def connect_when_answering(vm: VmHandle, timeout: float, op: str = protocol.OP_PING,
                                  args: dict[str, Any] | None = None) -> tuple[AgentClient, dict[str, Any]]:
     """Connect and send ``op`` until the guest agent answers it; fail fast if the VMM exits.
 
@@ -157,11 +249,11 @@ async def connect_when_answering(socket_path: Path, process: asyncio.subprocess.
     deadline = time.monotonic() + timeout
     last_error = "no attempt"
     while time.monotonic() < deadline:
-        if process.returncode is not None:
-            raise AgentUnavailable(f"the VM exited with status {process.returncode} before its agent answered")
+        if vm.process.returncode is not None:
+            raise AgentUnavailable(f"the VM exited with status {vm.process.returncode} before its agent answered")
         remaining = max(0.1, deadline - time.monotonic())
         try:
-            client = await AgentClient.connect(socket_path, timeout=remaining)
+            client = await AgentClient.connect(vm, timeout=remaining)
         except AgentUnavailable as exc:
             last_error = exc.message
             continue

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from forkd.config import paths_from_env
+from forkd.errors import KINDS, kind_of
 from forkd.sdk.errors import DaemonUnreachable, ForkdError, error_for
 
 __all__ = ["Controller", "DaemonUnreachable", "EventStream", "ForkdError"]
@@ -90,8 +91,8 @@ class EventStream:
                     self.close()
                     if "error" in line:
                         err = line["error"]
-                        raise error_for(_STREAM_ERROR_STATUS.get(err.get("code"), 500), err.get("code", "error"),
-                                        err.get("message", ""))
+                        code = str(err.get("code", "error"))
+                        raise error_for(kind_of(code).status, code, err.get("message", ""))
                     self.result = line["result"]
                     return
                 yield line
@@ -101,16 +102,12 @@ class EventStream:
             if not self.done:
                 self.close()
         if not self.done:
-            raise ForkdError(500, "truncated", "the daemon closed the stream without a result")
+            raise ForkdError(500, "truncated", f"the daemon closed the stream without a result; "
+                                               f"{KINDS['truncated'].next_step}")
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._context.__exit__(None, None, None)
-
-
-# Errors inside a stream arrive after the 200 status line; their code says what the status would have been.
-_STREAM_ERROR_STATUS = {"not_found": 404, "timeout": 504, "invalid_request": 400, "bad_request": 400,
-                        "conflict": 409, "agent_unavailable": 502}
 
 
 class Controller:
@@ -226,9 +223,13 @@ class Controller:
 
     def exec(self, sandbox_id: str, cmd: str | list[str], *, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: str | None = None, timeout_s: float | None = 60.0,
-             user: str | None = None, on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Run a command; with ``on_event`` output is streamed as it arrives and the result has no stdout/stderr."""
-        body = _exec_body(cmd, env, cwd, stdin, timeout_s, user)
+             user: str | None = None, on_event: Callable[[dict[str, Any]], None] | None = None,
+             warm: bool = False) -> dict[str, Any]:
+        """Run a command; with ``on_event`` output is streamed as it arrives and the result has no stdout/stderr.
+
+        ``warm=True`` runs a ``python3 ...`` command line as a fork of the snapshot's warm interpreter.
+        """
+        body = _exec_body(cmd, env, cwd, stdin, timeout_s, user, warm)
         path = f"/v1/sandboxes/{sandbox_id}/exec"
         if on_event is None:
             return self.request("POST", path, json=body, timeout=_call_timeout(timeout_s))
@@ -236,13 +237,13 @@ class Controller:
 
     def start_exec(self, sandbox_id: str, cmd: str | list[str], *, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: str | None = None, timeout_s: float | None = 60.0,
-                   user: str | None = None) -> EventStream:
+                   user: str | None = None, warm: bool = False) -> EventStream:
         """Start a command and return its open event stream (``started`` with the pid comes first).
 
         ``stdin=None`` keeps the command's stdin open for ``send_stdin``.
         """
         return self.open_stream("POST", f"/v1/sandboxes/{sandbox_id}/exec",
-                                json={**_exec_body(cmd, env, cwd, stdin, timeout_s, user), "stream": True})
+                                json={**_exec_body(cmd, env, cwd, stdin, timeout_s, user, warm), "stream": True})
 
     def processes(self, sandbox_id: str) -> list[dict[str, Any]]:
         return self.request("GET", f"/v1/sandboxes/{sandbox_id}/processes")["processes"]
@@ -394,9 +395,11 @@ def _progress(on_progress: Callable[[str], None] | None) -> Callable[[dict[str, 
 
 
 def _exec_body(cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, stdin: str | None,
-               timeout_s: float | None, user: str | None) -> dict[str, Any]:
+               timeout_s: float | None, user: str | None, warm: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
     body.update({"env": env or {}, "timeout_s": timeout_s})
+    if warm:
+        body["warm"] = True
     optional = {"cwd": cwd, "stdin": stdin, "user": user}
     body.update({key: value for key, value in optional.items() if value is not None})
     return body
