@@ -239,15 +239,21 @@ def workloads_ca(vm_env: dict[str, str]) -> tuple[Path, Path, Path]:
 
 
 @pytest.fixture(scope="session")
-def workloads_snapshot(daemon: Controller, workloads_ca: tuple[Path, Path, Path]) -> str:
-    """A snapshot of the real-workload image with numpy, pandas and sklearn imported and PostgreSQL running,
-    seeded by the postgres recipe's warmup (built once per cache, like the default image)."""
-    recipe = Path(__file__).resolve().parents[1] / "examples" / "postgres_fixture.py"
-    warmup = subprocess.run([sys.executable, str(recipe), "--print-warmup"], check=True, capture_output=True,
-                            text=True, timeout=60).stdout.strip()  # the recipe's own warmup, as users run it
+def workloads_image(daemon: Controller, workloads_ca: tuple[Path, Path, Path]) -> str:
+    """The real-workload image (scientific stack, matplotlib, PostgreSQL, the test CA), built once per cache."""
     ca, _, _ = workloads_ca
     daemon.build_image(on_progress=_progress, name=WORKLOADS_IMAGE, packages=WORKLOADS_PACKAGES,
                        ca_certs=[ca.read_text()])
-    daemon.create_snapshot(WORKLOADS_SNAPSHOT, on_progress=_progress, image=WORKLOADS_IMAGE, memory_mib=1024,
+    return WORKLOADS_IMAGE
+
+
+@pytest.fixture(scope="session")
+def workloads_snapshot(daemon: Controller, workloads_image: str) -> str:
+    """A snapshot of the workloads image with numpy, pandas and sklearn imported and PostgreSQL running,
+    seeded by the postgres recipe's warmup."""
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "postgres_fixture.py"
+    warmup = subprocess.run([sys.executable, str(recipe), "--print-warmup"], check=True, capture_output=True,
+                            text=True, timeout=60).stdout.strip()  # the recipe's own warmup, as users run it
+    daemon.create_snapshot(WORKLOADS_SNAPSHOT, on_progress=_progress, image=workloads_image, memory_mib=1024,
                            warm_modules=["numpy", "pandas", "sklearn", "scipy.linalg", "pytest"], warmup_cmd=warmup)
     return WORKLOADS_SNAPSHOT

@@ -87,3 +87,25 @@ def test_image_ca_certificate_is_trusted(daemon: Controller, workloads_snapshot:
         assert int(bundle["stdout"]) > 100  # the public CAs are still there next to the extra one
     finally:
         daemon.kill(sandbox)
+
+
+def test_chart_session_returns_a_png(workloads_snapshot: str, vm_env: dict[str, str], tmp_path: Path) -> None:
+    chart = tmp_path / "chart.png"
+    out = run_example("chart_session.py", vm_env, workloads_snapshot, "--out", str(chart))
+    assert "[1] -> " in out and "error" not in out, out
+    assert f"[2] chart: {chart}" in out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[3] table as html" in out
+
+
+def test_pytest_fanout_warm_fresh_and_serial_agree(workloads_snapshot: str, vm_env: dict[str, str]) -> None:
+    """The same project run serially, one fresh process per file and one warm fork per file: same outcomes."""
+    lines = run_example("pytest_warm_fanout.py", vm_env, workloads_snapshot, "--json").splitlines()
+    modes = {entry["mode"]: entry for entry in map(json.loads, lines)}
+    assert set(modes) == {"serial", "fresh", "warm"}
+    assert [(r["exit_code"], r["passed"], r["failed"]) for r in modes["serial"]["runs"]] == [(1, 31, 1)]
+    for mode in ("fresh", "warm"):
+        outcomes = {r["files"][0]: (r["exit_code"], r["failed"]) for r in modes[mode]["runs"]}
+        assert outcomes == {"test_arrays.py": (0, 0), "test_failures.py": (1, 1), "test_frames.py": (0, 0),
+                            "test_linalg.py": (0, 0), "test_models.py": (0, 0)}, mode
+        assert sum(r["passed"] for r in modes[mode]["runs"]) == 31, mode
