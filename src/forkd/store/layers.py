@@ -7,7 +7,7 @@ over it. A layer file is::
     | count × page data
 
 Pages the child zeroed are stored as data too (rare, and it keeps one code path). A layer is written
-from :class:`Pages` a BRANCH copied out of the VMM (its private pages), less those equal to what the
+from :class:`forkd.vmm.base.Pages` a BRANCH copied out of the VMM (its private pages), less those equal to what the
 parent's children already see. Memory files are read through their data extents
 (``SEEK_DATA``/``SEEK_HOLE``), so flattening a 1 GiB file with 150 MB written reads 150 MB.
 """
@@ -22,9 +22,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkd.vmm.base import PAGE_SIZE, Pages, page_runs
+
 MAGIC = b"FORKDLAY"
 VERSION = 1
-PAGE_SIZE = 4096
 _HEADER = struct.Struct("<8sIIQ")
 _CHUNK = 1 << 20  # compared a MiB at a time; only unequal MiBs are compared page by page
 
@@ -51,17 +52,7 @@ class Layer:
 
     def runs(self) -> Iterator[tuple[int, int, int]]:
         """``(guest offset, position in the file, length)`` of each run of adjacent pages."""
-        return _runs(self.offsets, self.page_size, self.data_start)
-
-
-def _runs(offsets: array, page_size: int, data_start: int) -> Iterator[tuple[int, int, int]]:
-    i, count = 0, len(offsets)
-    while i < count:
-        j = i + 1
-        while j < count and offsets[j] == offsets[j - 1] + page_size:
-            j += 1
-        yield offsets[i], data_start + i * page_size, (j - i) * page_size
-        i = j
+        return page_runs(self.offsets, self.page_size, self.data_start)
 
 
 def read_layer(path: Path) -> Layer:
@@ -117,21 +108,6 @@ class ChainMemory:
                 if hit is not None:
                     data[page - offset:page - offset + PAGE_SIZE] = os.pread(fds[hit[0]], PAGE_SIZE, hit[1])
         return bytes(data)
-
-
-@dataclass(frozen=True)
-class Pages:
-    """Guest RAM pages held in memory: their offsets (ascending) and their bytes, page after page.
-
-    What a BRANCH copies out of a paused VMM (its private pages) before the guest runs again.
-    """
-
-    offsets: array  # unsigned 64-bit page offsets into guest RAM, ascending
-    data: memoryview  # len(offsets) × PAGE_SIZE bytes
-
-    def runs(self) -> Iterator[tuple[int, int, int]]:
-        """``(guest offset, position in data, length)`` of each run of adjacent pages."""
-        return _runs(self.offsets, PAGE_SIZE, 0)
 
 
 def drop_unchanged(pages: Pages, parent: ChainMemory) -> Pages:

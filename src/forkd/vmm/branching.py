@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from forkd.store.layers import Pages
-from forkd.vmm.base import VmHandle, Vmm, VmmError
+from forkd.vmm.base import Pages, VmHandle, Vmm, VmmError
 
 
 class BranchingUnsupported(VmmError):

@@ -28,9 +28,8 @@ from pathlib import Path
 
 from qemu.qmp import QMPError
 
-from forkd.store.layers import Pages
 from forkd.vmm import guest_ram, procmem
-from forkd.vmm.base import VmHandle, VmmError
+from forkd.vmm.base import Pages, VmHandle, VmmError
 from forkd.vmm.branching import Capture
 from forkd.vmm.qemu_machine import DISK_KEY, MEMORY_KEY, Monitor, disk_of, monitor, qemu_img
 
