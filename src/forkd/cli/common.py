@@ -56,3 +56,9 @@ def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str]:
 
 def print_json(data: Any) -> None:
     console.print_json(json.dumps(data))
+
+
+def describe_timings(timings: dict[str, float]) -> str:
+    """``stop 1.2 · disk_switched 0.4 · ... ms``: the stages of a spawn or a BRANCH in the order they ran."""
+    stages = [f"{stage} {ms:.1f}" for stage, ms in timings.items() if stage != "total"]
+    return " · ".join(stages) + " ms" if stages else "(no stage timings)"

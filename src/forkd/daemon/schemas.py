@@ -216,7 +216,7 @@ class BranchRequest(Strict):
     tag: Tag
     mode: Literal["full", "diff", "live"] = Field(
         default="diff", description="full: whole memory file; diff: only pages changed since the parent; "
-                                    "live: full, with RAM copied while the guest runs (needs tmpfs memory files)")
+                                    "live: full, with memory pre-copied while the guest runs where the kernel tracks soft-dirty pages")
     wait: bool = Field(default=True, description="false: answer 202 at once with status `writing`")
 
 
