@@ -25,6 +25,7 @@ from forkd import __version__
 from forkd.daemon import schemas
 from forkd.daemon.body_limit import BodyTooLarge
 from forkd.daemon.routes_branch import router as branch_router
+from forkd.daemon.routes_pools import router as pools_router
 from forkd.daemon.routes_workspaces import router as workspaces_router
 from forkd.guest import protocol
 from forkd.host.doctor import run_checks
@@ -36,7 +37,7 @@ from forkd.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.branches import BranchBusy
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
+from forkd.runtime.sandboxes import ForkOptions, ForkOutcome, LiveSandbox, SandboxNotFound
 from forkd.runtime.snapshots import (
     SnapshotConflict,
     SnapshotCorrupt,
@@ -62,6 +63,12 @@ def _json_or_ndjson(model: str) -> dict[int | str, dict[str, Any]]:
 
 
 MAYBE_NDJSON_ANSWER = _json_or_ndjson("CommandOutcome")
+MAYBE_FORK_ANSWER = {201: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ForkResult"}}},
+                           "description": "every child's sandbox or error"},
+                     200: {"content": {NDJSON: {"schema": {"type": "string", "description": (
+                         "with \"stream\": true, one {\"child\": {index, sandbox | error, timings}} line per child "
+                         "as it answers or fails, then {\"result\": ForkResult}")}}},
+                           "description": "NDJSON, with \"stream\": true"}}
 MAYBE_RUN_CODE_ANSWER = _json_or_ndjson("CodeOutcome")
 BYTES_ANSWER: dict[int | str, dict[str, Any]] = {200: {
     "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
@@ -193,6 +200,21 @@ async def output_answer(live: LiveSandbox, op: str, args: dict[str, Any], timeou
     return {**result, "stdout": "".join(output[protocol.EVENT_STDOUT]), "stderr": "".join(output[protocol.EVENT_STDERR])}
 
 
+def fork_answer(outcomes: list[ForkOutcome]) -> dict[str, Any]:
+    return {"sandboxes": [o.sandbox for o in outcomes if o.sandbox is not None],
+            "errors": [o.error for o in outcomes if o.error is not None]}
+
+
+def child_line(outcome: ForkOutcome) -> dict[str, Any]:
+    """One child of a streamed fork, as soon as it answered or failed."""
+    line: dict[str, Any] = {"index": outcome.index, "timings": outcome.timings}
+    if outcome.sandbox is not None:
+        line["sandbox"] = outcome.sandbox
+    else:
+        line["error"] = outcome.error
+    return line
+
+
 def create_app(runtime: Runtime) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -212,6 +234,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.state.runtime = runtime
     app.include_router(branch_router)
     app.include_router(workspaces_router)
+    app.include_router(pools_router)
 
     app.add_middleware(RequestMetrics, metrics=runtime.metrics)
 
@@ -317,14 +340,22 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     # sandboxes
 
-    @app.post("/v1/sandboxes", status_code=201, response_model=schemas.ForkResult)
-    async def fork(body: schemas.SandboxCreate) -> dict[str, Any]:
-        options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata, isolation=body.options())
-        outcomes = await runtime.sandboxes.fork(body.snapshot_tag, body.n, options)
-        return {
-            "sandboxes": [o.sandbox for o in outcomes if o.sandbox is not None],
-            "errors": [o.error for o in outcomes if o.error is not None],
-        }
+    @app.post("/v1/sandboxes", status_code=201, response_model=None, responses=MAYBE_FORK_ANSWER)
+    async def fork(body: schemas.SandboxCreate) -> dict[str, Any] | StreamingResponse:
+        options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata,
+                              isolation=body.options(), deadline_s=body.deadline_s)
+        if not body.stream:
+            return fork_answer(await runtime.sandboxes.fork(body.snapshot_tag, body.n, options))
+        children = await runtime.sandboxes.start_fork(body.snapshot_tag, body.n, options)  # bad tag: a status
+
+        async def work(emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+            outcomes = []
+            async for outcome in children:
+                outcomes.append(outcome)
+                emit({"child": child_line(outcome)})
+            return fork_answer(sorted(outcomes, key=lambda o: o.index))
+
+        return ndjson_stream(work)
 
     @app.get("/v1/sandboxes", response_model=schemas.SandboxList)
     async def list_sandboxes() -> dict[str, Any]:

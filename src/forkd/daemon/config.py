@@ -23,6 +23,9 @@ max_concurrent_forks = 16        # restores running at once; more queue
 
 [sandboxes]
 keep_on_stop = false             # true: stopping the daemon leaves VMMs for the next one to re-adopt
+
+[pools]                          # ready VMMs kept per snapshot tag (default none); `forkd pool` changes them
+quickstart = 1
 ```
 """
 
@@ -33,7 +36,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
@@ -41,6 +44,7 @@ from pydantic.dataclasses import dataclass
 
 from forkd.config import Paths
 from forkd.runtime.options import RuntimeOptions
+from forkd.runtime.pool import MAX_POOL_SIZE
 
 _STRICT = ConfigDict(extra="forbid")
 DEFAULT_HOME = Path("/var/lib/forkd")
@@ -80,6 +84,7 @@ class DaemonConfig:
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
     limits: Limits = field(default_factory=Limits)
     sandboxes: SandboxPolicy = field(default_factory=SandboxPolicy)
+    pools: dict[str, Annotated[int, Field(ge=0, le=MAX_POOL_SIZE)]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -93,7 +98,7 @@ class DaemonConfig:
     def runtime_options(self) -> RuntimeOptions:
         return RuntimeOptions(max_sandboxes=self.limits.max_sandboxes,
                               max_concurrent_forks=self.limits.max_concurrent_forks,
-                              keep_sandboxes_on_stop=self.sandboxes.keep_on_stop)
+                              keep_sandboxes_on_stop=self.sandboxes.keep_on_stop, pool_sizes=dict(self.pools))
 
 
 def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,

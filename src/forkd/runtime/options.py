@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+
+# Restores in flight per host CPU when the config sets no bound. A child being restored (VMM start,
+# state load, its first guest code translated by TCG, the reseed answer) keeps a core busy; more
+# at once than the cores can serve only makes every child of a big batch late, past its answer
+# window (docs/benchmarks.md, "admission").
+RESTORES_PER_CPU = 2
 
 
 @dataclass(frozen=True)
@@ -12,3 +19,8 @@ class RuntimeOptions:
     # On SIGTERM: False kills every sandbox (nothing outlives the daemon); True leaves VMMs running
     # for the next daemon to re-adopt (an upgrade or restart without losing sandboxes).
     keep_sandboxes_on_stop: bool = False
+    pool_sizes: dict[str, int] = field(default_factory=dict)  # ready VMMs kept per snapshot tag (runtime/pool.py)
+
+    def restore_slots(self) -> int:
+        """Children restored at once: the configured bound, else what this host's CPUs can serve."""
+        return self.max_concurrent_forks or RESTORES_PER_CPU * (os.cpu_count() or 1)

@@ -43,6 +43,11 @@ CREATE TABLE IF NOT EXISTS workspaces (
     created_at   REAL NOT NULL,
     meta         TEXT NOT NULL
 );
+-- How many ready VMMs to keep for a snapshot (runtime/pool.py), as set through the API.
+CREATE TABLE IF NOT EXISTS pools (
+    tag  TEXT PRIMARY KEY,
+    size INTEGER NOT NULL
+);
 -- One /30 of the nat address pool per sandbox; kept across daemon restarts so leftovers are known.
 CREATE TABLE IF NOT EXISTS net_leases (
     pool       TEXT NOT NULL,
@@ -188,10 +193,13 @@ class Registry:
     # sandboxes
 
     def add_sandbox(self, record: SandboxRecord) -> None:
+        """One insert with everything, VMM included: a fork writes each child's record once."""
         self._execute(
-            "INSERT INTO sandboxes (id, snapshot_tag, status, pid, run_dir, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO sandboxes ({_SANDBOX_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (record.id, record.snapshot_tag, record.status, record.pid, str(record.run_dir), record.created_at,
-             json.dumps(record.meta)),
+             json.dumps(record.meta), record.vmm_started,
+             None if record.agent_socket is None else str(record.agent_socket),
+             None if record.monitor_socket is None else str(record.monitor_socket)),
         )
 
     def update_sandbox(self, sandbox_id: str, *, status: str | None = None, pid: int | None = None,
@@ -227,6 +235,19 @@ class Registry:
 
     def remove_sandbox(self, sandbox_id: str) -> None:
         self._execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    # pools of ready VMMs
+
+    def pool_sizes(self) -> dict[str, int]:
+        return {tag: size for tag, size in self._execute("SELECT tag, size FROM pools")}
+
+    def set_pool_size(self, tag: str, size: int | None) -> None:
+        """Keep ``size`` ready VMMs of ``tag``; ``None`` forgets the tag's pool altogether."""
+        if size is None:
+            self._execute("DELETE FROM pools WHERE tag = ?", (tag,))
+        else:
+            self._execute("INSERT INTO pools (tag, size) VALUES (?, ?) ON CONFLICT(tag) DO UPDATE SET size = ?",
+                          (tag, size, size))
 
     # network address leases
 

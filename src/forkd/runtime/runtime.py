@@ -47,6 +47,7 @@ class Runtime:
         self.packs = PackService(paths, self.registry, vmm, self.snapshots, self.sandboxes.count_of)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
+        self.metrics.watch_pools(self.sandboxes.pool.list)
         self.compaction = CompactService(paths, self.registry, vmm, self.snapshots)
         self.branches = BranchService(paths, self.registry, vmm, self.snapshots, self.sandboxes,
                                       max_concurrent_from_env(), self.metrics)
@@ -59,6 +60,7 @@ class Runtime:
         branches, then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline)."""
         self.branches.reap_stale()
         recovery = await recover(self.sandboxes)
+        self.sandboxes.pool.start()
         self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
         return recovery
 
@@ -68,6 +70,7 @@ class Runtime:
         if self._deadline_keeper is not None:
             self._deadline_keeper.cancel()
         await self.branches.wait_all()
+        await self.sandboxes.pool.stop()  # idle members are never left for the next daemon
         leave = self.sandboxes.detach_all() if self.options.keep_sandboxes_on_stop else self.sandboxes.kill_all()
         await asyncio.gather(leave, self.snapshots.abort_all())
         self.registry.close()
@@ -94,4 +97,8 @@ class Runtime:
         return await self.snapshots.create(request, image, progress, reserved=reserved)
 
     def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
-        return self.snapshots.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)
+        """Remove snapshots (refused while children of them start or run) and kill their pools' members."""
+        removed = self.snapshots.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)
+        for gone in removed:
+            self.sandboxes.pool.discard(gone)
+        return removed

@@ -87,10 +87,13 @@ class ChildSetup:
     ``tap_fd`` is a tap opened inside the child's network namespace, passed to the VMM, which
     itself needs no network; without one the NIC sits on a dead hub port with its link down.
     ``on_spawn`` runs with the VMM's pid before any guest state is loaded (e.g. joins a cgroup).
+    ``on_stage`` is told the name of each restore stage as it ends (exec, monitor greeting, state
+    loaded, ...), so the runtime can say where a spawn's time went.
     """
 
     tap_fd: int | None = None
     on_spawn: Callable[[int], None] | None = None
+    on_stage: Callable[[str], None] | None = None
 
 
 @dataclass(eq=False)  # a handle is one process: identity, not value, equality
@@ -155,6 +158,19 @@ class Vmm(Protocol):
     async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
                       setup: ChildSetup = ChildSetup()) -> VmHandle:
         """Start a child that maps ``saved.memory`` copy-on-write and resumes from ``saved.state``."""
+        ...
+
+    async def prepare_restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
+                              setup: ChildSetup = ChildSetup()) -> VmHandle:
+        """The first half of :meth:`restore`: a VMM started and waiting for its state, no guest code run.
+
+        It may wait for any time (a pool of ready VMMs); :meth:`complete_restore` then loads the
+        state and runs it. Kill it with :meth:`kill` if it is never completed.
+        """
+        ...
+
+    async def complete_restore(self, vm: VmHandle, on_stage: Callable[[str], None] | None = None) -> VmHandle:
+        """The second half of :meth:`restore`: load the state into a prepared VMM and run it."""
         ...
 
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, agent_socket: Path, monitor_socket: Path,

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from qemu.qmp import QMPClient, QMPError
+from qemu.qmp import EventListener, QMPClient, QMPError
 
 from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
@@ -47,13 +47,21 @@ SAVE_TIMEOUT_S = 120.0
 ADOPT_MONITOR_TIMEOUT_S = 5.0
 TCG_TB_SIZE_MIB = 16
 CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
-# Shared RAM (the memory file) is neither written to nor read from the migration stream.
-_IGNORE_SHARED = {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
+# Shared RAM (the memory file) is neither written to nor read from the migration stream, and QEMU
+# announces each migration state change as a MIGRATION event, so nobody polls.
+_MIGRATION_CAPABILITIES = {"capabilities": [{"capability": "x-ignore-shared", "state": True},
+                                           {"capability": "events", "state": True}]}
+# What a prepared (not yet completed) restore keeps in VmHandle.extra.
+_KEPT_MONITOR, _STATE_FD, _NETWORKED = "qmp", "state_fd", "networked"
 NIC_ID = "nic0"
 #: An inert NIC backend: a hub with this one port, so frames go nowhere. Backends are not
 #: migrated, so a parent baked on it can restore onto a tap. The tap is opened without vnet headers,
 #: so the offload features the guest negotiated are the same whichever backend a child gets.
 _INERT_NETDEV = "hubport,id=net0,hubid=0"
+
+
+def _no_mark(stage: str) -> None:
+    """Stage marks nobody asked for."""
 
 
 @functools.cache
@@ -186,8 +194,12 @@ class QemuVmm:
 
     async def _start(self, name: str, argv: list[str], run_dir: Path, disk: Path, pass_fds: tuple[int, ...] = (),
                      setup: Callable[[QMPClient, VmHandle], Awaitable[object]] | None = None,
-                     on_spawn: Callable[[int], None] | None = None) -> VmHandle:
-        """Start QEMU, run ``on_spawn(pid)``, prove it is up with a monitor answer, then run ``setup`` on it."""
+                     on_spawn: Callable[[int], None] | None = None, mark: Callable[[str], None] = _no_mark,
+                     keep_monitor: bool = False) -> VmHandle:
+        """Start QEMU, run ``on_spawn(pid)``, prove it is up with a monitor answer, then run ``setup`` on it.
+
+        ``keep_monitor`` leaves the QMP session open in ``vm.extra`` for :meth:`complete_restore`.
+        """
         log_path = run_dir / "qemu.log"
         with open(log_path, "ab") as log:
             try:
@@ -206,17 +218,27 @@ class QemuVmm:
                 await self.kill(vm)
                 raise VmmError(f"QEMU for {name} could not be set up ({exc}; exit status {process.returncode}): "
                                f"{_tail(log_path)}") from None
+        mark("exec")
         # QEMU creates its sockets before it has parsed every option (and binds before it
         # listens), so only a monitor answer proves the machine was really created.
         try:
-            async with self._monitor(vm, wait_s=STARTUP_TIMEOUT_S) as qmp:
+            qmp = await self._connect(vm, wait_s=STARTUP_TIMEOUT_S)
+            try:
                 await qmp.execute("query-status")
+                mark("qmp_greeting")
                 if setup is not None:
                     await setup(qmp, vm)
+            except BaseException:
+                await qmp.disconnect()
+                raise
         except (VmmError, QMPError) as exc:
             await self.kill(vm)
             raise VmmError(f"QEMU for {name} did not start ({exc}; exit status {process.returncode}): "
                            f"{_tail(log_path)}") from None
+        if keep_monitor:
+            vm.extra[_KEPT_MONITOR] = qmp
+        else:
+            await qmp.disconnect()
         return vm
 
     async def boot(self, name: str, spec: BootSpec, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
@@ -239,43 +261,75 @@ class QemuVmm:
 
     async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
                       setup: ChildSetup = ChildSetup()) -> VmHandle:
+        return await self.complete_restore(await self.prepare_restore(name, saved, spec, run_dir, setup),
+                                           setup.on_stage)
+
+    async def prepare_restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
+                              setup: ChildSetup = ChildSetup()) -> VmHandle:
+        """QEMU started with ``-incoming defer``, the state file inherited, a diff chain's pages laid
+        into its RAM mapping, migration capabilities set and its monitor kept open."""
+        mark = setup.on_stage or _no_mark
         disk = run_dir / "disk.qcow2"
-        shutil.copyfile(await self._child_overlay_template(saved.disk), disk)
+        template = await self._child_overlay_template(saved.disk)
+        await asyncio.to_thread(shutil.copyfile, template, disk)
+        mark("overlay")
         state_fd = os.open(saved.state, os.O_RDONLY)
 
-        async def load_state(qmp: QMPClient, vm: VmHandle) -> None:
+        async def ready(qmp: QMPClient, vm: VmHandle) -> None:
             if saved.layers:  # a diff snapshot: its pages go into the mapping before the state loads
                 await asyncio.to_thread(qemu_branch.write_layers, vm.pid, saved.memory,
                                         spec.memory_mib << 20, list(saved.layers))
-            await qmp.execute("migrate-set-capabilities", _IGNORE_SHARED)
-            # The state file is inherited as this fd number; RAM comes from the mapped file.
-            await qmp.execute("migrate-incoming", {"uri": f"fd:{state_fd}"})
-            await _wait_for_migration(qmp, name, "restoring")
-            if setup.tap_fd is None:  # the guest sees no carrier: a child without network
-                await qmp.execute("set_link", {"name": NIC_ID, "up": False})
-            await qmp.execute("cont")  # the parent was paused when saved, so the child loads paused
+                mark("layers")
+            await qmp.execute("migrate-set-capabilities", _MIGRATION_CAPABILITIES)
 
         try:
             argv = self._argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd)
             fds = (state_fd,) if setup.tap_fd is None else (state_fd, setup.tap_fd)
-            return await self._start(name, argv + ["-incoming", "defer"], run_dir, disk, pass_fds=fds,
-                                     setup=load_state, on_spawn=setup.on_spawn)
+            vm = await self._start(name, argv + ["-incoming", "defer"], run_dir, disk, pass_fds=fds,
+                                   setup=ready, on_spawn=setup.on_spawn, mark=mark, keep_monitor=True)
         finally:
-            os.close(state_fd)
+            os.close(state_fd)  # the VMM holds its own copy under the same number
+        vm.extra[_STATE_FD] = state_fd
+        vm.extra[_NETWORKED] = setup.tap_fd is not None
+        return vm
 
-    @contextlib.asynccontextmanager
-    async def _monitor(self, vm: VmHandle, wait_s: float = 10.0) -> AsyncIterator[QMPClient]:
+    async def complete_restore(self, vm: VmHandle, on_stage: Callable[[str], None] | None = None) -> VmHandle:
+        mark = on_stage or _no_mark
+        qmp: QMPClient | None = vm.extra.pop(_KEPT_MONITOR, None)
+        if qmp is None:
+            raise VmmError(f"{vm.name} was not prepared for a restore (or was completed already)")
+        try:
+            # The state file is inherited as this fd number; RAM comes from the mapped file.
+            await _migrate(qmp, vm, "restoring", "migrate-incoming", {"uri": f"fd:{vm.extra[_STATE_FD]}"})
+            mark("state_loaded")
+            if not vm.extra[_NETWORKED]:  # the guest sees no carrier: a child without network
+                await qmp.execute("set_link", {"name": NIC_ID, "up": False})
+            await qmp.execute("cont")  # the parent was paused when saved, so the child loads paused
+            mark("cont")
+        except (VmmError, QMPError) as exc:
+            await qmp.disconnect()
+            await self.kill(vm)
+            raise VmmError(f"QEMU for {vm.name} could not restore ({exc}; exit status {vm.process.returncode}): "
+                           f"{_tail(vm.run_dir / 'qemu.log')}") from None
+        await qmp.disconnect()
+        return vm
+
+    async def _connect(self, vm: VmHandle, wait_s: float) -> QMPClient:
         """A QMP session, retrying the connection for up to ``wait_s`` while QEMU is still starting."""
         deadline = time.monotonic() + wait_s
         while True:
             client = QMPClient(vm.name)
             try:
                 await asyncio.wait_for(client.connect(str(vm.monitor_socket)), timeout=max(0.1, wait_s))
-                break
+                return client
             except Exception as exc:  # qemu.qmp raises its own ConnectError hierarchy and OSError
                 if vm.process.returncode is not None or time.monotonic() > deadline:
                     raise VmmError(f"cannot reach the QEMU monitor of {vm.name}: {exc}") from None
                 await asyncio.sleep(0.005)
+
+    @contextlib.asynccontextmanager
+    async def _monitor(self, vm: VmHandle, wait_s: float = 10.0) -> AsyncIterator[QMPClient]:
+        client = await self._connect(vm, wait_s)
         try:
             yield client
         finally:
@@ -295,11 +349,10 @@ class QemuVmm:
         try:
             async with self._monitor(vm) as qmp:
                 await qmp.execute("stop")
-                await qmp.execute("migrate-set-capabilities", _IGNORE_SHARED)
+                await qmp.execute("migrate-set-capabilities", _MIGRATION_CAPABILITIES)
                 qmp.send_fd_scm(fd)
                 await qmp.execute("getfd", {"fdname": "forkd-state"})
-                await qmp.execute("migrate", {"uri": "fd:forkd-state"})
-                await _wait_for_migration(qmp, vm.name, "saving")
+                await _migrate(qmp, vm, "saving", "migrate", {"uri": "fd:forkd-state"})
         finally:
             os.close(fd)
         with open(state, "rb+") as written:
@@ -319,6 +372,10 @@ class QemuVmm:
         return vm
 
     async def kill(self, vm: VmHandle) -> None:
+        kept: QMPClient | None = vm.extra.pop(_KEPT_MONITOR, None)  # a prepared VMM never completed
+        if kept is not None:
+            with contextlib.suppress(Exception):
+                await kept.disconnect()
         if vm.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 vm.process.kill()
@@ -342,6 +399,37 @@ class QemuVmm:
     async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
                        work_dir: Path) -> None:
         await qemu_branch.reparent(self, spec, stream, disk, memory, state, work_dir, _wait_for_migration)
+
+
+async def _migrate(qmp: QMPClient, vm: VmHandle, doing: str, command: str, args: dict[str, object]) -> None:
+    """Run a migration command and wait for QEMU's MIGRATION event saying it completed (no polling).
+
+    Needs the ``events`` capability (set with ``x-ignore-shared``); a VMM that dies meanwhile ends
+    the wait at once, one that stalls ends it after ``SAVE_TIMEOUT_S``.
+    """
+    listener = EventListener("MIGRATION")
+    with qmp.listen(listener):
+        await qmp.execute(command, args)
+        exited = asyncio.ensure_future(vm.process.wait())
+        try:
+            deadline = time.monotonic() + SAVE_TIMEOUT_S
+            while True:
+                event = asyncio.ensure_future(listener.get())
+                done, _ = await asyncio.wait({event, exited}, timeout=max(0.0, deadline - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if event not in done:
+                    event.cancel()
+                    if exited in done:
+                        raise VmmError(f"{doing} {vm.name} failed: QEMU exited with status {exited.result()}")
+                    raise VmmError(f"{doing} {vm.name} did not finish in {SAVE_TIMEOUT_S:.0f} s")
+                status = (event.result().get("data") or {}).get("status")
+                if status == "completed":
+                    return
+                if status in {"failed", "cancelled"}:
+                    info = await qmp.execute("query-migrate")
+                    raise VmmError(f"{doing} {vm.name} failed: {info.get('error-desc', status)}")
+        finally:
+            exited.cancel()
 
 
 async def _wait_for_migration(qmp: QMPClient, name: str, doing: str) -> None:
