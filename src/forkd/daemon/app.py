@@ -149,6 +149,11 @@ def ndjson_stream(work: Callable[[Callable[[dict[str, Any]], None]], Awaitable[A
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     def emit(item: dict[str, Any]) -> None:
+        # On the loop itself, queue at once: scheduled, the last lines would land after the result line.
+        with contextlib.suppress(RuntimeError):
+            if asyncio.get_running_loop() is loop:
+                queue.put_nowait(item)
+                return
         loop.call_soon_threadsafe(queue.put_nowait, item)
 
     async def run() -> None:

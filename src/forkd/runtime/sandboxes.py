@@ -322,15 +322,16 @@ class SandboxService:
         """Free everything a sandbox whose VMM is gone held: plugged-in resources, files, then the record.
 
         The record goes last, so a daemon dying midway finds it again on restart and finishes the job.
-        Releasers run in a worker thread (pyroute2's netlink calls block and keep their own loop).
+        Releasers, file removal and the record's deletion run in worker threads (pyroute2's netlink
+        calls block and keep their own loop; SQLite and rmtree must not stall the event loop).
         """
         for releaser in self.releasers:
             try:
                 await asyncio.to_thread(releaser, sandbox_id)
             except Exception:  # one resource that cannot be freed must not keep the others
                 log.exception("releasing %s for %s failed", getattr(releaser, "__name__", releaser), sandbox_id)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        self.registry.remove_sandbox(sandbox_id)
+        await asyncio.to_thread(shutil.rmtree, run_dir, True)
+        await asyncio.to_thread(self.registry.remove_sandbox, sandbox_id)
 
     def _update_meta(self, live: LiveSandbox, **meta: Any) -> None:
         live.record.meta.update(meta)
