@@ -35,7 +35,6 @@ from forkd.runtime.agent_client import connect_when_answering
 from forkd.runtime.registry import Registry
 from forkd.runtime.snapshots import SnapshotService
 from forkd.store.files import DigestCache
-from forkd.vmm import qemu
 from forkd.vmm.qemu import QemuVmm
 
 RESULTS = Path(__file__).with_name("results")
@@ -84,11 +83,10 @@ async def one_child(variant: str, snapshots: SnapshotService, default_tag: str, 
     env_before = os.environ.get("MALLOC_ARENA_MAX")
     if variant == "arena1":
         os.environ["MALLOC_ARENA_MAX"] = "1"  # inherited by the QEMU process started next
-    qemu.TCG_TB_SIZE_MIB = tb
     _, saved, spec = await asyncio.to_thread(snapshots.open, tag)
     run_dir = scratch / f"c{index}"
     run_dir.mkdir()
-    vmm = QemuVmm()
+    vmm = QemuVmm(tb_size_mib=tb)
     started = time.monotonic()
     try:
         vm = await vmm.restore(f"c{index}", saved, spec, run_dir)
@@ -97,7 +95,6 @@ async def one_child(variant: str, snapshots: SnapshotService, default_tag: str, 
             os.environ.pop("MALLOC_ARENA_MAX", None)
         else:
             os.environ["MALLOC_ARENA_MAX"] = env_before
-        qemu.TCG_TB_SIZE_MIB = 16
     try:
         agent, _ = await connect_when_answering(vm.agent_socket, vm.process, 120, protocol.OP_RESEED, {
             "entropy_b64": protocol.b64encode(os.urandom(64)), "time_ns": time.time_ns(),

@@ -16,6 +16,7 @@ log_file = "/var/log/forkd/daemon.log"  # default: stderr (the journal under sys
 log_max_bytes = 10485760         # rotate the log file at this size ...
 log_backups = 5                  # ... keeping this many old files
 accelerator = "auto"             # auto | kvm | tcg
+tcg_tb_size_mib = 16             # TCG translation buffer per VMM: 32 costs +14 MiB a child, ~35 % less CPU
 
 [limits]
 max_sandboxes = 500              # live + starting children
@@ -45,6 +46,7 @@ from pydantic.dataclasses import dataclass
 from forkd.config import Paths
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.pool import MAX_POOL_SIZE
+from forkd.vmm.qemu import TCG_TB_SIZE_MIB
 
 _STRICT = ConfigDict(extra="forbid")
 DEFAULT_HOME = Path("/var/lib/forkd")
@@ -82,6 +84,7 @@ class DaemonConfig:
     log_max_bytes: int = Field(default=10 << 20, ge=4096)
     log_backups: int = Field(default=5, ge=0)
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
+    tcg_tb_size_mib: int = Field(default=TCG_TB_SIZE_MIB, ge=1, le=2048)
     limits: Limits = field(default_factory=Limits)
     sandboxes: SandboxPolicy = field(default_factory=SandboxPolicy)
     pools: dict[str, Annotated[int, Field(ge=0, le=MAX_POOL_SIZE)]] = field(default_factory=dict)

@@ -45,6 +45,10 @@ MACHINE = "q35"
 STARTUP_TIMEOUT_S = 20.0
 SAVE_TIMEOUT_S = 120.0
 ADOPT_MONITOR_TIMEOUT_S = 5.0
+# TCG translation buffer per VMM. Measured per child (reseed + numpy eval + one command, bench/child_cost.py,
+# docs/benchmarks.md): 8 MiB → 12 buffer flushes and ~2x the CPU of 16 MiB (4 flushes); 32 MiB → 1
+# flush and ~35 % less CPU than 16, but +14 MiB Private_Dirty per child. The default favours memory;
+# `tcg_tb_size_mib` in the daemon's config trades it for CPU.
 TCG_TB_SIZE_MIB = 16
 CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
 # Shared RAM (the memory file) is neither written to nor read from the migration stream, and QEMU
@@ -118,8 +122,10 @@ class QemuVmm:
 
     kind = "qemu"
 
-    def __init__(self, binary: str = "qemu-system-x86_64", accelerator: str = "auto") -> None:
+    def __init__(self, binary: str = "qemu-system-x86_64", accelerator: str = "auto",
+                 tb_size_mib: int = TCG_TB_SIZE_MIB) -> None:
         self.binary = binary
+        self.tb_size_mib = tb_size_mib
         self.program = Path(binary).name
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
         self._template_lock = asyncio.Lock()
@@ -164,7 +170,7 @@ class QemuVmm:
         """
         with_kernel = share if boot is None else boot
         kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if with_kernel else []
-        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MIB}"
+        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={self.tb_size_mib}"
         netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
         return [
             self.binary,
