@@ -46,7 +46,7 @@ from pydantic.dataclasses import dataclass
 from forkd.config import Paths
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.pool import MAX_POOL_SIZE
-from forkd.vmm.qemu import TCG_TB_SIZE_MIB
+from forkd.vmm.qemu_machine import TCG_TB_SIZE_MIB
 
 _STRICT = ConfigDict(extra="forbid")
 DEFAULT_HOME = Path("/var/lib/forkd")

@@ -50,6 +50,16 @@ class SandboxLimitReached(RuntimeError):
     """The daemon's ``max_sandboxes`` limit is reached; this child is refused, the others are not."""
 
 
+class ReseedFailed(AgentError):
+    """The child's guest kernel RNG was not reseeded, so it would share its randomness with its siblings."""
+
+    def __init__(self, sandbox_id: str, answer: dict[str, Any]) -> None:
+        skipped = ", ".join(answer.get("skipped") or []) or "none reported"
+        super().__init__("reseed_failed", f"child {sandbox_id} did not reseed its kernel RNG (skipped: {skipped}); "
+                         "it would share random numbers with its siblings, so it was killed. Check that the "
+                         "image's agent runs as root (PID 1's child) and rebuild it with `forkd image build --force`")
+
+
 class DeadlinePassed(RuntimeError):
     """The caller's own deadline for a fork passed before this child answered; it was not kept."""
 
@@ -77,6 +87,7 @@ class LiveSandbox:
     watcher: asyncio.Task[None] | None = None
     killing: bool = False
     isolation: Prepared | None = None
+    kill_reason: str = "requested"  # the exit_reason a kill is reported with
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,7 @@ class SandboxService:
         self._ended: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._forking: Counter[str] = Counter()  # children being restored, per snapshot tag
         self._restoring = 0
+        self._killers: set[asyncio.Task[None]] = set()  # kills started by a callback, kept until done
         self._restore_slots = asyncio.Semaphore(self.options.restore_slots())
         self._batches: set[asyncio.Future[Any]] = set()
         self.pool = PoolService(paths, registry, vmm, snapshots, isolation, self.release, new_sandbox_id,
@@ -234,7 +246,7 @@ class SandboxService:
                                                         dataclasses.replace(prepared.setup(), on_stage=timings.mark))
                 finally:
                     prepared.close_tap()
-            await self.vmm.complete_restore(vm, timings.mark)
+            await self.vmm.complete_restore(vm, saved, timings.mark)
             agent = await self._reseed(vm, sandbox_id, min(RESTORE_ANSWER_TIMEOUT_S, _remaining(deadline)))
             timings.mark("reseed")
             assert prepared is not None
@@ -259,13 +271,15 @@ class SandboxService:
 
         ``timeout_s`` counts from this child's own restore, not from the request.
         """
-        agent, _ = await connect_when_answering(vm.agent_socket, vm.process, timeout_s,
-                                                protocol.OP_RESEED, {
+        agent, reseeded = await connect_when_answering(vm, timeout_s, protocol.OP_RESEED, {
             "entropy_b64": protocol.b64encode(os.urandom(64)),
             "time_ns": time.time_ns(),
             "hostname": sandbox_id,
             "sandbox_id": sandbox_id,
         })
+        if reseeded.get("kernel_rng") is not True:
+            await agent.close()
+            raise ReseedFailed(sandbox_id, reseeded)
         return agent
 
     @staticmethod
@@ -279,15 +293,26 @@ class SandboxService:
                 **sandbox_meta(options.isolation, prepared.lease)}
         return SandboxRecord(id=sandbox_id, snapshot_tag=tag, status="running", pid=vm.pid, run_dir=vm.run_dir,
                              created_at=time.time(), meta=meta, vmm_started=start_time(vm.pid),
-                             agent_socket=vm.agent_socket, monitor_socket=vm.monitor_socket)
+                             vmm_state=vm.state)
 
     def watch(self, record: SandboxRecord, vm: VmHandle, agent: AgentClient,
               isolation: Prepared | None = None) -> LiveSandbox:
         """Serve a running child: a fresh one, or one re-adopted after a daemon restart (``isolation`` None)."""
         live = LiveSandbox(record=record, vm=vm, agent=agent, isolation=isolation)
         live.watcher = asyncio.create_task(self._watch(live))
+        agent.on_violation = lambda detail: self._agent_violated(live, detail)
         self._live[record.id] = live
         return live
+
+    def _agent_violated(self, live: LiveSandbox, detail: str) -> None:
+        """A guest that broke the protocol is not served any further: kill it and release what it held."""
+        log.warning("sandbox %s: the guest broke the agent protocol (%s); killing it", live.record.id, detail)
+        if not live.killing:
+            live.kill_reason = "agent_protocol_violation"
+            live.killing = True
+            killer = asyncio.get_running_loop().create_task(self.vmm.kill(live.vm))  # the watcher releases it
+            self._killers.add(killer)
+            killer.add_done_callback(self._killers.discard)
 
     async def _watch(self, live: LiveSandbox) -> None:
         """Release everything a child held as soon as its VMM process exits, however it died."""
@@ -300,7 +325,7 @@ class SandboxService:
             log.warning("sandbox %s was killed by the kernel's OOM killer: its VMM exceeded its memory limit "
                         "(%s MiB)", record.id, limit)
         elif live.killing:
-            record.status, record.meta["exit_reason"] = "killed", "requested"
+            record.status, record.meta["exit_reason"] = "killed", live.kill_reason
         else:
             record.status, record.meta["exit_reason"] = "exited", f"exit status {code}"
         await live.agent.close()
