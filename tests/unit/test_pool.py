@@ -1,7 +1,7 @@
 """Pool bookkeeping without VMs: fill to size, take, give back, trim, discard on rmi, stop; nothing leaks.
 
-The VMM and snapshot store here are stand-ins behind the same calls the pool makes; tests/vm/test_pool.py
-runs the real thing.
+The first tests use stand-ins for the VMM and snapshot store behind the calls the pool makes, the last the
+FakeVmm through the whole runtime; tests/vm/test_pool.py runs the real thing.
 """
 
 from __future__ import annotations
@@ -11,13 +11,18 @@ import itertools
 from pathlib import Path
 
 import pytest
+from test_runtime_fake_vmm import _runtime, run
+from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
 from forkd.config import Paths
 from forkd.host.netpolicy import NetRequest
 from forkd.runtime.isolation import Isolation, SandboxOptions
 from forkd.runtime.pool import PoolService
+from forkd.runtime.recovery import recover
 from forkd.runtime.registry import Registry
-from forkd.vmm.base import VmHandle
+from forkd.runtime.runtime import Runtime
+from forkd.vmm.base import MemoryStats, VmHandle
+from forkd.vmm.fake import FakeVmm
 
 
 class Process:
@@ -38,15 +43,13 @@ class StandInVmm:
 
     async def prepare_restore(self, name, saved, spec, run_dir, setup) -> VmHandle:
         self.running.add(name)
-        return VmHandle(name=name, run_dir=run_dir, process=Process(next(self.pids)), agent_socket=run_dir / "a",
-                        monitor_socket=run_dir / "q", disk=run_dir / "disk.qcow2")
+        return VmHandle(name=name, run_dir=run_dir, process=Process(next(self.pids)), agent_socket=run_dir / "a")
 
     async def kill(self, vm: VmHandle) -> None:
         vm.process.kill()
         self.running.discard(vm.name)
 
-    def memory_stats(self, vm):
-        from forkd.vmm.base import MemoryStats
+    def memory_stats(self, vm: VmHandle) -> MemoryStats:
         return MemoryStats(rss_kib=10, pss_kib=8, private_dirty_kib=6, shared_clean_kib=0)
 
 
@@ -116,3 +119,33 @@ def test_sizes_are_bounded(pool) -> None:
     service = pool[0]
     with pytest.raises(ValueError):
         asyncio.run(service.set_size("hot", 33))
+
+
+def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path: Path) -> None:
+    """On the FakeVmm (real processes, registry, guest protocol): pooled children, then recovery reaps members."""
+    async def scenario() -> None:
+        runtime = await _runtime(tmp_path, FakeVmm())
+        pool = runtime.sandboxes.pool
+        await pool.set_size("base", 2)
+        await settle(pool)
+        members = set(pool.describe("base")["members"])
+        assert len(members) == 2
+        children = [o async for o in await runtime.sandboxes.start_fork("base", 3)]  # one more than the pool
+        assert all(o.sandbox is not None for o in children), [o.error for o in children]
+        pooled = {o.sandbox["id"] for o in children if "pool" in o.timings}  # type: ignore[index]
+        assert pooled == members and sorted(o.index for o in children) == [0, 1, 2]
+        assert all([s for s in o.timings if s != "total"][-2:] == ["reseed", "recorded"] for o in children)
+        await settle(pool)
+        assert pool.describe("base")["ready"] == 2  # refilled once the batch was done
+        leftovers = set(pool.describe("base")["members"])
+        # The daemon dies (nothing stopped): a new one reaps the members (run directories without a record).
+        registry_copy = Runtime(runtime.paths, FakeVmm())
+        recovered = await recover(registry_copy.sandboxes)
+        assert leftovers <= set(recovered.reaped)
+        assert not any((runtime.paths.sandboxes / m).exists() for m in leftovers)
+        await runtime.sandboxes.kill_all()
+        registry_copy.registry.close()
+        runtime.registry.close()
+
+    run(scenario)
+

@@ -162,7 +162,6 @@ class SnapshotService:
             if request.warmup_cmd:
                 progress(f"running warmup command: {request.warmup_cmd}")
                 await run_warmup(agent, request.warmup_cmd)
-            await warm_child_paths(agent, spec.cmdline.rsplit("forkd.hostname=", 1)[-1], request.warm_modules)
             progress("pausing and saving device state")
             save_started = time.monotonic()
             await self.vmm.save(vm, build_dir / STATE_FILE)
@@ -359,19 +358,6 @@ def disk_full_error(exc: BaseException, directory: Path, tag: str) -> SnapshotDi
     return SnapshotDiskFull(f"disk full while creating snapshot {tag!r} under {directory} ({exc}); nothing was "
                             "registered and the partial snapshot was removed. Free space (`forkd rmi` unused "
                             "snapshots) or move FORKD_HOME to a larger filesystem, then create it again")
-
-
-async def warm_child_paths(agent: AgentClient, hostname: str, modules: tuple[str, ...]) -> None:
-    """Run what every child runs first (reseed, an eval, a command) once in the parent before it is saved.
-
-    Allocator arenas, page cache and lazily built interpreter state then sit in the shared memory
-    file instead of being built, and written, again in every child.
-    """
-    await agent.call(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(os.urandom(64)),
-                                          "time_ns": time.time_ns(), "hostname": hostname}, timeout=WARMUP_TIMEOUT_S)
-    probe = "float(numpy.ones(4).sum())" if "numpy" in modules else "1 + 1"
-    await agent.call(protocol.OP_EVAL, {"expr": probe}, timeout=WARMUP_TIMEOUT_S)
-    await agent.call(protocol.OP_EXEC, {"shell": "true"}, timeout=WARMUP_TIMEOUT_S)
 
 
 async def run_warmup(agent: AgentClient, command: str) -> None:
