@@ -32,9 +32,9 @@ from qemu.qmp import QMPClient
 from forkd.config import paths_from_env
 from forkd.guest import protocol
 from forkd.runtime.agent_client import connect_when_answering
-from forkd.runtime.registry import Registry
-from forkd.runtime.snapshots import SnapshotService
 from forkd.store.files import DigestCache
+from forkd.store.registry import Registry
+from forkd.store.snapshots import SnapshotStore
 from forkd.vmm.qemu import QemuVmm
 
 RESULTS = Path(__file__).with_name("results")
@@ -76,7 +76,7 @@ async def info_jit(monitor: Path) -> dict[str, int]:
     return found
 
 
-async def one_child(variant: str, snapshots: SnapshotService, default_tag: str, scratch: Path,
+async def one_child(variant: str, snapshots: SnapshotStore, default_tag: str, scratch: Path,
                     index: int) -> dict[str, Any]:
     tag = variant.split("=", 1)[1] if variant.startswith("snapshot=") else default_tag
     tb = int(variant[2:]) if variant.startswith("tb") else 16
@@ -130,7 +130,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     paths = paths_from_env()
     registry = Registry(paths.db)
-    snapshots = SnapshotService(paths, registry, QemuVmm(), DigestCache())
+    vmm = QemuVmm()
+    snapshots = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
     runs = []
     with tempfile.TemporaryDirectory(prefix="forkd-child-cost-", dir="/var/tmp") as scratch:
         index = 0

@@ -19,7 +19,7 @@ from forkd.host.netpolicy import NetRequest
 from forkd.runtime.isolation import Isolation, SandboxOptions
 from forkd.runtime.pool import PoolService
 from forkd.runtime.recovery import recover
-from forkd.runtime.registry import Registry
+from forkd.store.registry import Registry
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.base import MemoryStats, VmHandle
 from forkd.vmm.fake import FakeVmm
@@ -139,12 +139,12 @@ def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path:
         assert pool.describe("base")["ready"] == 2  # refilled once the batch was done
         leftovers = set(pool.describe("base")["members"])
         # The daemon dies (nothing stopped): a new one reaps the members (run directories without a record).
-        registry_copy = Runtime(runtime.paths, FakeVmm())
-        recovered = await recover(registry_copy.sandboxes)
+        restarted = Runtime(runtime.paths, FakeVmm())
+        recovered = await recover(restarted.sandboxes, restarted.store)
         assert leftovers <= set(recovered.reaped)
         assert not any((runtime.paths.sandboxes / m).exists() for m in leftovers)
         await runtime.sandboxes.kill_all()
-        registry_copy.registry.close()
+        restarted.registry.close()
         runtime.registry.close()
 
     run(scenario)

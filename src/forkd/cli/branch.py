@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from forkd.cli.main import console, daemon, print_json, reports_errors
+from forkd.cli.common import console, daemon, print_json, reports_errors
 
 
 @click.command("branch")

@@ -42,6 +42,9 @@ class ImageBuild(Strict):
     source_dir: str | None = Field(default=None, max_length=4096)
     source_oci: str | None = Field(default=None, max_length=4096)
     disk_size_mib: StrictInt | None = Field(default=None, ge=256, le=1024 * 1024)
+    ca_certs: list[Annotated[str, Field(max_length=64 * 1024)]] = Field(
+        default_factory=list, max_length=50,
+        description="PEM CA certificates added to the guest's trust store (e.g. a TLS-intercepting proxy's CA)")
     force: bool = False
 
 
@@ -152,6 +155,12 @@ class RunCodeRequest(Strict):
     context: Tag = "default"
     timeout_s: CallTimeout | None = None
     stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")
+
+
+class ContextCreate(Strict):
+    id: Tag | None = Field(default=None, description="default: a random id")
+    language: Literal["python"] = "python"
+    cwd: str | None = Field(default=None, min_length=1, max_length=4096)
 
 
 class PathBody(Strict):

@@ -27,8 +27,9 @@ from typing import Any
 
 from forkd.config import Paths
 from forkd.runtime.isolation import Isolation, Prepared, SandboxOptions
-from forkd.runtime.registry import Registry
-from forkd.runtime.snapshots import SnapshotError, SnapshotService
+from forkd.store.errors import SnapshotError
+from forkd.store.registry import Registry
+from forkd.store.snapshots import SnapshotStore
 from forkd.vmm.base import MemoryStats, Vmm, VmHandle, VmmError
 
 MAX_POOL_SIZE = 32  # per snapshot; each idle member holds a QEMU process (docs/operations.md)
@@ -60,7 +61,7 @@ def usable_by(options: SandboxOptions) -> bool:
 
 
 class PoolService:
-    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotService,
+    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotStore,
                  isolation: Isolation, release: Release, new_id: NewId,
                  configured: dict[str, int] | None = None) -> None:
         self.paths = paths

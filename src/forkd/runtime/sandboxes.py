@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import os
 import secrets
-import shutil
 import string
 import time
 from collections import Counter
@@ -30,7 +29,8 @@ from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.pool import Member, PoolService
 from forkd.runtime.isolation import END_OUT_OF_MEMORY, Isolation, IsolationError, Prepared, SandboxOptions, sandbox_meta
-from forkd.runtime.registry import Registry, SandboxRecord
+from forkd.store.io import remove_tree
+from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
 from forkd.runtime.timings import Timings
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
@@ -135,7 +135,7 @@ class SandboxService:
         self._killers: set[asyncio.Task[None]] = set()  # kills started by a callback, kept until done
         self._restore_slots = asyncio.Semaphore(self.options.restore_slots())
         self._batches: set[asyncio.Future[Any]] = set()
-        self.pool = PoolService(paths, registry, vmm, snapshots, isolation, self.release, new_sandbox_id,
+        self.pool = PoolService(paths, registry, vmm, snapshots.store, isolation, self.release, new_sandbox_id,
                                 self.options.pool_sizes)
 
     async def fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> list[ForkOutcome]:
@@ -160,7 +160,7 @@ class SandboxService:
         # Counted before the first await, so `rmi` of this tag is refused while its children start.
         self._forking[tag] += count
         try:
-            record, saved, spec = await asyncio.to_thread(self.snapshots.open, tag)
+            record, saved, spec = await asyncio.to_thread(self.snapshots.store.open, tag)
         except BaseException:
             self._forking[tag] -= count
             raise
@@ -359,7 +359,7 @@ class SandboxService:
                 await asyncio.to_thread(releaser, sandbox_id)
             except Exception:  # one resource that cannot be freed must not keep the others
                 log.exception("releasing %s for %s failed", getattr(releaser, "__name__", releaser), sandbox_id)
-        await asyncio.to_thread(shutil.rmtree, run_dir, True)
+        await remove_tree(run_dir)  # a child's overlay can hold gigabytes: deleted off the loop
         await asyncio.to_thread(self.registry.remove_sandbox, sandbox_id)
 
     def _update_meta(self, live: LiveSandbox, **meta: Any) -> None:

@@ -10,7 +10,7 @@ still fits (as in Kata's virtcontainers hypervisor capabilities).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -133,6 +133,15 @@ class VmHandle:
         return await asyncio.open_unix_connection(str(self.agent_socket), limit=limit)
 
 
+class PageLayer(Protocol):
+    """A diff layer of guest RAM pages (the store's format, ``forkd.store.layers``), as a backend reads it:
+    the file and its runs of ``(guest offset, file position, length)``, lowest layer first."""
+
+    path: Path
+
+    def runs(self) -> Iterable[tuple[int, int, int]]: ...
+
+
 @dataclass(frozen=True)
 class SavedVm:
     """The files a saved parent consists of: RAM image, device state and frozen disk."""
@@ -141,7 +150,7 @@ class SavedVm:
     state: Path
     disk: Path
     identity: MachineIdentity
-    layers: tuple[Any, ...] = ()  # diff snapshots: forkd.store.layers.Layer laid over memory, base first
+    layers: tuple[PageLayer, ...] = ()  # diff snapshots laid over memory, base first
 
 
 @dataclass(frozen=True)

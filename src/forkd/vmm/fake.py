@@ -24,13 +24,13 @@ from typing import Any
 
 from forkd.guest import protocol
 from forkd.guest.protocol import AGENT_VERSION
-from forkd.store.layers import Layer
 from forkd.vmm.base import (
     BootSpec,
     Capabilities,
     ChildSetup,
     MachineIdentity,
     MemoryStats,
+    PageLayer,
     SavedVm,
     VmHandle,
     VmmError,
@@ -188,7 +188,7 @@ class FakeVmm:
                 await asyncio.wait_for(server.wait_closed(), timeout=1)
 
 
-def _lay(ram: Path, layers: list[Layer]) -> None:
+def _lay(ram: Path, layers: list[PageLayer]) -> None:
     """Diff layers' pages over a child's RAM file, base first (what QEMU's restore does in /proc/PID/mem)."""
     with open(ram, "r+b") as target:
         for layer in layers:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from forkd.store.layers import Layer
-from forkd.vmm.base import VmmError
+from forkd.vmm.base import PageLayer, VmmError
 
 
 def memory_mapping(pid: int, memory: Path, size: int) -> int:
@@ -26,7 +25,7 @@ def memory_mapping(pid: int, memory: Path, size: int) -> int:
     raise VmmError(f"guest RAM mapping of {memory} not found in process {pid}")
 
 
-def write_layers(pid: int, memory: Path, size: int, layers: list[Layer]) -> int:
+def write_layers(pid: int, memory: Path, size: int, layers: list[PageLayer]) -> int:
     """Lay each layer's pages (base first) over the guest RAM of process ``pid``; bytes written."""
     address = memory_mapping(pid, memory, size)
     written = 0
