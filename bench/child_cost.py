@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from qemu.qmp import QMPClient
+from spawn import smaps_breakdown  # bench/spawn.py, next to this script
 
 from forkd.config import paths_from_env
 from forkd.guest import protocol
@@ -47,18 +48,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def private_dirty(pid: int, memory_file: str) -> dict[str, float]:
-    kinds = {"tcg_cache": 0, "guest_ram_cow": 0, "heap": 0, "other_anonymous": 0, "files": 0}
-    kind = "files"
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:
-            path = fields[5] if len(fields) > 5 else ""
-            kind = ("guest_ram_cow" if path == memory_file else "heap" if path == "[heap]"
-                    else "tcg_cache" if not path and "x" in fields[1]
-                    else "other_anonymous" if not path or path.startswith("[") else "files")
-        elif fields[0] == "Private_Dirty:":
-            kinds[kind] += int(fields[1])
-    return {**{k: round(v / 1024, 2) for k, v in kinds.items()}, "total": round(sum(kinds.values()) / 1024, 2)}
+    kinds = smaps_breakdown(pid, memory_file)
+    return {**kinds, "total": round(sum(kinds.values()), 2)}
 
 
 async def info_jit(monitor: Path) -> dict[str, int]:
