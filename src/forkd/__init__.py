@@ -15,6 +15,7 @@ _EXPORTS = {
     "Sandbox": "forkd.sdk.sandbox",
     "AsyncSandbox": "forkd.sdk.async_sandbox",
     "Controller": "forkd.sdk.controller",
+    "ConnectionConfig": "forkd.sdk.connection",
     "CommandExitException": "forkd.sdk.models",
     "CommandResult": "forkd.sdk.models",
     "Execution": "forkd.sdk.models",

@@ -3,7 +3,8 @@
 Where E2B and forkd mean the same thing the names, parameters and return types are E2B's
 (``Sandbox.create``, ``commands.run``, ``files.write``, ``run_code`` → ``Execution``); forkd adds
 ``eval``, ``branch`` and ``fork``. Everything goes through the daemon's REST API (``Controller``):
-``FORKD_URL`` and ``FORKD_TOKEN`` pick the daemon, ``FORKD_TEMPLATE`` the default snapshot.
+a ``ConnectionConfig`` (default: ``FORKD_URL``, ``FORKD_TOKEN``, ``FORKD_CA_CERT``) picks the daemon,
+``FORKD_TEMPLATE`` the default snapshot.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from forkd.sdk.commands import Commands
+from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import ForkdError, InvalidArgumentException, NotFoundException
 from forkd.sdk.filesystem import Filesystem
@@ -64,26 +66,27 @@ class Sandbox:
 
     def __init__(self, template: str | None = None, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S,
                  metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
-                 url: str | None = None, token: str | None = None, **_: Any) -> None:
+                 url: str | None = None, token: str | None = None, connection: ConnectionConfig | None = None,
+                 **_: Any) -> None:
         """Fork a sandbox from snapshot ``template`` (default ``$FORKD_TEMPLATE`` or ``quickstart``).
 
         ``Sandbox(...)`` is E2B v1's spelling of ``Sandbox.create(...)``; both work. The daemon kills
         the sandbox ``timeout`` seconds after it starts (``set_timeout`` renews; None = never).
+        ``connection`` picks the daemon (default: the environment's); ``url``/``token`` override it.
         Unknown E2B keyword arguments (``api_key``, ``secure``…) are accepted and ignored.
         """
-        controller = Controller(url=url, token=token)
+        controller = Controller(url=url, token=token, connection=connection)
         try:
             result = controller.fork(template or default_template(), 1, timeout_s=timeout, envs=envs,
                                      metadata=metadata)
-            self._bind(_first_child(result), controller, token)
+            self._bind(_first_child(result), controller)
         except BaseException:
             controller.close()
             raise
 
-    def _bind(self, sandbox_id: str, controller: Controller, token: str | None) -> None:
+    def _bind(self, sandbox_id: str, controller: Controller) -> None:
         self.sandbox_id = sandbox_id
         self._controller = controller
-        self._token = token
         self.commands = Commands(self)
         self.files = Filesystem(self)
 
@@ -97,14 +100,16 @@ class Sandbox:
     @classmethod
     def create(cls, template: str | None = None, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S,
                metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
-               url: str | None = None, token: str | None = None, **kwargs: Any) -> Sandbox:
+               url: str | None = None, token: str | None = None, connection: ConnectionConfig | None = None,
+               **kwargs: Any) -> Sandbox:
         """Fork a new sandbox (see the class); E2B v2's way to make one."""
-        return cls(template, timeout, metadata, envs, url, token, **kwargs)
+        return cls(template, timeout, metadata, envs, url, token, connection, **kwargs)
 
     @classmethod
-    def connect(cls, sandbox_id: str, url: str | None = None, token: str | None = None, **_: Any) -> Sandbox:
+    def connect(cls, sandbox_id: str, url: str | None = None, token: str | None = None,
+                connection: ConnectionConfig | None = None, **_: Any) -> Sandbox:
         """Attach to a running sandbox (``NotFoundException`` if there is none with that id)."""
-        sandbox = cls._attach(sandbox_id, url, token)
+        sandbox = cls._attach(sandbox_id, ConnectionConfig.resolve(connection, url, token))
         try:
             sandbox._controller.sandbox(sandbox_id)
         except BaseException:
@@ -113,15 +118,16 @@ class Sandbox:
         return sandbox
 
     @classmethod
-    def _attach(cls, sandbox_id: str, url: str | None = None, token: str | None = None) -> Sandbox:
+    def _attach(cls, sandbox_id: str, connection: ConnectionConfig | None = None) -> Sandbox:
         """A handle on a sandbox by id, without asking the daemon anything."""
         sandbox = cls.__new__(cls)
-        sandbox._bind(sandbox_id, Controller(url=url, token=token), token)
+        sandbox._bind(sandbox_id, Controller(connection=connection))
         return sandbox
 
     @classmethod
-    def list(cls, url: str | None = None, token: str | None = None, **_: Any) -> list[SandboxInfo]:
-        with Controller(url=url, token=token) as controller:
+    def list(cls, url: str | None = None, token: str | None = None, connection: ConnectionConfig | None = None,
+             **_: Any) -> list[SandboxInfo]:
+        with Controller(url=url, token=token, connection=connection) as controller:
             return [SandboxInfo.from_daemon(s) for s in controller.sandboxes()]
 
     @class_or_instance
@@ -236,7 +242,7 @@ class Sandbox:
         """``count`` new sandboxes in this one's exact current state (a BRANCH, then forks of it)."""
         tag = self.branch(mode="diff")["tag"]
         result = self._controller.fork(tag, count, timeout_s=timeout)
-        children = [Sandbox._attach(child["id"], self._controller.url, self._token) for child in result["sandboxes"]]
+        children = [Sandbox._attach(child["id"], self._controller.connection) for child in result["sandboxes"]]
         if result["errors"]:
             for child in children:
                 child.kill()
