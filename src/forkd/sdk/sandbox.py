@@ -9,6 +9,7 @@ a ``ConnectionConfig`` (default: ``FORKD_URL``, ``FORKD_TOKEN``, ``FORKD_CA_CERT
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
@@ -26,6 +27,8 @@ from forkd.sdk.models import (
     Context,
     Execution,
     ExecutionError,
+    ForkFailed,
+    ForkOutcome,
     Logs,
     OutputMessage,
     Result,
@@ -179,23 +182,16 @@ class Sandbox:
                  request_timeout: float | None = None) -> Execution:
         """Run a Python cell in a persistent context (state survives between calls), Jupyter-style."""
         del request_timeout
-        if language not in (None, "python", "py"):
-            raise InvalidArgumentException(400, "invalid_request", f"forkd runs Python cells, not {language!r}")
-        if envs:
-            code = f"import os as _forkd_os\n_forkd_os.environ.update({dict(envs)!r})\n" + code
+        _check_python(language)
         logs = Logs()
 
         def on_event(event: dict[str, Any]) -> None:
-            name = event.get("event")
-            if name not in ("stdout", "stderr"):
-                return
-            message = OutputMessage(line=event.get("data", ""), timestamp=time.time_ns(), error=name == "stderr")
-            getattr(logs, name).append(message.line)
-            callback = on_stdout if name == "stdout" else on_stderr
-            if callback is not None:
-                callback(message)
+            if (output := _output_message(event, logs)) is not None:
+                callback = on_stderr if output.error else on_stdout
+                if callback is not None:
+                    callback(output)
 
-        outcome = self._controller.run_code(self.sandbox_id, code, context=_context_name(context),
+        outcome = self._controller.run_code(self.sandbox_id, _cell(code, envs), context=_context_name(context),
                                             timeout_s=timeout, on_event=on_event)
         execution = _execution(outcome, logs)
         for result in execution.results:
@@ -209,8 +205,7 @@ class Sandbox:
                             request_timeout: float | None = None) -> Context:
         """A new context: its own interpreter process, forked from the snapshot's warm one."""
         del request_timeout
-        if language not in (None, "python", "py"):
-            raise InvalidArgumentException(400, "invalid_request", f"forkd runs Python cells, not {language!r}")
+        _check_python(language)
         return Context.from_agent(self._controller.create_context(self.sandbox_id, cwd=cwd))
 
     def list_code_contexts(self) -> list[Context]:
@@ -225,10 +220,7 @@ class Sandbox:
 
     def eval(self, expr: str, context: Any = None) -> Any:
         """The value of one Python expression (JSON-able values as themselves, others as their repr)."""
-        outcome = self._controller.eval(self.sandbox_id, expr, context=_context_name(context))
-        if outcome.get("error"):
-            raise CodeError(ExecutionError.from_agent(outcome["error"]))
-        return outcome["value_json"] if outcome.get("value_json") is not None else outcome.get("value")
+        return _value(self._controller.eval(self.sandbox_id, expr, context=_context_name(context)))
 
     # forking
 
@@ -239,16 +231,18 @@ class Sandbox:
                                        wait=wait)
 
     def fork(self, count: int = 1, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S) -> list[Sandbox]:
-        """``count`` new sandboxes in this one's exact current state (a BRANCH, then forks of it)."""
+        """``count`` new sandboxes in this one's exact current state (a BRANCH, then forks of it).
+
+        If any child fails the others are killed and ``ForkFailed`` says which failed and why.
+        """
         tag = self.branch(mode="diff")["tag"]
-        result = self._controller.fork(tag, count, timeout_s=timeout)
-        children = [Sandbox._attach(child["id"], self._controller.connection) for child in result["sandboxes"]]
-        if result["errors"]:
-            for child in children:
-                child.kill()
-                child.close()
-            raise ForkdError(500, "fork_failed", "; ".join(result["errors"]))
-        return children
+        outcome = ForkOutcome.from_children(list(self._controller.fork_iter(tag, count, timeout_s=timeout)))
+        if outcome.failed or not outcome.children:
+            for child in outcome.started:
+                with contextlib.suppress(ForkdError):
+                    self._controller.kill(str(child.sandbox_id))
+            raise ForkFailed(outcome)
+        return [Sandbox._attach(str(child.sandbox_id), self._controller.connection) for child in outcome.children]
 
 
 def _first_child(result: dict[str, Any]) -> str:
@@ -262,6 +256,35 @@ def _context_name(context: Any) -> str:
     if context is None:
         return "default"
     return str(getattr(context, "id", context))
+
+
+def _check_python(language: str | None) -> None:
+    if language not in (None, "python", "py"):
+        raise InvalidArgumentException(400, "invalid_request", f"forkd runs Python cells, not {language!r}")
+
+
+def _cell(code: str, envs: dict[str, str] | None) -> str:
+    """E2B's per-cell ``envs``, set in the interpreter before the cell runs."""
+    if not envs:
+        return code
+    return f"import os as _forkd_os\n_forkd_os.environ.update({dict(envs)!r})\n" + code
+
+
+def _output_message(event: dict[str, Any], logs: Logs) -> OutputMessage | None:
+    """A cell's output event as an ``OutputMessage``, kept in ``logs``; None for other events."""
+    name = event.get("event")
+    if name not in ("stdout", "stderr"):
+        return None
+    message = OutputMessage(line=event.get("data", ""), timestamp=time.time_ns(), error=name == "stderr")
+    getattr(logs, name).append(message.line)
+    return message
+
+
+def _value(outcome: dict[str, Any]) -> Any:
+    """An ``eval`` answer's value; raises ``CodeError`` if the expression raised."""
+    if outcome.get("error"):
+        raise CodeError(ExecutionError.from_agent(outcome["error"]))
+    return outcome["value_json"] if outcome.get("value_json") is not None else outcome.get("value")
 
 
 def _branch_tag(sandbox_id: str) -> str:
