@@ -16,7 +16,7 @@ import httpx
 
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import DaemonUnreachable
-from forkd.sdk.operations import Call, Operations, decode_line, fork_call, raise_for, read_file_call, truncated
+from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, read_file_call, truncated
 
 
 async def maybe_await(outcome: Any) -> Any:
@@ -24,16 +24,15 @@ async def maybe_await(outcome: Any) -> Any:
     return await outcome if inspect.isawaitable(outcome) else outcome
 
 
-class AsyncEventStream:
+class AsyncEventStream(StreamState):
     """An NDJSON answer being read: ``async for`` its events; ``result`` is set once the last line came."""
 
     def __init__(self, context: Any, response: httpx.Response, url: str) -> None:
         self._context = context
         self._response = response
         self._url = url
+        super().__init__()
         self._lines = response.aiter_lines()
-        self.result: Any = None
-        self.done = False
 
     @classmethod
     async def open(cls, context: Any, url: str) -> AsyncEventStream:
@@ -53,12 +52,10 @@ class AsyncEventStream:
     async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         try:
             async for text in self._lines:
-                kind, value = decode_line(text)
-                if kind == "result":
-                    self.done, self.result = True, value
+                if (event := self.take(text)) is not None:
+                    yield event
+                elif self.done:
                     return
-                if kind == "event":
-                    yield value
         except httpx.TransportError as exc:
             raise DaemonUnreachable(self._url, str(exc) or type(exc).__name__) from None
         finally:

@@ -16,12 +16,12 @@ import httpx
 
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import DaemonUnreachable, ForkdError
-from forkd.sdk.operations import Call, Operations, decode_line, fork_call, raise_for, read_file_call, truncated
+from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, read_file_call, truncated
 
 __all__ = ["Controller", "DaemonUnreachable", "EventStream", "ForkdError"]
 
 
-class EventStream:
+class EventStream(StreamState):
     """An NDJSON answer being read: iterate its events; ``result`` is set once the last line came.
 
     Kept open across calls so a background command's events can be read long after it started.
@@ -41,19 +41,16 @@ class EventStream:
         except BaseException:
             self.close()
             raise
+        super().__init__()
         self._lines = self._response.iter_lines()
-        self.result: Any = None
-        self.done = False
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
             for text in self._lines:
-                kind, value = decode_line(text)
-                if kind == "result":
-                    self.done, self.result = True, value
+                if (event := self.take(text)) is not None:
+                    yield event
+                elif self.done:
                     return
-                if kind == "event":
-                    yield value
         except httpx.TransportError as exc:
             raise DaemonUnreachable(self._url, str(exc) or type(exc).__name__) from None
         finally:

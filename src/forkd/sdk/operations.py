@@ -79,6 +79,21 @@ def decode_line(text: str) -> tuple[str, Any]:
     return "event", line
 
 
+class StreamState:
+    """What an NDJSON answer has said so far: ``result`` once its last line came (then ``done``)."""
+
+    def __init__(self) -> None:
+        self.result: Any = None
+        self.done = False
+
+    def take(self, text: str) -> dict[str, Any] | None:
+        """The event on this line; None for a blank line or the result line."""
+        kind, value = decode_line(text)
+        if kind == "result":
+            self.done, self.result = True, value
+        return value if kind == "event" else None
+
+
 def truncated() -> ForkdError:
     return ForkdError(500, "truncated", f"the daemon closed the stream without a result; "
                                         f"{KINDS['truncated'].next_step}")
