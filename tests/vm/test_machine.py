@@ -15,7 +15,9 @@ import pytest
 
 from forkd.sdk.controller import Controller, ForkdError
 
-pytestmark = pytest.mark.vm
+# The first test also builds the image (once per machine) and bakes the snapshot; a fresh python3 then
+# imports numpy, scipy and scikit-learn under TCG: minutes on a busy host.
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
 IMAGE = "scientific"
 TAG = "sci-2cpu"
 # OpenBLAS picks its kernels from CPUID: with the old qemu64 model it ran 3DNow! code and died (SIGILL).
@@ -64,7 +66,6 @@ def test_the_scientific_stack_runs_warm_and_fresh(daemon: Controller, two: list[
     warm = daemon.run_code(sandbox_id, WORKLOAD, timeout_s=600)
     assert warm.get("error") is None, warm
     assert warm["stdout"] == EXPECTED
-    # A fresh interpreter imports numpy, scipy and scikit-learn again: minutes under TCG on a busy host.
     fresh = daemon.exec(sandbox_id, ["python3", "-c", WORKLOAD], timeout_s=900)
     assert (fresh["exit_code"], fresh["stdout"]) == (0, EXPECTED), fresh["stderr"]
 
