@@ -479,7 +479,9 @@ class Sessions:
     async def eval(self, sandbox_id: str, expr: str, context: str = "default",
                    timeout_s: float = 60.0) -> dict[str, Any]:
         """``{value, value_json, type, error}`` of one expression in a context."""
-        return await self._call(sandbox_id, protocol.OP_EVAL, {"expr": expr, "context": context}, timeout_s)
+        # The guest ends the expression at ``timeout_s`` and answers a timeout; the host waits a grace longer.
+        return await self._call(sandbox_id, protocol.OP_EVAL, {"expr": expr, "context": context, "timeout_s": timeout_s},
+                                _call_timeout(timeout_s))
 
     async def ping(self, sandbox_id: str) -> dict[str, Any]:
         return await self._call(sandbox_id, protocol.OP_PING, {}, 10.0)
