@@ -2,61 +2,22 @@
 
 from __future__ import annotations
 
-import functools
-import json
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, TextIO
 
 import click
-from rich.console import Console
 from rich.table import Column, Table
 
+from forkd.cli.branch import BRANCH_COMMANDS
+from forkd.cli.common import console, daemon, err_console, key_values, print_json, progress_printer, reports_errors
 from forkd.cli.daemon import daemon_command
 from forkd.cli.doctor import doctor
 from forkd.cli.isolation import describe_limits, describe_net, fork_options, isolation_options
+from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
-from forkd.config import paths_from_env
-from forkd.sdk.autostart import ensure_daemon
-from forkd.sdk.controller import Controller, ForkdError
-
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def reports_errors(func: F) -> F:
-    """Turn daemon errors into one readable line and exit status 1, not a traceback."""
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except ForkdError as exc:
-            err_console.print(f"[red]error:[/red] {exc.message}")
-            sys.exit(1)
-    return wrapper  # type: ignore[return-value]
-
-
-def daemon() -> Controller:
-    return ensure_daemon(paths_from_env())
-
-
-def progress_printer(prefix: str = "") -> Callable[[str], None]:
-    started = time.monotonic()
-    return lambda line: err_console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {prefix}{line}")
-
-
-def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str]:
-    """``KEY=VALUE`` options as a dict; a pair without ``=`` is a usage error, not silently dropped."""
-    bad = [pair for pair in pairs if "=" not in pair or pair.startswith("=")]
-    if bad:
-        raise click.UsageError(f"{option} wants KEY=VALUE, got {bad[0]!r}")
-    return dict(pair.split("=", 1) for pair in pairs)
-
-
-def print_json(data: Any) -> None:
-    console.print_json(json.dumps(data))
+from forkd.cli.workspaces import workspace
 
 
 @click.group()
@@ -66,6 +27,17 @@ def cli() -> None:
 
 
 # images ------------------------------------------------------------------------------------------
+
+#: Where Debian and Ubuntu keep the CA certificates a machine's admin added (what `update-ca-certificates` reads).
+HOST_CA_DIR = Path("/usr/local/share/ca-certificates")
+
+
+def read_host_ca_certs() -> list[str]:
+    """The CA certificates this machine added to its own trust store, sorted by path."""
+    if not HOST_CA_DIR.is_dir():
+        return []
+    return [path.read_text() for path in sorted(HOST_CA_DIR.rglob("*.crt")) if path.is_file()]
+
 
 @cli.group()
 def image() -> None:
@@ -80,12 +52,18 @@ def image() -> None:
 @click.option("--from-oci", "source_oci", type=click.Path(exists=True, dir_okay=False),
               help="use an OCI image tarball (docker save or OCI layout)")
 @click.option("--disk-size-mib", type=int)
+@click.option("--ca-cert", "ca_cert_files", multiple=True, type=click.File("r"),
+              help="PEM CA certificate to add to the guest's trust store (repeatable)")
+@click.option("--host-ca-certs", is_flag=True,
+              help=f"add the CA certificates this host trusts locally ({HOST_CA_DIR}/*.crt), e.g. a TLS proxy's")
 @click.option("--force", is_flag=True, help="rebuild even if the cached image is current")
 @reports_errors
 def image_build(name: str, packages: tuple[str, ...], mirror: str | None, source_dir: str | None,
-                source_oci: str | None, disk_size_mib: int | None, force: bool) -> None:
+                source_oci: str | None, disk_size_mib: int | None, ca_cert_files: tuple[TextIO, ...],
+                host_ca_certs: bool, force: bool) -> None:
     """Build (or reuse from cache) a guest image."""
-    spec: dict[str, Any] = {"name": name, "packages": list(packages), "force": force}
+    ca_certs = [f.read() for f in ca_cert_files] + (read_host_ca_certs() if host_ca_certs else [])
+    spec: dict[str, Any] = {"name": name, "packages": list(packages), "force": force, "ca_certs": ca_certs}
     for key, value in (("mirror", mirror), ("source_dir", source_dir), ("source_oci", source_oci),
                        ("disk_size_mib", disk_size_mib)):
         if value is not None:
@@ -373,18 +351,8 @@ def files_mkdir(sandbox_id: str, path: str) -> None:
 cli.add_command(quickstart)
 cli.add_command(daemon_command)
 cli.add_command(doctor)
-from forkd.cli.packs import PACK_COMMANDS  # noqa: E402 - it uses the helpers defined above
-
-for _command in PACK_COMMANDS:
+for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, workspace):
     cli.add_command(_command)
-from forkd.cli.branch import BRANCH_COMMANDS  # noqa: E402 (uses the helpers above)
-
-for _command in BRANCH_COMMANDS:
-    cli.add_command(_command)
-
-from forkd.cli.workspaces import workspace  # noqa: E402 (uses the helpers above)
-
-cli.add_command(workspace)
 
 
 def main() -> None:

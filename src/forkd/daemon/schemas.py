@@ -41,6 +41,9 @@ class ImageBuild(Strict):
     source_dir: str | None = Field(default=None, max_length=4096)
     source_oci: str | None = Field(default=None, max_length=4096)
     disk_size_mib: StrictInt | None = Field(default=None, ge=256, le=1024 * 1024)
+    ca_certs: list[Annotated[str, Field(max_length=64 * 1024)]] = Field(
+        default_factory=list, max_length=50,
+        description="PEM CA certificates added to the guest's trust store (e.g. a TLS-intercepting proxy's CA)")
     force: bool = False
 
 
@@ -150,6 +153,12 @@ class RunCodeRequest(Strict):
     stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")
 
 
+class ContextCreate(Strict):
+    id: Tag | None = Field(default=None, description="default: a random id")
+    language: Literal["python"] = "python"
+    cwd: str | None = Field(default=None, min_length=1, max_length=4096)
+
+
 class PathBody(Strict):
     path: str = Field(min_length=1, max_length=4096)
 
@@ -207,7 +216,7 @@ class BranchRequest(Strict):
     tag: Tag
     mode: Literal["full", "diff", "live"] = Field(
         default="diff", description="full: whole memory file; diff: only pages changed since the parent; "
-                                    "live: full, with RAM copied while the guest runs (needs tmpfs memory files)")
+                                    "live: full, with memory pre-copied while the guest runs where the kernel tracks soft-dirty pages")
     wait: bool = Field(default=True, description="false: answer 202 at once with status `writing`")
 
 

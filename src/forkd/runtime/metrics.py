@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 disable_created_metrics()  # the *_created series double the output and say nothing an operator needs
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
@@ -47,6 +48,9 @@ class Metrics:
         self.branch_pause_seconds = Histogram(
             "forkd_branch_pause_seconds", "Time a branched sandbox was paused, by mode", ["mode"],
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.branch_stage_seconds = Histogram(
+            "forkd_branch_stage_seconds", "Time spent in each BRANCH stage (runtime/timings.py), by mode",
+            ["mode", "stage"], buckets=_STAGE_BUCKETS, registry=self.registry)
         self.agent_roundtrip_seconds = Histogram(
             "forkd_agent_roundtrip_seconds", "Guest agent request round trip, by op", ["op"],
             buckets=_LATENCY_BUCKETS, registry=self.registry)

@@ -498,6 +498,23 @@ class Sessions:
         return await self._call(sandbox_id, protocol.OP_PROC_STDIN,
                                 {"pid": pid, "data_b64": protocol.b64encode(data), "eof": eof})
 
+    # -- code-interpreter contexts (each a process in the guest forked from the warm interpreter)
+
+    async def create_context(self, sandbox_id: str, context_id: str | None = None, cwd: str | None = None,
+                             language: str = "python") -> dict[str, Any]:
+        args = {"id": context_id, "cwd": cwd, "language": language}
+        return await self._call(sandbox_id, protocol.OP_CONTEXTS_CREATE,
+                                {k: v for k, v in args.items() if v is not None})
+
+    async def contexts(self, sandbox_id: str) -> dict[str, Any]:
+        return await self._call(sandbox_id, protocol.OP_CONTEXTS_LIST, {})
+
+    async def restart_context(self, sandbox_id: str, context_id: str) -> dict[str, Any]:
+        return await self._call(sandbox_id, protocol.OP_CONTEXTS_RESTART, {"id": context_id})
+
+    async def remove_context(self, sandbox_id: str, context_id: str) -> None:
+        await self._call(sandbox_id, protocol.OP_CONTEXTS_DELETE, {"id": context_id})
+
     # -- files
 
     async def read_file(self, sandbox_id: str, path: str) -> FileDownload:

@@ -268,6 +268,21 @@ class Controller:
             return self.request("POST", path, json=body, timeout=_call_timeout(timeout_s))
         return self.stream("POST", path, on_event, json={**body, "stream": True})
 
+    def create_context(self, sandbox_id: str, *, context_id: str | None = None, cwd: str | None = None,
+                       language: str = "python") -> dict[str, Any]:
+        body = {"id": context_id, "cwd": cwd, "language": language}
+        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/contexts",
+                            json={k: v for k, v in body.items() if v is not None})
+
+    def contexts(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return self.request("GET", f"/v1/sandboxes/{sandbox_id}/contexts")["contexts"]
+
+    def restart_context(self, sandbox_id: str, context_id: str) -> dict[str, Any]:
+        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}/restart")
+
+    def remove_context(self, sandbox_id: str, context_id: str) -> None:
+        self.request("DELETE", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}")
+
     # files
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:

@@ -151,6 +151,19 @@ class Result:
 
 
 @dataclass
+class Context:
+    """A code-interpreter context (E2B's ``Context``): its own interpreter process, forked warm."""
+
+    id: str
+    language: str
+    cwd: str | None
+
+    @classmethod
+    def from_agent(cls, context: dict[str, Any]) -> Context:
+        return cls(id=context["id"], language=context["language"], cwd=context.get("cwd"))
+
+
+@dataclass
 class Logs:
     stdout: list[str] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)

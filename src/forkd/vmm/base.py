@@ -10,7 +10,8 @@ still fits (as in Kata's virtcontainers hypervisor capabilities).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -126,6 +127,46 @@ class VmHandle:
         return await asyncio.open_unix_connection(str(self.agent_socket), limit=limit)
 
 
+class PageLayer(Protocol):
+    """A diff layer of guest RAM pages (the store's format, ``forkd.store.layers``), as a backend reads it:
+    the file and its runs of ``(guest offset, file position, length)``, lowest layer first."""
+
+    path: Path
+
+    def runs(self) -> Iterable[tuple[int, int, int]]: ...
+
+
+PAGE_SIZE = 4096  # of guest RAM, as layers and captures count it
+
+
+@dataclass(frozen=True)
+class Pages:
+    """Guest RAM pages held in memory: their offsets (ascending) and their bytes, page after page.
+
+    What a BRANCH copies out of a paused VMM (the pages it holds privately); the store writes them
+    as a layer (``forkd.store.layers``).
+    """
+
+    offsets: array  # unsigned 64-bit page offsets into guest RAM, ascending
+    data: memoryview  # len(offsets) × PAGE_SIZE bytes
+
+    def runs(self) -> Iterator[tuple[int, int, int]]:
+        """``(guest offset, position in data, length)`` of each run of adjacent pages."""
+        return page_runs(self.offsets, PAGE_SIZE, 0)
+
+
+def page_runs(offsets: array, page_size: int, data_start: int) -> Iterator[tuple[int, int, int]]:
+    """``(guest offset, position, length)`` of each run of adjacent pages whose data lies one page
+    after another from ``data_start``."""
+    i, count = 0, len(offsets)
+    while i < count:
+        j = i + 1
+        while j < count and offsets[j] == offsets[j - 1] + page_size:
+            j += 1
+        yield offsets[i], data_start + i * page_size, (j - i) * page_size
+        i = j
+
+
 @dataclass(frozen=True)
 class SavedVm:
     """The files a saved parent consists of: RAM image, device state and frozen disk."""
@@ -134,7 +175,8 @@ class SavedVm:
     state: Path
     disk: Path
     identity: MachineIdentity
-    layers: tuple[Any, ...] = ()  # diff snapshots: forkd.store.layers.Layer laid over memory, base first
+    layers: tuple[PageLayer, ...] = ()  # diff snapshots laid over memory, base first
+    state_format: str = ""  # "": what the backend's save writes; else what a BRANCH capture said it wrote
 
 
 @dataclass(frozen=True)

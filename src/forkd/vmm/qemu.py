@@ -35,9 +35,10 @@ from forkd.vmm.base import (
     VmProcess,
 )
 from forkd.vmm.process import read_memory_stats
-from forkd.vmm.qemu_branch import QemuBranching
+from forkd.vmm.qemu_branch import DEVICE_STATE, DEVICE_STATE_ARGS, QemuBranching
 from forkd.vmm.qemu_machine import (
     DISK_KEY,
+    MEMORY_KEY,
     MONITOR_KEY,
     NIC_ID,
     QEMU_BINARY,
@@ -64,7 +65,7 @@ class QemuVmm:
         self.program = Path(binary).name
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
         self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator))
-        self.branching = QemuBranching(self.machine)
+        self.branching = QemuBranching()
         self._template_lock = asyncio.Lock()
         self._offline: set[VmHandle] = set()  # prepared children without a tap: their link goes down on load
 
@@ -128,9 +129,13 @@ class QemuVmm:
         disk = run_dir / "disk.qcow2"
         await asyncio.to_thread(shutil.copyfile, await self._child_overlay_template(saved.disk), disk)
         argv = self.machine.argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd)
-        vm = await self.machine.start(name, argv + ["-incoming", "defer"], run_dir, disk,
+        if saved.state_format == DEVICE_STATE:  # written by a BRANCH: devices only, no configuration section
+            argv += DEVICE_STATE_ARGS
+        # -S: the guest runs only on complete_restore's `cont`, whatever run state the saved state holds.
+        vm = await self.machine.start(name, argv + ["-incoming", "defer", "-S"], run_dir, disk,
                                       pass_fds=() if setup.tap_fd is None else (setup.tap_fd,),
                                       on_spawn=setup.on_spawn)
+        vm.state[MEMORY_KEY] = str(saved.memory)
         if setup.tap_fd is None:
             self._offline.add(vm)
         return vm
@@ -152,7 +157,7 @@ class QemuVmm:
                 await qmp.wait_for_migration("restoring")
                 if offline:  # the guest sees no carrier: a child without network
                     await qmp.execute("set_link", {"name": NIC_ID, "up": False})
-                await qmp.execute("cont")  # the parent was paused when saved, so the child loads paused
+                await qmp.execute("cont")
         except QMPError as exc:
             raise VmmError(f"restoring {vm.name} failed: {exc}") from None
         finally:
@@ -180,7 +185,7 @@ class QemuVmm:
         if not isinstance(state.get(MONITOR_KEY), str) or not isinstance(state.get(DISK_KEY), str):
             raise VmmError(f"the record of {name} lacks its QEMU monitor socket or disk")
         vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
-                      state={MONITOR_KEY: state[MONITOR_KEY], DISK_KEY: state[DISK_KEY]})
+                      state={k: state[k] for k in (MONITOR_KEY, DISK_KEY, MEMORY_KEY) if k in state})
         try:
             async with monitor(vm, wait_s=ADOPT_MONITOR_TIMEOUT_S, timeout_s=ADOPT_MONITOR_TIMEOUT_S) as qmp:
                 status = (await qmp.execute("query-status")).get("status")

@@ -37,7 +37,7 @@ NIC_ID = "nic0"
 #: so the offload features the guest negotiated are the same whichever backend a child gets.
 _INERT_NETDEV = "hubport,id=net0,hubid=0"
 #: QEMU's seccomp filter: no obsolete syscalls, no setuid/setgid/capset, no fork/exec, no
-#: scheduler or resource-limit changes. Migration to an fd and userfaultfd (live BRANCH) need none.
+#: scheduler or resource-limit changes. Migration to an fd and a BRANCH's device-state file need none.
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 #: The VMM keeps uid 0 and one capability, CAP_DAC_OVERRIDE: QEMU 7.2 opens a child's memory file
 #: (root's, mode 0400) read-write even for a private mapping. Every other capability is gone from
@@ -128,6 +128,7 @@ async def qemu_img(*args: str, timeout_s: float = 120.0) -> None:
 
 # What a QEMU VmHandle keeps in its backend state (persisted with the sandbox record).
 MONITOR_KEY, DISK_KEY = "monitor_socket", "disk"
+MEMORY_KEY = "memory"  # the memory file a child maps (share=off): its private pages are what it changed
 
 
 def disk_of(vm: VmHandle) -> Path:
@@ -227,7 +228,7 @@ def tail(path: Path, limit: int = 800) -> str:
 
 
 class QemuMachine:
-    """How forkd runs ``qemu-system-x86_64``: one machine definition for parents, children and re-parents."""
+    """How forkd runs ``qemu-system-x86_64``: one machine definition for parents and children."""
 
     def __init__(self, binary: str, accelerator: str, cpu_model: str, confine: bool = True) -> None:
         self.binary = binary
