@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -34,12 +35,31 @@ class _StateGauges(Collector):
             yield family
 
 
+class _PoolGauges(Collector):
+    def __init__(self, pools: Callable[[], Iterable[dict[str, Any]]]) -> None:
+        self._pools = pools
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        ready = GaugeMetricFamily("forkd_pool_ready", "Ready VMMs waiting in a snapshot's pool", labels=["tag"])
+        size = GaugeMetricFamily("forkd_pool_size", "Ready VMMs a snapshot's pool is kept at", labels=["tag"])
+        memory = GaugeMetricFamily("forkd_pool_private_dirty_bytes",
+                                   "Private_Dirty memory of a pool's idle VMMs, summed", labels=["tag"])
+        for pool in self._pools():
+            ready.add_metric([pool["tag"]], pool["ready"])
+            size.add_metric([pool["tag"]], pool["size"])
+            memory.add_metric([pool["tag"]], pool["memory"]["private_dirty_kib"] * 1024)
+        yield from (ready, size, memory)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.spawn_seconds = Histogram(
             "forkd_spawn_seconds", "Fork request start to the child's first answer, per child",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.spawn_stage_seconds = Histogram(
+            "forkd_spawn_stage_seconds", "Time spent in each spawn stage (runtime/timings.py), per child", ["stage"],
+            buckets=_STAGE_BUCKETS, registry=self.registry)
         self.spawn_failures = Counter("forkd_spawn_failures", "Children that failed to start",
                                       registry=self.registry)
         self.branch_seconds = Histogram(
@@ -62,6 +82,9 @@ class Metrics:
     def watch_states(self, sandbox_states: Callable[[], Iterable[str]],
                      snapshot_states: Callable[[], Iterable[str]]) -> None:
         self.registry.register(_StateGauges(sandbox_states, snapshot_states))
+
+    def watch_pools(self, pools: Callable[[], Iterable[dict[str, Any]]]) -> None:
+        self.registry.register(_PoolGauges(pools))
 
     def count_request(self, route: str, method: str, status: int) -> None:
         self.http_requests.labels(route, method, str(status)).inc()

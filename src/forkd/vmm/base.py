@@ -94,10 +94,17 @@ class ChildSetup:
     ``tap_fd`` is a tap opened inside the child's network namespace, passed to the VMM, which
     itself needs no network; without one the NIC sits on a dead hub port with its link down.
     ``on_spawn`` runs with the VMM's pid before any guest state is loaded (e.g. joins a cgroup).
+    ``on_stage`` is told the name of each stage of starting the VMM as it ends (``exec``,
+    ``qmp_greeting``, ...), so the runtime can say where a spawn's time went.
     """
 
     tap_fd: int | None = None
     on_spawn: Callable[[int], None] | None = None
+    on_stage: Callable[[str], None] | None = None
+
+
+def no_stage_marks(stage: str) -> None:
+    """The ``on_stage`` of a caller who does not time stages."""
 
 
 @dataclass(eq=False)  # a handle is one process: identity, not value, equality
@@ -213,8 +220,10 @@ class Vmm(Protocol):
         """Start a child's VMM mapping ``saved.memory`` copy-on-write, waiting for its state (not running)."""
         ...
 
-    async def complete_restore(self, vm: VmHandle, saved: SavedVm) -> None:
-        """Load ``saved``'s layers and device state into a prepared VMM and let the guest run."""
+    async def complete_restore(self, vm: VmHandle, saved: SavedVm,
+                               on_stage: Callable[[str], None] = no_stage_marks) -> None:
+        """Load ``saved``'s layers and device state into a prepared VMM and let the guest run
+        (marking ``state_loaded`` and ``cont``, or the backend's own stages, through ``on_stage``)."""
         ...
 
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
@@ -232,7 +241,7 @@ async def restore(vmm: Vmm, name: str, saved: SavedVm, spec: BootSpec, run_dir: 
     """Prepare and complete a restore in one go; the VMM is killed if loading its state fails."""
     vm = await vmm.prepare_restore(name, saved, spec, run_dir, setup)
     try:
-        await vmm.complete_restore(vm, saved)
+        await vmm.complete_restore(vm, saved, setup.on_stage or no_stage_marks)
     except BaseException:
         await vmm.kill(vm)
         raise

@@ -38,6 +38,7 @@ from forkd.vmm.base import (
     VmHandle,
     VmmError,
     VmProcess,
+    no_stage_marks,
 )
 from forkd.vmm.branching import Capture
 
@@ -110,11 +111,14 @@ class FakeVmm:
                 raise VmmError(f"fake VMM for {name} could not be set up: {exc}") from None
         return vm
 
-    async def complete_restore(self, vm: VmHandle, saved: SavedVm) -> None:
+    async def complete_restore(self, vm: VmHandle, saved: SavedVm,
+                               on_stage: Callable[[str], None] = no_stage_marks) -> None:
         if self.behaviour.fail_restore is not None:
             raise VmmError(self.behaviour.fail_restore)
         await asyncio.to_thread(_lay, Path(vm.state[RAM_KEY]), list(saved.layers))
+        on_stage("state_loaded")
         await self._serve_agent(vm)
+        on_stage("cont")
 
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
         vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
