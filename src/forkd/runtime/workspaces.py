@@ -80,7 +80,7 @@ class WorkspaceService:
             try:
                 snapshot = await self.branches.branch(record.sandbox_id, tag, mode="diff", wait=True)
             except (OSError, VmmError, AgentUnavailable, SnapshotError) as exc:
-                if await self._ended(record.sandbox_id or ""):
+                if await self.sandboxes.ended(record.sandbox_id or ""):
                     raise SandboxEnded(f"workspace {name!r} lost its sandbox {record.sandbox_id} (its timeout or a "
                                        "kill) while it was being suspended, so nothing was saved; remove the "
                                        "workspace and create it again") from exc
@@ -92,17 +92,6 @@ class WorkspaceService:
             record.state, record.sandbox_id, record.snapshot_tag = "suspended", None, tag
             self.registry.put_workspace(record)
             return record
-
-    async def _ended(self, sandbox_id: str, within_s: float = 5.0) -> bool:
-        """Whether the sandbox ended (its watcher, which notices the VMM's exit, gets ``within_s`` to see it)."""
-        try:
-            live = self.sandboxes.get(sandbox_id)
-        except SandboxNotFound:
-            return True
-        if live.watcher is None:
-            return False
-        await asyncio.wait({live.watcher}, timeout=within_s)
-        return live.watcher.done()
 
     async def resume(self, name: str) -> WorkspaceRecord:
         """Fork the workspace's last layer: its sandbox runs again where it was suspended."""
