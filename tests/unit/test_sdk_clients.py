@@ -54,9 +54,9 @@ def test_connection_config_reads_the_environment_once_and_keywords_win(monkeypat
     with Controller(url="http://other:1", token="x", timeout=5) as controller:
         assert (controller.connection.url, controller.connection.token, controller.connection.request_timeout) == (
             "http://other:1", "x", 5)
-    with pytest.raises(ValueError, match="unix://, http:// or https://"):
+    with pytest.raises(InvalidArgumentException, match="unix://, http:// or https://"):
         ConnectionConfig(url="ftp://nope")
-    with pytest.raises(ValueError, match="request_timeout"):
+    with pytest.raises(InvalidArgumentException, match="request_timeout"):
         ConnectionConfig(url=BASE, request_timeout=0)
 
 

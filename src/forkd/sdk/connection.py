@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from forkd.config import paths_from_env
+from forkd.sdk.errors import InvalidArgumentException
 
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
 UNIX_BASE_URL = "http://forkd"  # httpx needs a host; the socket path picks the daemon
@@ -33,9 +34,11 @@ class ConnectionConfig:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("unix://", "http://", "https://")):
-            raise ValueError(f"FORKD_URL must start with unix://, http:// or https://, not {self.url!r}")
+            raise InvalidArgumentException(400, "invalid_request", f"FORKD_URL must start with unix://, http:// "
+                                                                   f"or https://, not {self.url!r}")
         if self.request_timeout <= 0:
-            raise ValueError(f"request_timeout must be positive, not {self.request_timeout!r}")
+            raise InvalidArgumentException(400, "invalid_request",
+                                           f"request_timeout must be positive, not {self.request_timeout!r}")
 
     @classmethod
     def from_env(cls, url: str | None = None, token: str | None = None,
