@@ -377,6 +377,12 @@ def test_exec_timeout_kills_the_process_group(agent: AgentClient) -> None:
     assert result["duration_s"] < 20
 
 
+def test_exec_timeout_ends_a_command_that_never_stops_writing(agent: AgentClient) -> None:
+    _, _, result, _ = run_exec(agent, {"shell": "yes", "timeout_s": 0.5, "output_limit": 1 << 16})
+    assert result["timed_out"] is True
+    assert result["signal"] == signal.SIGKILL
+
+
 def start_process(agent: AgentClient, args: dict[str, Any]) -> tuple[int, int]:
     """Start exec and return (request id, pid) once it has started."""
     req_id = agent.start(protocol.OP_EXEC, args)
