@@ -378,7 +378,8 @@ def test_exec_timeout_kills_the_process_group(agent: AgentClient) -> None:
 
 
 def test_exec_timeout_ends_a_command_that_never_stops_writing(agent: AgentClient) -> None:
-    _, _, result, _ = run_exec(agent, {"shell": "yes", "timeout_s": 0.5, "output_limit": 1 << 16})
+    # Output every few milliseconds: the command's pipe is never quiet for as long as the deadline is away.
+    _, _, result, _ = run_exec(agent, {"shell": "while :; do echo tick; sleep 0.005; done", "timeout_s": 0.5})
     assert result["timed_out"] is True
     assert result["signal"] == signal.SIGKILL
 
