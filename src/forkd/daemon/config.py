@@ -23,6 +23,10 @@ max_concurrent_forks = 16        # restores running at once; more queue
 
 [sandboxes]
 keep_on_stop = false             # true: stopping the daemon leaves VMMs for the next one to re-adopt
+
+[e2b]
+listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)
+keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
 ```
 """
 
@@ -47,7 +51,7 @@ DEFAULT_HOME = Path("/var/lib/forkd")
 DEFAULT_CACHE = Path("/var/cache/forkd")
 # Environment variable → top-level key. FORKD_SOCKET defaults to HOME/forkd.sock when unset everywhere.
 ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socket", "FORKD_LISTEN": "listen",
-            "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file"}
+            "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file", "FORKD_E2B_LISTEN": "e2b.listen"}
 
 
 class ConfigError(ValueError):
@@ -66,6 +70,12 @@ class SandboxPolicy:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class E2BSettings:
+    listen: str | None = Field(default=None, pattern=r"^[^\s:]+:\d{1,5}$")  # host:port; None: no E2B front
+    keys_file: Path | None = None  # None: HOME/e2b/api-keys
+
+
+@dataclass(frozen=True, config=_STRICT)
 class DaemonConfig:
     home: Path = DEFAULT_HOME
     cache: Path = DEFAULT_CACHE
@@ -80,6 +90,7 @@ class DaemonConfig:
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
     limits: Limits = field(default_factory=Limits)
     sandboxes: SandboxPolicy = field(default_factory=SandboxPolicy)
+    e2b: E2BSettings = field(default_factory=E2BSettings)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -112,7 +123,7 @@ def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,
     env = os.environ if env is None else env
     for variable, key in ENV_KEYS.items():
         if env.get(variable):
-            data[key] = env[variable]
+            _set(data, key, env[variable])
             where += f" + ${variable}"
     for key, value in (overrides or {}).items():
         if value is not None:
