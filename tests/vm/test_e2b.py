@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parent.parent / "e2b"
 PYTHON_CHECKS = {"commands", "stdout_streams_before_the_end", "background_command_killed", "stdin", "non_zero_exit",
                  "files", "second_client", "set_timeout", "list", "wrong_api_key", "unknown_sandbox", "run_code",
                  "fork", "pause_resume", "kill"}
+JS_CHECKS = PYTHON_CHECKS
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +43,8 @@ def run_checks(argv: list[str], env: dict[str, str], expected: set[str]) -> None
 
 def test_python_sdk(e2b_env: dict[str, str]) -> None:
     run_checks([sys.executable, str(HERE / "python" / "sdk_check.py")], e2b_env, PYTHON_CHECKS)
+
+
+def test_javascript_sdk(e2b_env: dict[str, str]) -> None:
+    """Node with the SDKs scripts/setup installed into tests/e2b/js (missing ones fail here, not skip)."""
+    run_checks(["node", str(HERE / "js" / "sdk_check.mjs")], e2b_env, JS_CHECKS)

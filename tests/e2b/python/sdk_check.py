@@ -96,8 +96,9 @@ def main() -> int:
 
     def files() -> None:
         data = os.urandom(BIG)
-        sbx.files.write("/tmp/big.bin", data)
-        assert sbx.files.read("/tmp/big.bin", format="bytes") == data
+        slow = 900  # seconds: 20 MiB through an emulated (TCG) guest on a busy host
+        sbx.files.write("/tmp/big.bin", data, request_timeout=slow)
+        assert sbx.files.read("/tmp/big.bin", format="bytes", request_timeout=slow) == data
         assert sbx.commands.run("stat -c %s /tmp/big.bin").stdout.strip() == str(BIG)
         sbx.files.write("/tmp/dir/a.txt", "hello")
         assert [e.name for e in sbx.files.list("/tmp/dir")] == ["a.txt"]
