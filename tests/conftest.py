@@ -2,6 +2,10 @@
 
 The daemon is the real one, started as its own process with a private FORKD_HOME and socket; the
 guest image comes from the shared FORKD_CACHE so it is built once per machine, keyed by its inputs.
+
+A run that selects VM tests on a host that cannot run them fails at once, saying what is missing:
+a suite that passes by skipping every VM test proves nothing. ``FORKD_TESTS=unit`` is the explicit
+way to run without them. The summary says how many VM tests ran.
 """
 
 from __future__ import annotations
@@ -23,8 +27,58 @@ import pytest
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
 
 VM_SNAPSHOT = "vmtest"
+TESTS_ENV = "FORKD_TESTS"  # "unit": leave the VM tests out on purpose
 # Leaves a file in the guest's RAM-backed /tmp and a process running, then reports ready.
 WARMUP_CMD = "echo warmed > /tmp/warm-marker; echo '{\"ready\": true}'; exec sleep 86400"
+
+
+def vm_prerequisites_missing() -> list[str]:
+    """What this host lacks to run the VM tests, each with what to do about it."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("root (run the tests as root: VMs, network namespaces and cgroups need it)")
+    if shutil.which("qemu-system-x86_64") is None:
+        missing.append("QEMU (`bash scripts/setup` installs qemu-system-x86)")
+    if shutil.which("ip") is None:
+        missing.append("network namespaces through `ip netns` (install iproute2)")
+    if shutil.which("nft") is None:
+        missing.append("nftables (`bash scripts/setup` installs the nftables package)")
+    return missing
+
+
+def _is_vm(item: pytest.Item) -> bool:
+    return item.get_closest_marker("vm") is not None
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: only the tests that will run count
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    vm_items = [item for item in items if _is_vm(item)]
+    if not vm_items:
+        return
+    if os.environ.get(TESTS_ENV) == "unit":
+        items[:] = [item for item in items if not _is_vm(item)]
+        config.hook.pytest_deselected(items=vm_items)
+        return
+    missing = vm_prerequisites_missing()
+    if missing:
+        pytest.exit(f"{len(vm_items)} VM tests are selected but this host lacks: " + "; ".join(missing)
+                    + f". Fix that, or run only the unit tests on purpose with {TESTS_ENV}=unit.",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """One line saying how many VM tests really ran, so a run without them cannot pass unnoticed."""
+    outcomes: dict[str, int] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if report.when in ("call", "setup") and "vm" in getattr(report, "keywords", {}):
+                if report.when == "setup" and outcome == "passed":
+                    continue
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    ran = outcomes.get("passed", 0) + outcomes.get("failed", 0)
+    detail = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())) or "none selected"
+    note = f" ({TESTS_ENV}=unit)" if os.environ.get(TESTS_ENV) == "unit" else ""
+    terminalreporter.write_line(f"VM tests run: {ran}{note} — {detail}")
 
 
 def vm_env_for(home: Path) -> dict[str, str]:
@@ -94,8 +148,9 @@ def stop_daemon(process: subprocess.Popen[bytes], controller: Controller, home: 
 @pytest.fixture(scope="session")
 def daemon(forkd_home: Path, vm_env: dict[str, str]) -> Iterator[Controller]:
     """A real daemon process for the whole session; stopped (and its VMs with it) at the end."""
-    if os.geteuid() != 0:
-        pytest.skip("VM tests need root")
+    missing = vm_prerequisites_missing()
+    if missing:
+        pytest.fail("VM tests cannot run here: " + "; ".join(missing))
     process, controller = start_daemon(forkd_home, vm_env)
     yield controller
     stop_daemon(process, controller, forkd_home)

@@ -56,6 +56,20 @@ def test_host_rules_keep_children_apart_and_off_the_host() -> None:
     assert 'iifname "fkdabcdefghijkl" oifname != "fkd*" masquerade' in rules
 
 
+def test_host_services_published_by_dnat_and_link_local_are_refused_in_forward() -> None:
+    host = host_ruleset(_net(EgressPolicy()))
+    forward = host[host.index("chain forward"):host.index("chain postrouting")]
+    assert 'iifname "fkdabcdefghijkl" ct status dnat reject with icmp type admin-prohibited' in forward
+    assert 'iifname "fkdabcdefghijkl" ip daddr 169.254.0.0/16 meta l4proto tcp reject with tcp reset' in forward
+    # In the namespace, before the policy: an allow-everything policy or an allow rule cannot open it.
+    policy = egress_policy("deny", [parse_allow_spec("169.254.169.254/32:80/tcp")])
+    for namespace in (namespace_ruleset(_net(EgressPolicy())), namespace_ruleset(_net(policy))):
+        ns_forward = namespace[namespace.index("chain forward"):]
+        blocked = ns_forward.index('ip daddr 169.254.0.0/16 reject with icmp type admin-prohibited')
+        opened = ns_forward.index(" accept", ns_forward.index("established,related accept") + 30)
+        assert blocked < opened
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None, reason="nft -c needs root and nftables")
 def test_nft_accepts_the_rulesets() -> None:
     policy = egress_policy("deny", [parse_allow_spec("198.51.100.0/24:443/tcp"), parse_allow_spec("10.9.0.0/16:53")])

@@ -165,6 +165,44 @@ def test_children_reach_neither_each_other_nor_the_host(daemon: Controller, outs
         b_server.wait()
 
 
+def _nft(ruleset: str) -> None:
+    subprocess.run(["nft", "-f", "-"], input=ruleset, check=True, capture_output=True, text=True, timeout=30)
+
+
+def _host_probe(host: str, port: int) -> str:
+    return subprocess.run([sys.executable, "-c", PROBE, host, str(port)], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
+def test_nat_child_reaches_no_host_service_published_by_dnat_nor_link_local(daemon: Controller, outside: str,
+                                                                             fork_one) -> None:
+    """A port the host publishes by DNAT (as container runtimes do) is a host service; 169.254.169.254 is
+    where clouds serve credentials. Both are set up here on the test's own addresses and namespaces."""
+    published, metadata = 9090, "169.254.169.254"
+    table = f"fdtest_publish_{os.getpid()}"
+    dnat = f"ip daddr {OUTSIDE_HOST} tcp dport {published} dnat to {OUTSIDE}:{OTHER_PORT}"
+    _nft(f"table ip {table} {{\n"
+         f"  chain prerouting {{ type nat hook prerouting priority dstnat; {dnat}; }}\n"
+         f"  chain output {{ type nat hook output priority -100; {dnat}; }}\n}}\n")
+    _ip("-n", outside, "addr", "add", f"{metadata}/32", "dev", "eth0")
+    _ip("route", "add", f"{metadata}/32", "via", OUTSIDE)
+    try:
+        child = fork_one(net="nat")
+        # Controls: the host itself reaches both, so they are really served.
+        assert _host_probe(OUTSIDE_HOST, published) == f"ok hello {OUTSIDE_HOST}"
+        assert _host_probe(metadata, OPEN_PORT).startswith("ok hello")
+        assert probe(daemon, child["id"], OUTSIDE, OPEN_PORT).startswith("ok")  # the child has a network
+        assert probe(daemon, child["id"], OUTSIDE_HOST, published) == "refused"
+        assert probe(daemon, child["id"], metadata, OPEN_PORT) == "refused"
+        # An allow rule naming the metadata address does not open it.
+        allowed = fork_one(net="nat", egress={"default": "deny", "allow": [{"cidr": f"{metadata}/32"}]})
+        assert probe(daemon, allowed["id"], metadata, OPEN_PORT) == "refused"
+    finally:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("route", "del", f"{metadata}/32")
+        subprocess.run(["nft", "delete", "table", "ip", table], capture_output=True, timeout=30)
+
+
 def test_deny_policy_admits_only_the_allow_list(daemon: Controller, outside: str, fork_one) -> None:
     child = fork_one(net="nat", egress={"default": "deny",
                                         "allow": [{"cidr": f"{OUTSIDE}/32", "ports": [OPEN_PORT], "protocol": "tcp"}]})

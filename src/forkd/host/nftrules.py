@@ -3,8 +3,9 @@
 Generated as nft's own syntax and loaded atomically with ``nft -f`` (a ruleset file is one
 transaction: all of it applies or none). The namespace table NATs the guest to the namespace's
 address and enforces the egress policy; the host table masquerades the child out of the host
-and holds the rules no policy can lift: nothing from a child reaches the host itself, another
-child, or any address of the pool.
+and holds the rules no policy can lift: nothing from a child reaches the host itself (its own
+addresses, or a service the host publishes by DNAT to an address behind it), another child, any
+address of the pool, or a link-local address (169.254.0.0/16: cloud metadata services).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ NS_VETH = "veth0"
 LINK_PREFIX = "fkd"  # host-side veth: fkd + the 12 characters of the sandbox id = 15, the kernel's limit
 NS_TABLE = "forkd"
 HOST_TABLE_PREFIX = "forkd_"
+LINK_LOCAL = ipaddress.IPv4Network("169.254.0.0/16")  # cloud metadata (169.254.169.254) and link-local hosts
 
 
 def host_link(sandbox_id: str) -> str:
@@ -58,7 +60,9 @@ _REJECT = ("meta l4proto tcp reject with tcp reset", "reject with icmp type admi
 def namespace_ruleset(net: ChildNetwork) -> str:
     """NAT and the egress policy, in the child's namespace (the guest cannot touch it: it is in a VM)."""
     out = f'iifname "{TAP}" oifname "{NS_VETH}"'
-    dnat, forward = [], [f"{out} ip daddr {net.pool} drop"]
+    # Before any allow rule: no policy opens the pool or link-local (rejected, so it fails at once).
+    dnat = []
+    forward = [f"{out} ip daddr {net.pool} drop", *(f"{out} ip daddr {LINK_LOCAL} {r}" for r in _REJECT)]
     if net.dns is not None:
         for proto in ("udp", "tcp"):
             dnat.append(f'iifname "{TAP}" ip daddr {netconf.GATEWAY} {proto} dport 53 dnat to {net.dns}')
@@ -82,7 +86,13 @@ def namespace_ruleset(net: ChildNetwork) -> str:
 
 
 def host_ruleset(net: ChildNetwork) -> str:
-    """Masquerade the child out of the host; keep it away from the host and from other children."""
+    """Masquerade the child out of the host; keep it away from the host and from other children.
+
+    A host service is not only what listens on the host's addresses (``input``): a port the host
+    publishes by DNAT (a container's, say) arrives here already rewritten to some address behind
+    the host and is *forwarded*, so ``forward`` refuses any of the child's connections the host's
+    own prerouting DNATed (``ct status dnat``), and link-local destinations.
+    """
     link = host_link(net.sandbox_id)
     mine, any_child = f'iifname "{link}"', f'"{LINK_PREFIX}*"'
     return _ruleset("ip", host_table(net.sandbox_id), {
@@ -92,6 +102,8 @@ def host_ruleset(net: ChildNetwork) -> str:
             f"{mine} oifname {any_child} drop",
             f'iifname {any_child} oifname "{link}" drop',
             f"{mine} ip daddr {net.pool} drop",
+            *(f"{mine} ct status dnat {r}" for r in _REJECT),
+            *(f"{mine} ip daddr {LINK_LOCAL} {r}" for r in _REJECT),
         ]),
         "postrouting": ("type nat hook postrouting priority srcnat; policy accept;",
                         [f"{mine} oifname != {any_child} masquerade"]),

@@ -3,6 +3,12 @@
 Requests are numbered and many may be in flight at once; a reader task routes every frame to the
 request it belongs to, so a long ``exec`` never blocks a ``ping``. Events reach the caller as they
 arrive through an ``on_event`` callback.
+
+Everything the guest sends is hostile. A frame that breaks the protocol (a line over the frame
+limit, JSON nested past what the parser survives, an id or payload of the wrong type) ends the
+connection: every pending call fails at once with the reason, and ``on_violation`` tells the
+owner, which kills the sandbox. Only a line that is not JSON at all is skipped: a restored guest
+may finish a line its parent began before the snapshot.
 """
 
 from __future__ import annotations
@@ -13,10 +19,10 @@ import itertools
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from forkd.guest import protocol
+from forkd.vmm.base import VmHandle
 
 EventHandler = Callable[[str, dict[str, Any]], Awaitable[None] | None]
 
@@ -34,6 +40,29 @@ class AgentError(RuntimeError):
 class AgentUnavailable(AgentError):
     def __init__(self, message: str) -> None:
         super().__init__("agent_unavailable", message)
+
+
+class ProtocolViolation(Exception):
+    """The guest sent a frame the protocol does not allow; the connection cannot be trusted any further."""
+
+
+def _checked(frame: dict[str, Any]) -> dict[str, Any]:
+    """``frame`` if its envelope has the protocol's types, else :class:`ProtocolViolation`."""
+    req_id = frame.get("id")
+    if req_id is not None and (not isinstance(req_id, int) or isinstance(req_id, bool)):
+        raise ProtocolViolation(f"a frame's id is a {type(req_id).__name__}, not an integer")
+    if protocol.is_terminal(frame):
+        if not isinstance(frame["ok"], bool):
+            raise ProtocolViolation("a terminal frame's 'ok' is not a boolean")
+        for key in ("result", "error"):
+            if frame.get(key) is not None and not isinstance(frame[key], dict):
+                raise ProtocolViolation(f"a terminal frame's {key!r} is a {type(frame[key]).__name__}, not an object")
+    else:
+        if not isinstance(frame.get("event"), str):
+            raise ProtocolViolation("an event frame has no string 'event'")
+        if frame.get("data") is not None and not isinstance(frame["data"], dict):
+            raise ProtocolViolation(f"an event's 'data' is a {type(frame['data']).__name__}, not an object")
+    return frame
 
 
 class _Pending:
@@ -56,20 +85,20 @@ class AgentClient:
         self._closed_reason: str | None = None
         self._reader_task = asyncio.create_task(self._read_loop())
         self.on_roundtrip: Callable[[str, float], None] | None = None  # (op, seconds) of each answered call
+        self.on_violation: Callable[[str], None] | None = None  # the guest broke the protocol (reason)
 
     @classmethod
-    async def connect(cls, socket_path: Path, timeout: float = 10.0) -> AgentClient:
-        """Connect to the VMM's agent socket, retrying until it exists or ``timeout`` passes."""
+    async def connect(cls, vm: VmHandle, timeout: float = 10.0) -> AgentClient:
+        """Connect to the VM's agent channel, retrying until it is open or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(
-                    str(socket_path), limit=protocol.MAX_FRAME_BYTES + 1
-                )
+                reader, writer = await asyncio.wait_for(vm.open_agent(limit=protocol.MAX_FRAME_BYTES + 1),
+                                                        timeout=max(0.1, deadline - time.monotonic()))
                 return cls(reader, writer)
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
+            except (FileNotFoundError, ConnectionRefusedError, asyncio.TimeoutError) as exc:
                 if time.monotonic() > deadline:
-                    raise AgentUnavailable(f"cannot connect to {socket_path}: {exc}") from None
+                    raise AgentUnavailable(f"cannot connect to the agent of {vm.name}: {exc!r}") from None
                 await asyncio.sleep(0.005)
 
     @property
@@ -107,32 +136,56 @@ class AgentClient:
     async def _read_loop(self) -> None:
         try:
             while True:
-                line = await self._reader.readline()
+                try:
+                    line = await self._reader.readline()
+                except ValueError:  # asyncio's LimitOverrunError: a line longer than any frame may be
+                    raise ProtocolViolation(f"a line longer than {protocol.MAX_FRAME_BYTES} bytes") from None
                 if not line:
                     self._fail_all("the agent closed the connection (VM stopped?)")
                     return
                 try:
-                    frame = protocol.decode_frame(line)
+                    frame = _checked(protocol.decode_frame(line))
                 except protocol.ProtocolError:
                     continue  # a torn line from before a restore; the request it belonged to is gone
-                pending = self._pending.get(frame.get("id"))  # type: ignore[arg-type]
-                if pending is None:
-                    continue
-                if protocol.is_terminal(frame):
-                    if not pending.done.done():
-                        pending.done.set_result(frame)
-                elif pending.on_event is not None:
-                    result = pending.on_event(str(frame.get("event")), frame.get("data") or {})
-                    if asyncio.iscoroutine(result):
-                        await result
-        except (ConnectionError, OSError, ValueError) as exc:
+                except RecursionError:
+                    raise ProtocolViolation("a frame nested too deeply to parse") from None
+                await self._route(frame)
+        except ProtocolViolation as exc:
+            self._violated(str(exc))
+        except (ConnectionError, OSError) as exc:
             self._fail_all(f"connection to the agent failed: {exc}")
         except asyncio.CancelledError:
             self._fail_all("connection closed")
             raise
 
+    async def _route(self, frame: dict[str, Any]) -> None:
+        pending = self._pending.get(frame.get("id"))  # type: ignore[arg-type]
+        if pending is None:
+            return
+        if protocol.is_terminal(frame):
+            if not pending.done.done():
+                pending.done.set_result(frame)
+        elif pending.on_event is not None:
+            try:
+                result = pending.on_event(frame["event"], frame.get("data") or {})
+                if asyncio.iscoroutine(result):
+                    await result
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the guest's payload broke its handler (bad base64, wrong field types)
+                raise ProtocolViolation(f"a {frame['event']!r} event its handler refused "
+                                        f"({type(exc).__name__})") from None
+
+    def _violated(self, detail: str) -> None:
+        """Fail everything at once and tell the owner; the guest is not to be trusted any further."""
+        self._fail_all(f"the guest broke the agent protocol ({detail}); the sandbox is killed")
+        self._writer.close()
+        if self.on_violation is not None:
+            self.on_violation(detail)
+
     def _fail_all(self, reason: str) -> None:
-        self._closed_reason = reason
+        if self._closed_reason is None:
+            self._closed_reason = reason
         for pending in self._pending.values():
             if not pending.done.done():
                 pending.done.set_exception(AgentUnavailable(reason))
@@ -146,8 +199,7 @@ class AgentClient:
             await self._writer.wait_closed()
 
 
-async def connect_when_answering(socket_path: Path, process: asyncio.subprocess.Process, timeout: float,
-                                 op: str = protocol.OP_PING,
+async def connect_when_answering(vm: VmHandle, timeout: float, op: str = protocol.OP_PING,
                                  args: dict[str, Any] | None = None) -> tuple[AgentClient, dict[str, Any]]:
     """Connect and send ``op`` until the guest agent answers it; fail fast if the VMM exits.
 
@@ -157,11 +209,11 @@ async def connect_when_answering(socket_path: Path, process: asyncio.subprocess.
     deadline = time.monotonic() + timeout
     last_error = "no attempt"
     while time.monotonic() < deadline:
-        if process.returncode is not None:
-            raise AgentUnavailable(f"the VM exited with status {process.returncode} before its agent answered")
+        if vm.process.returncode is not None:
+            raise AgentUnavailable(f"the VM exited with status {vm.process.returncode} before its agent answered")
         remaining = max(0.1, deadline - time.monotonic())
         try:
-            client = await AgentClient.connect(socket_path, timeout=remaining)
+            client = await AgentClient.connect(vm, timeout=remaining)
         except AgentUnavailable as exc:
             last_error = exc.message
             continue

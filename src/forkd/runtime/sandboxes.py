@@ -30,7 +30,7 @@ from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.isolation import END_OUT_OF_MEMORY, Isolation, IsolationError, Prepared, SandboxOptions, sandbox_meta
 from forkd.runtime.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
-from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
+from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError, restore
 from forkd.vmm.process import start_time
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
@@ -45,6 +45,16 @@ class SandboxNotFound(LookupError):
 
 class SandboxLimitReached(RuntimeError):
     """The daemon's ``max_sandboxes`` limit is reached; this child is refused, the others are not."""
+
+
+class ReseedFailed(AgentError):
+    """The child's guest kernel RNG was not reseeded, so it would share its randomness with its siblings."""
+
+    def __init__(self, sandbox_id: str, answer: dict[str, Any]) -> None:
+        skipped = ", ".join(answer.get("skipped") or []) or "none reported"
+        super().__init__("reseed_failed", f"child {sandbox_id} did not reseed its kernel RNG (skipped: {skipped}); "
+                         "it would share random numbers with its siblings, so it was killed. Check that the "
+                         "image's agent runs as root (PID 1's child) and rebuild it with `forkd image build --force`")
 
 
 # Frees one per-sandbox host resource (netns, cgroup, tap, ...) by sandbox id. Called whenever a
@@ -65,6 +75,7 @@ class LiveSandbox:
     watcher: asyncio.Task[None] | None = None
     killing: bool = False
     isolation: Prepared | None = None
+    kill_reason: str = "requested"  # the exit_reason a kill is reported with
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,7 @@ class SandboxService:
         self._ended: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._forking: Counter[str] = Counter()  # children being restored, per snapshot tag
         self._restoring = 0
+        self._killers: set[asyncio.Task[None]] = set()  # kills started by a callback, kept until done
         self._restore_slots = asyncio.Semaphore(self.options.max_concurrent_forks or 1 << 30)
 
     async def fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> list[ForkOutcome]:
@@ -161,18 +173,19 @@ class SandboxService:
             record.meta.update(sandbox_meta(options.isolation, prepared.lease))
             self.registry.update_sandbox(sandbox_id, meta=record.meta)
             try:
-                vm = await self.vmm.restore(sandbox_id, saved, spec, run_dir, prepared.setup())
+                vm = await restore(self.vmm, sandbox_id, saved, spec, run_dir, prepared.setup())
             finally:
                 prepared.close_tap()
-            self.registry.set_vmm(sandbox_id, vm.pid, start_time(vm.pid), vm.agent_socket, vm.monitor_socket)
+            self.registry.set_vmm(sandbox_id, vm.pid, start_time(vm.pid), vm.state)
             # The first answer a child gives is to its reseed: nothing runs on a copied RNG or clock.
-            agent, _ = await connect_when_answering(vm.agent_socket, vm.process, RESTORE_ANSWER_TIMEOUT_S,
-                                                    protocol.OP_RESEED, {
+            agent, reseeded = await connect_when_answering(vm, RESTORE_ANSWER_TIMEOUT_S, protocol.OP_RESEED, {
                 "entropy_b64": protocol.b64encode(os.urandom(64)),
                 "time_ns": time.time_ns(),
                 "hostname": sandbox_id,
                 "sandbox_id": sandbox_id,
             })
+            if reseeded.get("kernel_rng") is not True:
+                raise ReseedFailed(sandbox_id, reseeded)
         except BaseException:
             if agent is not None:
                 await agent.close()
@@ -191,8 +204,19 @@ class SandboxService:
         """Serve a running child: a fresh one, or one re-adopted after a daemon restart (``isolation`` None)."""
         live = LiveSandbox(record=record, vm=vm, agent=agent, isolation=isolation)
         live.watcher = asyncio.create_task(self._watch(live))
+        agent.on_violation = lambda detail: self._agent_violated(live, detail)
         self._live[record.id] = live
         return live
+
+    def _agent_violated(self, live: LiveSandbox, detail: str) -> None:
+        """A guest that broke the protocol is not served any further: kill it and release what it held."""
+        log.warning("sandbox %s: the guest broke the agent protocol (%s); killing it", live.record.id, detail)
+        if not live.killing:
+            live.kill_reason = "agent_protocol_violation"
+            live.killing = True
+            killer = asyncio.get_running_loop().create_task(self.vmm.kill(live.vm))  # the watcher releases it
+            self._killers.add(killer)
+            killer.add_done_callback(self._killers.discard)
 
     async def _watch(self, live: LiveSandbox) -> None:
         """Release everything a child held as soon as its VMM process exits, however it died."""
@@ -205,7 +229,7 @@ class SandboxService:
             log.warning("sandbox %s was killed by the kernel's OOM killer: its VMM exceeded its memory limit "
                         "(%s MiB)", record.id, limit)
         elif live.killing:
-            record.status, record.meta["exit_reason"] = "killed", "requested"
+            record.status, record.meta["exit_reason"] = "killed", live.kill_reason
         else:
             record.status, record.meta["exit_reason"] = "exited", f"exit status {code}"
         await live.agent.close()

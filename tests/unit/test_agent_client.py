@@ -1,0 +1,162 @@
+"""The host side of the guest protocol against a hostile guest: the real AgentClient over a real Unix socket.
+
+The peer is a stand-in guest that reads requests and writes whatever bytes a test gives it; a frame
+that breaks the protocol must fail every pending call at once (never leave one waiting for its
+timeout) and, in a SandboxService, kill the sandbox and release everything it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from forkd.config import Paths
+from forkd.guest import protocol
+from forkd.runtime.agent_client import AgentClient, AgentUnavailable
+from forkd.runtime.isolation import Isolation
+from forkd.runtime.metrics import Metrics
+from forkd.runtime.registry import Registry, SandboxRecord
+from forkd.runtime.sandboxes import SandboxService
+from forkd.runtime.snapshots import SnapshotService
+from forkd.store.files import DigestCache
+from forkd.vmm.base import VmHandle
+from forkd.vmm.qemu import QemuVmm
+
+pytestmark = pytest.mark.timeout(60)
+BOUND_S = 10.0  # far above how long failing takes; only bounds a hang
+
+
+def _deep(levels: int) -> bytes:
+    return b'{"id": 1, "event": "stdout", "data": ' + b"[" * levels + b"]" * levels + b"}\n"
+
+
+def _event(req_id: object, data: object) -> bytes:
+    return json.dumps({"id": req_id, "event": "stdout", "data": data}).encode() + b"\n"
+
+
+HOSTILE = {
+    "deep nesting": lambda req_id: _deep(200_000),
+    "non-object data": lambda req_id: _event(req_id, [1, 2, 3]),
+    "string data": lambda req_id: _event(req_id, "boom"),
+    "list id": lambda req_id: _event([req_id], {}),
+    "non-object result": lambda req_id: json.dumps({"id": req_id, "ok": True, "result": [1]}).encode() + b"\n",
+    "non-boolean ok": lambda req_id: json.dumps({"id": req_id, "ok": "yes"}).encode() + b"\n",
+    "event without a name": lambda req_id: json.dumps({"id": req_id, "data": {}}).encode() + b"\n",
+    "bad base64 for its handler": lambda req_id: _event(req_id, {"data_b64": "%%%not base64"}),
+    "oversize line": lambda req_id: b"x" * (protocol.MAX_FRAME_BYTES + 2) + b"\n",
+}
+
+
+class Guest:
+    """A stand-in guest on a real Unix socket: hands every request to the test and writes what it is told."""
+
+    def __init__(self) -> None:
+        self.requests: asyncio.Queue[dict] = asyncio.Queue()
+        self.writer: asyncio.StreamWriter | None = None
+        self.connected = asyncio.Event()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.connected.set()
+        while line := await reader.readline():
+            await self.requests.put(json.loads(line))
+
+    async def send(self, data: bytes) -> None:
+        assert self.writer is not None
+        self.writer.write(data)
+        await self.writer.drain()
+
+
+async def _with_guest(tmp_path: Path, body: Callable[[AgentClient, Guest], Awaitable[None]]) -> None:
+    guest = Guest()
+    server = await asyncio.start_unix_server(guest.serve, path=str(tmp_path / "agent.sock"))
+    client = await AgentClient.connect(tmp_path / "agent.sock")
+    try:
+        await asyncio.wait_for(guest.connected.wait(), BOUND_S)
+        await body(client, guest)
+    finally:
+        await client.close()
+        server.close()
+
+
+def _echo_handler(name: str, data: dict) -> None:
+    if "data_b64" in data:
+        protocol.b64decode(data["data_b64"])
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_frame_fails_every_pending_call_at_once(case: str, tmp_path: Path) -> None:
+    violations: list[str] = []
+
+    async def body(client: AgentClient, guest: Guest) -> None:
+        client.on_violation = violations.append
+        first = asyncio.create_task(client.call("exec", {}, timeout=300, on_event=_echo_handler))
+        second = asyncio.create_task(client.call("ping", {}, timeout=300))
+        request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
+        await asyncio.wait_for(guest.requests.get(), BOUND_S)
+        await guest.send(HOSTILE[case](request["id"]))
+        for call in (first, second):
+            with pytest.raises(AgentUnavailable, match="broke the agent protocol"):
+                await asyncio.wait_for(call, BOUND_S)
+        assert client.closed
+        with pytest.raises(AgentUnavailable, match="broke the agent protocol"):
+            await client.call("ping", {}, timeout=BOUND_S)
+
+    asyncio.run(_with_guest(tmp_path, body))
+    assert len(violations) == 1, violations
+
+
+def test_a_torn_line_is_skipped_and_the_answer_still_arrives(tmp_path: Path) -> None:
+    async def body(client: AgentClient, guest: Guest) -> None:
+        call = asyncio.create_task(client.call("ping", {}, timeout=BOUND_S))
+        request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
+        await guest.send(b'fore a restore"}\n' + protocol.encode_frame(protocol.ok(request["id"], {"pong": True})))
+        assert await call == {"pong": True}
+        assert not client.closed
+
+    asyncio.run(_with_guest(tmp_path, body))
+
+
+async def _stand_in_vmm() -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec("sleep", "300")
+
+
+def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_path: Path) -> None:
+    paths = Paths(home=tmp_path, cache=tmp_path / "cache", socket=tmp_path / "forkd.sock")
+    for directory in (paths.sandboxes, paths.snapshots):
+        directory.mkdir(parents=True)
+    registry = Registry(paths.db)
+    vmm = QemuVmm()
+    service = SandboxService(paths, registry, vmm, SnapshotService(paths, registry, vmm, DigestCache()), Metrics(),
+                             Isolation.from_env(registry))
+    released: list[str] = []
+    service.releasers.append(released.append)
+    run_dir = paths.sandboxes / "sb-hostile000000"
+    run_dir.mkdir()
+
+    async def body(client: AgentClient, guest: Guest) -> None:
+        process = await _stand_in_vmm()
+        record = SandboxRecord("sb-hostile000000", "base", "running", process.pid, run_dir, time.time())
+        registry.add_sandbox(record)
+        vm = VmHandle(name=record.id, run_dir=run_dir, process=process, agent_socket=tmp_path / "agent.sock",
+                      monitor_socket=run_dir / "qmp.sock", disk=run_dir / "disk.qcow2")
+        live = service.watch(record, vm, client)
+        call = asyncio.create_task(client.call("exec", {}, timeout=300))
+        request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
+        await guest.send(_deep(200_000).replace(b'"id": 1', f'"id": {request["id"]}'.encode()))
+        with pytest.raises(AgentUnavailable):
+            await asyncio.wait_for(call, BOUND_S)
+        assert live.watcher is not None
+        await asyncio.wait_for(live.watcher, BOUND_S)
+        assert process.returncode is not None  # the VMM was killed
+        ended = service.lookup(record.id)
+        assert (ended["status"], ended["exit_reason"]) == ("killed", "agent_protocol_violation")
+
+    asyncio.run(_with_guest(tmp_path, body))
+    assert released == ["sb-hostile000000"]
+    assert registry.list_sandboxes() == [] and not run_dir.exists()

@@ -1,0 +1,46 @@
+"""The test suite refuses to pass by skipping: selected VM tests on a host that cannot run them fail the run.
+
+The suite is run as an unprivileged user (``setpriv`` from root, or as is when not root), which is
+exactly the situation where every VM test used to skip and the run still exited 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NOBODY = 65534
+
+
+def _pytest_unprivileged(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "FORKD_TESTS"}
+    env.update({"PYTHONDONTWRITEBYTECODE": "1", **(env_extra or {})})
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        assert setpriv is not None, "setpriv (util-linux) is needed to run the suite as an unprivileged user"
+        command = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *command]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_vm_tests_without_root_fail_the_run_saying_what_to_do() -> None:
+    done = _pytest_unprivileged("tests/vm/test_limits.py")
+    output = done.stdout + done.stderr
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, output
+    assert "VM tests are selected but this host lacks: root" in output
+    assert "FORKD_TESTS=unit" in output
+
+
+def test_opting_out_runs_no_vm_test_and_says_so() -> None:
+    done = _pytest_unprivileged("tests/vm/test_limits.py", "tests/unit/test_validation.py",
+                                env_extra={"FORKD_TESTS": "unit"})
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "VM tests run: 0 (FORKD_TESTS=unit)" in output
+    assert "deselected" in output
