@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import stat
+import asyncio
 from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any
 
 from forkd.e2b.errors import ConnectError
@@ -13,6 +15,9 @@ from forkd.guest import protocol
 
 MAX_LIST_ENTRIES = 10_000  # a ListDir answer; deeper trees are refused, not truncated
 MAX_DEPTH = 64
+WATCH_POLL_S = 1.0  # how long one watch.read waits in the guest; between reads a stream notices a disconnect
+_EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "remove": "EVENT_TYPE_REMOVE",
+                "rename": "EVENT_TYPE_RENAME", "chmod": "EVENT_TYPE_CHMOD"}
 _TYPES = {"file": ("FILE_TYPE_FILE", stat.S_IFREG), "dir": ("FILE_TYPE_DIRECTORY", stat.S_IFDIR),
           "symlink": ("FILE_TYPE_SYMLINK", stat.S_IFLNK)}
 
@@ -41,6 +46,10 @@ class FilesystemService:
             "/filesystem.Filesystem/MakeDir": Method("unary", self.make_dir),
             "/filesystem.Filesystem/Move": Method("unary", self.move),
             "/filesystem.Filesystem/Remove": Method("unary", self.remove),
+            "/filesystem.Filesystem/WatchDir": Method("server_stream", self.watch_dir),
+            "/filesystem.Filesystem/CreateWatcher": Method("unary", self.create_watcher),
+            "/filesystem.Filesystem/GetWatcherEvents": Method("unary", self.get_watcher_events),
+            "/filesystem.Filesystem/RemoveWatcher": Method("unary", self.remove_watcher),
         }
 
     async def _stat(self, call: Call, path: str) -> Message:
@@ -80,3 +89,64 @@ class FilesystemService:
     async def remove(self, call: Call, message: Message) -> Message:
         await call.live.agent.call(protocol.OP_FILES_REMOVE, {"path": _path(message), "recursive": True})
         return {}
+
+    async def _watch(self, call: Call, message: Message) -> str:
+        args = {"path": _path(message), "recursive": bool(message.get("recursive"))}
+        return str((await call.live.agent.call(protocol.OP_WATCH_CREATE, args))["id"])
+
+    async def _events(self, call: Call, watcher: str, wait_s: float, include_entry: bool) -> list[Message]:
+        read = await call.live.agent.call(protocol.OP_WATCH_READ, {"id": watcher, "wait_s": wait_s},
+                                          timeout=wait_s + 30)
+        events = []
+        for event in read.get("events", []):
+            kind = _EVENT_TYPES.get(event.get("type", ""))
+            if kind is None:
+                continue  # the kernel's queue overflowed: those events are lost either way
+            found: Message = {"name": event["name"], "type": kind}
+            if include_entry and kind not in ("EVENT_TYPE_REMOVE", "EVENT_TYPE_RENAME"):
+                try:
+                    found["entry"] = await self._stat(call, event["path"])
+                except Exception:
+                    pass  # gone again already
+            events.append(found)
+        return events
+
+    async def watch_dir(self, call: Call, message: Message) -> AsyncIterator[Message]:
+        watcher = await self._watch(call, message)
+        include_entry = bool(message.get("includeEntry"))
+
+        async def stream() -> AsyncIterator[Message]:
+            try:
+                yield {"start": {}}
+                while True:
+                    events = await self._events(call, watcher, WATCH_POLL_S, include_entry)
+                    for event in events:
+                        yield {"filesystem": event}
+                    if not events:
+                        yield {"keepalive": {}}
+            finally:  # the client went away: free the guest's watcher without awaiting in a cancelled task
+                cleanup = asyncio.get_running_loop().create_task(
+                    call.live.agent.call(protocol.OP_WATCH_REMOVE, {"id": watcher}))
+                _CLEANUPS.add(cleanup)
+                cleanup.add_done_callback(_CLEANUPS.discard)
+
+        return stream()
+
+    async def create_watcher(self, call: Call, message: Message) -> Message:
+        return {"watcherId": await self._watch(call, message)}
+
+    async def get_watcher_events(self, call: Call, message: Message) -> Message:
+        watcher = message.get("watcherId")
+        if not isinstance(watcher, str) or not watcher:
+            raise ConnectError("invalid_argument", "watcherId is required")
+        return {"events": await self._events(call, watcher, 0.0, False)}
+
+    async def remove_watcher(self, call: Call, message: Message) -> Message:
+        watcher = message.get("watcherId")
+        if not isinstance(watcher, str) or not watcher:
+            raise ConnectError("invalid_argument", "watcherId is required")
+        await call.live.agent.call(protocol.OP_WATCH_REMOVE, {"id": watcher})
+        return {}
+
+
+_CLEANUPS: set[asyncio.Task[Any]] = set()  # watcher removals still running after their stream ended

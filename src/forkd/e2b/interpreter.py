@@ -1,9 +1,10 @@
-"""E2B's code interpreter (port 49999) on the guest agent's run_code and its named contexts.
+"""E2B's code interpreter (port 49999) on the guest agent's run_code and contexts.* ops.
 
 ``POST /execute`` answers one JSON object per line as the cell runs: ``stdout``/``stderr`` lines,
-``result`` (the cell's value), ``error``, ``number_of_executions``, then ``end_of_execution``.
-Contexts are the agent's named namespaces; this module keeps their ids, language and cwd per
-sandbox, with the ``default`` context always present.
+``result`` (rich results as the agent reports them: ``display()`` calls, matplotlib figures, the
+cell's value as the main result), ``error``, ``number_of_executions``, then ``end_of_execution``.
+Contexts are the agent's: each its own interpreter process with its own working directory. The
+execution count is kept here, per context of each running sandbox.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import secrets
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -26,26 +25,9 @@ from forkd.runtime.sandboxes import LiveSandbox
 
 DEFAULT_CONTEXT = "default"
 MAX_CODE_BYTES = 4 << 20
-MAX_CONTEXTS = 256
 LANGUAGES = ("python",)
 _QUEUE_ITEMS = 4096
-
-
-@dataclass
-class _Context:
-    id: str
-    language: str = "python"
-    cwd: str = "/"
-    executions: int = 0
-
-    def describe(self) -> dict[str, Any]:
-        return {"id": self.id, "language": self.language, "cwd": self.cwd}
-
-
-@dataclass
-class _Contexts:
-    live: LiveSandbox
-    contexts: dict[str, _Context] = field(default_factory=lambda: {DEFAULT_CONTEXT: _Context(DEFAULT_CONTEXT)})
+_CONTEXT_KEYS = ("id", "language", "cwd")
 
 
 def _now() -> str:
@@ -56,67 +38,57 @@ def _line(item: dict[str, Any]) -> bytes:
     return (json.dumps(item) + "\n").encode()
 
 
+def _language(body: dict[str, Any]) -> str:
+    language = body.get("language") or "python"
+    if language not in LANGUAGES:
+        raise E2BError(400, f"language {language!r} is not available; forkd runs {', '.join(LANGUAGES)}")
+    return language
+
+
 class Interpreter:
     def __init__(self) -> None:
-        self._sandboxes: dict[str, _Contexts] = {}
+        self._counts: dict[str, tuple[LiveSandbox, dict[str, int]]] = {}
 
-    def contexts(self, live: LiveSandbox) -> dict[str, _Context]:
-        """This sandbox's contexts; those of sandboxes that ended are dropped on the way."""
-        for sandbox_id, known in list(self._sandboxes.items()):
-            if known.live.watcher is not None and known.live.watcher.done():
-                del self._sandboxes[sandbox_id]
-        known = self._sandboxes.get(live.record.id)
-        if known is None or known.live is not live:
-            known = self._sandboxes[live.record.id] = _Contexts(live)
-        return known.contexts
+    def counts(self, live: LiveSandbox) -> dict[str, int]:
+        """Executions per context of this sandbox; counts of sandboxes that ended are dropped on the way."""
+        for sandbox_id, (other, _) in list(self._counts.items()):
+            if other.watcher is not None and other.watcher.done():
+                del self._counts[sandbox_id]
+        known = self._counts.get(live.record.id)
+        if known is None or known[0] is not live:
+            known = self._counts[live.record.id] = (live, {})
+        return known[1]
 
     async def handle(self, request: Request, live: LiveSandbox) -> Response:
         path, method = request.url.path, request.method
         parts = [p for p in path.split("/") if p]
+        agent = live.agent
         try:
             if parts == ["health"] and method == "GET":
                 return JSONResponse("OK")
             if parts == ["execute"] and method == "POST":
                 return await self.execute(request, live)
             if parts == ["contexts"] and method == "GET":
-                return JSONResponse([c.describe() for c in self.contexts(live).values()])
+                listed = await agent.call(protocol.OP_CONTEXTS_LIST, {})
+                return JSONResponse([{k: c.get(k) for k in _CONTEXT_KEYS} for c in listed.get("contexts", [])])
             if parts == ["contexts"] and method == "POST":
-                return JSONResponse(self.create_context(live, await _json_body(request)).describe())
+                body = await _json_body(request)
+                args = {"language": _language(body), **({"cwd": body["cwd"]} if body.get("cwd") else {})}
+                created = await agent.call(protocol.OP_CONTEXTS_CREATE, args)
+                return JSONResponse({k: created.get(k) for k in _CONTEXT_KEYS})
             if len(parts) == 2 and parts[0] == "contexts" and method == "DELETE":
-                self._context(live, parts[1])
-                if parts[1] == DEFAULT_CONTEXT:
-                    raise E2BError(400, "the default context cannot be removed")
-                del self.contexts(live)[parts[1]]
+                await agent.call(protocol.OP_CONTEXTS_DELETE, {"id": parts[1]})
+                self.counts(live).pop(parts[1], None)
                 return Response(status_code=204)
             if len(parts) == 3 and parts[0] == "contexts" and parts[2] == "restart" and method == "POST":
-                self._context(live, parts[1])
-                raise E2BError(501, "restarting a context needs a guest agent with context restarts")
+                await agent.call(protocol.OP_CONTEXTS_RESTART, {"id": parts[1]})
+                self.counts(live).pop(parts[1], None)
+                return Response(status_code=204)
         except Exception as exc:
             error = to_http(exc)
             return JSONResponse(error.body(), status_code=error.status)
         return JSONResponse({"code": 404, "message": f"the code interpreter has no route {method} {path}"},
                             status_code=404)
-
-    def _context(self, live: LiveSandbox, context_id: str) -> _Context:
-        context = self.contexts(live).get(context_id)
-        if context is None:
-            raise E2BError(404, f"context {context_id} not found; list them with list_code_contexts()")
-        return context
-
-    def create_context(self, live: LiveSandbox, body: dict[str, Any]) -> _Context:
-        language = body.get("language") or "python"
-        if language not in LANGUAGES:
-            raise E2BError(400, f"language {language!r} is not available; forkd runs {', '.join(LANGUAGES)}")
-        cwd = body.get("cwd") or "/"
-        if not isinstance(cwd, str) or cwd != "/":
-            raise E2BError(400, "contexts share the interpreter's working directory (/); use os.chdir in the "
-                                "code or absolute paths")
-        contexts = self.contexts(live)
-        if len(contexts) >= MAX_CONTEXTS:
-            raise E2BError(400, f"a sandbox has at most {MAX_CONTEXTS} contexts; remove some first")
-        context = _Context(id=secrets.token_hex(8), language=language, cwd=cwd)
-        contexts[context.id] = context
-        return context
 
     async def execute(self, request: Request, live: LiveSandbox) -> Response:
         body = await _json_body(request)
@@ -126,33 +98,46 @@ class Interpreter:
         if body.get("context_id") and body.get("language"):
             raise E2BError(400, "give context_id or language, not both")
         if body.get("env_vars"):
-            raise E2BError(400, "per-execution env_vars are not supported: contexts share one process environment; "
-                                "set envs when creating the sandbox")
-        language = body.get("language") or "python"
-        if language not in LANGUAGES:
-            raise E2BError(400, f"language {language!r} is not available; forkd runs {', '.join(LANGUAGES)}")
-        context = self._context(live, body.get("context_id") or DEFAULT_CONTEXT)
+            raise E2BError(400, "per-execution env_vars are not supported; set envs when creating the sandbox")
+        _language(body)
+        context = body.get("context_id") or DEFAULT_CONTEXT
+        if not isinstance(context, str):
+            raise E2BError(400, "context_id must be a string")
         return StreamingResponse(self._run(live, context, code), media_type="application/x-ndjson")
 
-    async def _run(self, live: LiveSandbox, context: _Context, code: str) -> AsyncIterator[bytes]:
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(_QUEUE_ITEMS)
+    async def _run(self, live: LiveSandbox, context: str, code: str) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()  # bounded by `dropped` below
+        dropped = 0
 
         def on_event(name: str, data: dict[str, Any]) -> None:
-            if name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR) and not queue.full():
+            # Never blocks (that would stall the sandbox's agent connection): past _QUEUE_ITEMS unread
+            # lines, output is dropped and counted, and the stream says so.
+            nonlocal dropped
+            if queue.qsize() >= _QUEUE_ITEMS:
+                dropped += 1
+            elif name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR):
                 queue.put_nowait({"type": name, "text": str(data.get("text", "")), "timestamp": _now()})
+            elif name == protocol.EVENT_RESULT:
+                queue.put_nowait({**data, "type": "result"})
 
         async def run() -> None:
             try:
-                result = await live.agent.call(protocol.OP_RUN_CODE, {"code": code, "context": context.id},
+                result = await live.agent.call(protocol.OP_RUN_CODE, {"code": code, "context": context},
                                                timeout=None, on_event=on_event)
-                context.executions += 1
-                for item in _result_lines(result):
-                    await queue.put(item)
-                await queue.put({"type": "number_of_executions", "execution_count": context.executions})
+                counts = self.counts(live)
+                counts[context] = counts.get(context, 0) + 1
+                if dropped:
+                    await queue.put({"type": "stderr", "timestamp": _now(),
+                                     "text": f"[forkd: {dropped} output items dropped: the client read too slowly]\n"})
+                error = result.get("error")
+                if error:
+                    await queue.put({"type": "error", "name": error.get("name", ""), "value": error.get("value", ""),
+                                     "traceback": error.get("traceback", "")})
+                await queue.put({"type": "number_of_executions", "execution_count": counts[context]})
                 await queue.put({"type": "end_of_execution"})
-            except Exception as exc:
+            except Exception as exc:  # the agent refused or lost the cell: say so in the stream
                 error = to_http(exc)
-                await queue.put({"type": "error", "name": "ForkdError", "value": error.message, "traceback": ""})
+                await queue.put({"type": "error", "name": type(exc).__name__, "value": error.message, "traceback": ""})
                 await queue.put({"type": "unexpected_end_of_execution"})
             finally:
                 await queue.put(None)
@@ -164,18 +149,6 @@ class Interpreter:
         finally:
             if not task.done():
                 task.cancel()
-
-
-def _result_lines(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The cell's value as E2B's main result, then its error if it raised."""
-    lines: list[dict[str, Any]] = []
-    if result.get("value") is not None:
-        lines.append({"type": "result", "text": result["value"], "is_main_result": True})
-    error = result.get("error")
-    if error:
-        lines.append({"type": "error", "name": error.get("name", ""), "value": error.get("value", ""),
-                      "traceback": error.get("traceback", "")})
-    return lines
 
 
 async def _json_body(request: Request) -> dict[str, Any]:

@@ -31,6 +31,7 @@ _END = object()
 class _Process:
     config: dict[str, Any]
     tag: str | None
+    pty: bool = False  # started on a pseudo-terminal (the agent's pty.* ops address it)
     pid: int | None = None
     started: asyncio.Event = field(default_factory=asyncio.Event)
     end: Message | None = None
@@ -132,20 +133,22 @@ class ProcessService:
             raise ConnectError("invalid_argument", "process.args must be a list of strings")
         if not (isinstance(envs, dict) and all(isinstance(v, str) for v in envs.values())):
             raise ConnectError("invalid_argument", "process.envs must map names to strings")
-        if message.get("pty"):
-            raise ConnectError("unimplemented", "PTY sessions are not available in this forkd version")
+        pty = message.get("pty") if isinstance(message.get("pty"), dict) else None  # {} too: a default-size PTY
         exec_args: dict[str, Any] = {"argv": [cmd, *args], "env": {**call.live.record.meta.get("envs", {}), **envs}}
         if config.get("cwd"):
             exec_args["cwd"] = config["cwd"]
-        if message.get("stdin") is not True:  # E2B's default: no stdin, so readers see EOF at once
+        if pty is not None:
+            exec_args.update(_size(pty))
+        elif message.get("stdin") is not True:  # E2B's default: no stdin, so readers see EOF at once
             exec_args["stdin_b64"] = ""
         process = _Process(config={"cmd": cmd, "args": args, "envs": envs, **({"cwd": config["cwd"]} if config.get("cwd") else {})},
-                           tag=message.get("tag") if isinstance(message.get("tag"), str) else None)
+                           tag=message.get("tag") if isinstance(message.get("tag"), str) else None, pty=pty is not None)
         queue = process.attach()
-        process.task = asyncio.get_running_loop().create_task(self._run(call.live, process, exec_args))
+        op = protocol.OP_PTY_START if pty is not None else protocol.OP_EXEC
+        process.task = asyncio.get_running_loop().create_task(self._run(call.live, process, op, exec_args))
         return self._stream(process, queue, call)
 
-    async def _run(self, live: LiveSandbox, process: _Process, args: dict[str, Any]) -> None:
+    async def _run(self, live: LiveSandbox, process: _Process, op: str, args: dict[str, Any]) -> None:
         table = self.table(live)
 
         def on_event(name: str, data: dict[str, Any]) -> None:
@@ -154,11 +157,11 @@ class ProcessService:
                 table.processes[process.pid] = process
                 process.started.set()
                 process.publish(_event(start={"pid": process.pid}))
-            elif name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR):
+            elif name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR, protocol.EVENT_PTY):
                 process.publish(_event(data={name: data.get("data_b64", "")}))
 
         try:
-            result = await live.agent.call(protocol.OP_EXEC, args, timeout=None, on_event=on_event)
+            result = await live.agent.call(op, args, timeout=None, on_event=on_event)
             process.end = _end_event(result)
             process.publish(process.end)
         except Exception as exc:  # reported to every attached stream
@@ -209,28 +212,44 @@ class ProcessService:
                 out.append({"pid": entry["pid"], "config": {"cmd": entry["argv"][0], "args": entry["argv"][1:]}})
             else:
                 out.append({"pid": entry["pid"], "config": {"cmd": "/bin/sh", "args": ["-c", entry.get("shell", "")]}})
+        listed_pids = {entry["pid"] for entry in out}
+        out += [{"pid": pid, "config": p.config, **({"tag": p.tag} if p.tag else {})}
+                for pid, p in table.processes.items() if p.pty and p.end is None and p.failure is None
+                and pid not in listed_pids]
         return {"processes": out}
 
-    async def _stdin(self, live: LiveSandbox, selector: Message, data_b64: str = "", eof: bool = False) -> None:
-        pid, _ = self.table(live).find(selector)
-        await live.agent.call(protocol.OP_PROC_STDIN, {"pid": pid, "data_b64": data_b64, "eof": eof})
+    async def _stdin(self, live: LiveSandbox, selector: Message, data_b64: str = "", eof: bool = False,
+                     pty: bool = False) -> None:
+        """Input for a process: its stdin pipe, or the terminal of a PTY session."""
+        pid, process = self.table(live).find(selector)
+        on_pty = process is not None and process.pty
+        if pty != on_pty:
+            raise ConnectError("invalid_argument", f"process {pid} {'has no' if pty else 'runs on a'} PTY: send "
+                                                   f"input.{'stdin' if pty else 'pty'} instead")
+        if on_pty:
+            if eof:
+                raise ConnectError("failed_precondition", "a PTY has no stdin to close; send Ctrl+D (0x04) instead")
+            await live.agent.call(protocol.OP_PTY_INPUT, {"pid": pid, "data_b64": data_b64})
+        else:
+            await live.agent.call(protocol.OP_PROC_STDIN, {"pid": pid, "data_b64": data_b64, "eof": eof})
 
     @staticmethod
-    def _input(message: Message) -> str:
+    def _input(message: Message) -> tuple[str, bool]:
+        """The input's base64 bytes and whether they are for a PTY."""
         given = message.get("input") or {}
-        if "pty" in given:
-            raise ConnectError("unimplemented", "PTY input needs a PTY session, which this forkd version lacks")
-        data = given.get("stdin", "")
+        pty = "pty" in given
+        data = given.get("pty" if pty else "stdin", "")
         if not isinstance(data, str):
-            raise ConnectError("invalid_argument", "input.stdin must be base64 bytes")
+            raise ConnectError("invalid_argument", "input data must be base64 bytes")
         try:
             protocol.b64decode(data)
         except ValueError:
-            raise ConnectError("invalid_argument", "input.stdin is not valid base64") from None
-        return data
+            raise ConnectError("invalid_argument", "input data is not valid base64") from None
+        return data, pty
 
     async def send_input(self, call: Call, message: Message) -> Message:
-        await self._stdin(call.live, message.get("process") or {}, self._input(message))
+        data, pty = self._input(message)
+        await self._stdin(call.live, message.get("process") or {}, data, pty=pty)
         return {}
 
     async def stream_input(self, call: Call, messages: AsyncIterator[Message]) -> Message:
@@ -241,17 +260,19 @@ class ProcessService:
             elif "data" in message:
                 if selector is None:
                     raise ConnectError("failed_precondition", "StreamInput needs a start message before data")
-                await self._stdin(call.live, selector, self._input(message["data"] or {}))
+                data, pty = self._input(message["data"] or {})
+                await self._stdin(call.live, selector, data, pty=pty)
         return {}
 
     async def send_signal(self, call: Call, message: Message) -> Message:
-        pid, _ = self.table(call.live).find(message.get("process") or {})
+        pid, process = self.table(call.live).find(message.get("process") or {})
         given = message.get("signal")
         sig = _SIGNALS.get(given) if isinstance(given, str) else given
         if sig not in (signals.SIGKILL, signals.SIGTERM):
             raise ConnectError("invalid_argument", f"signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM, not {given!r}")
         try:
-            await call.live.agent.call(protocol.OP_PROC_KILL, {"pid": pid, "signal": int(sig)})
+            op = protocol.OP_PTY_KILL if process is not None and process.pty else protocol.OP_PROC_KILL
+            await call.live.agent.call(op, {"pid": pid, "signal": int(sig)})
         except AgentError as exc:
             if exc.code == protocol.ERR_NOT_FOUND:
                 raise ConnectError("not_found", f"process {pid} not found") from None
@@ -263,7 +284,21 @@ class ProcessService:
         return {}
 
     async def update(self, call: Call, message: Message) -> Message:
-        raise ConnectError("unimplemented", "resizing needs a PTY session, which this forkd version lacks")
+        pid, process = self.table(call.live).find(message.get("process") or {})
+        if process is None or not process.pty:
+            raise ConnectError("invalid_argument", f"process {pid} has no PTY to resize")
+        if message.get("pty"):
+            await call.live.agent.call(protocol.OP_PTY_RESIZE, {"pid": pid, **_size(message["pty"])})
+        return {}
+
+
+def _size(pty: Any) -> dict[str, int]:
+    """A PTY message's size as the agent's rows/cols (envd's defaults when absent)."""
+    size = (pty.get("size") if isinstance(pty, dict) else None) or {}
+    rows, cols = size.get("rows", 24), size.get("cols", 80)
+    if not all(isinstance(v, int) and 1 <= v <= 10_000 for v in (rows, cols)):
+        raise ConnectError("invalid_argument", "pty.size needs rows and cols between 1 and 10000")
+    return {"rows": rows, "cols": cols}
 
 
 def _keepalive_seconds(call: Call) -> float | None:

@@ -65,6 +65,13 @@ OP_CONTEXTS_DELETE = "contexts.delete"
 OP_FLOW_PAUSE = "flow.pause"
 OP_FLOW_RESUME = "flow.resume"
 OP_CANCEL = "cancel"
+OP_WATCH_CREATE = "watch.create"
+OP_WATCH_READ = "watch.read"
+OP_WATCH_REMOVE = "watch.remove"
+OP_PTY_START = "pty.start"
+OP_PTY_INPUT = "pty.input"
+OP_PTY_RESIZE = "pty.resize"
+OP_PTY_KILL = "pty.kill"
 
 ALL_OPS = frozenset(
     {
@@ -91,6 +98,13 @@ ALL_OPS = frozenset(
         OP_FLOW_PAUSE,
         OP_FLOW_RESUME,
         OP_CANCEL,
+        OP_WATCH_CREATE,
+        OP_WATCH_READ,
+        OP_WATCH_REMOVE,
+        OP_PTY_START,
+        OP_PTY_INPUT,
+        OP_PTY_RESIZE,
+        OP_PTY_KILL,
     }
 )
 
@@ -98,6 +112,7 @@ ALL_OPS = frozenset(
 EVENT_STARTED = "started"  # exec: {"pid": int}
 EVENT_STDOUT = "stdout"  # exec: {"data_b64": str}; run_code: {"text": str}
 EVENT_STDERR = "stderr"  # same shapes as stdout
+EVENT_PTY = "pty"  # pty.start: {"data_b64": str}, what the program wrote to its terminal
 EVENT_RESULT = "result"  # run_code: one rich result (display() or the cell's value), E2B's Result keys
 
 #: The error name of a run_code/eval result whose interpreter process died (a signal, OOM kill).

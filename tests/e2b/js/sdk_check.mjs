@@ -4,11 +4,13 @@
 // E2B_TEST_TEMPLATE (the forkd snapshot to start sandboxes from). Prints `ok NAME` per check that
 // passed, `FAIL NAME: why` per check that did not, and exits non-zero if any failed.
 import { randomBytes } from 'node:crypto'
+import { readFileSync } from 'node:fs'
 import assert from 'node:assert/strict'
-import { AuthenticationError, CommandExitError, NotFoundError, Sandbox } from 'e2b'
+import { AuthenticationError, CommandExitError, FilesystemEventType, NotFoundError, Sandbox } from 'e2b'
 import { Sandbox as CodeSandbox } from '@e2b/code-interpreter'
 
 const TEMPLATE = process.env.E2B_TEST_TEMPLATE
+const CHART_CELL = readFileSync(new URL('../chart_cell.py', import.meta.url), 'utf8')
 const failures = []
 
 async function check(name, body) {
@@ -106,6 +108,40 @@ await check('files', async () => {
   await expectRejects(NotFoundError, () => sbx.files.read('/tmp/missing'))
 })
 
+await check('watch', async () => {
+  await sbx.files.makeDir('/tmp/watched-js')
+  const seen = []
+  const handle = await sbx.files.watchDir('/tmp/watched-js', (event) => seen.push(event), { recursive: true })
+  try {
+    await sbx.files.write('/tmp/watched-js/new.txt', 'x')
+    const deadline = Date.now() + 60_000
+    while (!seen.some((e) => e.name === 'new.txt' && e.type === FilesystemEventType.CREATE)) {
+      assert.ok(Date.now() < deadline, JSON.stringify(seen))
+      await new Promise((resolve) => setTimeout(resolve, 200))
+    }
+  } finally {
+    await handle.stop()
+  }
+})
+
+await check('pty', async () => {
+  const output = []
+  const handle = await sbx.pty.create({ rows: 30, cols: 100, onData: (data) => output.push(Buffer.from(data)) })
+  const send = (text) => sbx.pty.sendInput(handle.pid, new TextEncoder().encode(text))
+  await send('stty size > /tmp/pty-size-js; read line; stty size; exit 5\n')
+  const deadline = Date.now() + 60_000
+  while (!(await sbx.files.exists('/tmp/pty-size-js'))) { // the first stty ran before the resize
+    assert.ok(Date.now() < deadline)
+    await new Promise((resolve) => setTimeout(resolve, 200))
+  }
+  await sbx.pty.resize(handle.pid, { rows: 12, cols: 40 })
+  await send('go\n')
+  const error = await expectRejects(CommandExitError, () => handle.wait())
+  assert.equal(error.exitCode, 5)
+  assert.equal((await sbx.files.read('/tmp/pty-size-js')).trim(), '30 100')
+  assert.ok(Buffer.concat(output).toString().includes('12 40'))
+})
+
 await check('second_client', async () => {
   await sbx.files.write('/tmp/shared-js', 'from the first client')
   const other = await Sandbox.connect(sbx.sandboxId)
@@ -148,6 +184,12 @@ await check('run_code', async () => {
     assert.equal((await code.runCode('x')).text, '41')
     assert.ok((await code.listCodeContexts()).some((c) => c.id === context.id))
     await code.removeCodeContext(context)
+    await code.restartCodeContext('default')
+    assert.equal((await code.runCode("'x' in globals()")).text, 'False')
+    const chart = await code.runCode(CHART_CELL)
+    assert.equal(chart.error, undefined)
+    assert.equal(chart.results.length, 1)
+    assert.ok(Buffer.from(chart.results[0].png, 'base64').subarray(0, 4).equals(Buffer.from('\x89PNG', 'latin1')))
   } finally {
     await code.kill()
   }

@@ -8,14 +8,18 @@ passed, ``FAIL NAME: why`` per check that did not, and exits non-zero if any fai
 from __future__ import annotations
 
 import os
+import base64
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from e2b import (
     AuthenticationException,
     CommandExitException,
+    FilesystemEventType,
+    PtySize,
     NotFoundException,
     Sandbox,
     SandboxQuery,
@@ -24,6 +28,7 @@ from e2b import (
 from e2b_code_interpreter import Sandbox as CodeSandbox
 
 TEMPLATE = os.environ["E2B_TEST_TEMPLATE"]
+CHART_CELL = (Path(__file__).resolve().parent.parent / "chart_cell.py").read_text()
 BIG = 20 << 20
 failures: list[str] = []
 
@@ -112,6 +117,34 @@ def main() -> int:
         assert sbx.files.make_dir("/tmp/dir/sub") is False
         expect_raises(NotFoundException, lambda: sbx.files.read("/tmp/missing"))
 
+    def watch() -> None:
+        sbx.files.make_dir("/tmp/watched")
+        handle = sbx.files.watch_dir("/tmp/watched", recursive=True)
+        try:
+            sbx.files.write("/tmp/watched/new.txt", "x")
+            deadline, seen = time.monotonic() + 60, []
+            while not any(e.name == "new.txt" and e.type == FilesystemEventType.CREATE for e in seen):
+                assert time.monotonic() < deadline, seen
+                seen += handle.get_new_events()
+                time.sleep(0.2)
+        finally:
+            handle.stop()
+
+    def pty() -> None:
+        output: list[bytes] = []
+        handle = sbx.pty.create(PtySize(rows=30, cols=100))
+        sbx.pty.send_stdin(handle.pid, b"stty size > /tmp/pty-size; read line; stty size; exit 5\n")
+        deadline = time.monotonic() + 60
+        while not sbx.files.exists("/tmp/pty-size"):  # the first stty ran before the resize
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        sbx.pty.resize(handle.pid, PtySize(rows=12, cols=40))
+        sbx.pty.send_stdin(handle.pid, b"go\n")
+        error = expect_raises(CommandExitException, lambda: handle.wait(on_pty=output.append))
+        assert error.exit_code == 5, error  # type: ignore[attr-defined]
+        assert sbx.files.read("/tmp/pty-size").strip() == "30 100"
+        assert "12 40" in b"".join(output).decode(), output
+
     def second_client() -> None:
         sbx.files.write("/tmp/shared", "from the first client")
         other = Sandbox.connect(sbx.sandbox_id)
@@ -151,6 +184,12 @@ def main() -> int:
             assert code.run_code("x").text == "41"  # the default context kept its own x
             assert context.id in [c.id for c in code.list_code_contexts()]
             code.remove_code_context(context)
+            code.restart_code_context("default")
+            assert code.run_code("'x' in globals()").text == "False"
+            chart = code.run_code(CHART_CELL)
+            assert chart.error is None, chart.error
+            (result,) = chart.results
+            assert base64.b64decode(result.png).startswith(b"\x89PNG"), result
         finally:
             code.kill()
 
@@ -182,7 +221,7 @@ def main() -> int:
 
     for name, body in [("commands", commands), ("stdout_streams_before_the_end", stdout_streams_before_the_end),
                        ("background_command_killed", background_command_killed), ("stdin", stdin),
-                       ("non_zero_exit", non_zero_exit), ("files", files), ("second_client", second_client),
+                       ("non_zero_exit", non_zero_exit), ("files", files), ("watch", watch), ("pty", pty), ("second_client", second_client),
                        ("set_timeout", set_timeout), ("list", listing), ("wrong_api_key", wrong_api_key),
                        ("unknown_sandbox", unknown_sandbox), ("run_code", run_code), ("fork", fork),
                        ("pause_resume", pause_resume), ("kill", kill)]:
