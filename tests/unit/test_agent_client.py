@@ -20,9 +20,11 @@ from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentUnavailable
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
-from forkd.runtime.registry import Registry, SandboxRecord
+from forkd.runtime.options import RuntimeOptions
+from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotService
+from forkd.store.snapshots import SnapshotStore
 from forkd.store.files import DigestCache
 from forkd.vmm.base import VmHandle
 from forkd.vmm.qemu import QemuVmm
@@ -75,7 +77,8 @@ class Guest:
 async def _with_guest(tmp_path: Path, body: Callable[[AgentClient, Guest], Awaitable[None]]) -> None:
     guest = Guest()
     server = await asyncio.start_unix_server(guest.serve, path=str(tmp_path / "agent.sock"))
-    client = await AgentClient.connect(tmp_path / "agent.sock")
+    reader, writer = await asyncio.open_unix_connection(str(tmp_path / "agent.sock"), limit=protocol.MAX_FRAME_BYTES + 1)
+    client = AgentClient(reader, writer)
     try:
         await asyncio.wait_for(guest.connected.wait(), BOUND_S)
         await body(client, guest)
@@ -132,8 +135,9 @@ def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_pa
         directory.mkdir(parents=True)
     registry = Registry(paths.db)
     vmm = QemuVmm()
-    service = SandboxService(paths, registry, vmm, SnapshotService(paths, registry, vmm, DigestCache()), Metrics(),
-                             Isolation.from_env(registry))
+    store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+    service = SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
+                             Isolation.from_options(registry, RuntimeOptions()))
     released: list[str] = []
     service.releasers.append(released.append)
     run_dir = paths.sandboxes / "sb-hostile000000"
@@ -143,8 +147,7 @@ def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_pa
         process = await _stand_in_vmm()
         record = SandboxRecord("sb-hostile000000", "base", "running", process.pid, run_dir, time.time())
         registry.add_sandbox(record)
-        vm = VmHandle(name=record.id, run_dir=run_dir, process=process, agent_socket=tmp_path / "agent.sock",
-                      monitor_socket=run_dir / "qmp.sock", disk=run_dir / "disk.qcow2")
+        vm = VmHandle(name=record.id, run_dir=run_dir, process=process, agent_socket=tmp_path / "agent.sock")
         live = service.watch(record, vm, client)
         call = asyncio.create_task(client.call("exec", {}, timeout=300))
         request = await asyncio.wait_for(guest.requests.get(), BOUND_S)

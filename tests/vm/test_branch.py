@@ -153,7 +153,7 @@ def test_ten_consecutive_branches_and_forced_removal(daemon: Controller, source:
     assert not [s for s in daemon.snapshots() if s["tag"].startswith("series-")]
 
 
-def test_no_wait_branch_conflicts_and_cap(daemon: Controller, source: str) -> None:
+def test_no_wait_branch_conflicts_and_cap(daemon: Controller, snapshot_tag: str, source: str) -> None:
     sh(daemon, source, "echo queued > /tmp/queued")
     first = daemon.branch(source, "async-1", wait=False)
     try:
@@ -161,9 +161,14 @@ def test_no_wait_branch_conflicts_and_cap(daemon: Controller, source: str) -> No
         with pytest.raises(ForkdError) as writing:
             daemon.fork("async-1", 1)
         assert writing.value.status == 409 and "writing" in writing.value.message
-        with pytest.raises(ForkdError) as same_tag:
-            daemon.branch(source, "async-1", wait=False)
-        assert same_tag.value.status == 409
+        # Every other way to make a snapshot of the tag being written is refused at once, with nothing started.
+        for attempt in (lambda: daemon.branch(source, "async-1", wait=False),
+                        lambda: daemon.create_snapshot("async-1"),
+                        lambda: daemon.compact(snapshot_tag, "async-1"),
+                        lambda: daemon.snapshot_diff(snapshot_tag, "async-1", "true")):
+            with pytest.raises(ForkdError) as same_tag:
+                attempt()
+            assert same_tag.value.status == 409 and "async-1" in same_tag.value.message
         second = daemon.branch(source, "async-2", wait=False)  # queued behind the first (same sandbox)
         assert second["status"] == "writing"
         with pytest.raises(ForkdError) as capped:  # the default cap is 2 branches being written

@@ -38,7 +38,7 @@ def daemon_command(config_file: Path | None, home: Path | None, cache: Path | No
     needs `Authorization: Bearer <token>`. With --e2b-listen it also serves E2B's API, so E2B's
     own SDKs drive it (see docs/e2b.md).
     """
-    from forkd.daemon.auth import TokenRejected
+    from forkd.daemon.middleware.auth import TokenRejected
     from forkd.daemon.config import ConfigError, load_config
     from forkd.daemon.server import DaemonAlreadyRunning, ListenerError, run
     try:

@@ -7,7 +7,8 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
 
 import click
 from rich.console import Console
@@ -67,6 +68,17 @@ def cli() -> None:
 
 # images ------------------------------------------------------------------------------------------
 
+#: Where Debian and Ubuntu keep the CA certificates a machine's admin added (what `update-ca-certificates` reads).
+HOST_CA_DIR = Path("/usr/local/share/ca-certificates")
+
+
+def read_host_ca_certs() -> list[str]:
+    """The CA certificates this machine added to its own trust store, sorted by path."""
+    if not HOST_CA_DIR.is_dir():
+        return []
+    return [path.read_text() for path in sorted(HOST_CA_DIR.rglob("*.crt")) if path.is_file()]
+
+
 @cli.group()
 def image() -> None:
     """Guest images: kernel, initramfs and root filesystem with the forkd agent."""
@@ -80,12 +92,18 @@ def image() -> None:
 @click.option("--from-oci", "source_oci", type=click.Path(exists=True, dir_okay=False),
               help="use an OCI image tarball (docker save or OCI layout)")
 @click.option("--disk-size-mib", type=int)
+@click.option("--ca-cert", "ca_cert_files", multiple=True, type=click.File("r"),
+              help="PEM CA certificate to add to the guest's trust store (repeatable)")
+@click.option("--host-ca-certs", is_flag=True,
+              help=f"add the CA certificates this host trusts locally ({HOST_CA_DIR}/*.crt), e.g. a TLS proxy's")
 @click.option("--force", is_flag=True, help="rebuild even if the cached image is current")
 @reports_errors
 def image_build(name: str, packages: tuple[str, ...], mirror: str | None, source_dir: str | None,
-                source_oci: str | None, disk_size_mib: int | None, force: bool) -> None:
+                source_oci: str | None, disk_size_mib: int | None, ca_cert_files: tuple[TextIO, ...],
+                host_ca_certs: bool, force: bool) -> None:
     """Build (or reuse from cache) a guest image."""
-    spec: dict[str, Any] = {"name": name, "packages": list(packages), "force": force}
+    ca_certs = [f.read() for f in ca_cert_files] + (read_host_ca_certs() if host_ca_certs else [])
+    spec: dict[str, Any] = {"name": name, "packages": list(packages), "force": force, "ca_certs": ca_certs}
     for key, value in (("mirror", mirror), ("source_dir", source_dir), ("source_oci", source_oci),
                        ("disk_size_mib", disk_size_mib)):
         if value is not None:

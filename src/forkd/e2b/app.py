@@ -50,7 +50,7 @@ class E2BFront:
         self.credentials = credentials
         self.sandboxes = E2BSandboxes(runtime, credentials)
         self.control = control_app(self.sandboxes)
-        self.envd = Envd()
+        self.envd = Envd(runtime.sessions)
         self.interpreter = Interpreter()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forkd import __version__
-from forkd.daemon.app import HANDLED_ERRORS, error_body
+from forkd.daemon.errors import HANDLED_ERRORS, kind_for
 from forkd.e2b.errors import E2BError
 from forkd.e2b.sandboxes import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, E2BSandboxes
 
@@ -164,8 +164,8 @@ def control_app(sandboxes: E2BSandboxes) -> FastAPI:
         return JSONResponse({"code": 400, "message": problems}, status_code=400)
 
     async def _runtime(_: Request, exc: Exception) -> JSONResponse:
-        status, body = error_body(exc)
-        return JSONResponse({"code": status, "message": body["error"]["message"]}, status_code=status)
+        status = kind_for(exc).status  # forkd's one error table decides the status, E2B's shape carries it
+        return JSONResponse({"code": status, "message": getattr(exc, "message", None) or str(exc)}, status_code=status)
 
     for error_class in HANDLED_ERRORS:
         app.add_exception_handler(error_class, _runtime)

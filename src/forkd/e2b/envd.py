@@ -8,6 +8,7 @@ per file) is parsed as it arrives and written in 4 MiB pieces, so no whole file 
 
 from __future__ import annotations
 
+import asyncio
 import posixpath
 import zlib
 from collections.abc import AsyncIterator
@@ -17,12 +18,13 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from forkd.e2b import ops, rpc
+from forkd.e2b import rpc
 from forkd.e2b.errors import E2BError, to_http
 from forkd.e2b.filesystem import FilesystemService
 from forkd.e2b.process import ProcessService
 from forkd.guest import protocol
 from forkd.runtime.sandboxes import LiveSandbox
+from forkd.runtime.sessions import Sessions
 
 MAX_MULTIPART_FILES = 1000
 MAX_PATH_CHARS = 4096
@@ -55,8 +57,28 @@ async def _gunzip(parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         raise E2BError(400, f"the gzip-encoded body is corrupt: {exc}") from None
 
 
-class Envd:
+class _PartBody:
+    """One multipart file's bytes as an async iterator, fed by the parser as they arrive."""
+
     def __init__(self) -> None:
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)  # back-pressure on the parser
+
+    async def feed(self, data: bytes | None) -> None:
+        await self._queue.put(data)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._items()
+
+    async def _items(self) -> AsyncIterator[bytes]:
+        while (data := await self._queue.get()) is not None:
+            yield data
+
+
+class Envd:
+    """envd's routes; files go through the runtime's sessions, as the REST API's do."""
+
+    def __init__(self, sessions: Sessions) -> None:
+        self.sessions = sessions
         self.processes = ProcessService()
         self.methods = {**self.processes.methods(), **FilesystemService().methods()}
 
@@ -80,9 +102,9 @@ class Envd:
 
     async def download(self, request: Request, live: LiveSandbox) -> Response:
         path = _check_path(request.query_params.get("path"))
-        size, chunks = await ops.read_file(live, path)
-        return StreamingResponse(chunks, media_type="application/octet-stream",
-                                 headers={"Content-Length": str(size),
+        download = await self.sessions.read_file(live.record.id, path)
+        return StreamingResponse(download.chunks, media_type="application/octet-stream",
+                                 headers={**({"Content-Length": str(download.size)} if download.size is not None else {}),
                                           "Content-Disposition": f'attachment; filename="{posixpath.basename(path)}"'})
 
     async def upload(self, request: Request, live: LiveSandbox) -> Response:
@@ -100,7 +122,7 @@ class Envd:
             body = _gunzip(body)
         elif encoding != "identity":
             raise E2BError(400, f"Content-Encoding {encoding!r} is not supported; send gzip or none")
-        await ops.write_file(live, path, body)
+        await self.sessions.write_file(live.record.id, path, body)
         return JSONResponse([_entry(path)])
 
     async def _multipart(self, request: Request, live: LiveSandbox, boundary: bytes, path: str | None) -> list[str]:
@@ -135,30 +157,39 @@ class Envd:
         parser = MultipartParser(boundary, {"on_part_begin": on_part_begin, "on_header_field": on_header_field,
                                             "on_header_value": on_header_value, "on_header_end": on_header_end,
                                             "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end})
-        writers: list[ops.FileWriter] = []
-        async for chunk in request.stream():
+        writers: list[tuple[str, _PartBody, asyncio.Task[int]]] = []  # path, its body, the write into the guest
+        try:
+            async for chunk in request.stream():
+                try:
+                    parser.write(chunk)
+                except ValueError as exc:
+                    raise E2BError(400, f"malformed multipart body: {exc}") from None
+                for index, part in enumerate(parts):
+                    if not part.get("ready"):
+                        break
+                    if index == len(writers):
+                        target, body = _part_path(part["headers"], path), _PartBody()
+                        task = asyncio.get_running_loop().create_task(
+                            self.sessions.write_file(live.record.id, target, body))
+                        writers.append((target, body, task))
+                    if part["data"]:
+                        await writers[index][1].feed(bytes(part["data"]))
+                        part["data"].clear()
+                    if part["ended"] and not part.get("closed"):
+                        await writers[index][1].feed(None)
+                        await writers[index][2]  # a failed write (no such directory, ...) ends the upload here
+                        part["closed"] = True
             try:
-                parser.write(chunk)
+                parser.finalize()
             except ValueError as exc:
                 raise E2BError(400, f"malformed multipart body: {exc}") from None
-            for index, part in enumerate(parts):
-                if not part.get("ready"):
-                    break
-                if index == len(writers):
-                    writers.append(ops.FileWriter(live, _part_path(part["headers"], path)))
-                if part["data"]:
-                    await writers[index].feed(bytes(part["data"]))
-                    part["data"].clear()
-                if part["ended"] and not part.get("closed"):
-                    await writers[index].close()
-                    part["closed"] = True
-        try:
-            parser.finalize()
-        except ValueError as exc:
-            raise E2BError(400, f"malformed multipart body: {exc}") from None
-        if not parts or not all(p.get("closed") for p in parts):
-            raise E2BError(400, "the multipart body ended before its last part did")
-        return [writer.path for writer in writers]
+            if not parts or not all(p.get("closed") for p in parts):
+                raise E2BError(400, "the multipart body ended before its last part did")
+        finally:
+            for _, _, task in writers:
+                if not task.done():
+                    task.cancel()
+        return [target for target, _, _ in writers]
 
 
 def _part_path(headers: dict[bytes, bytes], path: str | None) -> str:

@@ -18,10 +18,10 @@ from typing import Any
 
 from forkd.e2b.errors import E2BError, sandbox_gone
 from forkd.e2b.keys import Credentials
-from forkd.runtime.registry import WorkspaceRecord
+from forkd.store.registry import WorkspaceRecord
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
-from forkd.runtime.snapshots import SnapshotConflict, SnapshotError
+from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.validation import ValidationError, check_sandbox_id
 
 # The envd release whose HTTP and RPC paths this front implements (files over multipart and

@@ -168,7 +168,8 @@ def build_server(controller: Controller) -> MCPServer:
                              timeout_s=timeout_s)
         stdout, cut_out = _tail(result["stdout"], max_output_chars)
         stderr, cut_err = _tail(result["stderr"], max_output_chars)
-        return ExecResult(**{**result, "stdout": stdout, "stderr": stderr, "truncated": cut_out or cut_err})
+        return ExecResult(**{**result, "stdout": stdout, "stderr": stderr,
+                             "truncated": bool(result.get("truncated")) or cut_out or cut_err})
 
     @server.tool()
     async def run_code(

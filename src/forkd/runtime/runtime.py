@@ -18,17 +18,20 @@ from forkd.image.builder import (
     remove_image,
 )
 from forkd.packs.service import PackService
-from forkd.runtime.branches import BranchService, max_concurrent_from_env
+from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import Recovery, recover
-from forkd.runtime.registry import Registry, SnapshotRecord
+from forkd.store.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
+from forkd.runtime.sessions import Sessions
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
 from forkd.runtime.workspaces import WorkspaceService
 from forkd.store.files import DigestCache
+from forkd.store.io import blocking
+from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.vmm.base import Vmm
 
 
@@ -39,17 +42,19 @@ class Runtime:
         self.paths = paths
         self.vmm = vmm
         self.registry = Registry(paths.db)
-        self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
+        self.store = SnapshotStore(paths.snapshots, self.registry, DigestCache(), vmm.identity)
+        self.snapshots = SnapshotService(paths, self.store, vmm)
         self.options = options or RuntimeOptions()
         self.metrics = Metrics()
         self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics,
-                                        Isolation.from_env(self.registry), self.options)
-        self.packs = PackService(paths, self.registry, vmm, self.snapshots, self.sandboxes.count_of)
+                                        Isolation.from_options(self.registry, self.options), self.options)
+        self.packs = PackService(self.store, self.sandboxes.count_of)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
-        self.compaction = CompactService(paths, self.registry, vmm, self.snapshots)
-        self.branches = BranchService(paths, self.registry, vmm, self.snapshots, self.sandboxes,
-                                      max_concurrent_from_env(), self.metrics)
+        self.compaction = CompactService(self.store, vmm)
+        self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.options.max_concurrent_branches,
+                                      self.metrics)
+        self.sessions = Sessions(self.sandboxes, self.options.output)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.branches, self.remove_snapshot)
         self._image_lock = asyncio.Lock()
         self._deadline_keeper: asyncio.Task[None] | None = None
@@ -57,9 +62,8 @@ class Runtime:
     async def start(self) -> Recovery:
         """Re-adopt the sandboxes a previous daemon left running, reap the rest, half-built snapshots and
         branches, then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline)."""
-        self.branches.reap_stale()
         await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
-        recovery = await recover(self.sandboxes)
+        recovery = await recover(self.sandboxes, self.store)
         self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
         return recovery
 
@@ -80,19 +84,20 @@ class Runtime:
     def images(self) -> list[Image]:
         return list_images(self.paths)
 
-    def remove_image(self, name: str) -> None:
-        remove_image(self.paths, name)
+    async def remove_image(self, name: str) -> None:
+        # Off the loop: it waits for the image's lock (a build holds it for minutes) and removes gigabytes.
+        await blocking(remove_image, self.paths, name)
 
     async def create_snapshot(self, request: SnapshotRequest, progress: Callable[[str], None],
-                              reserved: bool = False) -> SnapshotRecord:
-        """Create a snapshot; ``reserved`` when the caller already claimed the tag with ``snapshots.reserve``."""
+                              claim: Claim | None = None) -> SnapshotRecord:
+        """Create a snapshot; ``claim`` when the caller already holds the tag (``snapshots.claim``)."""
         try:
             image = load_image(self.paths, request.image)
         except BaseException:
-            if reserved:
-                self.snapshots.release_reservation(request.tag)
+            if claim is not None:
+                claim.release()
             raise
-        return await self.snapshots.create(request, image, progress, reserved=reserved)
+        return await self.snapshots.create(request, image, progress, claim=claim)
 
-    def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
-        return self.snapshots.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)
+    async def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
+        return await self.store.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)

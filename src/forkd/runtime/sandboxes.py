@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import secrets
-import shutil
 import string
 import time
 from collections import Counter
@@ -28,7 +27,8 @@ from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_ans
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.isolation import END_OUT_OF_MEMORY, Isolation, IsolationError, Prepared, SandboxOptions, sandbox_meta
-from forkd.runtime.registry import Registry, SandboxRecord
+from forkd.store.io import remove_tree
+from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError, restore
 from forkd.vmm.process import start_time
@@ -41,6 +41,10 @@ _ID_ALPHABET = string.ascii_lowercase + string.digits
 
 class SandboxNotFound(LookupError):
     pass
+
+
+class SandboxEnded(RuntimeError):
+    """The sandbox ended (its timeout, a kill, its VMM exited) while an operation on it ran."""
 
 
 class SandboxLimitReached(RuntimeError):
@@ -122,7 +126,7 @@ class SandboxService:
         # Counted before the first await, so `rmi` of this tag is refused while its children start.
         self._forking[tag] += count
         try:
-            record, saved, spec = await asyncio.to_thread(self.snapshots.open, tag)
+            record, saved, spec = await asyncio.to_thread(self.snapshots.store.open, tag)
         except BaseException:
             self._forking[tag] -= count
             raise
@@ -258,7 +262,7 @@ class SandboxService:
                 await asyncio.to_thread(releaser, sandbox_id)
             except Exception:  # one resource that cannot be freed must not keep the others
                 log.exception("releasing %s for %s failed", getattr(releaser, "__name__", releaser), sandbox_id)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        await remove_tree(run_dir)  # a child's overlay can hold gigabytes: deleted off the loop
         self.registry.remove_sandbox(sandbox_id)
 
     def _update_meta(self, live: LiveSandbox, **meta: Any) -> None:

@@ -21,6 +21,7 @@ from forkd.sdk.models import (
     CodeError,
     CommandExitException,
     CommandResult,
+    Context,
     EntryInfo,
     Execution,
     ExecutionError,
@@ -101,7 +102,8 @@ class CommandHandle:
         if outcome.get("timed_out"):
             raise TimeoutException(504, "timeout", f"command {self.pid} ran past its timeout and was killed")
         result = CommandResult(stdout="".join(self._stdout), stderr="".join(self._stderr),
-                               exit_code=outcome.get("exit_code", -1), error=_signal_error(outcome))
+                               exit_code=outcome.get("exit_code", -1), error=_signal_error(outcome),
+                               truncated=bool(outcome.get("truncated")))
         if result.exit_code != 0:
             raise CommandExitException(result)
         return result
@@ -393,6 +395,24 @@ class Sandbox:
             on_error(execution.error)
         return execution
 
+    def create_code_context(self, cwd: str | None = None, language: str | None = None,
+                            request_timeout: float | None = None) -> Context:
+        """A new context: its own interpreter process, forked from the snapshot's warm one."""
+        del request_timeout
+        if language not in (None, "python", "py"):
+            raise InvalidArgumentException(400, "invalid_request", f"forkd runs Python cells, not {language!r}")
+        return Context.from_agent(self._controller.create_context(self.sandbox_id, cwd=cwd))
+
+    def list_code_contexts(self) -> list[Context]:
+        return [Context.from_agent(c) for c in self._controller.contexts(self.sandbox_id)]
+
+    def restart_code_context(self, context: Context | str) -> None:
+        """Back to a fresh fork of the warm interpreter (its variables are gone)."""
+        self._controller.restart_context(self.sandbox_id, _context_name(context))
+
+    def remove_code_context(self, context: Context | str) -> None:
+        self._controller.remove_context(self.sandbox_id, _context_name(context))
+
     def eval(self, expr: str, context: Any = None) -> Any:
         """The value of one Python expression (JSON-able values as themselves, others as their repr)."""
         outcome = self._controller.eval(self.sandbox_id, expr, context=_context_name(context))
@@ -442,6 +462,9 @@ def _execution(outcome: dict[str, Any], logs: Logs) -> Execution:
     error = outcome.get("error")
     if "results" in outcome:
         results = [Result.from_agent(result) for result in outcome["results"]]
+        for result in results:  # the value itself, as before rich results, unless it has a _repr_json_
+            if result.is_main_result and result.json is None:
+                result.json = outcome.get("value_json")
     else:  # a daemon or guest from before rich results
         results = [] if outcome.get("value") is None else [Result(text=outcome["value"], json=outcome.get("value_json"))]
     return Execution(results=results, logs=logs, error=ExecutionError.from_agent(error) if error else None)
