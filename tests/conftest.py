@@ -99,14 +99,8 @@ def vm_env_for(home: Path) -> dict[str, str]:
     env["FORKD_TOKEN"] = secrets.token_hex(32)
     # nat guests' DNS relay goes to the "outside" namespace tests/vm/test_network.py makes, never off the host.
     env["FORKD_DNS"] = "192.168.250.2"
-    env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{free_port()}"  # the E2B front (tests/vm/test_e2b.py)
+    env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{_free_port()}"  # the E2B front (tests/vm/test_e2b.py)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
