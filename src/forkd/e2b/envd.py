@@ -9,6 +9,7 @@ per file) is parsed as it arrives and written in 4 MiB pieces, so no whole file 
 from __future__ import annotations
 
 import asyncio
+import logging
 import posixpath
 import zlib
 from collections.abc import AsyncIterator
@@ -27,11 +28,14 @@ from forkd.runtime.sandboxes import LiveSandbox
 from forkd.runtime.sessions import Sessions
 
 MAX_MULTIPART_FILES = 1000
+log = logging.getLogger("forkd.e2b")
 MAX_PATH_CHARS = 4096
 
 
 def _error(exc: BaseException) -> JSONResponse:
     error = to_http(exc)
+    if error.status == 500:
+        log.error("envd file transfer failed", exc_info=exc)
     return JSONResponse(error.body(), status_code=error.status)
 
 

@@ -130,7 +130,8 @@ await check('pty', async () => {
   const send = (text) => sbx.pty.sendInput(handle.pid, new TextEncoder().encode(text))
   await send('stty size > /tmp/pty-size-js; read line; stty size; exit 5\n')
   const deadline = Date.now() + 60_000
-  while (!(await sbx.files.exists('/tmp/pty-size-js'))) { // the first stty ran before the resize
+  const answered = async () => (await sbx.files.exists('/tmp/pty-size-js')) && (await sbx.files.read('/tmp/pty-size-js')).trim()
+  while (!(await answered())) { // the first stty wrote its answer (the shell makes the file first) before the resize
     assert.ok(Date.now() < deadline)
     await new Promise((resolve) => setTimeout(resolve, 200))
   }
