@@ -1,11 +1,8 @@
-"""Real workloads in real children: a forked PostgreSQL per test, TLS trusting an image's extra CA, and the
-recipes in examples/ that use them, run as users run them."""
+"""Real workloads in real children: a forked PostgreSQL per test and TLS trusting an image's extra CA (the
+recipes that use them run in tests/vm/test_examples.py)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,24 +11,6 @@ from forkd.sdk.controller import Controller
 
 # The first test builds the workloads image (debootstrap of the scientific stack and PostgreSQL: minutes).
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(2400)]
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def run_example(name: str, vm_env: dict[str, str], template: str, *args: str) -> str:
-    env = {**vm_env, "FORKD_URL": f"unix://{vm_env['FORKD_SOCKET']}", "FORKD_TEMPLATE": template}
-    ran = subprocess.run([sys.executable, str(EXAMPLES / name), *args], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert ran.returncode == 0, f"{name} failed:\n{ran.stdout}\n{ran.stderr}"
-    return ran.stdout
-
-
-def test_postgres_fork_per_test(workloads_snapshot: str, vm_env: dict[str, str]) -> None:
-    """Each test's child has the seeded server running; its writes are invisible to its siblings."""
-    out = dict(line.split(": ", 1) for line in run_example("postgres_fixture.py", vm_env, workloads_snapshot)
-               .splitlines())
-    assert json.loads(out["test_transfer"]) == {"balances": [["ada", "100"], ["grace", "200"], ["linus", "125"]]}
-    assert json.loads(out["test_new_account"]) == {"count": 4}
-    assert json.loads(out["test_sees_seed_only"]) == {"owners": ["ada", "grace", "linus"]}
 
 
 def test_postgres_write_invisible_to_sibling(daemon: Controller, workloads_snapshot: str) -> None:
@@ -87,25 +66,3 @@ def test_image_ca_certificate_is_trusted(daemon: Controller, workloads_snapshot:
         assert int(bundle["stdout"]) > 100  # the public CAs are still there next to the extra one
     finally:
         daemon.kill(sandbox)
-
-
-def test_chart_session_returns_a_png(workloads_snapshot: str, vm_env: dict[str, str], tmp_path: Path) -> None:
-    chart = tmp_path / "chart.png"
-    out = run_example("chart_session.py", vm_env, workloads_snapshot, "--out", str(chart))
-    assert "[1] -> " in out and "error" not in out, out
-    assert f"[2] chart: {chart}" in out
-    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "[3] table as html" in out
-
-
-def test_pytest_fanout_warm_fresh_and_serial_agree(workloads_snapshot: str, vm_env: dict[str, str]) -> None:
-    """The same project run serially, one fresh process per file and one warm fork per file: same outcomes."""
-    lines = run_example("pytest_warm_fanout.py", vm_env, workloads_snapshot, "--json").splitlines()
-    modes = {entry["mode"]: entry for entry in map(json.loads, lines)}
-    assert set(modes) == {"serial", "fresh", "warm"}
-    assert [(r["exit_code"], r["passed"], r["failed"]) for r in modes["serial"]["runs"]] == [(1, 29, 1)]
-    for mode in ("fresh", "warm"):
-        outcomes = {r["files"][0]: (r["exit_code"], r["failed"]) for r in modes[mode]["runs"]}
-        assert outcomes == {"test_arrays.py": (0, 0), "test_failures.py": (1, 1), "test_frames.py": (0, 0),
-                            "test_linalg.py": (0, 0), "test_models.py": (0, 0)}, mode
-        assert sum(r["passed"] for r in modes[mode]["runs"]) == 29, mode

@@ -17,6 +17,7 @@ log_file = "/var/log/forkd/daemon.log"  # default: stderr (the journal under sys
 log_max_bytes = 10485760         # rotate the log file at this size ...
 log_backups = 5                  # ... keeping this many old files
 accelerator = "auto"             # auto | kvm | tcg
+tcg_tb_size_mib = 16             # TCG translation buffer per VMM: 32 costs +14 MiB a child, ~35 % less CPU
 
 [limits]                         # unset: no limit
 max_sandboxes = 500              # live + starting children
@@ -44,6 +45,9 @@ keep_alive_s = 5                 # idle keep-alive connections are closed after 
 max_bytes = 67108864             # rotate at this size ...
 backups = 3                      # ... keeping this many old files (audit.jsonl.1 ...)
 
+[pools]                          # ready VMMs kept per snapshot tag (default none); `forkd pool` changes them
+quickstart = 1
+
 [e2b]
 listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)  [FORKD_E2B_LISTEN]
 keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
@@ -58,7 +62,7 @@ from ipaddress import IPv4Address
 from collections.abc import Mapping
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
@@ -67,7 +71,9 @@ from pydantic.dataclasses import dataclass
 from forkd.config import Paths
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
 from forkd.runtime.options import DEFAULT_MAX_BRANCHES, OutputLimits, RuntimeOptions
+from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.validation import ValidationError as FieldError
+from forkd.vmm.qemu_machine import TCG_TB_SIZE_MIB
 
 _STRICT = ConfigDict(extra="forbid")
 DEFAULT_HOME = Path("/var/lib/forkd")
@@ -146,12 +152,14 @@ class DaemonConfig:
     log_max_bytes: int = Field(default=10 << 20, ge=4096)
     log_backups: int = Field(default=5, ge=0)
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
+    tcg_tb_size_mib: int = Field(default=TCG_TB_SIZE_MIB, ge=1, le=2048)
     limits: Limits = field(default_factory=Limits)
     sandboxes: SandboxPolicy = field(default_factory=SandboxPolicy)
     network: Network = field(default_factory=Network)
     output: Output = field(default_factory=Output)
     server: Server = field(default_factory=Server)
     audit: Audit = field(default_factory=Audit)
+    pools: dict[str, Annotated[int, Field(ge=0, le=MAX_POOL_SIZE)]] = field(default_factory=dict)
     e2b: E2BSettings = field(default_factory=E2BSettings)
 
     def __post_init__(self) -> None:
@@ -171,7 +179,8 @@ class DaemonConfig:
                               net_pool=self.network.pool, dns=str(self.network.dns) if self.network.dns else None,
                               output=OutputLimits(result_bytes=self.output.result_bytes,
                                                   stream_bytes=self.output.stream_bytes,
-                                                  stream_buffer_bytes=self.output.stream_buffer_bytes))
+                                                  stream_buffer_bytes=self.output.stream_buffer_bytes),
+                              pool_sizes=dict(self.pools))
 
 
 def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,

@@ -232,8 +232,8 @@ def build_server(controller: Controller) -> MCPServer:
         tag: Annotated[str | None, Field(description=(
             "tag of the new snapshot (1-64 of A-Z a-z 0-9 _ -); null lets the daemon pick one"))] = None,
         mode: Annotated[Literal["full", "diff", "live"], Field(description=(
-            "full: a standalone snapshot; diff: only the pages changed since the parent; live: copy memory "
-            "while the sandbox keeps running (needs memory files on tmpfs)"))] = "diff",
+            "full: a standalone snapshot; diff: only the pages changed since the parent; live: full, with memory "
+            "pre-copied while the sandbox keeps running where the host kernel tracks soft-dirty pages"))] = "diff",
         wait: Annotated[bool, Field(description=(
             "wait until the snapshot is written; false returns at once with status 'writing'"))] = True,
     ) -> dict[str, Any]:

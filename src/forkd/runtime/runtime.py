@@ -51,6 +51,7 @@ class Runtime:
         self.packs = PackService(self.store, self.sandboxes.count_of)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
+        self.metrics.watch_pools(self.sandboxes.pool.list)
         self.compaction = CompactService(self.store, vmm)
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.options.max_concurrent_branches,
                                       self.metrics)
@@ -64,6 +65,7 @@ class Runtime:
         branches, then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline)."""
         await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
         recovery = await recover(self.sandboxes, self.store)
+        self.sandboxes.pool.start()
         self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
         return recovery
 
@@ -73,6 +75,7 @@ class Runtime:
         if self._deadline_keeper is not None:
             self._deadline_keeper.cancel()
         await self.branches.wait_all()
+        await self.sandboxes.pool.stop()  # idle members are never left for the next daemon
         leave = self.sandboxes.detach_all() if self.options.keep_sandboxes_on_stop else self.sandboxes.kill_all()
         await asyncio.gather(leave, self.snapshots.abort_all())
         self.registry.close()
@@ -100,4 +103,8 @@ class Runtime:
         return await self.snapshots.create(request, image, progress, claim=claim)
 
     async def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
-        return await self.store.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)
+        """Remove snapshots (refused while children of them start or run) and kill their pools' members."""
+        removed = await self.store.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)
+        for gone in removed:
+            self.sandboxes.pool.discard(gone)
+        return removed

@@ -12,8 +12,17 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
-from forkd.sdk.models import CommandResult, Context, EntryInfo, Execution, ProcessInfo, SandboxInfo, WriteInfo
-from forkd.sdk.sandbox import DEFAULT_SANDBOX_TIMEOUT_S, CommandHandle, Sandbox
+from forkd.sdk.commands import CommandHandle
+from forkd.sdk.models import (
+    CommandResult,
+    Context,
+    EntryInfo,
+    Execution,
+    ProcessInfo,
+    SandboxInfo,
+    WriteInfo,
+)
+from forkd.sdk.sandbox import DEFAULT_SANDBOX_TIMEOUT_S, Sandbox
 
 
 def _on_loop(callback: Callable[..., Any] | None, loop: asyncio.AbstractEventLoop) -> Callable[..., Any] | None:

@@ -88,9 +88,14 @@ def _snapshot_state_out_of_meta(db: sqlite3.Connection) -> None:
     db.execute("UPDATE snapshots SET meta = json_remove(meta, '$.parent_tag', '$.error')")
 
 
+def _pools_table(db: sqlite3.Connection) -> None:
+    """4: how many ready VMMs to keep per snapshot (runtime/pool.py), as set through the API."""
+    db.execute("CREATE TABLE pools (tag TEXT PRIMARY KEY, size INTEGER NOT NULL)")
+
+
 #: Schema migrations, in order: step N brings ``PRAGMA user_version`` from N-1 to N in one
 #: transaction. A new database is created in the unversioned shape and migrated like any other.
-MIGRATIONS = (_add_columns, _vmm_state_blob, _snapshot_state_out_of_meta)
+MIGRATIONS = (_add_columns, _vmm_state_blob, _snapshot_state_out_of_meta, _pools_table)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -291,10 +296,12 @@ class Registry:
     # sandboxes
 
     def add_sandbox(self, record: SandboxRecord) -> None:
+        """One insert with everything, VMM included: a fork writes each child's record once."""
         self._execute(
-            "INSERT INTO sandboxes (id, snapshot_tag, status, pid, run_dir, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO sandboxes ({_SANDBOX_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (record.id, record.snapshot_tag, record.status, record.pid, str(record.run_dir), record.created_at,
-             json.dumps(record.meta)),
+             json.dumps(record.meta), record.vmm_started,
+             None if record.vmm_state is None else json.dumps(record.vmm_state)),
         )
 
     def update_sandbox(self, sandbox_id: str, *, status: str | None = None, pid: int | None = None,
@@ -325,6 +332,19 @@ class Registry:
 
     def remove_sandbox(self, sandbox_id: str) -> None:
         self._execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    # pools of ready VMMs
+
+    def pool_sizes(self) -> dict[str, int]:
+        return {tag: size for tag, size in self._execute("SELECT tag, size FROM pools")}
+
+    def set_pool_size(self, tag: str, size: int | None) -> None:
+        """Keep ``size`` ready VMMs of ``tag``; ``None`` forgets the tag's pool altogether."""
+        if size is None:
+            self._execute("DELETE FROM pools WHERE tag = ?", (tag,))
+        else:
+            self._execute("INSERT INTO pools (tag, size) VALUES (?, ?) ON CONFLICT(tag) DO UPDATE SET size = ?",
+                          (tag, size, size))
 
     # network address leases
 

@@ -255,7 +255,7 @@ class SnapshotStore:
         self.check_format(record.meta, f"snapshot {tag!r}", hint)
         self.check_machine(identity, f"snapshot {tag!r}", hint)
         saved = SavedVm(memory=memory.base, state=record.path / STATE_FILE, disk=record.path / DISK_FILE,
-                        identity=identity, layers=layers)
+                        identity=identity, layers=layers, state_format=record.meta.get("state_format", ""))
         return record, saved, boot_spec(record.path, record.meta)
 
     def verify(self, record: SnapshotRecord) -> None:

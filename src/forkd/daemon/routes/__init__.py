@@ -9,6 +9,7 @@ from forkd.daemon.routes import (
     files,
     images,
     packs,
+    pools,
     sandboxes,
     snapshots,
     system,
@@ -16,4 +17,4 @@ from forkd.daemon.routes import (
 )
 
 ROUTERS = (system.router, images.router, snapshots.router, packs.router, sandboxes.router, commands.router,
-           contexts.router, files.router, branch.router, workspaces.router)
+           contexts.router, files.router, branch.router, workspaces.router, pools.router)
