@@ -17,8 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forkd import __version__
-from forkd.daemon.errors import HANDLED_ERRORS, kind_for
-from forkd.e2b.errors import E2BError
+from forkd.e2b.errors import CONTROL_ERRORS, E2BError, to_http
 from forkd.e2b.sandboxes import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, E2BSandboxes
 
 Timeout = Annotated[int, Field(ge=0, le=MAX_TIMEOUT_S, description="seconds from now")]
@@ -164,9 +163,9 @@ def control_app(sandboxes: E2BSandboxes) -> FastAPI:
         return JSONResponse({"code": 400, "message": problems}, status_code=400)
 
     async def _runtime(_: Request, exc: Exception) -> JSONResponse:
-        status = kind_for(exc).status  # forkd's one error table decides the status, E2B's shape carries it
-        return JSONResponse({"code": status, "message": getattr(exc, "message", None) or str(exc)}, status_code=status)
+        error = to_http(exc)
+        return JSONResponse(error.body(), status_code=error.status)
 
-    for error_class in HANDLED_ERRORS:
+    for error_class in CONTROL_ERRORS:
         app.add_exception_handler(error_class, _runtime)
     return app

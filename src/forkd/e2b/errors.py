@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from forkd.errors import KINDS
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
-from forkd.runtime.sandboxes import SandboxNotFound
+from forkd.runtime.branches import BranchBusy
+from forkd.runtime.sandboxes import SandboxEnded, SandboxNotFound
+from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.validation import ValidationError
+from forkd.vmm.base import SnapshotMismatch, VmmError
 
 # Connect code → HTTP status, from the Connect protocol specification.
 CONNECT_STATUS = {
@@ -81,10 +85,22 @@ def to_connect(exc: BaseException) -> ConnectError:
     return ConnectError("internal", f"{type(exc).__name__}: {exc}")
 
 
+# Runtime failures of lifecycle calls (create, fork, pause), by forkd's error kind: its status is E2B's code.
+_LIFECYCLE_KINDS: list[tuple[type[BaseException], str]] = [
+    (SandboxEnded, "sandbox_ended"), (SnapshotMismatch, "snapshot_mismatch"), (SnapshotConflict, "conflict"),
+    (BranchBusy, "busy"), (SnapshotError, "snapshot_error"), (VmmError, "vmm_error"),
+]
+#: What the control plane answers in E2B's shape rather than as an unexpected failure.
+CONTROL_ERRORS = (ValidationError, LookupError, AgentError, OSError, *(cls for cls, _ in _LIFECYCLE_KINDS))
+
+
 def to_http(exc: BaseException) -> E2BError:
-    """The E2B HTTP error (envd's file routes, the code interpreter) for a runtime exception."""
+    """The E2B HTTP error (control plane, envd's file routes, the code interpreter) for a runtime exception."""
     if isinstance(exc, E2BError):
         return exc
+    for cls, code in _LIFECYCLE_KINDS:
+        if isinstance(exc, cls):
+            return E2BError(KINDS[code].status, f"{exc}; {KINDS[code].next_step}")
     connect = to_connect(exc)
     status = {"unavailable": 502, "deadline_exceeded": 504}.get(connect.code, connect.status)
     return E2BError(status, connect.message)
