@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from forkd.cli.main import console, daemon, print_json, reports_errors
+from forkd.safetext import for_rich
 
 
 @click.command("branch")
@@ -44,7 +45,7 @@ def snapshot_info(tag: str, as_json: bool) -> None:
     console.print(f"  size: {info['physical_bytes'] / 2**20:.1f} MiB own, "
                   f"{info['logical_bytes'] / 2**20:.1f} MiB with its chain")
     if "error" in info:
-        console.print(f"  error: {info['error']}")
+        console.print(f"  error: {for_rich(info['error'])}")
 
 
 @click.command("snapshot-compact")

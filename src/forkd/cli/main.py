@@ -18,6 +18,7 @@ from forkd.cli.doctor import doctor
 from forkd.cli.isolation import describe_limits, describe_net, fork_options, isolation_options
 from forkd.cli.quickstart import quickstart
 from forkd.config import paths_from_env
+from forkd.safetext import for_rich
 from forkd.sdk.autostart import ensure_daemon
 from forkd.sdk.controller import Controller, ForkdError
 
@@ -33,7 +34,7 @@ def reports_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except ForkdError as exc:
-            err_console.print(f"[red]error:[/red] {exc.message}")
+            err_console.print(f"[red]error:[/red] {for_rich(exc.message)}")
             sys.exit(1)
     return wrapper  # type: ignore[return-value]
 
@@ -44,7 +45,8 @@ def daemon() -> Controller:
 
 def progress_printer(prefix: str = "") -> Callable[[str], None]:
     started = time.monotonic()
-    return lambda line: err_console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {prefix}{line}")
+    return lambda line: err_console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {prefix}{for_rich(line)}")
+
 
 
 def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str]:
@@ -205,7 +207,7 @@ def fork(tag: str, count: int, timeout_s: float | None, envs: tuple[str, ...], l
         for child in result["sandboxes"]:
             console.print(f"{child['id']}  answered in {child['seconds_to_answer'] * 1000:7.0f} ms")
         for error in result["errors"]:
-            err_console.print(f"[red]failed:[/red] {error}")
+            err_console.print(f"[red]failed:[/red] {for_rich(error)}")
         console.print(f"{len(result['sandboxes'])}/{count} children answering, {total:.2f} s in all")
     if result["errors"]:
         sys.exit(1)

@@ -277,6 +277,7 @@ def create_app(runtime: Runtime) -> FastAPI:
             source_oci=Path(body.source_oci) if body.source_oci else None,
             disk_size_mib=body.disk_size_mib,
         )
+        spec = runtime.confine_image_sources(spec)  # refused before the stream starts
 
         async def work(emit):
             image = await runtime.build_image(spec, lambda line: emit({"progress": line}), force=body.force)

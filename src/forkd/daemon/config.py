@@ -16,6 +16,8 @@ log_file = "/var/log/forkd/daemon.log"  # default: stderr (the journal under sys
 log_max_bytes = 10485760         # rotate the log file at this size ...
 log_backups = 5                  # ... keeping this many old files
 accelerator = "auto"             # auto | kvm | tcg
+imports_dir = "/var/lib/forkd/imports"  # image sources API clients may name (default HOME/imports)
+packs_dir = "/var/lib/forkd/packs"      # pack files API clients may write and read (default HOME/packs)
 
 [limits]
 max_sandboxes = 500              # live + starting children
@@ -23,6 +25,9 @@ max_concurrent_forks = 16        # restores running at once; more queue
 
 [sandboxes]
 keep_on_stop = false             # true: stopping the daemon leaves VMMs for the next one to re-adopt
+
+[transfers]
+allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any
 ```
 """
 
@@ -33,13 +38,14 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
 from pydantic.dataclasses import dataclass
 
 from forkd.config import Paths
+from forkd.hostpaths import HostRoots
 from forkd.runtime.options import RuntimeOptions
 
 _STRICT = ConfigDict(extra="forbid")
@@ -66,6 +72,11 @@ class SandboxPolicy:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class Transfers:
+    allow_hosts: list[Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9*.-]+$")]] | None = None
+
+
+@dataclass(frozen=True, config=_STRICT)
 class DaemonConfig:
     home: Path = DEFAULT_HOME
     cache: Path = DEFAULT_CACHE
@@ -80,6 +91,9 @@ class DaemonConfig:
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
     limits: Limits = field(default_factory=Limits)
     sandboxes: SandboxPolicy = field(default_factory=SandboxPolicy)
+    imports_dir: Path | None = None  # None: HOME/imports
+    packs_dir: Path | None = None  # None: HOME/packs
+    transfers: Transfers = field(default_factory=Transfers)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -93,7 +107,15 @@ class DaemonConfig:
     def runtime_options(self) -> RuntimeOptions:
         return RuntimeOptions(max_sandboxes=self.limits.max_sandboxes,
                               max_concurrent_forks=self.limits.max_concurrent_forks,
-                              keep_sandboxes_on_stop=self.sandboxes.keep_on_stop)
+                              keep_sandboxes_on_stop=self.sandboxes.keep_on_stop,
+                              host_roots=self.host_roots,
+                              transfer_hosts=(None if self.transfers.allow_hosts is None
+                                              else tuple(self.transfers.allow_hosts)))
+
+    @property
+    def host_roots(self) -> HostRoots:
+        default = HostRoots.under(self.home)
+        return HostRoots(imports=self.imports_dir or default.imports, packs=self.packs_dir or default.packs)
 
 
 def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,

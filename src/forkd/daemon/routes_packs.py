@@ -25,8 +25,9 @@ def packs_router(runtime: Runtime) -> APIRouter:
     @router.post("", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
     async def pack(body: schemas.PackCreate) -> NDJSONResponse:
         packs.chain(body.tag)  # 404 for an unknown snapshot, before streaming
-        check_output(Path(body.path), body.force)
-        return ndjson_stream(lambda emit: packs.pack(body.tag, Path(body.path), body.force,
+        output = packs.pack_output(Path(body.path))
+        check_output(output, body.force)
+        return ndjson_stream(lambda emit: packs.pack(body.tag, output, body.force,
                                                      lambda line: emit({"progress": line})))
 
     @router.post("/unpack", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
@@ -46,6 +47,7 @@ def packs_router(runtime: Runtime) -> APIRouter:
     @router.post("/push", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
     async def push(body: schemas.PackPush) -> NDJSONResponse:
         packs.chain(body.tag)
+        packs.check_push_url(body.url)
         return ndjson_stream(lambda emit: packs.push(body.tag, body.url, lambda line: emit({"progress": line})))
 
     return router

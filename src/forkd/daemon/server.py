@@ -18,6 +18,7 @@ import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -27,6 +28,7 @@ from forkd.daemon.auth import TokenAuth, check_token
 from forkd.daemon.body_limit import BodyLimit
 from forkd.daemon.config import DaemonConfig
 from forkd.runtime.runtime import Runtime
+from forkd.safetext import visible
 from forkd.vmm.qemu import QemuVmm
 
 log = logging.getLogger("forkd.daemon")
@@ -173,11 +175,24 @@ def configure_logging(config: DaemonConfig) -> None:
         config.log_file.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.handlers.RotatingFileHandler(config.log_file, maxBytes=config.log_max_bytes,
                                                        backupCount=config.log_backups)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        handlers=[handler])
+    handler.setFormatter(VisibleFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
+class VisibleFormatter(logging.Formatter):
+    """Log lines whose guest-supplied parts (error messages, output) cannot forge lines or drive a terminal."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's naming
+        return visible(super().formatMessage(record))
+
+    def formatException(self, ei: Any) -> str:  # noqa: N802
+        return visible(super().formatException(ei), keep_newlines=True)
 
 
 def run(config: DaemonConfig) -> None:
+    # Everything the daemon writes is private to root, started by systemd (UMask=0077) or not:
+    # state.db holds sandbox environments, console logs hold guest output, RAM files guest memory.
+    os.umask(0o077)
     configure_logging(config)
     asyncio.run(serve(config))
     if config.sandboxes.keep_on_stop:

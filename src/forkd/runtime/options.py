@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from forkd.hostpaths import HostRoots
+
 
 @dataclass(frozen=True)
 class RuntimeOptions:
@@ -12,3 +14,7 @@ class RuntimeOptions:
     # On SIGTERM: False kills every sandbox (nothing outlives the daemon); True leaves VMMs running
     # for the next daemon to re-adopt (an upgrade or restart without losing sandboxes).
     keep_sandboxes_on_stop: bool = False
+    # Where API clients' host paths may point (image sources, pack files); None: anywhere (in-process
+    # use only; the daemon always sets them).
+    host_roots: HostRoots | None = None
+    transfer_hosts: tuple[str, ...] | None = None  # hosts pulls and pushes may reach; None: any http(s) host
