@@ -34,7 +34,8 @@ from forkd.runtime.snapshots import BASE_CMDLINE  # noqa: E402
 from forkd.sdk.autostart import ensure_daemon  # noqa: E402
 from forkd.sdk.controller import Controller  # noqa: E402
 from forkd.vmm.base import BootSpec  # noqa: E402
-from forkd.vmm.qemu import QemuVmm, read_memory_stats  # noqa: E402
+from forkd.vmm.process import read_memory_stats  # noqa: E402
+from forkd.vmm.qemu import QemuVmm  # noqa: E402
 
 NUMPY_PROBE = "float(numpy.ones(4).sum())"
 RESULTS = Path(__file__).with_name("results")
@@ -83,7 +84,7 @@ async def cold_batch(image_name: str, n: int, memory_mib: int) -> dict[str, Any]
             run_dir = Path(scratch) / f"vm{index}"
             run_dir.mkdir()
             vm = await vmm.boot(f"cold{index}", spec, run_dir, image.rootfs, run_dir / "memory")
-            agent, _ = await connect_when_answering(vm.agent_socket, vm.process, 600)
+            agent, _ = await connect_when_answering(vm, 600)
             try:
                 await agent.call(protocol.OP_WARM, {"modules": ["numpy"]}, timeout=600)
                 await agent.call(protocol.OP_EVAL, {"expr": NUMPY_PROBE}, timeout=60)

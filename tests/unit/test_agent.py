@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from forkd.guest import agent as agent_module
-from forkd.guest import protocol
+from forkd.guest import channel, processes, protocol
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -185,21 +185,22 @@ def text_of(events: list[dict[str, Any]], name: str) -> str:
 
 
 def test_dispatch_table_covers_every_protocol_op() -> None:
-    assert set(agent_module.Agent().handlers) == protocol.ALL_OPS
+    assert set(agent_module.Dispatcher(agent_module.op_families()).handlers) == protocol.ALL_OPS
 
 
 @pytest.mark.parametrize("op", sorted(protocol.ALL_OPS))
 def test_every_op_is_served_and_rejects_nonsense_args(agent: AgentClient, op: str) -> None:
-    _, terminal = agent.call(op, {"path": 1, "code": 2, "pid": "x", "modules": 3, "entropy_b64": 4})
+    nonsense = {"path": 1, "code": 2, "pid": "x", "modules": 3, "entropy_b64": 4, "id": [5], "expr": 6}
+    _, terminal = agent.call(op, nonsense)
     if terminal["ok"]:
-        assert op in (protocol.OP_PING, protocol.OP_PROC_LIST)
+        assert op in (protocol.OP_PING, protocol.OP_PROC_LIST, protocol.OP_CONTEXTS_LIST)
     else:
         assert terminal["error"]["code"] == protocol.ERR_BAD_REQUEST, terminal
 
 
 def test_ping(agent: AgentClient) -> None:
     result = agent.result(protocol.OP_PING)
-    assert result["agent_version"] == agent_module.AGENT_VERSION
+    assert result["agent_version"] == protocol.AGENT_VERSION
     assert result["protocol"] == protocol.PROTOCOL_VERSION
     assert result["hostname"] == socket.gethostname()
     assert isinstance(result["pid"], int) and result["pid"] != os.getpid()
@@ -227,7 +228,7 @@ def test_malformed_frames_get_bad_request(agent: AgentClient, line: bytes, expec
     _, frame = agent.next_frame(expected_id)
     assert frame["ok"] is False
     assert frame["error"]["code"] == protocol.ERR_BAD_REQUEST
-    assert agent.result(protocol.OP_PING)["agent_version"] == agent_module.AGENT_VERSION
+    assert agent.result(protocol.OP_PING)["agent_version"] == protocol.AGENT_VERSION
 
 
 def test_unknown_op(agent: AgentClient) -> None:
@@ -302,7 +303,7 @@ def test_exec_signal_death(agent: AgentClient) -> None:
 def test_exec_large_output_is_chunked(agent: AgentClient) -> None:
     stdout, _, _, events = run_exec(agent, {"shell": "head -c 1000000 /dev/zero"})
     assert stdout == bytes(1_000_000)
-    assert all(len(unb64(e["data"]["data_b64"])) <= agent_module.OUTPUT_CHUNK_BYTES for e in events[1:])
+    assert all(len(unb64(e["data"]["data_b64"])) <= processes.OUTPUT_CHUNK_BYTES for e in events[1:])
 
 
 def test_exec_stdin_b64_larger_than_a_pipe(agent: AgentClient) -> None:
@@ -315,7 +316,7 @@ def test_exec_env_is_clean_and_merged(agent: AgentClient) -> None:
     stdout, _, _, _ = run_exec(
         agent, {"shell": 'echo "$PATH|$FOO|$FORKD_TEST_LEAK|$LANG"', "env": {"FOO": "bar", "LANG": "C"}}
     )
-    assert stdout.decode().strip() == f"{agent_module.DEFAULT_PATH}|bar||C"
+    assert stdout.decode().strip() == f"{processes.DEFAULT_PATH}|bar||C"
 
 
 def test_exec_cwd(agent: AgentClient, tmp_path: Path) -> None:
@@ -455,9 +456,12 @@ def run_code(agent: AgentClient, code: str, **args: Any) -> tuple[list[dict[str,
 
 
 def test_run_code_keeps_state_and_returns_the_last_expression(agent: AgentClient) -> None:
-    assert run_code(agent, "x = 40", context="state")[1] == {"value": None, "value_json": None, "error": None}
-    _, result = run_code(agent, "y = x + 1\ny + 1", context="state")
-    assert result == {"value": "42", "value_json": 42, "error": None}
+    assert run_code(agent, "x = 40", context="state")[1] == {"value": None, "value_json": None, "error": None,
+                                                             "results": []}
+    events, result = run_code(agent, "y = x + 1\ny + 1", context="state")
+    main = {"text": "42", "is_main_result": True}
+    assert result == {"value": "42", "value_json": 42, "error": None, "results": [main]}
+    assert [e["data"] for e in events if e["event"] == protocol.EVENT_RESULT] == [main]
 
 
 @pytest.mark.parametrize(
@@ -542,14 +546,20 @@ def test_run_code_timeout_interrupts_python_code(agent: AgentClient) -> None:
     assert run_code(agent, "n > 0", context="spin")[1]["value"] == "True"  # context still usable
 
 
-def test_run_code_timeout_of_code_stuck_in_c(agent: AgentClient) -> None:
-    args = {"code": "import time; time.sleep(4)", "context": "stuck", "timeout_s": 0.2}
-    req_id = agent.start(protocol.OP_RUN_CODE, args)
-    error = agent.collect(req_id)[-1][1]["error"]
-    assert error["code"] == protocol.ERR_TIMEOUT
-    # The request ended before the cell did: the context is still busy, so a bounded request gives up.
-    error = agent.error(protocol.OP_RUN_CODE, {"code": "1", "context": "stuck", "timeout_s": 0.1})
-    assert error["code"] == protocol.ERR_TIMEOUT and "busy" in error["message"]
+def test_run_code_timeout_interrupts_a_blocking_call(agent: AgentClient) -> None:
+    run_code(agent, "kept = 1", context="sleepy")
+    _, result = run_code(agent, "import time; time.sleep(30)", context="sleepy", timeout_s=0.3)
+    assert result["error"]["name"] == "TimeoutError"
+    assert run_code(agent, "kept", context="sleepy")[1]["value"] == "1"
+
+
+def test_run_code_that_ignores_its_timeout_gets_a_fresh_context(agent: AgentClient) -> None:
+    run_code(agent, "lost = 1", context="stuck")
+    code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
+    error = agent.error(protocol.OP_RUN_CODE, {"code": code, "context": "stuck", "timeout_s": 0.2})
+    assert error["code"] == protocol.ERR_TIMEOUT and "restarted" in error["message"]
+    # Not busy any more: the context is a fresh fork of the template, without the old variables.
+    assert run_code(agent, "lost", context="stuck", timeout_s=30)[1]["error"]["name"] == "NameError"
 
 
 @pytest.mark.parametrize(
@@ -593,14 +603,16 @@ def test_warm_imports_and_runs_code_in_the_default_context(agent: AgentClient) -
     assert terminal["result"]["imported"] == ["colorsys", "decimal"] and terminal["result"]["seconds"] >= 0
     assert text_of(events, "stdout") == "warmed\n"
     assert {"colorsys", "decimal"} <= set(agent.result(protocol.OP_PING)["warm_modules"])
-    assert agent.result(protocol.OP_EVAL, {"expr": "WARM"})["value_json"] == [0.0, 1.0, 1.0]
-    # Other contexts find the module already imported.
-    cold = agent.result(protocol.OP_EVAL, {"expr": "'decimal' in __import__('sys').modules", "context": "cold"})
-    assert cold["value"] == "True"
-    # ...and bound by name, in new contexts and in ones that existed before the warm-up.
-    assert agent.result(protocol.OP_EVAL, {"expr": "decimal.Decimal(1) + 1", "context": "fresh"})["value"] == "Decimal('2')"
+    # Contexts created after the warm-up start from the template: its names and its imports...
+    assert agent.result(protocol.OP_EVAL, {"expr": "WARM", "context": "warm-1"})["value_json"] == [0.0, 1.0, 1.0]
+    warm = agent.result(protocol.OP_EVAL, {"expr": "'decimal' in __import__('sys').modules", "context": "warm-2"})
+    assert warm["value"] == "True"
+    # ...bound by name, as `import decimal` would.
+    assert agent.result(protocol.OP_EVAL, {"expr": "decimal.Decimal(1) + 1", "context": "warm-3"})["value"] == "Decimal('2')"
+    # A context that existed before a warm-up keeps its own state and does not see it.
     agent.result(protocol.OP_WARM, {"modules": ["fractions"]})
-    assert agent.result(protocol.OP_EVAL, {"expr": "str(fractions.Fraction(1, 3))", "context": "cold"})["value_json"] == "1/3"
+    assert agent.result(protocol.OP_EVAL, {"expr": "fractions", "context": "warm-1"})["error"]["name"] == "NameError"
+    assert agent.result(protocol.OP_EVAL, {"expr": "str(fractions.Fraction(1, 3))", "context": "warm-4"})["value_json"] == "1/3"
 
 
 def test_warm_failures(agent: AgentClient) -> None:
@@ -637,6 +649,7 @@ def test_reseed_without_privileges_skips_system_steps(unprivileged_agent: AgentC
 
 def test_reseed_python_and_numpy_rngs_follow_the_entropy(unprivileged_agent: AgentClient) -> None:
     unprivileged_agent.result(protocol.OP_WARM, {"modules": ["numpy"], "code": "import random, numpy"})
+    draws(unprivileged_agent)  # the default context exists before the reseeds
     entropy = os.urandom(32)
     first = reseed(unprivileged_agent, entropy)
     assert first["numpy_rng"] is True and first["python_rng"] is True
@@ -858,6 +871,308 @@ def test_find_virtio_port(tmp_path: Path) -> None:
         (tmp_path / port).mkdir()
         (tmp_path / port / "name").write_text(name)
     (tmp_path / "vport0p3").mkdir()  # a port without a name file is skipped
-    assert agent_module.find_virtio_port(ports_dir=str(tmp_path)) == "/dev/vport0p2"
+    assert channel.find_virtio_port(ports_dir=str(tmp_path)) == "/dev/vport0p2"
     with pytest.raises(FileNotFoundError):
-        agent_module.find_virtio_port("org.other", ports_dir=str(tmp_path))
+        channel.find_virtio_port("org.other", ports_dir=str(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------
+# Interpreter crashes and contexts (each context is a fork of the warm template)
+# --------------------------------------------------------------------------------------------
+
+CRASHES = [
+    ("import ctypes; ctypes.string_at(0)", signal.SIGSEGV),
+    ("import os; os.abort()", signal.SIGABRT),
+    ("import os; os.kill(os.getpid(), 4)", signal.SIGILL),
+]
+
+
+@pytest.mark.parametrize(("code", "sig"), CRASHES, ids=[s.name for _, s in CRASHES])
+def test_a_crashing_cell_answers_with_the_signal(agent: AgentClient, code: str, sig: signal.Signals) -> None:
+    context = f"crash-{sig.name}"
+    run_code(agent, "before = 1", context=context)
+    # A generous timeout and a bounded wait far below it: the answer comes from the crash.
+    req_id = agent.start(protocol.OP_RUN_CODE, {"code": code, "context": context, "timeout_s": 600})
+    terminal = agent.collect(req_id, timeout=30)[-1][1]
+    assert terminal["ok"], terminal
+    error = terminal["result"]["error"]
+    assert error["name"] == protocol.INTERPRETER_CRASHED
+    assert (error["signal"], error["signal_name"], error["context"]) == (int(sig), sig.name, "restored")
+    assert sig.name in error["value"]
+    # The next cell in the context works, in a fresh process without the old variables.
+    assert run_code(agent, "before", context=context)[1]["error"]["name"] == "NameError"
+    assert run_code(agent, "1 + 1", context=context)[1]["value"] == "2"
+
+
+def test_a_crashing_eval_answers_too(agent: AgentClient) -> None:
+    result = agent.result(protocol.OP_EVAL, {"expr": "__import__('os').abort()", "context": "crash-eval"})
+    assert result["error"]["name"] == protocol.INTERPRETER_CRASHED and result["type"] is None
+    assert agent.result(protocol.OP_EVAL, {"expr": "2 * 21", "context": "crash-eval"})["value"] == "42"
+
+
+def test_three_contexts_are_independent_processes(agent: AgentClient) -> None:
+    names = [f"indep-{i}" for i in range(3)]
+    for i, name in enumerate(names):
+        run_code(agent, f"import os, random\nmine = {i}", context=name)
+    seen = [agent.result(protocol.OP_EVAL, {"expr": "[mine, os.getpid(), random.random()]", "context": name})
+            ["value_json"] for name in names]
+    assert [s[0] for s in seen] == [0, 1, 2]
+    assert len({s[1] for s in seen}) == 3  # three processes
+    assert len({s[2] for s in seen}) == 3  # each forked with its own random state
+    run_code(agent, "import os; os.abort()", context=names[0])
+    assert agent.result(protocol.OP_EVAL, {"expr": "mine", "context": names[1]})["value"] == "1"
+
+
+def test_contexts_create_list_restart_delete(agent: AgentClient, tmp_path: Path) -> None:
+    created = agent.result(protocol.OP_CONTEXTS_CREATE, {"cwd": str(tmp_path)})
+    assert created["language"] == "python" and created["cwd"] == str(tmp_path) and len(created["id"]) == 32
+    ctx = created["id"]
+    assert run_code(agent, "import os; here = os.getcwd(); here", context=ctx)[1]["value_json"] == str(tmp_path)
+    listed = agent.result(protocol.OP_CONTEXTS_LIST)["contexts"]
+    assert ctx in [c["id"] for c in listed]
+    named = agent.result(protocol.OP_CONTEXTS_CREATE, {"id": "named", "language": "python"})
+    assert named["id"] == "named"
+    assert agent.error(protocol.OP_CONTEXTS_CREATE, {"id": "named"})["code"] == protocol.ERR_BAD_REQUEST
+    assert agent.error(protocol.OP_CONTEXTS_CREATE, {"language": "r"})["code"] == protocol.ERR_BAD_REQUEST
+    restarted = agent.result(protocol.OP_CONTEXTS_RESTART, {"id": ctx})
+    assert restarted["id"] == ctx and restarted["pid"] != created["pid"]
+    assert run_code(agent, "here", context=ctx)[1]["error"]["name"] == "NameError"
+    agent.result(protocol.OP_CONTEXTS_DELETE, {"id": ctx})
+    assert ctx not in [c["id"] for c in agent.result(protocol.OP_CONTEXTS_LIST)["contexts"]]
+    for op in (protocol.OP_CONTEXTS_RESTART, protocol.OP_CONTEXTS_DELETE):
+        assert agent.error(op, {"id": ctx})["code"] == protocol.ERR_NOT_FOUND
+
+
+# --------------------------------------------------------------------------------------------
+# Warm commands: forks of the template that behave like a fresh python3
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def warm_agent() -> Iterator[AgentClient]:
+    """An agent whose template imported pytest (and json), as a snapshot's warm-up would."""
+    process = AgentProcess()
+    process.client.result(protocol.OP_WARM, {"modules": ["json", "pytest"]})
+    yield process.client
+    process.stop()
+
+
+def fresh_and_warm(agent: AgentClient, args: dict[str, Any]) -> list[tuple[bytes, bytes, int, int | None]]:
+    outcomes = []
+    for warm in (False, True):
+        stdout, stderr, result, events = run_exec(agent, {**args, "warm": warm})
+        assert events[0]["event"] == protocol.EVENT_STARTED
+        outcomes.append((stdout, stderr, result["exit_code"], result["signal"]))
+    return outcomes
+
+
+WARM_LIKE_FRESH = {
+    "stdin-and-exit-code": ("import sys\nprint(sys.stdin.read().upper())\nsys.exit(3)", "hello"),
+    "argv": ("import sys; print(sys.argv)", None),
+    "signal-death": ("import os, signal; print('x', flush=True); os.kill(os.getpid(), signal.SIGTERM)", None),
+    "system-exit-message": ("raise SystemExit('bye')", None),
+    "keyboard-interrupt": ("raise KeyboardInterrupt", None),
+    "atexit-and-buffering": ("import atexit, sys\natexit.register(print, 'at exit')\nsys.stdout.write('main ')", None),
+    "signal-dispositions": ("import signal as s\nprint([s.getsignal(n) for n in (s.SIGINT, s.SIGPIPE, s.SIGCHLD, s.SIGTERM)])", None),
+    "fresh-main": ("import __main__\nprint(sorted(k for k in vars(__main__) if not k.startswith('__')))", None),
+    "non-daemon-thread": ("import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), print('joined'))).start()", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WARM_LIKE_FRESH))
+def test_warm_python_c_behaves_like_a_fresh_one(warm_agent: AgentClient, name: str) -> None:
+    code, stdin = WARM_LIKE_FRESH[name]
+    args: dict[str, Any] = {"argv": [sys.executable, "-c", code, "a", "b"]}
+    if stdin is not None:
+        args["stdin_b64"] = b64(stdin)
+    fresh, warm = fresh_and_warm(warm_agent, args)
+    assert warm == fresh
+
+
+def test_warm_python_m_and_a_script_behave_like_fresh_ones(warm_agent: AgentClient, tmp_path: Path) -> None:
+    stdin = b64('{"b": 1, "a": [2]}')
+    fresh, warm = fresh_and_warm(warm_agent, {"argv": [sys.executable, "-m", "json.tool", "--sort-keys"],
+                                             "stdin_b64": stdin})
+    assert warm == fresh and fresh[2] == 0
+    script = tmp_path / "script.py"
+    script.write_text("import sys, os\nprint(sys.argv, __file__, sys.path[0] == os.path.dirname(__file__))\n")
+    fresh, warm = fresh_and_warm(warm_agent, {"argv": [sys.executable, str(script), "x"], "cwd": str(tmp_path)})
+    assert warm == fresh and b"True" in fresh[0]
+    fresh, warm = fresh_and_warm(warm_agent, {"argv": [sys.executable, "-m", "no_such_module_xyz"]})
+    assert (warm[2], fresh[2]) == (1, 1) and b"No module named no_such_module_xyz" in warm[1]
+
+
+def test_warm_command_is_a_fork_of_the_template(warm_agent: AgentClient) -> None:
+    code = "import sys; print('pytest' in sys.modules)"
+    fresh, warm = fresh_and_warm(warm_agent, {"argv": [sys.executable, "-c", code]})
+    assert (fresh[0], warm[0]) == (b"False\n", b"True\n")  # the documented difference
+
+
+PYTEST_PROJECT = {
+    "conftest.py": "import pytest\n\n@pytest.fixture\ndef answer():\n    return 42\n",
+    "test_ok.py": "import pytest\n\ndef test_fixture(answer):\n    assert answer == 42\n\n"
+                  "@pytest.mark.parametrize('n', [1, 2, 3])\ndef test_param(n):\n    assert n > 0\n",
+    "test_fail.py": "def test_fails():\n    print('captured output')\n    assert 1 + 1 == 3\n",
+}
+
+
+def test_warm_pytest_behaves_like_fresh_pytest(warm_agent: AgentClient, tmp_path: Path) -> None:
+    for name, text in PYTEST_PROJECT.items():
+        (tmp_path / name).write_text(text)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA"]
+    fresh, warm = fresh_and_warm(warm_agent, {"argv": argv, "cwd": str(tmp_path), "timeout_s": 120})
+    assert fresh[2] == warm[2] == 1  # tests failed
+    for outcome in (fresh, warm):
+        out = outcome[0].decode()
+        assert "1 failed, 4 passed" in out and "assert (1 + 1) == 3" in out and "captured output" in out
+    strip_time = [line.split(" in ")[0] for line in fresh[0].decode().splitlines()]
+    assert strip_time == [line.split(" in ")[0] for line in warm[0].decode().splitlines()]
+    only_ok = fresh_and_warm(warm_agent, {"argv": [*argv, "test_ok.py"], "cwd": str(tmp_path)})
+    assert [o[2] for o in only_ok] == [0, 0]
+
+
+def test_warm_command_stdin_signals_and_kill(warm_agent: AgentClient) -> None:
+    req_id, pid = start_process(warm_agent, {"argv": [sys.executable, "-c", "import sys\nfor line in sys.stdin:\n"
+                                                      "    print(line.strip()[::-1], flush=True)"], "warm": True})
+    warm_agent.result(protocol.OP_PROC_STDIN, {"pid": pid, "data_b64": b64("abc\n")})
+    _, frame = warm_agent.next_frame(req_id)
+    assert unb64(frame["data"]["data_b64"]) == b"cba\n"
+    assert any(p["pid"] == pid and p.get("warm") for p in warm_agent.result(protocol.OP_PROC_LIST)["processes"])
+    warm_agent.result(protocol.OP_PROC_KILL, {"pid": pid, "signal": signal.SIGTERM})
+    result = warm_agent.collect(req_id)[-1][1]["result"]
+    assert (result["exit_code"], result["signal"]) == (128 + signal.SIGTERM, signal.SIGTERM)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"shell": "python3 -c 1"},
+        {"argv": ["bash", "-c", "true"]},
+        {"argv": ["python3", "-O", "-c", "1"]},
+        {"argv": ["python3", "-c"]},
+    ],
+)
+def test_warm_command_refuses_what_a_fork_cannot_honour(warm_agent: AgentClient, args: dict[str, Any]) -> None:
+    error = warm_agent.error(protocol.OP_EXEC, {**args, "warm": True})
+    assert error["code"] == protocol.ERR_BAD_REQUEST
+
+
+def test_warm_command_missing_cwd(warm_agent: AgentClient, tmp_path: Path) -> None:
+    args = {"argv": ["python3", "-c", "1"], "warm": True, "cwd": str(tmp_path / "nope")}
+    assert warm_agent.error(protocol.OP_EXEC, args)["code"] == protocol.ERR_NOT_FOUND
+
+
+def test_files_read_refuses_endless_files(agent: AgentClient, tmp_path: Path) -> None:
+    """A symlink to /dev/zero (or a FIFO) must not turn into an endless download."""
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo")
+    for name in ("zero", "fifo"):
+        error = agent.error(protocol.OP_FILES_READ, {"path": str(tmp_path / name)})
+        assert error["code"] == protocol.ERR_BAD_REQUEST and "not a regular file" in error["message"]
+    link = agent.result(protocol.OP_FILES_STAT, {"path": str(tmp_path / "zero")})
+    target = agent.result(protocol.OP_FILES_STAT, {"path": str(tmp_path / "zero"), "follow": True})
+    assert (link["type"], target["type"]) == ("symlink", "other")  # what files.read would open
+
+
+@pytest.mark.parametrize("line", [b"[" * 100_000, b'{"id": 5, "op": "ping", "args": ' + b"[" * 100_000])
+def test_deeply_nested_frames_are_answered(agent: AgentClient, line: bytes) -> None:
+    agent.send_raw(line + b"\n")
+    _, frame = agent.next_frame(None)
+    assert frame["error"]["code"] == protocol.ERR_BAD_REQUEST
+    assert agent.result(protocol.OP_PING)["protocol"] == protocol.PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------------------------
+# Output budgets, flow control and cancel
+# --------------------------------------------------------------------------------------------
+
+
+def test_exec_output_limit_truncates(agent: AgentClient) -> None:
+    stdout, stderr, result, _ = run_exec(agent, {"shell": "head -c 300000 /dev/zero; echo done >&2",
+                                                 "output_limit": 1000})
+    assert len(stdout) + len(stderr) == 1000 and result["truncated"] is True and result["exit_code"] == 0
+    _, _, result, _ = run_exec(agent, {"shell": "echo small", "output_limit": 1000})
+    assert result["truncated"] is False
+
+
+def test_exec_flow_pause_stops_reading_and_resume_continues(agent: AgentClient, tmp_path: Path) -> None:
+    marker = tmp_path / "writer-done"
+    code = f"yes | head -c 2000000; touch {marker}"  # 2 MB: far more than a pipe holds
+    req_id = agent.start(protocol.OP_EXEC, {"shell": code})
+    agent.result(protocol.OP_FLOW_PAUSE, {"id": req_id})
+    time.sleep(1.0)
+    assert not marker.exists()  # blocked on a full pipe: real back-pressure
+    agent.result(protocol.OP_FLOW_RESUME, {"id": req_id})
+    frames = agent.collect(req_id, timeout=30)
+    got = sum(len(unb64(f["data"]["data_b64"])) for _, f in frames if f.get("event") == "stdout")
+    assert got == 2_000_000 and frames[-1][1]["result"]["exit_code"] == 0 and marker.exists()
+
+
+def test_cancel_ends_a_command_and_a_cell(agent: AgentClient) -> None:
+    req_id, _ = start_process(agent, {"argv": ["sleep", "600"]})
+    agent.result(protocol.OP_CANCEL, {"id": req_id})
+    result = agent.collect(req_id, timeout=30)[-1][1]["result"]
+    assert result["cancelled"] is True and result["signal"] == signal.SIGKILL
+    run_code(agent, "kept = 7", context="cancel")
+    req_id = agent.start(protocol.OP_RUN_CODE, {"code": "print('go', flush=True)\nimport time; time.sleep(600)",
+                                                "context": "cancel"})
+    assert agent.next_frame(req_id, timeout=30)[1]["event"] == "stdout"
+    agent.result(protocol.OP_CANCEL, {"id": req_id})
+    result = agent.collect(req_id, timeout=30)[-1][1]["result"]
+    assert result["error"]["name"] == "KeyboardInterrupt"
+    assert run_code(agent, "kept", context="cancel")[1]["value"] == "7"
+
+
+def test_flow_ops_need_a_running_request(agent: AgentClient) -> None:
+    for op in (protocol.OP_FLOW_PAUSE, protocol.OP_FLOW_RESUME, protocol.OP_CANCEL):
+        assert agent.error(op, {"id": 987654})["code"] == protocol.ERR_NOT_FOUND
+
+
+def test_run_code_output_limit(agent: AgentClient) -> None:
+    events, result = run_code(agent, "for i in range(1000):\n    print('x' * 99)", context="limited",
+                              output_limit=500)
+    assert len(text_of(events, "stdout")) == 500 and result["truncated"] is True
+
+
+# --------------------------------------------------------------------------------------------
+# Rich results
+# --------------------------------------------------------------------------------------------
+
+RICH = '''
+class Rich:
+    def _repr_html_(self):
+        return "<b>rich</b>"
+    def _repr_markdown_(self):
+        return "**rich**"
+    def _repr_json_(self):
+        return {"rich": True}
+    def _repr_png_(self):
+        return b"\\x89PNG fake"
+    def _repr_latex_(self):
+        raise RuntimeError("no latex today")
+    def __repr__(self):
+        return "Rich()"
+display(Rich())
+print("between")
+Rich()
+'''
+
+
+def test_rich_results_from_display_and_the_last_value(agent: AgentClient) -> None:
+    events, result = run_code(agent, RICH, context="rich")
+    shown, main = result["results"]
+    assert shown == {"html": "<b>rich</b>", "markdown": "**rich**", "json": {"rich": True},
+                     "png": b64(b"\x89PNG fake"), "text": "Rich()", "is_main_result": False}
+    assert main == {**shown, "is_main_result": True}
+    assert result["value"] == "Rich()"
+    kinds = [e["event"] for e in events]
+    assert kinds == [protocol.EVENT_RESULT, protocol.EVENT_STDOUT, protocol.EVENT_RESULT]
+
+
+def test_matplotlib_figures_come_back_as_png(agent: AgentClient) -> None:
+    pytest.importorskip("matplotlib")
+    code = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()\nfig = plt.figure()\nfig"
+    _, result = run_code(agent, code, context="plots")
+    pngs = [r for r in result["results"] if "png" in r]
+    assert len(pngs) == 2 and all(unb64(r["png"]).startswith(b"\x89PNG") for r in pngs)
+    assert pngs[-1]["is_main_result"] is True

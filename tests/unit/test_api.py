@@ -45,6 +45,16 @@ def test_exec_needs_exactly_one_command_form(api: TestClient) -> None:
         assert api.post("/v1/sandboxes/sb-000000000000/exec", json=body).status_code == 422
 
 
+def test_warm_exec_splits_a_shell_string_and_refuses_what_cannot_split() -> None:
+    from forkd.daemon.schemas import ExecRequest
+    body = ExecRequest(cmd="python3 -m pytest -k 'a and b'", warm=True)
+    assert (body.argv, body.cmd) == (["python3", "-m", "pytest", "-k", "a and b"], None)
+    assert ExecRequest(cmd="echo hi").cmd == "echo hi"  # not warm: a shell string stays one
+    for cmd in ("python3 -c 'unclosed", "   "):
+        with pytest.raises(ValueError):
+            ExecRequest(cmd=cmd, warm=True)
+
+
 def test_health_version_and_listing(api: TestClient) -> None:
     assert api.get("/healthz").json() == {"ok": True}
     version = api.get("/v1/version").json()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import forkd.guest.agent
+import forkd.guest.protocol
 from forkd.image.agent import AgentPayload, current_agent
 from forkd.image.errors import SourceError
 from forkd.image.rootfs import debootstrap_cache_path
@@ -107,4 +107,4 @@ def test_current_agent_is_the_guest_package() -> None:
     names = [name for name, _ in agent.files]
     assert {"__init__.py", "agent.py", "protocol.py"} <= set(names)
     assert names == sorted(names)
-    assert agent.version == forkd.guest.agent.AGENT_VERSION
+    assert agent.version == forkd.guest.protocol.AGENT_VERSION

@@ -22,7 +22,7 @@ import pytest
 import zstandard
 
 from forkd.config import Paths
-from forkd.guest.agent import AGENT_VERSION
+from forkd.guest.protocol import AGENT_VERSION
 from forkd.packs import archive
 from forkd.packs.format import PackError, layer_digest
 from forkd.packs.index import add_to_index, parse_index

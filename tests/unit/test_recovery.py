@@ -32,7 +32,8 @@ def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path) -> None:
     (recorded / "agent.sock").parent.mkdir()
     (recorded / "agent.sock").touch()
     registry.add_sandbox(SandboxRecord("sb-recorded0000", "base", "running", gone.pid, recorded, time.time()))
-    registry.set_vmm("sb-recorded0000", gone.pid, 1, recorded / "agent.sock", recorded / "qmp.sock")
+    registry.set_vmm("sb-recorded0000", gone.pid, 1, {"monitor_socket": str(recorded / "qmp.sock"),
+                                                    "disk": str(recorded / "disk.qcow2")})
     (paths.sandboxes / "sb-norecord0000").mkdir()
     (paths.sandboxes / "not-ours").mkdir()
     for name in (".build-half-0a1b2c3d", "unregistered", "lost+found", "kept"):

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from forkd.runtime.registry import Registry, SandboxRecord, SnapshotRecord
+from forkd.runtime.registry import SCHEMA_VERSION, Registry, SandboxRecord, SchemaTooNew, SnapshotRecord
 
 
 def test_snapshots_persist_across_reopen(tmp_path: Path) -> None:
@@ -50,14 +50,53 @@ def test_an_older_database_gains_the_readoption_columns(tmp_path: Path) -> None:
     old.close()
     registry = Registry(db_path)
     (record,) = registry.list_sandboxes()
-    assert (record.id, record.pid, record.vmm_started, record.agent_socket) == ("sb-oldoldoldold", 7, None, None)
-    registry.set_vmm("sb-oldoldoldold", 8, 12345, tmp_path / "a.sock", tmp_path / "q.sock")
+    assert (record.id, record.pid, record.vmm_started, record.vmm_state) == ("sb-oldoldoldold", 7, None, None)
+    registry.set_vmm("sb-oldoldoldold", 8, 12345, {"monitor_socket": "/x/qmp.sock", "disk": "/x/disk.qcow2"})
     record = registry.get_sandbox("sb-oldoldoldold")
     assert record is not None
-    assert (record.pid, record.vmm_started, record.agent_socket, record.monitor_socket) == (
-        8, 12345, tmp_path / "a.sock", tmp_path / "q.sock")
+    assert (record.pid, record.vmm_started, record.vmm_state) == (
+        8, 12345, {"monitor_socket": "/x/qmp.sock", "disk": "/x/disk.qcow2"})
     registry.close()
     Registry(db_path).close()  # opening an upgraded database again changes nothing
+
+
+def test_qemu_columns_of_an_unversioned_database_move_into_the_backend_state(tmp_path: Path) -> None:
+    """A sandbox a daemon before the schema version left running keeps what re-adopting it needs."""
+    db_path = tmp_path / "state.db"
+    old = sqlite3.connect(db_path)
+    old.executescript("""
+        CREATE TABLE sandboxes (id TEXT PRIMARY KEY, snapshot_tag TEXT NOT NULL, status TEXT NOT NULL, pid INTEGER,
+                                run_dir TEXT NOT NULL, created_at REAL NOT NULL, meta TEXT NOT NULL,
+                                vmm_started INTEGER, agent_socket TEXT, monitor_socket TEXT);
+        INSERT INTO sandboxes VALUES ('sb-runningold00', 'base', 'running', 7, '/s/sb-runningold00', 1.0, '{}',
+                                      99, '/s/sb-runningold00/agent.sock', '/s/sb-runningold00/qmp.sock');
+        INSERT INTO sandboxes VALUES ('sb-startingold0', 'base', 'starting', NULL, '/s/sb-startingold0', 2.0, '{}',
+                                      NULL, NULL, NULL);
+    """)
+    old.commit()
+    old.close()
+    registry = Registry(db_path)
+    running, starting = registry.list_sandboxes()
+    assert running.vmm_started == 99
+    assert running.vmm_state == {"monitor_socket": "/s/sb-runningold00/qmp.sock",
+                                 "disk": "/s/sb-runningold00/disk.qcow2"}
+    assert starting.vmm_state is None
+    registry.close()
+    db = sqlite3.connect(db_path)
+    columns = {row[1] for row in db.execute("PRAGMA table_info(sandboxes)")}
+    assert "monitor_socket" not in columns and "agent_socket" not in columns
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    db.close()
+
+
+def test_a_database_from_a_newer_forkd_is_refused(tmp_path: Path) -> None:
+    db_path = tmp_path / "state.db"
+    Registry(db_path).close()
+    db = sqlite3.connect(db_path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(SchemaTooNew, match="upgrade forkd"):
+        Registry(db_path)
 
 
 def test_replace_snapshots_is_all_or_nothing(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import pytest
 from forkd.store.files import DigestCache, sha256_file, write_json_atomic
 from forkd.vmm.accel import probe_kvm
 from forkd.vmm.base import MachineIdentity
+from forkd.vmm.qemu_machine import cpu_model, machine_type
 
 IDENTITY = MachineIdentity("qemu", "7.2.22", "q35", "tcg", "qemu64", 1024, 1, "k" * 64, "0.1.0")
 
@@ -71,3 +72,17 @@ def test_kvm_speed_probe_agrees_with_the_kvm_kind() -> None:
     assert "iterations/s" in detail or "did not finish" in detail, detail
     if kvm.pvm:
         assert hardware_speed is False, f"PVM ran ring-0 code at hardware speed? {detail}"
+
+
+def test_the_machine_alias_is_pinned_to_its_versioned_type(tmp_path: Path) -> None:
+    """A QEMU whose q35 moved to 8.2 gives pc-q35-8.2; the identity never records the bare alias."""
+    fake = tmp_path / "qemu-system-x86_64"
+    fake.write_text("#!/bin/sh\ncat <<'END'\nSupported machines are:\n"
+                    "q35                  Standard PC (Q35 + ICH9, 2009) (alias of pc-q35-8.2)\n"
+                    "pc-q35-8.2           Standard PC (Q35 + ICH9, 2009)\nEND\n")
+    fake.chmod(0o755)
+    assert machine_type(str(fake)) == "pc-q35-8.2"
+
+
+def test_the_tcg_cpu_is_a_versioned_model_without_cx16() -> None:
+    assert cpu_model("tcg") == "Westmere-v1,-cx16" and cpu_model("kvm") == "host"

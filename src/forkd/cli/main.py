@@ -254,9 +254,10 @@ def kill(sandbox_ids: tuple[str, ...], kill_all: bool) -> None:
 @click.option("--env", "-e", "envs", multiple=True, help="KEY=VALUE (repeatable)")
 @click.option("--cwd")
 @click.option("--timeout", default=60.0, show_default=True, help="seconds")
+@click.option("--warm", is_flag=True, help="COMMAND is python3 ...: run it as a fork of the warm interpreter")
 @reports_errors
 def exec_command(sandbox_id: str, command: tuple[str, ...], shell: bool, envs: tuple[str, ...], cwd: str | None,
-                 timeout: float) -> None:
+                 timeout: float, warm: bool) -> None:
     """Run a command in a sandbox, streaming its output; exits with the command's status."""
     env = key_values(envs, "--env")
 
@@ -269,7 +270,7 @@ def exec_command(sandbox_id: str, command: tuple[str, ...], shell: bool, envs: t
             sys.stderr.flush()
 
     result = daemon().exec(sandbox_id, " ".join(command) if shell else list(command), env=env, cwd=cwd,
-                           timeout_s=timeout, on_event=on_event)
+                           timeout_s=timeout, on_event=on_event, warm=warm)
     if result.get("timed_out"):
         err_console.print(f"[red]timed out after {timeout} s[/red]")
     sys.exit(result.get("exit_code", 1))

@@ -359,6 +359,8 @@ def create_app(runtime: Runtime) -> FastAPI:
         for key in ("cwd", "timeout_s", "user"):
             if getattr(body, key) is not None:
                 args[key] = getattr(body, key)
+        if body.warm:
+            args["warm"] = True
         if body.stdin is not None:
             args["stdin_b64"] = protocol.b64encode(body.stdin.encode())
         return await output_answer(live, protocol.OP_EXEC, args, body.timeout_s, body.stream)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -121,11 +123,20 @@ class ExecRequest(Strict):
     timeout_s: float | None = Field(default=60.0, gt=0, le=MAX_TIMEOUT_S)
     user: str | None = Field(default=None, max_length=64)
     stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")
+    warm: bool = Field(default=False, description="run a python3 command line as a fork of the warm template "
+                       "(its imports already done); 'cmd' is split like a shell would. See docs/guest-protocol.md")
 
     @model_validator(mode="after")
     def one_command(self) -> ExecRequest:
         if (self.cmd is None) == (self.argv is None):
             raise ValueError("give exactly one of 'cmd' (a shell string) or 'argv' (a list)")
+        if self.warm and self.cmd is not None:
+            try:
+                self.argv, self.cmd = shlex.split(self.cmd), None
+            except ValueError as exc:
+                raise ValueError(f"a warm 'cmd' must split into words like a shell's: {exc}") from None
+            if not self.argv:
+                raise ValueError("a warm 'cmd' must not be empty")
         return self
 
 

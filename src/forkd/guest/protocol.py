@@ -27,6 +27,10 @@ from typing import Any
 
 PROTOCOL_VERSION = 1
 
+#: The agent's version, recorded in snapshots and images. It lives here, not in the agent, so
+#: host code never imports the agent. 0.2: the guest has eth0 (snapshots without a NIC cannot load).
+AGENT_VERSION = "0.2.0"
+
 #: Name of the virtio-serial port the agent listens on (``/sys/class/virtio-ports/*/name``).
 AGENT_PORT_NAME = "org.forkd.agent"
 
@@ -54,6 +58,13 @@ OP_FILES_STAT = "files.stat"
 OP_FILES_REMOVE = "files.remove"
 OP_FILES_MKDIR = "files.mkdir"
 OP_FILES_RENAME = "files.rename"
+OP_CONTEXTS_CREATE = "contexts.create"
+OP_CONTEXTS_LIST = "contexts.list"
+OP_CONTEXTS_RESTART = "contexts.restart"
+OP_CONTEXTS_DELETE = "contexts.delete"
+OP_FLOW_PAUSE = "flow.pause"
+OP_FLOW_RESUME = "flow.resume"
+OP_CANCEL = "cancel"
 
 ALL_OPS = frozenset(
     {
@@ -73,6 +84,13 @@ ALL_OPS = frozenset(
         OP_FILES_REMOVE,
         OP_FILES_MKDIR,
         OP_FILES_RENAME,
+        OP_CONTEXTS_CREATE,
+        OP_CONTEXTS_LIST,
+        OP_CONTEXTS_RESTART,
+        OP_CONTEXTS_DELETE,
+        OP_FLOW_PAUSE,
+        OP_FLOW_RESUME,
+        OP_CANCEL,
     }
 )
 
@@ -80,6 +98,10 @@ ALL_OPS = frozenset(
 EVENT_STARTED = "started"  # exec: {"pid": int}
 EVENT_STDOUT = "stdout"  # exec: {"data_b64": str}; run_code: {"text": str}
 EVENT_STDERR = "stderr"  # same shapes as stdout
+EVENT_RESULT = "result"  # run_code: one rich result (display() or the cell's value), E2B's Result keys
+
+#: The error name of a run_code/eval result whose interpreter process died (a signal, OOM kill).
+INTERPRETER_CRASHED = "InterpreterCrashed"
 
 # Error codes in terminal error frames.
 ERR_BAD_REQUEST = "bad_request"
@@ -88,6 +110,23 @@ ERR_NOT_FOUND = "not_found"
 ERR_TIMEOUT = "timeout"
 ERR_OS = "os_error"
 ERR_INTERNAL = "internal"
+
+
+class OutputBudget:
+    """An ``output_limit``: how much output a request may still forward (None: unlimited)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.left = limit
+        self.truncated = False
+
+    def clip(self, data: Any) -> Any:
+        """The part of ``data`` (bytes or text) within the budget; what is cut marks ``truncated``."""
+        if self.left is not None:
+            if len(data) > self.left:
+                data = data[: self.left]
+                self.truncated = True
+            self.left -= len(data)
+        return data
 
 
 class ProtocolError(ValueError):
@@ -119,7 +158,7 @@ def decode_frame(line: bytes) -> dict[str, Any]:
         raise ProtocolError(f"frame of {len(line)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
         frame = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: [[[[...
         raise ProtocolError(f"frame is not JSON: {exc}") from None
     if not isinstance(frame, dict):
         raise ProtocolError("frame must be a JSON object")

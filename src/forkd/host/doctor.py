@@ -14,6 +14,8 @@ from forkd.config import Paths
 from forkd.host import probes
 from forkd.host.isolation_checks import isolation_checks
 from forkd.vmm.accel import choose_accelerator, probe_kvm
+from forkd.vmm.base import VmmError
+from forkd.vmm.qemu_machine import QEMU_BINARY, cpu_model, machine_type
 from forkd.vmm.kvm_speed import probe_speed
 
 MIN_FREE_DISK_GIB = 4
@@ -78,6 +80,7 @@ def _virtualization() -> list[Check]:
                             "" if hardware_speed else "guest kernels cannot run at speed on this KVM; forkd uses TCG"))
     accel, reason = choose_accelerator("auto")
     checks.append(Check("accelerator", "ok", f"{accel}: {reason}"))
+    checks.append(Check("guest cpu", "ok", f"{cpu_model(accel)} (recorded in every snapshot's identity)"))
     return checks
 
 
@@ -87,6 +90,12 @@ def _tools() -> list[Check]:
         version = _command_version(argv) if shutil.which(argv[0]) else None
         checks.append(Check(name, "ok" if version is not None else "fail", version or "not installed",
                             "" if version is not None else f"run `bash scripts/setup` (installs {package})"))
+    if shutil.which(QEMU_BINARY):
+        try:
+            checks.append(Check("machine", "ok", f"{machine_type(QEMU_BINARY)} (the q35 alias, pinned to this "
+                                                 "QEMU's versioned machine in every snapshot's identity)"))
+        except VmmError as exc:
+            checks.append(Check("machine", "fail", str(exc), "run `bash scripts/setup` (installs qemu-system-x86)"))
     firecracker = _command_version(["firecracker", "--version"]) if shutil.which("firecracker") else None
     checks.append(Check("firecracker", "ok", firecracker or "not installed (optional: forkd runs on QEMU)"))
     return checks

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import forkd.guest
-from forkd.guest.agent import AGENT_VERSION
+from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.errors import SourceError
 from forkd.image.tree import resolve_in_root, write_in_root
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.config import Paths
-from forkd.guest.agent import AGENT_VERSION
+from forkd.guest.protocol import AGENT_VERSION
 from forkd.hostpaths import HostRoots
 from forkd.packs import archive, transfer
 from forkd.packs.format import MAX_CHAIN_DEPTH, META_NAME, Manifest, PackError, layer_digest

@@ -19,10 +19,10 @@ import itertools
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from forkd.guest import protocol
+from forkd.vmm.base import VmHandle
 
 EventHandler = Callable[[str, dict[str, Any]], Awaitable[None] | None]
 
@@ -88,18 +88,17 @@ class AgentClient:
         self.on_violation: Callable[[str], None] | None = None  # the guest broke the protocol (reason)
 
     @classmethod
-    async def connect(cls, socket_path: Path, timeout: float = 10.0) -> AgentClient:
-        """Connect to the VMM's agent socket, retrying until it exists or ``timeout`` passes."""
+    async def connect(cls, vm: VmHandle, timeout: float = 10.0) -> AgentClient:
+        """Connect to the VM's agent channel, retrying until it is open or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(
-                    str(socket_path), limit=protocol.MAX_FRAME_BYTES + 1
-                )
+                reader, writer = await asyncio.wait_for(vm.open_agent(limit=protocol.MAX_FRAME_BYTES + 1),
+                                                        timeout=max(0.1, deadline - time.monotonic()))
                 return cls(reader, writer)
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
+            except (FileNotFoundError, ConnectionRefusedError, asyncio.TimeoutError) as exc:
                 if time.monotonic() > deadline:
-                    raise AgentUnavailable(f"cannot connect to {socket_path}: {exc}") from None
+                    raise AgentUnavailable(f"cannot connect to the agent of {vm.name}: {exc!r}") from None
                 await asyncio.sleep(0.005)
 
     @property
@@ -200,8 +199,7 @@ class AgentClient:
             await self._writer.wait_closed()
 
 
-async def connect_when_answering(socket_path: Path, process: asyncio.subprocess.Process, timeout: float,
-                                 op: str = protocol.OP_PING,
+async def connect_when_answering(vm: VmHandle, timeout: float, op: str = protocol.OP_PING,
                                  args: dict[str, Any] | None = None) -> tuple[AgentClient, dict[str, Any]]:
     """Connect and send ``op`` until the guest agent answers it; fail fast if the VMM exits.
 
@@ -211,11 +209,11 @@ async def connect_when_answering(socket_path: Path, process: asyncio.subprocess.
     deadline = time.monotonic() + timeout
     last_error = "no attempt"
     while time.monotonic() < deadline:
-        if process.returncode is not None:
-            raise AgentUnavailable(f"the VM exited with status {process.returncode} before its agent answered")
+        if vm.process.returncode is not None:
+            raise AgentUnavailable(f"the VM exited with status {vm.process.returncode} before its agent answered")
         remaining = max(0.1, deadline - time.monotonic())
         try:
-            client = await AgentClient.connect(socket_path, timeout=remaining)
+            client = await AgentClient.connect(vm, timeout=remaining)
         except AgentUnavailable as exc:
             last_error = exc.message
             continue

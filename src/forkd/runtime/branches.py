@@ -50,6 +50,7 @@ from forkd.store import layers as memory_layers
 from forkd.store.files import link_or_copy, write_json_atomic
 from forkd.validation import check_tag
 from forkd.vmm.base import Vmm
+from forkd.vmm.branching import branching_of
 
 MODES = ("full", "diff", "live")
 DEFAULT_MAX_CONCURRENT = 2
@@ -92,6 +93,7 @@ class BranchService:
         tag = check_tag(tag)
         if mode not in MODES:
             raise SnapshotError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        branching_of(self.vmm)  # a backend without the capability is refused before anything is registered
         live = self.sandboxes.get(sandbox_id)
         if self.registry.get_snapshot(tag) is not None or tag in self._writing:
             raise SnapshotConflict(f"snapshot {tag!r} exists or is being written; pick another tag "
@@ -145,8 +147,9 @@ class BranchService:
                 started = time.monotonic()
                 top = live.vm.run_dir / f"disk-{secrets.token_hex(4)}.qcow2"
                 stream = build_dir / ".capture"
-                capture = await self.vmm.capture(live.vm, top, stream, live=mode == "live")
+                capture = await branching_of(self.vmm).capture(live.vm, top, stream, live=mode == "live")
                 captured = True
+                self.registry.set_vmm_state(live.record.id, live.vm.state)  # a restarted daemon adopts the new top
                 captured_s = time.monotonic() - started
                 meta = await self._assemble(build_dir, parent, parent_chain, capture.frozen_disk, stream, mode)
                 meta.update({
@@ -175,11 +178,11 @@ class BranchService:
         """Disk layer, device state and memory (whole or diff) of the new snapshot, then its meta."""
         for name in (KERNEL_FILE, INITRD_FILE):
             link_or_copy(parent.path / name, build_dir / name)
-        await self.vmm.export_disk_layer(frozen_disk, build_dir / DISK_FILE, f"../{parent.tag}/{DISK_FILE}")
+        await branching_of(self.vmm).export_disk_layer(frozen_disk, build_dir / DISK_FILE, f"../{parent.tag}/{DISK_FILE}")
         timings: dict[str, float] = {}
         started = time.monotonic()
         spec = boot_spec(build_dir, parent.meta)
-        await self.vmm.reparent(spec, stream, build_dir / DISK_FILE, build_dir / MEMORY_FILE,
+        await branching_of(self.vmm).reparent(spec, stream, build_dir / DISK_FILE, build_dir / MEMORY_FILE,
                                 build_dir / STATE_FILE, build_dir / ".reparent")
         timings["reparent_seconds"] = round(time.monotonic() - started, 3)
         stream_bytes = stream.stat().st_size

@@ -34,6 +34,7 @@ from forkd.store.files import link_or_copy, write_json_atomic
 from forkd.store.layers import ChainMemory, flatten, punch_zero_pages
 from forkd.validation import check_tag
 from forkd.vmm.base import Vmm
+from forkd.vmm.branching import branching_of
 
 
 class CompactService:
@@ -63,7 +64,7 @@ class CompactService:
             shutil.copyfile(record.path / STATE_FILE, build_dir / STATE_FILE)
             shutil.copyfile(record.path / DISK_FILE, build_dir / DISK_FILE)
             os.chmod(build_dir / DISK_FILE, 0o600)
-            await self.vmm.flatten_disk(build_dir / DISK_FILE, BASE_DISK_FILE)
+            await branching_of(self.vmm).flatten_disk(build_dir / DISK_FILE, BASE_DISK_FILE)
             meta = {k: v for k, v in record.meta.items()
                     if k in ("identity", "boot", "image_key", "warm_modules", "warmup_cmd")}
             meta.update({"memory_kind": "full", "compacted_from": record.tag,

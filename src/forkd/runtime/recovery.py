@@ -70,15 +70,13 @@ async def recover(sandboxes: SandboxService) -> Recovery:
 
 async def _recover_one(sandboxes: SandboxService, record: SandboxRecord, refs: list[ProcessRef]) -> bool:
     """Serve ``record`` again if its VMM and agent answer; otherwise kill its VMM and release it."""
-    if record.status == "running" and record.pid and record.agent_socket and record.monitor_socket:
+    if record.status == "running" and record.pid and record.vmm_state:
         pidfd = open_verified(record.pid, record.vmm_started, f"{record.run_dir}/")
         if pidfd is not None:
             process = AdoptedProcess(record.pid, pidfd)
             try:
-                vm = await sandboxes.vmm.adopt(record.id, process, record.run_dir, record.agent_socket,
-                                               record.monitor_socket, record.run_dir / "disk.qcow2")
-                agent, _ = await connect_when_answering(record.agent_socket, process, ADOPT_ANSWER_TIMEOUT_S,
-                                                        protocol.OP_PING)
+                vm = await sandboxes.vmm.adopt(record.id, process, record.run_dir, record.vmm_state)
+                agent, _ = await connect_when_answering(vm, ADOPT_ANSWER_TIMEOUT_S, protocol.OP_PING)
             except (VmmError, AgentError) as exc:
                 log.warning("sandbox %s does not answer (%s); reaping it", record.id, exc)
                 with contextlib.suppress(ProcessLookupError):

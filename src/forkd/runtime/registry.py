@@ -51,11 +51,53 @@ CREATE TABLE IF NOT EXISTS net_leases (
     PRIMARY KEY (pool, slot)
 );
 """
-# Columns added after the first release, created on open when an older state.db lacks them.
-# What re-adopting a VMM after a daemon restart needs: its start time (a pid alone may have been
-# reused) and the sockets to reconnect.
-SANDBOX_COLUMNS_ADDED = (("vmm_started", "INTEGER"), ("agent_socket", "TEXT"), ("monitor_socket", "TEXT"))
-_SANDBOX_FIELDS = "id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, agent_socket, monitor_socket"
+_SANDBOX_FIELDS = "id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, vmm_state"
+
+
+def _add_columns(db: sqlite3.Connection) -> None:
+    """1: columns added before the schema had a version (snapshot chains; re-adoption after a restart)."""
+    for table, name, sql_type in (("snapshots", "parent_tag", "TEXT"), ("sandboxes", "vmm_started", "INTEGER"),
+                                  ("sandboxes", "agent_socket", "TEXT"), ("sandboxes", "monitor_socket", "TEXT")):
+        if name not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sql_type}")
+
+
+def _vmm_state_blob(db: sqlite3.Connection) -> None:
+    """2: what a backend needs to re-adopt its VMM is its own opaque JSON (``VmHandle.state``), not
+    QEMU columns. Records written by the QEMU backend before keep their monitor socket and disk."""
+    db.execute("ALTER TABLE sandboxes ADD COLUMN vmm_state TEXT")
+    rows = db.execute("SELECT id, run_dir, monitor_socket FROM sandboxes WHERE monitor_socket IS NOT NULL")
+    for sandbox_id, run_dir, monitor_socket in rows.fetchall():
+        state = {"monitor_socket": monitor_socket, "disk": str(Path(run_dir) / "disk.qcow2")}
+        db.execute("UPDATE sandboxes SET vmm_state = ? WHERE id = ?", (json.dumps(state), sandbox_id))
+    db.execute("ALTER TABLE sandboxes DROP COLUMN agent_socket")
+    db.execute("ALTER TABLE sandboxes DROP COLUMN monitor_socket")
+
+
+#: Schema migrations, in order: step N brings ``PRAGMA user_version`` from N-1 to N in one
+#: transaction. A new database is created in the unversioned shape and migrated like any other.
+MIGRATIONS = (_add_columns, _vmm_state_blob)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class SchemaTooNew(RuntimeError):
+    """state.db was written by a newer forkd; this one would misread it."""
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise SchemaTooNew(f"state.db has schema version {version}, this forkd knows up to {SCHEMA_VERSION}; "
+                           "upgrade forkd or use another FORKD_HOME")
+    for number in range(version + 1, SCHEMA_VERSION + 1):
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            MIGRATIONS[number - 1](db)
+            db.execute(f"PRAGMA user_version = {number}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
 
 
 class LeasesExhausted(RuntimeError):
@@ -104,8 +146,7 @@ class SandboxRecord:
     created_at: float
     meta: dict[str, Any] = field(default_factory=dict)
     vmm_started: int | None = None  # clock ticks after boot, from /proc/PID/stat
-    agent_socket: Path | None = None
-    monitor_socket: Path | None = None
+    vmm_state: dict[str, Any] | None = None  # the backend's own VmHandle.state, for re-adoption
 
     def to_dict(self) -> dict[str, Any]:
         public = {k: v for k, v in self.meta.items() if k not in PRIVATE_SANDBOX_META}
@@ -121,14 +162,12 @@ class Registry:
         self._db = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        present = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
-        for name, sql_type in SANDBOX_COLUMNS_ADDED:
-            if name not in present:
-                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {sql_type}")
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")}
-        if "parent_tag" not in columns:  # a database made before snapshot chains
-            self._db.execute("ALTER TABLE snapshots ADD COLUMN parent_tag TEXT")
+        try:
+            self._db.executescript(SCHEMA)
+            migrate(self._db)
+        except BaseException:
+            self._db.close()
+            raise
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -211,11 +250,14 @@ class Registry:
                 self._db.execute("ROLLBACK")
                 raise
 
-    def set_vmm(self, sandbox_id: str, pid: int, started: int | None, agent_socket: Path,
-                monitor_socket: Path) -> None:
+    def set_vmm(self, sandbox_id: str, pid: int, started: int | None, vmm_state: dict[str, Any]) -> None:
         """Record the VMM of a sandbox, everything a restarted daemon needs to find and reconnect it."""
-        self._execute("UPDATE sandboxes SET pid = ?, vmm_started = ?, agent_socket = ?, monitor_socket = ? WHERE id = ?",
-                      (pid, started, str(agent_socket), str(monitor_socket), sandbox_id))
+        self._execute("UPDATE sandboxes SET pid = ?, vmm_started = ?, vmm_state = ? WHERE id = ?",
+                      (pid, started, json.dumps(vmm_state), sandbox_id))
+
+    def set_vmm_state(self, sandbox_id: str, vmm_state: dict[str, Any]) -> None:
+        """The backend's state of a running VMM changed (a BRANCH moved its disk to a new overlay)."""
+        self._execute("UPDATE sandboxes SET vmm_state = ? WHERE id = ?", (json.dumps(vmm_state), sandbox_id))
 
     def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
         rows = self._execute(f"SELECT {_SANDBOX_FIELDS} FROM sandboxes WHERE id = ?", (sandbox_id,))
@@ -303,5 +345,4 @@ def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:
 def _sandbox(row: tuple[Any, ...]) -> SandboxRecord:
     return SandboxRecord(id=row[0], snapshot_tag=row[1], status=row[2], pid=row[3], run_dir=Path(row[4]),
                          created_at=row[5], meta=json.loads(row[6]), vmm_started=row[7],
-                         agent_socket=Path(row[8]) if row[8] else None,
-                         monitor_socket=Path(row[9]) if row[9] else None)
+                         vmm_state=json.loads(row[8]) if row[8] else None)

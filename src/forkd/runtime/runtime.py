@@ -63,6 +63,7 @@ class Runtime:
         """Re-adopt the sandboxes a previous daemon left running, reap the rest, half-built snapshots and
         branches, then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline)."""
         self.branches.reap_stale()
+        await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
         recovery = await recover(self.sandboxes)
         self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
         return recovery

@@ -30,7 +30,7 @@ from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.isolation import END_OUT_OF_MEMORY, Isolation, IsolationError, Prepared, SandboxOptions, sandbox_meta
 from forkd.runtime.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
-from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
+from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError, restore
 from forkd.vmm.process import start_time
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
@@ -45,6 +45,16 @@ class SandboxNotFound(LookupError):
 
 class SandboxLimitReached(RuntimeError):
     """The daemon's ``max_sandboxes`` limit is reached; this child is refused, the others are not."""
+
+
+class ReseedFailed(AgentError):
+    """The child's guest kernel RNG was not reseeded, so it would share its randomness with its siblings."""
+
+    def __init__(self, sandbox_id: str, answer: dict[str, Any]) -> None:
+        skipped = ", ".join(answer.get("skipped") or []) or "none reported"
+        super().__init__("reseed_failed", f"child {sandbox_id} did not reseed its kernel RNG (skipped: {skipped}); "
+                         "it would share random numbers with its siblings, so it was killed. Check that the "
+                         "image's agent runs as root (PID 1's child) and rebuild it with `forkd image build --force`")
 
 
 # Frees one per-sandbox host resource (netns, cgroup, tap, ...) by sandbox id. Called whenever a
@@ -163,18 +173,19 @@ class SandboxService:
             record.meta.update(sandbox_meta(options.isolation, prepared.lease))
             self.registry.update_sandbox(sandbox_id, meta=record.meta)
             try:
-                vm = await self.vmm.restore(sandbox_id, saved, spec, run_dir, prepared.setup())
+                vm = await restore(self.vmm, sandbox_id, saved, spec, run_dir, prepared.setup())
             finally:
                 prepared.close_tap()
-            self.registry.set_vmm(sandbox_id, vm.pid, start_time(vm.pid), vm.agent_socket, vm.monitor_socket)
+            self.registry.set_vmm(sandbox_id, vm.pid, start_time(vm.pid), vm.state)
             # The first answer a child gives is to its reseed: nothing runs on a copied RNG or clock.
-            agent, _ = await connect_when_answering(vm.agent_socket, vm.process, RESTORE_ANSWER_TIMEOUT_S,
-                                                    protocol.OP_RESEED, {
+            agent, reseeded = await connect_when_answering(vm, RESTORE_ANSWER_TIMEOUT_S, protocol.OP_RESEED, {
                 "entropy_b64": protocol.b64encode(os.urandom(64)),
                 "time_ns": time.time_ns(),
                 "hostname": sandbox_id,
                 "sandbox_id": sandbox_id,
             })
+            if reseeded.get("kernel_rng") is not True:
+                raise ReseedFailed(sandbox_id, reseeded)
         except BaseException:
             if agent is not None:
                 await agent.close()

@@ -22,7 +22,7 @@ from typing import Any
 
 from forkd.config import Paths
 from forkd.guest import protocol
-from forkd.guest.agent import AGENT_VERSION
+from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.builder import Image
 from forkd.runtime.agent_client import AgentClient, connect_when_answering
 from forkd.runtime.chains import DISK_FILE, MEMORY_FILE, ChainBroken, ancestry, chain_memory, descendants
@@ -152,7 +152,7 @@ class SnapshotService:
         self._parents.add(vm)
         agent: AgentClient | None = None
         try:
-            agent, _ = await connect_when_answering(vm.agent_socket, vm.process, BOOT_TIMEOUT_S)
+            agent, _ = await connect_when_answering(vm, BOOT_TIMEOUT_S)
             boot_s = time.monotonic() - started
             progress(f"guest agent answered after {boot_s:.1f} s")
             if request.warm_modules:

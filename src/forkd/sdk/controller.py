@@ -226,9 +226,13 @@ class Controller:
 
     def exec(self, sandbox_id: str, cmd: str | list[str], *, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: str | None = None, timeout_s: float | None = 60.0,
-             user: str | None = None, on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Run a command; with ``on_event`` output is streamed as it arrives and the result has no stdout/stderr."""
-        body = _exec_body(cmd, env, cwd, stdin, timeout_s, user)
+             user: str | None = None, on_event: Callable[[dict[str, Any]], None] | None = None,
+             warm: bool = False) -> dict[str, Any]:
+        """Run a command; with ``on_event`` output is streamed as it arrives and the result has no stdout/stderr.
+
+        ``warm=True`` runs a ``python3 ...`` command line as a fork of the snapshot's warm interpreter.
+        """
+        body = _exec_body(cmd, env, cwd, stdin, timeout_s, user, warm)
         path = f"/v1/sandboxes/{sandbox_id}/exec"
         if on_event is None:
             return self.request("POST", path, json=body, timeout=_call_timeout(timeout_s))
@@ -236,13 +240,13 @@ class Controller:
 
     def start_exec(self, sandbox_id: str, cmd: str | list[str], *, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: str | None = None, timeout_s: float | None = 60.0,
-                   user: str | None = None) -> EventStream:
+                   user: str | None = None, warm: bool = False) -> EventStream:
         """Start a command and return its open event stream (``started`` with the pid comes first).
 
         ``stdin=None`` keeps the command's stdin open for ``send_stdin``.
         """
         return self.open_stream("POST", f"/v1/sandboxes/{sandbox_id}/exec",
-                                json={**_exec_body(cmd, env, cwd, stdin, timeout_s, user), "stream": True})
+                                json={**_exec_body(cmd, env, cwd, stdin, timeout_s, user, warm), "stream": True})
 
     def processes(self, sandbox_id: str) -> list[dict[str, Any]]:
         return self.request("GET", f"/v1/sandboxes/{sandbox_id}/processes")["processes"]
@@ -394,9 +398,11 @@ def _progress(on_progress: Callable[[str], None] | None) -> Callable[[dict[str, 
 
 
 def _exec_body(cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, stdin: str | None,
-               timeout_s: float | None, user: str | None) -> dict[str, Any]:
+               timeout_s: float | None, user: str | None, warm: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
     body.update({"env": env or {}, "timeout_s": timeout_s})
+    if warm:
+        body["warm"] = True
     optional = {"cwd": cwd, "stdin": stdin, "user": user}
     body.update({key: value for key, value in optional.items() if value is not None})
     return body

@@ -114,16 +114,36 @@ class OutputMessage:
         return self.line
 
 
+RESULT_FORMATS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "json", "javascript", "chart")
+
+
 @dataclass
 class Result:
-    """The value of a cell's last expression: ``text`` is its repr, ``json`` the value when JSON-able."""
+    """One rich result of a cell, as E2B's code interpreter returns it: ``display(obj)`` or the cell's
+    value (``is_main_result``). ``text`` is the repr; ``png``/``jpeg``/``pdf`` are base64; ``json`` the
+    object's JSON form (for the main result: the value itself when JSON-able)."""
 
     text: str | None = None
+    html: str | None = None
+    markdown: str | None = None
+    svg: str | None = None
+    png: str | None = None
+    jpeg: str | None = None
+    pdf: str | None = None
+    latex: str | None = None
     json: Any = None
+    javascript: str | None = None
+    chart: Any = None
+    extra: Any = None
     is_main_result: bool = True
 
+    @classmethod
+    def from_agent(cls, result: dict[str, Any]) -> Result:
+        known = {name: result[name] for name in (*RESULT_FORMATS, "extra", "is_main_result") if name in result}
+        return cls(**known)
+
     def formats(self) -> list[str]:
-        return [name for name in ("text", "json") if getattr(self, name) is not None]
+        return [name for name in RESULT_FORMATS if getattr(self, name) is not None]
 
     def __str__(self) -> str:
         return self.text or ""
@@ -137,9 +157,19 @@ class Logs:
 
 @dataclass
 class ExecutionError:
+    """An exception the cell raised, or ``InterpreterCrashed`` (then ``signal`` names what killed it and
+    ``context`` says whether the context was ``restored`` from the warm template or ``lost``)."""
+
     name: str
     value: str
     traceback: str
+    signal: int | None = None
+    context: str | None = None
+
+    @classmethod
+    def from_agent(cls, error: dict[str, Any]) -> ExecutionError:
+        return cls(name=error["name"], value=error["value"], traceback=error.get("traceback", ""),
+                   signal=error.get("signal"), context=error.get("context"))
 
 
 @dataclass

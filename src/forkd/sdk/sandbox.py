@@ -131,16 +131,19 @@ class Commands:
     def run(self, cmd: str, background: bool | None = None, envs: dict[str, str] | None = None,
             user: str | None = None, cwd: str | None = None, on_stdout: Callable[[str], Any] | None = None,
             on_stderr: Callable[[str], Any] | None = None, stdin: bool | str | None = None,
-            timeout: float | None = 60, request_timeout: float | None = None) -> CommandResult | CommandHandle:
+            timeout: float | None = 60, request_timeout: float | None = None,
+            warm: bool = False) -> CommandResult | CommandHandle:
         """Run ``cmd``; wait and return a ``CommandResult``, or with ``background=True`` a ``CommandHandle``.
 
         ``stdin=True`` keeps stdin open for ``send_stdin``; a string is written to stdin, which is then
         closed; by default stdin is empty. ``timeout`` (seconds, 0 = none) kills the command's process group.
+        ``warm=True`` (forkd): ``cmd`` is a ``python3 ...`` command line, run as a fork of the snapshot's
+        warm interpreter so its imports are already done (see docs/guest-protocol.md for the differences).
         """
         del request_timeout  # requests are bounded by the command's own timeout
         handle = CommandHandle(self._sandbox, self._sandbox._controller.start_exec(
             self._sandbox.sandbox_id, cmd, env=envs, cwd=cwd, user=user, timeout_s=timeout or None,
-            stdin=None if stdin is True else (stdin or "")))
+            stdin=None if stdin is True else (stdin or ""), warm=warm))
         if background:
             return handle
         return handle.wait(on_stdout=on_stdout, on_stderr=on_stderr)
@@ -394,7 +397,7 @@ class Sandbox:
         """The value of one Python expression (JSON-able values as themselves, others as their repr)."""
         outcome = self._controller.eval(self.sandbox_id, expr, context=_context_name(context))
         if outcome.get("error"):
-            raise CodeError(ExecutionError(**outcome["error"]))
+            raise CodeError(ExecutionError.from_agent(outcome["error"]))
         return outcome["value_json"] if outcome.get("value_json") is not None else outcome.get("value")
 
     # forking
@@ -437,7 +440,8 @@ def _branch_tag(sandbox_id: str) -> str:
 
 def _execution(outcome: dict[str, Any], logs: Logs) -> Execution:
     error = outcome.get("error")
-    results = []
-    if outcome.get("value") is not None:
-        results.append(Result(text=outcome["value"], json=outcome.get("value_json")))
-    return Execution(results=results, logs=logs, error=ExecutionError(**error) if error else None)
+    if "results" in outcome:
+        results = [Result.from_agent(result) for result in outcome["results"]]
+    else:  # a daemon or guest from before rich results
+        results = [] if outcome.get("value") is None else [Result(text=outcome["value"], json=outcome.get("value_json"))]
+    return Execution(results=results, logs=logs, error=ExecutionError.from_agent(error) if error else None)

@@ -1,12 +1,15 @@
 """The one interface every VMM backend implements (QEMU today, Firecracker later).
 
 The runtime never builds a command line or speaks a monitor protocol itself: it asks a backend to
-boot a parent, save it, and restore children from what was saved. Backends say what they can do
-through :class:`Capabilities` rather than the runtime assuming it.
+boot a parent, save it, and restore children from what was saved. The core :class:`Vmm` is what
+every backend must do; optional features (BRANCH of a running VM: ``forkd.vmm.branching``) are
+announced in :class:`Capabilities` and reached through an attribute, so a backend without them
+still fits (as in Kata's virtcontainers hypervisor capabilities).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +33,9 @@ class Capabilities:
     shared_memory_snapshots: bool  # RAM saved by reference (x-ignore-shared), never copied
     vmgenid: bool  # the guest is told it was restored, so its kernel reseeds its RNG
     background_snapshot: bool  # live snapshot while the guest runs (userfaultfd write-protect)
+    branching: bool  # BRANCH a running VM: the backend's ``branching`` attribute is a forkd.vmm.branching.Branching
+    machine: str  # the pinned, versioned machine type (never an alias a point release may move)
+    cpu_model: str  # the guest CPU model and flags
 
 
 @dataclass(frozen=True)
@@ -95,19 +101,29 @@ class ChildSetup:
 
 @dataclass(eq=False)  # a handle is one process: identity, not value, equality
 class VmHandle:
-    """A running VMM process and the host-side endpoints it exposes."""
+    """A running VMM process, where its guest agent answers, and the backend's own state of it.
+
+    ``agent_socket`` is a host Unix socket carrying the guest protocol's byte stream (QEMU's
+    virtio-serial chardev). A backend whose channel needs more than a connect (Firecracker's vsock
+    proxy wants a ``CONNECT <port>`` line first) subclasses this and overrides :meth:`open_agent`.
+    ``state`` belongs to the backend alone: JSON-serialisable, persisted with the sandbox record by
+    the runtime without looking inside, and handed back to :meth:`Vmm.adopt` after a daemon restart.
+    """
 
     name: str
     run_dir: Path
     process: VmProcess
     agent_socket: Path
-    monitor_socket: Path
-    disk: Path
-    extra: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    async def open_agent(self, limit: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A fresh byte stream to the guest agent (raises ``FileNotFoundError``/``ConnectionRefusedError``
+        while the VMM has not opened it yet)."""
+        return await asyncio.open_unix_connection(str(self.agent_socket), limit=limit)
 
 
 @dataclass(frozen=True)
@@ -132,7 +148,9 @@ class MemoryStats:
 
 
 class Vmm(Protocol):
-    """A VMM backend. Every method is safe to call concurrently for different VMs."""
+    """The core of a VMM backend: boot, save, restore, adopt, kill, stats. Every method is safe to call
+    concurrently for different VMs. Optional features (BRANCH) are separate protocols, announced in
+    :class:`Capabilities` and reached through attributes (see ``forkd.vmm.branching``)."""
 
     program: str  # file name of the VMM binary, to recognise its processes after a daemon restart
 
@@ -144,41 +162,36 @@ class Vmm(Protocol):
         """Cold-boot a VM whose RAM lives in the file ``memory``, shared so it can be saved by reference."""
         ...
 
-    async def pause(self, vm: VmHandle) -> None: ...
-
-    async def resume(self, vm: VmHandle) -> None: ...
-
     async def save(self, vm: VmHandle, state: Path) -> None:
-        """Write the paused VM's device and vCPU state to ``state``; RAM stays in its memory file."""
+        """Pause the VM and write its device and vCPU state to ``state``; RAM stays in its memory file."""
         ...
 
-    async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
-                      setup: ChildSetup = ChildSetup()) -> VmHandle:
-        """Start a child that maps ``saved.memory`` copy-on-write and resumes from ``saved.state``."""
+    async def prepare_restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
+                              setup: ChildSetup = ChildSetup()) -> VmHandle:
+        """Start a child's VMM mapping ``saved.memory`` copy-on-write, waiting for its state (not running)."""
         ...
 
-    async def adopt(self, name: str, process: VmProcess, run_dir: Path, agent_socket: Path, monitor_socket: Path,
-                    disk: Path) -> VmHandle:
-        """Take over a VMM a previous daemon started; raise :class:`VmmError` unless it is running."""
+    async def complete_restore(self, vm: VmHandle, saved: SavedVm) -> None:
+        """Load ``saved``'s layers and device state into a prepared VMM and let the guest run."""
+        ...
+
+    async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
+        """Take over a VMM a previous daemon started, from the ``VmHandle.state`` it persisted;
+        raise :class:`VmmError` unless it is running (and answers within a bounded time)."""
         ...
 
     async def kill(self, vm: VmHandle) -> None: ...
 
     def memory_stats(self, vm: VmHandle) -> MemoryStats: ...
 
-    async def capture(self, vm: VmHandle, new_top: Path, stream: Path, live: bool) -> Any:
-        """Pause, freeze the disk (the VM continues in ``new_top``), stream RAM + devices, resume."""
-        ...
 
-    async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
-        """Copy a frozen disk layer into a snapshot, backed by ``backing_name`` (relative to ``dest``)."""
-        ...
-
-    async def flatten_disk(self, disk: Path, base_name: str) -> None:
-        """Make ``disk`` hold everything its backing chain held above the raw ``base_name`` next to it."""
-        ...
-
-    async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
-                       work_dir: Path) -> None:
-        """Turn a capture into ``memory`` (RAM file) + ``state`` (devices only): a snapshot's files."""
-        ...
+async def restore(vmm: Vmm, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
+                  setup: ChildSetup = ChildSetup()) -> VmHandle:
+    """Prepare and complete a restore in one go; the VMM is killed if loading its state fails."""
+    vm = await vmm.prepare_restore(name, saved, spec, run_dir, setup)
+    try:
+        await vmm.complete_restore(vm, saved)
+    except BaseException:
+        await vmm.kill(vm)
+        raise
+    return vm

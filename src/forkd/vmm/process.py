@@ -17,6 +17,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkd.vmm.base import MemoryStats, VmmError
+
 # An adopted VMM is not our child: its exit status cannot be collected, only the fact that it exited.
 EXIT_STATUS_UNKNOWN = 255
 
@@ -140,3 +142,22 @@ class AdoptedProcess:
                 asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = -1
+
+
+def read_memory_stats(pid: int) -> MemoryStats:
+    """Sum of the process's mappings from ``smaps_rollup`` (PSS counts shared pages fractionally)."""
+    fields: dict[str, int] = {}
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError as exc:
+        raise VmmError(f"cannot read memory of process {pid}: {exc}") from None
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+            fields[parts[0][:-1]] = int(parts[1])
+    return MemoryStats(
+        rss_kib=fields.get("Rss", 0),
+        pss_kib=fields.get("Pss", 0),
+        private_dirty_kib=fields.get("Private_Dirty", 0),
+        shared_clean_kib=fields.get("Shared_Clean", 0),
+    )

@@ -4,30 +4,24 @@ The parent's guest RAM is a ``memory-backend-file`` with ``share=on``, so when i
 file *is* its memory. Saving migrates only device and vCPU state (``x-ignore-shared`` skips shared
 RAM: ~13 ms, a few hundred KB). A child is a new QEMU process with the same machine but
 ``share=off`` on the same file — a MAP_PRIVATE mapping, so the host kernel shares every page until
-the child writes it — started with ``-incoming defer`` and then told over QMP to load that state
-(QEMU 7.2 has no command-line switch for the capability). Each VM gets its own qcow2 overlay so
-no two VMs ever write one disk.
+the child writes it — started with ``-incoming defer`` (:meth:`QemuVmm.prepare_restore`) and then
+told over QMP to load that state (:meth:`QemuVmm.complete_restore`; QEMU 7.2 has no command-line
+switch for the capability). Each VM gets its own qcow2 overlay so no two VMs ever write one disk.
+The command line, process start and bounded monitor live in ``qemu_machine``; BRANCH, an optional
+capability, in ``qemu_branch``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import os
-import re
 import shutil
-import subprocess
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
-from qemu.qmp import QMPClient, QMPError
+from qemu.qmp import QMPError
 
-from forkd.guest import netconf
-from forkd.guest.protocol import AGENT_PORT_NAME
-from forkd.vmm import qemu_branch
+from forkd.vmm import guest_ram
 from forkd.vmm.accel import choose_accelerator
 from forkd.vmm.base import (
     BootSpec,
@@ -40,105 +34,63 @@ from forkd.vmm.base import (
     VmmError,
     VmProcess,
 )
+from forkd.vmm.process import read_memory_stats
+from forkd.vmm.qemu_branch import QemuBranching
+from forkd.vmm.qemu_machine import (
+    DISK_KEY,
+    MONITOR_KEY,
+    NIC_ID,
+    QEMU_BINARY,
+    QemuMachine,
+    cpu_model,
+    create_overlay,
+    kill,
+    monitor,
+    qemu_version,
+)
 
-MACHINE = "q35"
-STARTUP_TIMEOUT_S = 20.0
-SAVE_TIMEOUT_S = 120.0
 ADOPT_MONITOR_TIMEOUT_S = 5.0
-TCG_TB_SIZE_MIB = 16
 CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
 # Shared RAM (the memory file) is neither written to nor read from the migration stream.
 _IGNORE_SHARED = {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
-NIC_ID = "nic0"
-#: An inert NIC backend: a hub with this one port, so frames go nowhere. Backends are not
-#: migrated, so a parent baked on it can restore onto a tap. The tap is opened without vnet headers,
-#: so the offload features the guest negotiated are the same whichever backend a child gets.
-_INERT_NETDEV = "hubport,id=net0,hubid=0"
-
-
-@functools.cache
-def qemu_version(binary: str) -> str:
-    """``7.2.22`` from ``QEMU emulator version 7.2.22 (Debian ...)``."""
-    try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise VmmError(f"cannot run {binary} ({exc}); install QEMU with `bash scripts/setup`") from None
-    match = re.search(r"version (\S+)", out)
-    return match.group(1) if match else out.strip()
-
-
-async def create_overlay(backing: Path, overlay: Path, backing_format: str, relative: bool = False) -> None:
-    """A qcow2 overlay so the VM writes its own file and ``backing`` stays untouched.
-
-    ``relative`` records the backing file by name only, resolved next to the overlay, so a
-    directory holding both can be renamed into place after it is built.
-    """
-    if relative and backing.parent.resolve() != overlay.parent.resolve():
-        raise VmmError(f"relative backing file {backing} must sit next to {overlay}")
-    backing_ref = backing.name if relative else str(backing)
-    argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-b", backing_ref, "-F", backing_format, str(overlay)]
-    try:
-        proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _, stderr = await asyncio.wait_for(proc.communicate(), timeout=60)
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise VmmError(f"qemu-img failed ({exc!r}); install qemu-utils with `bash scripts/setup`") from None
-    if proc.returncode != 0:
-        raise VmmError(f"qemu-img could not create {overlay}: {stderr.decode(errors='replace').strip()}")
-
-
-def read_memory_stats(pid: int) -> MemoryStats:
-    """Sum of the process's mappings from ``smaps_rollup`` (PSS counts shared pages fractionally)."""
-    fields: dict[str, int] = {}
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError as exc:
-        raise VmmError(f"cannot read memory of process {pid}: {exc}") from None
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
-            fields[parts[0][:-1]] = int(parts[1])
-    return MemoryStats(
-        rss_kib=fields.get("Rss", 0),
-        pss_kib=fields.get("Pss", 0),
-        private_dirty_kib=fields.get("Private_Dirty", 0),
-        shared_clean_kib=fields.get("Shared_Clean", 0),
-    )
 
 
 class QemuVmm:
-    """The :class:`forkd.vmm.base.Vmm` backend for ``qemu-system-x86_64``."""
+    """The :class:`forkd.vmm.base.Vmm` backend for ``qemu-system-x86_64``, with the branching capability."""
 
     kind = "qemu"
 
-    def __init__(self, binary: str = "qemu-system-x86_64", accelerator: str = "auto") -> None:
-        self.binary = binary
+    def __init__(self, binary: str = QEMU_BINARY, accelerator: str = "auto") -> None:
         self.program = Path(binary).name
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
+        self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator))
+        self.branching = QemuBranching(self.machine)
         self._template_lock = asyncio.Lock()
+        self._offline: set[VmHandle] = set()  # prepared children without a tap: their link goes down on load
 
     @property
     def cpu_model(self) -> str:
-        # QEMU 7.2's TCG corrupts flags in the guest kernel's SLUB cmpxchg16b fast path: 4 of 4
-        # parents booted in parallel double-faulted; without cx16 the kernel takes its locked
-        # fallback and 4 of 4 ran clean.
-        return "host" if self.accelerator == "kvm" else "qemu64,-cx16"
+        return self.machine.cpu_model
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
             kind=self.kind,
-            version=qemu_version(self.binary),
+            version=qemu_version(self.machine.binary),
             accelerator=self.accelerator,
             accelerator_reason=self.accelerator_reason,
             shared_memory_snapshots=True,
             vmgenid=True,
             background_snapshot=True,
+            branching=True,
+            machine=self.machine.machine,
+            cpu_model=self.cpu_model,
         )
 
     def identity(self, spec: BootSpec) -> MachineIdentity:
         return MachineIdentity(
             vmm=self.kind,
-            vmm_version=qemu_version(self.binary),
-            machine=MACHINE,
+            vmm_version=qemu_version(self.machine.binary),
+            machine=self.machine.machine,
             accelerator=self.accelerator,
             cpu_model=self.cpu_model,
             memory_mib=spec.memory_mib,
@@ -147,82 +99,11 @@ class QemuVmm:
             agent_version=spec.agent_version,
         )
 
-    def _argv(self, spec: BootSpec, run_dir: Path, disk: Path, memory: Path, share: bool,
-              tap_fd: int | None = None, boot: bool | None = None) -> list[str]:
-        """The machine; parent and children must agree on every device for state to load.
-
-        Only a parent (``share=True``) is given the kernel: a child's kernel is already in the RAM
-        it maps, and QEMU would otherwise keep a private ~14 MB copy of vmlinuz and initrd per child.
-        """
-        with_kernel = share if boot is None else boot
-        kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if with_kernel else []
-        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MIB}"
-        netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
-        return [
-            self.binary,
-            "-nodefaults", "-no-user-config", "-nographic", "-display", "none",
-            "-no-reboot",  # a guest panic (panic=-1) ends the VMM, so it is noticed, not rebooted
-            "-machine", f"{MACHINE},memory-backend=ram",
-            "-accel", accel,
-            "-cpu", self.cpu_model,
-            "-smp", str(spec.vcpus),
-            "-m", f"{spec.memory_mib}M",
-            "-object",
-            f"memory-backend-file,id=ram,size={spec.memory_mib}M,mem-path={memory},share={'on' if share else 'off'}",
-            *kernel,
-            "-drive", f"file={disk},format=qcow2,if=none,id=root,cache=writeback,discard=unmap",
-            "-device", "virtio-blk-pci,drive=root,id=rootdisk",
-            "-netdev", netdev,
-            "-device", f"virtio-net-pci,netdev=net0,mac={netconf.GUEST_MAC},id={NIC_ID}",
-            "-device", "virtio-serial-pci,id=vser",
-            "-chardev", f"socket,id=agent,path={run_dir / 'agent.sock'},server=on,wait=off",
-            "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},id=agentport",
-            # A new generation id on every restore tells the guest kernel to reseed its RNG.
-            "-device", f"vmgenid,guid={uuid.uuid4()},id=vmgenid",
-            "-chardev", f"file,id=console,path={run_dir / 'console.log'}",
-            "-serial", "chardev:console",
-            "-qmp", f"unix:{run_dir / 'qmp.sock'},server=on,wait=off",
-        ]
-
-    async def _start(self, name: str, argv: list[str], run_dir: Path, disk: Path, pass_fds: tuple[int, ...] = (),
-                     setup: Callable[[QMPClient, VmHandle], Awaitable[object]] | None = None,
-                     on_spawn: Callable[[int], None] | None = None) -> VmHandle:
-        """Start QEMU, run ``on_spawn(pid)``, prove it is up with a monitor answer, then run ``setup`` on it."""
-        log_path = run_dir / "qemu.log"
-        with open(log_path, "ab") as log:
-            try:
-                process = await asyncio.create_subprocess_exec(
-                    *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    pass_fds=pass_fds, start_new_session=True,
-                )
-            except OSError as exc:
-                raise VmmError(f"cannot start {self.binary}: {exc}; install QEMU with `bash scripts/setup`") from None
-        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
-                      monitor_socket=run_dir / "qmp.sock", disk=disk)
-        if on_spawn is not None:
-            try:
-                on_spawn(process.pid)
-            except Exception as exc:  # e.g. it could not join its cgroup, or it died at once
-                await self.kill(vm)
-                raise VmmError(f"QEMU for {name} could not be set up ({exc}; exit status {process.returncode}): "
-                               f"{_tail(log_path)}") from None
-        # QEMU creates its sockets before it has parsed every option (and binds before it
-        # listens), so only a monitor answer proves the machine was really created.
-        try:
-            async with self._monitor(vm, wait_s=STARTUP_TIMEOUT_S) as qmp:
-                await qmp.execute("query-status")
-                if setup is not None:
-                    await setup(qmp, vm)
-        except (VmmError, QMPError) as exc:
-            await self.kill(vm)
-            raise VmmError(f"QEMU for {name} did not start ({exc}; exit status {process.returncode}): "
-                           f"{_tail(log_path)}") from None
-        return vm
-
     async def boot(self, name: str, spec: BootSpec, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
         disk = run_dir / "disk.qcow2"
         await create_overlay(base_disk, disk, "raw", relative=base_disk.parent.resolve() == run_dir.resolve())
-        return await self._start(name, self._argv(spec, run_dir, disk, memory, share=True), run_dir, disk)
+        return await self.machine.start(name, self.machine.argv(spec, run_dir, disk, memory, share=True),
+                                        run_dir, disk)
 
     async def _child_overlay_template(self, backing: Path) -> Path:
         """An empty overlay over ``backing``, made once; each child's overlay is a copy of it.
@@ -237,80 +118,71 @@ class QemuVmm:
                 os.replace(partial, template)
         return template
 
-    async def restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
-                      setup: ChildSetup = ChildSetup()) -> VmHandle:
+    async def prepare_restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
+                              setup: ChildSetup = ChildSetup()) -> VmHandle:
+        """A QEMU started with ``-incoming defer`` on the snapshot's memory and a fresh overlay.
+
+        It needs neither the device state nor a layer yet: those arrive in :meth:`complete_restore`
+        (the state file as an fd over the monitor), so VMMs can be started ahead of a fork.
+        """
         disk = run_dir / "disk.qcow2"
-        shutil.copyfile(await self._child_overlay_template(saved.disk), disk)
+        await asyncio.to_thread(shutil.copyfile, await self._child_overlay_template(saved.disk), disk)
+        argv = self.machine.argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd)
+        vm = await self.machine.start(name, argv + ["-incoming", "defer"], run_dir, disk,
+                                      pass_fds=() if setup.tap_fd is None else (setup.tap_fd,),
+                                      on_spawn=setup.on_spawn)
+        if setup.tap_fd is None:
+            self._offline.add(vm)
+        return vm
+
+    async def complete_restore(self, vm: VmHandle, saved: SavedVm) -> None:
+        offline = vm in self._offline
+        self._offline.discard(vm)
+        memory_bytes = saved.identity.memory_mib << 20
+        if saved.layers:  # a diff snapshot: its pages go into the mapping before the state loads
+            await asyncio.to_thread(guest_ram.write_layers, vm.pid, saved.memory, memory_bytes, list(saved.layers))
         state_fd = os.open(saved.state, os.O_RDONLY)
-
-        async def load_state(qmp: QMPClient, vm: VmHandle) -> None:
-            if saved.layers:  # a diff snapshot: its pages go into the mapping before the state loads
-                await asyncio.to_thread(qemu_branch.write_layers, vm.pid, saved.memory,
-                                        spec.memory_mib << 20, list(saved.layers))
-            await qmp.execute("migrate-set-capabilities", _IGNORE_SHARED)
-            # The state file is inherited as this fd number; RAM comes from the mapped file.
-            await qmp.execute("migrate-incoming", {"uri": f"fd:{state_fd}"})
-            await _wait_for_migration(qmp, name, "restoring")
-            if setup.tap_fd is None:  # the guest sees no carrier: a child without network
-                await qmp.execute("set_link", {"name": NIC_ID, "up": False})
-            await qmp.execute("cont")  # the parent was paused when saved, so the child loads paused
-
         try:
-            argv = self._argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd)
-            fds = (state_fd,) if setup.tap_fd is None else (state_fd, setup.tap_fd)
-            return await self._start(name, argv + ["-incoming", "defer"], run_dir, disk, pass_fds=fds,
-                                     setup=load_state, on_spawn=setup.on_spawn)
+            async with monitor(vm) as qmp:
+                await qmp.execute("migrate-set-capabilities", _IGNORE_SHARED)
+                qmp.send_fd_scm(state_fd)
+                await qmp.execute("getfd", {"fdname": "forkd-state"})
+                # Device state from the file; RAM comes from the mapped memory file.
+                await qmp.execute("migrate-incoming", {"uri": "fd:forkd-state"})
+                await qmp.wait_for_migration("restoring")
+                if offline:  # the guest sees no carrier: a child without network
+                    await qmp.execute("set_link", {"name": NIC_ID, "up": False})
+                await qmp.execute("cont")  # the parent was paused when saved, so the child loads paused
+        except QMPError as exc:
+            raise VmmError(f"restoring {vm.name} failed: {exc}") from None
         finally:
             os.close(state_fd)
 
-    @contextlib.asynccontextmanager
-    async def _monitor(self, vm: VmHandle, wait_s: float = 10.0) -> AsyncIterator[QMPClient]:
-        """A QMP session, retrying the connection for up to ``wait_s`` while QEMU is still starting."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            client = QMPClient(vm.name)
-            try:
-                await asyncio.wait_for(client.connect(str(vm.monitor_socket)), timeout=max(0.1, wait_s))
-                break
-            except Exception as exc:  # qemu.qmp raises its own ConnectError hierarchy and OSError
-                if vm.process.returncode is not None or time.monotonic() > deadline:
-                    raise VmmError(f"cannot reach the QEMU monitor of {vm.name}: {exc}") from None
-                await asyncio.sleep(0.005)
-        try:
-            yield client
-        finally:
-            await client.disconnect()
-
-    async def pause(self, vm: VmHandle) -> None:
-        async with self._monitor(vm) as qmp:
-            await qmp.execute("stop")
-
-    async def resume(self, vm: VmHandle) -> None:
-        async with self._monitor(vm) as qmp:
-            await qmp.execute("cont")
-
     async def save(self, vm: VmHandle, state: Path) -> None:
-        """Migrate the (paused) VM's device state into ``state`` through a passed file descriptor."""
+        """Migrate the VM's device state into ``state`` through a passed file descriptor (pausing it first)."""
         fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            async with self._monitor(vm) as qmp:
+            async with monitor(vm) as qmp:
                 await qmp.execute("stop")
                 await qmp.execute("migrate-set-capabilities", _IGNORE_SHARED)
                 qmp.send_fd_scm(fd)
                 await qmp.execute("getfd", {"fdname": "forkd-state"})
                 await qmp.execute("migrate", {"uri": "fd:forkd-state"})
-                await _wait_for_migration(qmp, vm.name, "saving")
+                await qmp.wait_for_migration("saving")
+        except QMPError as exc:
+            raise VmmError(f"saving {vm.name} failed: {exc}") from None
         finally:
             os.close(fd)
         with open(state, "rb+") as written:
             os.fsync(written.fileno())
 
-    async def adopt(self, name: str, process: VmProcess, run_dir: Path, agent_socket: Path, monitor_socket: Path,
-                    disk: Path) -> VmHandle:
-        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=agent_socket,
-                      monitor_socket=monitor_socket, disk=disk)
+    async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
+        if not isinstance(state.get(MONITOR_KEY), str) or not isinstance(state.get(DISK_KEY), str):
+            raise VmmError(f"the record of {name} lacks its QEMU monitor socket or disk")
+        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+                      state={MONITOR_KEY: state[MONITOR_KEY], DISK_KEY: state[DISK_KEY]})
         try:
-            async with self._monitor(vm, wait_s=ADOPT_MONITOR_TIMEOUT_S) as qmp:
+            async with monitor(vm, wait_s=ADOPT_MONITOR_TIMEOUT_S, timeout_s=ADOPT_MONITOR_TIMEOUT_S) as qmp:
                 status = (await qmp.execute("query-status")).get("status")
         except QMPError as exc:
             raise VmmError(f"the QEMU monitor of {name} failed: {exc}") from None
@@ -319,49 +191,8 @@ class QemuVmm:
         return vm
 
     async def kill(self, vm: VmHandle) -> None:
-        if vm.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                vm.process.kill()
-            await vm.process.wait()
+        self._offline.discard(vm)
+        await kill(vm)
 
     def memory_stats(self, vm: VmHandle) -> MemoryStats:
         return read_memory_stats(vm.pid)
-
-    # branch
-
-    async def capture(self, vm: VmHandle, new_top: Path, stream: Path, live: bool) -> qemu_branch.Capture:
-        async with self._monitor(vm) as qmp:
-            return await qemu_branch.capture(qmp, vm, new_top, stream, live, _wait_for_migration)
-
-    async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
-        await qemu_branch.freeze_disk_copy(frozen, dest, backing_name)
-
-    async def flatten_disk(self, disk: Path, base_name: str) -> None:
-        await qemu_branch.rebase(disk, base_name, "raw", unsafe=False)
-
-    async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
-                       work_dir: Path) -> None:
-        await qemu_branch.reparent(self, spec, stream, disk, memory, state, work_dir, _wait_for_migration)
-
-
-async def _wait_for_migration(qmp: QMPClient, name: str, doing: str) -> None:
-    """Poll until an outgoing or incoming migration completes (both take milliseconds here)."""
-    deadline = time.monotonic() + SAVE_TIMEOUT_S
-    while True:
-        info = await qmp.execute("query-migrate")
-        status = info.get("status")
-        if status == "completed":
-            return
-        if status in {"failed", "cancelled"}:
-            raise VmmError(f"{doing} {name} failed: {info.get('error-desc', status)}")
-        if time.monotonic() > deadline:
-            raise VmmError(f"{doing} {name} did not finish in {SAVE_TIMEOUT_S:.0f} s")
-        await asyncio.sleep(0.002)
-
-
-def _tail(path: Path, limit: int = 800) -> str:
-    try:
-        text = path.read_text(errors="replace").strip()
-    except OSError:
-        return "(no log)"
-    return text[-limit:] or "(empty log)"

@@ -6,9 +6,8 @@ it: capturing a child streams all its non-zero RAM with the device state. The ca
 pages land in the file, zero pages stay holes), never runs, and saves its device state alone with
 ``x-ignore-shared`` on. The result is the same three files a baked snapshot has.
 
-Children of diff snapshots map their chain's base memory file and get each layer's pages written
-into that mapping through ``/proc/<pid>/mem`` before the device state is loaded: the kernel makes
-them private copy-on-write pages, exactly as they were in the source.
+This is the QEMU implementation of the optional :class:`forkd.vmm.branching.Branching` capability;
+it drives QEMU only through ``qemu_machine`` (the core backend's process and monitor layer).
 """
 
 from __future__ import annotations
@@ -17,14 +16,13 @@ import asyncio
 import contextlib
 import os
 import shutil
-import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
-from qemu.qmp import EventListener, QMPClient
+from qemu.qmp import EventListener, QMPError
 
-from forkd.store.layers import Layer
 from forkd.vmm.base import BootSpec, VmHandle, VmmError
+from forkd.vmm.branching import Capture
+from forkd.vmm.qemu_machine import DISK_KEY, Monitor, QemuMachine, disk_of, kill, monitor, qemu_img
 
 # The default migration throttle (32 MiB/s) would stretch a capture over seconds.
 _MAX_BANDWIDTH = 64 << 30
@@ -32,10 +30,25 @@ _POLL_S = 0.002
 LIVE_TIMEOUT_S = 300.0
 
 
-@dataclass(frozen=True)
-class Capture:
-    pause_s: float  # the guest was not running for this long
-    frozen_disk: Path  # the overlay the source wrote until the pause; it now backs the source's new top
+class QemuBranching:
+    """BRANCH for :class:`forkd.vmm.qemu.QemuVmm`, sharing its :class:`QemuMachine`."""
+
+    def __init__(self, machine: QemuMachine) -> None:
+        self.machine = machine
+
+    async def capture(self, vm: VmHandle, new_top: Path, stream: Path, live: bool) -> Capture:
+        async with monitor(vm) as qmp:
+            return await capture(qmp, vm, new_top, stream, live)
+
+    async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
+        await freeze_disk_copy(frozen, dest, backing_name)
+
+    async def flatten_disk(self, disk: Path, base_name: str) -> None:
+        await rebase(disk, base_name, "raw", unsafe=False)
+
+    async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
+                       work_dir: Path) -> None:
+        await reparent(self.machine, spec, stream, disk, memory, state, work_dir)
 
 
 def _caps(live: bool) -> dict[str, object]:
@@ -44,8 +57,7 @@ def _caps(live: bool) -> dict[str, object]:
     return {"capabilities": caps}
 
 
-async def capture(qmp: QMPClient, vm: VmHandle, new_top: Path, stream: Path, live: bool,
-                  wait_for_migration) -> Capture:
+async def capture(qmp: Monitor, vm: VmHandle, new_top: Path, stream: Path, live: bool) -> Capture:
     """Stop the guest, freeze the disk (the source goes on in ``new_top``), stream RAM and devices, resume.
 
     Disk, memory and vCPU state are all taken while the guest is stopped, so they are from one
@@ -59,13 +71,14 @@ async def capture(qmp: QMPClient, vm: VmHandle, new_top: Path, stream: Path, liv
     """
     try:
         await qmp.execute("migrate-set-capabilities", _caps(live))
-    except Exception as exc:  # refused before anything was paused
+    except QMPError as exc:  # refused before anything was paused
         raise VmmError(f"QEMU refused a {'live ' if live else ''}capture of {vm.name}: {exc}"
                        + ("; live mode needs the memory file on tmpfs or hugetlbfs (userfaultfd "
-                          "write-protect), use --mode full or diff" if live else "")) from None
+                          "write-protect) and, as the VMM runs without CAP_SYS_PTRACE, the sysctl "
+                          "vm.unprivileged_userfaultfd = 1; use --mode full or diff" if live else "")) from None
     await qmp.execute("migrate-set-parameters", {"max-bandwidth": _MAX_BANDWIDTH})
     fd = os.open(stream, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    frozen = vm.disk
+    frozen = disk_of(vm)
     runstate = EventListener(("STOP", "RESUME"))
     try:
         with qmp.listen(runstate):
@@ -75,7 +88,7 @@ async def capture(qmp: QMPClient, vm: VmHandle, new_top: Path, stream: Path, liv
                 await qmp.execute("stop")
                 await _freeze(qmp, vm, new_top)
                 await qmp.execute("migrate", {"uri": "fd:forkd-branch"})
-                await wait_for_migration(qmp, vm.name, "capturing")
+                await qmp.wait_for_migration("capturing")
             except BaseException:
                 with contextlib.suppress(Exception):
                     await qmp.execute("migrate_cancel")
@@ -89,11 +102,11 @@ async def capture(qmp: QMPClient, vm: VmHandle, new_top: Path, stream: Path, liv
     return Capture(pause_s=pause_s, frozen_disk=frozen)
 
 
-async def _freeze(qmp: QMPClient, vm: VmHandle, new_top: Path) -> None:
+async def _freeze(qmp: Monitor, vm: VmHandle, new_top: Path) -> None:
     """The guest is stopped: its disk overlay becomes read-only history, writes go to ``new_top``."""
     await qmp.execute("blockdev-snapshot-sync", {"device": "root", "snapshot-file": str(new_top),
                                                  "format": "qcow2"})
-    vm.disk = new_top
+    vm.state[DISK_KEY] = str(new_top)
 
 
 async def _pause_window(runstate: EventListener) -> float:
@@ -119,84 +132,37 @@ async def freeze_disk_copy(frozen: Path, dest: Path, backing_name: str) -> None:
 
 async def rebase(disk: Path, backing_name: str, backing_format: str, unsafe: bool) -> None:
     """Point ``disk`` at another backing file; ``unsafe=False`` first copies in what the two differ in."""
-    await _qemu_img("rebase", *(["-u"] if unsafe else []), "-f", "qcow2", "-b", backing_name,
+    await qemu_img("rebase", *(["-u"] if unsafe else []), "-f", "qcow2", "-b", backing_name,
                     "-F", backing_format, str(disk))
 
 
-async def _qemu_img(*args: str) -> None:
-    try:
-        proc = await asyncio.create_subprocess_exec("qemu-img", *args, stdout=subprocess.DEVNULL,
-                                                    stderr=subprocess.PIPE)
-        _, stderr = await asyncio.wait_for(proc.communicate(), timeout=120)
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise VmmError(f"qemu-img {args[0]} failed ({exc!r}); install qemu-utils with `bash scripts/setup`") from None
-    if proc.returncode != 0:
-        raise VmmError(f"qemu-img {' '.join(args)}: {stderr.decode(errors='replace').strip()}")
-
-
-def memory_mapping(pid: int, memory: Path, size: int) -> int:
-    """Start address of the mapping of ``memory`` in process ``pid``."""
-    wanted = str(memory.resolve())
-    with open(f"/proc/{pid}/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].rstrip("\n") == wanted:
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if end - start == size and int(fields[2], 16) == 0:
-                    return start
-    raise VmmError(f"guest RAM mapping of {memory} not found in process {pid}")
-
-
-def write_layers(pid: int, memory: Path, size: int, layers: list[Layer]) -> int:
-    """Lay each layer's pages (base first) over the guest RAM of process ``pid``; bytes written."""
-    address = memory_mapping(pid, memory, size)
-    written = 0
-    mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
-    try:
-        for layer in layers:
-            src = os.open(layer.path, os.O_RDONLY)
-            try:
-                for guest_offset, position, length in layer.runs():
-                    if guest_offset + length > size:
-                        raise VmmError(f"layer {layer.path} holds a page beyond guest RAM ({guest_offset:#x})")
-                    data = os.pread(src, length, position)
-                    if len(data) != length or os.pwrite(mem, data, address + guest_offset) != length:
-                        raise VmmError(f"could not lay {layer.path} over the RAM of process {pid}")
-                    written += length
-            finally:
-                os.close(src)
-    finally:
-        os.close(mem)
-    return written
-
-
-async def reparent(vmm, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
-                   work_dir: Path, wait_for_migration) -> None:
+async def reparent(machine: QemuMachine, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
+                   work_dir: Path) -> None:
     """Load a capture into RAM backed by ``memory`` (share=on) and save the device state alone."""
     work_dir.mkdir()
     scratch = work_dir / "scratch.qcow2"  # the VM never runs, but QEMU opens its disk read-write
     try:
-        await _qemu_img("create", "-q", "-f", "qcow2", "-b", str(disk.resolve()), "-F", "qcow2", str(scratch))
+        await qemu_img("create", "-q", "-f", "qcow2", "-b", str(disk.resolve()), "-F", "qcow2", str(scratch))
         stream_fd = os.open(stream, os.O_RDONLY)
         state_fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
-        async def load_and_save(qmp: QMPClient, _vm: VmHandle) -> None:
+        async def load_and_save(qmp: Monitor) -> None:
             await qmp.execute("migrate-set-capabilities", {"capabilities": [
                 {"capability": "x-ignore-shared", "state": False}]})
             await qmp.execute("migrate-incoming", {"uri": f"fd:{stream_fd}"})
-            await wait_for_migration(qmp, "re-parent", "loading the capture")
+            await qmp.wait_for_migration("loading the capture")
             await qmp.execute("migrate-set-capabilities", {"capabilities": [
                 {"capability": "x-ignore-shared", "state": True}]})
             qmp.send_fd_scm(state_fd)
             await qmp.execute("getfd", {"fdname": "forkd-state"})
             await qmp.execute("migrate", {"uri": "fd:forkd-state"})
-            await wait_for_migration(qmp, "re-parent", "saving device state")
+            await qmp.wait_for_migration("saving device state")
 
         try:
             # -S: the capture's runstate may say "running"; this VM must never run.
-            argv = vmm._argv(spec, work_dir, scratch, memory, share=True, boot=False) + ["-incoming", "defer", "-S"]
-            vm = await vmm._start("re-parent", argv, work_dir, scratch, pass_fds=(stream_fd,), setup=load_and_save)
-            await vmm.kill(vm)
+            argv = machine.argv(spec, work_dir, scratch, memory, share=True, boot=False) + ["-incoming", "defer", "-S"]
+            vm = await machine.start("re-parent", argv, work_dir, scratch, pass_fds=(stream_fd,), setup=load_and_save)
+            await kill(vm)
         finally:
             os.close(stream_fd)
             os.close(state_fd)

@@ -1,0 +1,346 @@
+"""Protocol dispatch: requests, their typed arguments and error frames, and the workers that run them.
+
+Op modules (processes, interpreters, files, ...) each provide an *op family*: an object whose
+``handlers()`` maps op names to handler functions and whose ``shutdown()`` releases what it
+started. The agent serves the union of its families; adding a family is one line in
+:func:`forkd_guest.agent.op_families`. Handlers marked :func:`inline` are answered on the reader
+thread (short ops that must stay fast even while every worker is busy); all others run on
+pre-started worker threads, so no request starts a thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from . import protocol
+from .channel import Channel, drain, log
+
+_REQUIRED: Any = object()
+_KIND_NAMES = {
+    str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array", dict: "an object"
+}
+
+Handler = Callable[["Request"], dict[str, Any]]
+
+#: Workers started with the agent (so a VM restored from a snapshot has them already).
+PRESTARTED_WORKERS = 8
+#: More are started only while every worker is busy, up to this many; later requests queue.
+MAX_WORKERS = 256
+
+
+class OpFamily(Protocol):
+    """What an op module hands the agent."""
+
+    def handlers(self) -> dict[str, Handler]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def inline(handler: Handler) -> Handler:
+    """Mark a handler as short and non-blocking: it runs on the reader thread, never queued."""
+    handler.inline = True  # type: ignore[attr-defined]
+    return handler
+
+
+class AgentError(Exception):
+    """A failure with a protocol error code, sent to the host as the request's terminal frame."""
+
+    def __init__(self, code: str, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.details = details
+
+
+def error_frame(req_id: Any, exc: Exception) -> dict[str, Any]:
+    """Map any exception a handler raised to an error frame; the agent itself carries on."""
+    if isinstance(exc, AgentError):
+        return protocol.error(req_id, exc.code, str(exc), **exc.details)
+    if isinstance(exc, (ValueError, OverflowError)):  # e.g. NUL in argv, an int too big for C
+        return protocol.error(req_id, protocol.ERR_BAD_REQUEST, str(exc))
+    if isinstance(exc, OSError):
+        code = protocol.ERR_NOT_FOUND if isinstance(exc, FileNotFoundError) else protocol.ERR_OS
+        details = {"errno": errno.errorcode.get(exc.errno, str(exc.errno))} if exc.errno else {}
+        return protocol.error(req_id, code, str(exc), **details)
+    return protocol.error(
+        req_id, protocol.ERR_INTERNAL, f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+    )
+
+
+class Control:
+    """How the host steers a running request (``flow.pause``, ``flow.resume``, ``cancel``).
+
+    An op that streams output asks its request for one and watches ``wake_fd`` in its selector:
+    it becomes readable whenever the state changes. Paused, the op stops reading its process's
+    output, so pipes fill and the process blocks: real back-pressure into the guest.
+    """
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.cancelled = False
+        self._on_cancel: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def set(self, *, paused: bool | None = None, cancel: bool = False) -> None:
+        with self._lock:
+            if paused is not None:
+                self.paused = paused
+            callbacks = []
+            if cancel and not self.cancelled:
+                self.cancelled = True
+                callbacks = list(self._on_cancel)
+        for callback in callbacks:
+            callback()
+        try:
+            os.write(self._wake_w, b"!")
+        except OSError:
+            pass  # already awake, or the request just ended
+
+    def on_cancel(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` when the request is cancelled (at once if it already was)."""
+        with self._lock:
+            self._on_cancel.append(callback)
+            cancelled = self.cancelled
+        if cancelled:
+            callback()
+
+    def drain(self) -> None:
+        drain(self.wake_fd)
+
+    def close(self) -> None:
+        os.close(self.wake_fd)
+        os.close(self._wake_w)
+
+
+class Request:
+    """One in-flight request: typed argument access, events, and exactly one terminal frame."""
+
+    def __init__(self, channel: Channel, req_id: int, op: str, args: dict[str, Any],
+                 inflight: Inflight | None = None) -> None:
+        self.id = req_id
+        self.op = op
+        self.args = args
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._done = False
+        self._inflight = inflight
+        self._control: Control | None = None
+        if inflight is not None:
+            inflight.add(self)
+
+    def control(self) -> Control:
+        """This request's Control (made on first use: by the op, or by a flow.* / cancel for it)."""
+        with self._lock:
+            if self._control is None:
+                self._control = Control()
+            return self._control
+
+    def run(self, handler: Handler) -> None:
+        try:
+            frame = protocol.ok(self.id, handler(self))
+        except Exception as exc:
+            frame = error_frame(self.id, exc)
+        if self._inflight is not None:
+            self._inflight.remove(self)
+        if self._control is not None:
+            self._control.close()
+        with self._lock:
+            self._done = True
+            try:
+                self._channel.send(frame)
+            except (TypeError, ValueError) as exc:  # result not JSON or larger than a frame
+                self._channel.send(protocol.error(self.id, protocol.ERR_INTERNAL, f"cannot send result: {exc}"))
+
+    def emit(self, name: str, data: dict[str, Any]) -> None:
+        """Send an event; dropped once the terminal frame is out (code that outlived a timeout)."""
+        with self._lock:
+            if not self._done:
+                self._channel.send(protocol.event(self.id, name, data))
+
+    def bad(self, message: str) -> AgentError:
+        return AgentError(protocol.ERR_BAD_REQUEST, f"{self.op}: {message}")
+
+    def arg(self, name: str, kind: type, default: Any = _REQUIRED, *, minimum: float | None = None) -> Any:
+        """Return args[name] checked against a JSON kind (``float`` means any number).
+
+        JSON null counts as absent, so clients may send optional fields as null.
+        """
+        value = self.args.get(name)
+        if value is None:
+            if default is _REQUIRED:
+                raise self.bad(f"missing argument {name!r}")
+            return default
+        accepted = (int, float) if kind is float else kind
+        if not isinstance(value, accepted) or (isinstance(value, bool) and kind is not bool):
+            raise self.bad(f"argument {name!r} must be {_KIND_NAMES[kind]}")
+        if minimum is not None and value < minimum:
+            raise self.bad(f"argument {name!r} must be >= {minimum}")
+        return value
+
+    def strings(self, name: str, default: Any = _REQUIRED) -> Any:
+        value = self.arg(name, list, default)
+        if value is not default and not all(isinstance(item, str) for item in value):
+            raise self.bad(f"argument {name!r} must be an array of strings")
+        return value
+
+    def string_map(self, name: str, default: Any = _REQUIRED) -> Any:
+        value = self.arg(name, dict, default)
+        if value is not default and not all(isinstance(item, str) for item in value.values()):
+            raise self.bad(f"argument {name!r} must map strings to strings")
+        return value
+
+    def path(self, name: str, default: Any = _REQUIRED) -> Any:
+        value = self.arg(name, str, default)
+        if value is not default and (not value or "\0" in value):
+            raise self.bad(f"argument {name!r} must be a non-empty path without NUL bytes")
+        return value
+
+    def data(self, name: str, default: Any = _REQUIRED) -> Any:
+        """Decode a ``*_b64`` argument (malformed base64 is a bad_request)."""
+        value = self.arg(name, str, default)
+        return value if value is default else protocol.b64decode(value)
+
+
+class Inflight:
+    """Requests that can be steered, by id, and the ops that steer them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[int, Request] = {}
+
+    def add(self, request: Request) -> None:
+        with self._lock:
+            self._requests[request.id] = request
+
+    def remove(self, request: Request) -> None:
+        with self._lock:
+            if self._requests.get(request.id) is request:
+                del self._requests[request.id]
+
+    def handlers(self) -> dict[str, Handler]:
+        return {protocol.OP_FLOW_PAUSE: self.pause, protocol.OP_FLOW_RESUME: self.resume,
+                protocol.OP_CANCEL: self.cancel}
+
+    def shutdown(self) -> None:
+        pass
+
+    @inline
+    def pause(self, req: Request) -> dict[str, Any]:
+        self._target(req).set(paused=True)
+        return {}
+
+    @inline
+    def resume(self, req: Request) -> dict[str, Any]:
+        self._target(req).set(paused=False)
+        return {}
+
+    @inline
+    def cancel(self, req: Request) -> dict[str, Any]:
+        self._target(req).set(paused=False, cancel=True)
+        return {}
+
+    def _target(self, req: Request) -> Control:
+        target = req.arg("id", int)
+        with self._lock:
+            request = self._requests.get(target)
+        if request is None:
+            raise AgentError(protocol.ERR_NOT_FOUND, f"{req.op}: no running request {target} to steer")
+        return request.control()
+
+
+class Workers:
+    """Threads started before they are needed; a new one starts only while all are busy."""
+
+    def __init__(self, count: int = PRESTARTED_WORKERS, limit: int = MAX_WORKERS) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a job, minus jobs queued for them
+        self._threads = 0
+        self._limit = limit
+        for _ in range(count):
+            self._start()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            if self._idle <= 0 and self._threads < self._limit:
+                self._start()
+            self._idle -= 1
+        self._jobs.put((fn, args))
+
+    def _start(self) -> None:
+        self._threads += 1
+        self._idle += 1
+        threading.Thread(target=self._work, name=f"worker-{self._threads}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            fn, args = self._jobs.get()
+            try:
+                fn(*args)
+            except BaseException:  # a worker must survive anything a job does
+                log(f"worker job failed:\n{traceback.format_exc()}")
+            finally:
+                with self._lock:
+                    self._idle += 1
+
+
+def _frame_id(frame: dict[str, Any] | None) -> int | None:
+    """The id to answer a malformed frame with: its own if it had an integer one."""
+    req_id = frame.get("id") if isinstance(frame, dict) else None
+    return req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else None
+
+
+class Dispatcher:
+    """Reads request lines and hands each to its handler: inline or on a worker."""
+
+    def __init__(self, families: list[OpFamily], workers: Workers | None = None) -> None:
+        self.inflight = Inflight()
+        families = [self.inflight, *families]
+        self.families = families
+        self.handlers: dict[str, Handler] = {}
+        for family in families:
+            for op, handler in family.handlers().items():
+                if op in self.handlers:
+                    raise ValueError(f"op {op!r} is served twice")
+                self.handlers[op] = handler
+        self._workers = workers or Workers()
+
+    def serve(self, channel: Channel) -> None:
+        """Dispatch request lines until the channel ends."""
+        for line in channel.lines():
+            if not line.strip():
+                continue
+            try:
+                self._dispatch(channel, line)
+            except Exception:  # last line of defence: the reader thread must survive anything
+                log(f"dispatch failed:\n{traceback.format_exc()}")
+
+    def shutdown(self) -> None:
+        for family in self.families:
+            try:
+                family.shutdown()
+            except Exception:
+                log(f"shutdown failed:\n{traceback.format_exc()}")
+
+    def _dispatch(self, channel: Channel, line: bytes) -> None:
+        frame = None
+        try:
+            frame = protocol.decode_frame(line)
+            req_id, op, args = protocol.parse_request(frame)
+        except protocol.ProtocolError as exc:
+            channel.send(protocol.error(_frame_id(frame), protocol.ERR_BAD_REQUEST, str(exc)))
+            return
+        handler = self.handlers.get(op)
+        if handler is None:
+            channel.send(protocol.error(req_id, protocol.ERR_UNKNOWN_OP, f"unknown op {op!r}"))
+            return
+        if getattr(handler, "inline", False):
+            Request(channel, req_id, op, args).run(handler)
+        else:
+            self._workers.submit(Request(channel, req_id, op, args, self.inflight).run, handler)

@@ -1,0 +1,538 @@
+"""run_code, eval, warm and contexts.*: the agent's side of the warm interpreters.
+
+No user code runs in the agent. The warm-up runs in the template process (:mod:`template`),
+and every context is a process forked from it (:mod:`kernel`) that the agent talks to over a
+Unix socket. So a cell whose native code crashes kills only its context's process: the agent
+sees the socket close, learns the signal from the template (the context's parent), forks a
+fresh context from the template under the same id, and answers at once with an
+``InterpreterCrashed`` error result instead of letting the caller wait for its timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import os
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import protocol
+from .channel import log
+from .dispatch import AgentError, Control, Handler, Request, inline
+
+DEFAULT_CONTEXT = "default"
+LANGUAGE = "python"
+
+#: After a cell's own deadline, how long it gets to stop before its context is killed and restored.
+GRACE_S = 2.0
+
+#: How long a dead interpreter's exit status may take to arrive from the template.
+EXIT_REPORT_S = 1.0
+
+#: Exit reports kept for pids nobody has asked about yet.
+EXITS_KEPT = 1024
+
+_GONE: dict[str, Any] = {"gone": True}
+
+
+def _describe_signal(sig: int | None, exit_code: int | None) -> str:
+    if sig is not None:
+        try:
+            return f"killed by signal {sig} ({signal.Signals(sig).name})"
+        except ValueError:
+            return f"killed by signal {sig}"
+    if exit_code is not None:
+        return f"exited with status {exit_code}"
+    return "gone (its exit status is unknown)"
+
+
+def _signal_name(sig: int | None) -> str | None:
+    try:
+        return signal.Signals(sig).name if sig is not None else None
+    except ValueError:
+        return None
+
+
+class FrameSocket:
+    """Guest-protocol frames over a Unix stream socket, read with a deadline."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = bytearray()
+        self._send_lock = threading.Lock()
+
+    def send(self, frame: dict[str, Any], fds: list[int] | None = None) -> None:
+        data = protocol.encode_frame(frame)
+        with self._send_lock:
+            if fds:
+                sent = socket.send_fds(self.sock, [data], fds)
+                data = data[sent:]
+            self.sock.sendall(data)
+
+    def buffered(self) -> bool:
+        return b"\n" in self._buf
+
+    def read(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next frame; None at EOF. Raises TimeoutError when ``timeout`` passes first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (end := self._buf.find(b"\n")) < 0:
+            if deadline is not None:
+                ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise TimeoutError
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                return None
+            self._buf += chunk
+            if len(self._buf) > protocol.MAX_FRAME_BYTES + 1 and b"\n" not in self._buf:
+                return None  # a broken interpreter; treat like one that died
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 1]
+        return protocol.decode_frame(line)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class TemplateGone(AgentError):
+    def __init__(self, message: str) -> None:
+        super().__init__(protocol.ERR_INTERNAL, message)
+
+
+class TemplateProcess:
+    """The agent's handle on the template: requests to it, and the exit reports of its forks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # one request at a time; fds travel with their request
+        self._state = threading.Condition()
+        self._exits: collections.OrderedDict[int, tuple[int | None, int | None]] = collections.OrderedDict()
+        self._replies: dict[int, tuple[queue.SimpleQueue[dict[str, Any]], Any]] = {}
+        self._ids = itertools.count(1)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._link: FrameSocket | None = None
+        self.warm_log: list[dict[str, Any]] = []  # replayed into a replacement template
+        self.warm_modules: list[str] = []
+        self.restarts = -1
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        with self._lock:
+            self._ensure()
+
+    def request(self, op: str, args: dict[str, Any], fds: list[int] | None = None,
+                on_event: Any = None) -> dict[str, Any]:
+        with self._lock:
+            self._ensure()
+            return self._request(op, args, fds, on_event)
+
+    def fork(self, args: dict[str, Any], fds: list[int]) -> int:
+        return int(self.request("fork", args, fds)["pid"])
+
+    def wait_exit(self, pid: int, timeout: float) -> tuple[int | None, int | None] | None:
+        """``(exit_code, signal)`` of a fork once the template reaped it, or None if unknown."""
+        deadline = time.monotonic() + timeout
+        with self._state:
+            while pid not in self._exits:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._link is None:
+                    return None
+                self._state.wait(remaining)
+            return self._exits.pop(pid)
+
+    def forget_exit(self, pid: int) -> None:
+        with self._state:
+            self._exits.pop(pid, None)
+
+    def stop(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def _request(self, op: str, args: dict[str, Any], fds: list[int] | None, on_event: Any) -> dict[str, Any]:
+        assert self._link is not None
+        req_id = next(self._ids)
+        replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        with self._state:
+            self._replies[req_id] = (replies, on_event)
+        try:
+            self._link.send(protocol.request(req_id, op, {**args, "nfds": len(fds or [])}), fds)
+            frame = replies.get()
+        except OSError as exc:
+            raise TemplateGone(f"the warm template is unreachable: {exc}") from None
+        finally:
+            with self._state:
+                self._replies.pop(req_id, None)
+        if frame is _GONE:
+            raise TemplateGone("the warm template exited; it is restarted on the next request")
+        if frame.get("ok"):
+            return frame.get("result") or {}
+        err = dict(frame.get("error") or {})
+        raise AgentError(str(err.pop("code", protocol.ERR_INTERNAL)), str(err.pop("message", "")), **err)
+
+    def _ensure(self) -> None:
+        """Start the template if it is not running, replaying the warm-up into a replacement."""
+        if self._proc is not None and self._link is not None:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        package_root = os.path.dirname(__file__)
+        for _ in (__package__ or "").split("."):
+            package_root = os.path.dirname(package_root)
+        env = {**os.environ, "MPLBACKEND": os.environ.get("MPLBACKEND", "Agg")}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        flags = ["-S"] if sys.flags.no_site else []
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, *flags, "-m", f"{__package__}.template", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        self._link = FrameSocket(ours)
+        self.restarts += 1
+        threading.Thread(target=self._read, args=(self._link, self._proc), name="template-reader",
+                         daemon=True).start()
+        for warm in self.warm_log:
+            try:
+                self._request(protocol.OP_WARM, warm, None, None)
+            except AgentError as exc:
+                log(f"replaying the warm-up into a new template failed: {exc}")
+
+    def _read(self, link: FrameSocket, proc: subprocess.Popen[bytes]) -> None:
+        """Route the template's frames: replies and events to their request, exits to waiters."""
+        try:
+            while (frame := link.read()) is not None:
+                if frame.get("event") == "exit" and frame.get("id") is None:
+                    data = frame.get("data") or {}
+                    with self._state:
+                        self._exits[int(data["pid"])] = (data.get("exit_code"), data.get("signal"))
+                        while len(self._exits) > EXITS_KEPT:
+                            self._exits.popitem(last=False)
+                        self._state.notify_all()
+                    continue
+                with self._state:
+                    replies, on_event = self._replies.get(frame.get("id"), (None, None))
+                if replies is None:
+                    continue
+                if protocol.is_terminal(frame):
+                    replies.put(frame)
+                elif on_event is not None:
+                    on_event(frame["event"], frame.get("data") or {})
+        except (OSError, ValueError) as exc:
+            log(f"template link failed: {exc}")
+        log(f"the warm template (pid {proc.pid}) exited with status {proc.wait()}")
+        link.close()
+        with self._state:
+            if self._link is link:
+                self._link = None
+                self._proc = None
+            for replies, _ in self._replies.values():
+                replies.put(_GONE)
+            self._state.notify_all()
+
+
+@dataclass(eq=False)
+class Context:
+    """One named run_code context: its process, socket, and the lock that serialises its cells."""
+
+    id: str
+    cwd: str | None
+    pid: int
+    link: FrameSocket
+    created_at: float = field(default_factory=time.time)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending_entropy: bytes | None = None
+    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "language": LANGUAGE, "cwd": self.cwd, "pid": self.pid,
+                "busy": self.lock.locked(), "created_at": self.created_at}
+
+    def call(self, op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        """A request without events (reseed); None if the context died."""
+        req_id = next(self.ids)
+        self.link.send(protocol.request(req_id, op, args))
+        frame = self.link.read()
+        return None if frame is None else frame.get("result")
+
+
+class PythonRuntime:
+    """Warm interpreters: the template, the contexts forked from it, and the ops that use them."""
+
+    def __init__(self) -> None:
+        self.template = TemplateProcess()
+        self._contexts: dict[str, Context] = {}
+        self._lock = threading.Lock()
+        try:
+            self.template.start()
+        except OSError as exc:
+            log(f"cannot start the warm template yet: {exc}")
+
+    @property
+    def warm_modules(self) -> list[str]:
+        return self.template.warm_modules
+
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            protocol.OP_WARM: self.warm,
+            protocol.OP_RUN_CODE: self.run_code,
+            protocol.OP_EVAL: self.eval,
+            protocol.OP_CONTEXTS_CREATE: self.create_context,
+            protocol.OP_CONTEXTS_LIST: self.list_contexts,
+            protocol.OP_CONTEXTS_RESTART: self.restart_context,
+            protocol.OP_CONTEXTS_DELETE: self.delete_context,
+        }
+
+    def shutdown(self) -> None:
+        with self._lock:
+            contexts = list(self._contexts.values())
+            self._contexts.clear()
+        for context in contexts:
+            self._kill(context)
+        self.template.stop()
+
+    # ---- ops ---------------------------------------------------------------------------------
+
+    def warm(self, req: Request) -> dict[str, Any]:
+        modules = req.strings("modules")
+        code = req.arg("code", str, None)
+        started = time.monotonic()
+        args = {"modules": modules, "code": code}
+        self.template.request(protocol.OP_WARM, args, on_event=req.emit)
+        self.template.warm_log.append(args)
+        for name in modules:
+            if name not in self.template.warm_modules:
+                self.template.warm_modules.append(name)
+        return {"imported": modules, "seconds": time.monotonic() - started}
+
+    def run_code(self, req: Request) -> dict[str, Any]:
+        args = {"code": req.arg("code", str), **self._cell_limits(req)}
+        return self._serve(req, protocol.OP_RUN_CODE, args)
+
+    def eval(self, req: Request) -> dict[str, Any]:
+        args = {"expr": req.arg("expr", str), **self._cell_limits(req)}
+        return self._serve(req, protocol.OP_EVAL, args)
+
+    def create_context(self, req: Request) -> dict[str, Any]:
+        name = req.arg("id", str, None) or uuid.uuid4().hex
+        language = req.arg("language", str, LANGUAGE)
+        if language != LANGUAGE:
+            raise req.bad(f"only {LANGUAGE!r} contexts exist (asked for {language!r})")
+        cwd = req.path("cwd", None)
+        if cwd is not None and not os.path.isdir(cwd):
+            raise AgentError(protocol.ERR_NOT_FOUND, f"{req.op}: no directory {cwd!r}")
+        with self._lock:
+            if name in self._contexts:
+                raise req.bad(f"context {name!r} exists already")
+        return self._context(req, name, cwd).describe()
+
+    @inline
+    def list_contexts(self, req: Request) -> dict[str, Any]:
+        with self._lock:
+            contexts = sorted(self._contexts.values(), key=lambda c: c.created_at)
+        return {"contexts": [c.describe() for c in contexts]}
+
+    def restart_context(self, req: Request) -> dict[str, Any]:
+        """Back to a fresh fork of the template; a running cell is ended."""
+        old = self._named(req)
+        self._kill(old)
+        return self._replace(old).describe()
+
+    def delete_context(self, req: Request) -> dict[str, Any]:
+        context = self._named(req)
+        with self._lock:
+            if self._contexts.get(context.id) is context:
+                del self._contexts[context.id]
+        self._kill(context)
+        return {}
+
+    def reseed(self, entropy: bytes) -> dict[str, Any]:
+        """Reseed the template and every context, each with its own stream derived from entropy."""
+        result = self.template.request(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(
+            _derive(entropy, "template"))})
+        with self._lock:
+            contexts = list(self._contexts.values())
+        reseeded = 0
+        for context in contexts:
+            derived = _derive(entropy, context.id)
+            if context.lock.acquire(blocking=False):
+                try:
+                    reseeded += context.call(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(derived)}) is not None
+                finally:
+                    context.lock.release()
+            else:
+                context.pending_entropy = derived  # busy: applied before its next cell
+        return {**result, "contexts_reseeded": reseeded, "contexts_pending": len(contexts) - reseeded}
+
+    # ---- contexts ------------------------------------------------------------------------------
+
+    def _cell_limits(self, req: Request) -> dict[str, Any]:
+        limits = {"timeout_s": req.arg("timeout_s", float, None, minimum=0),
+                  "output_limit": req.arg("output_limit", int, None, minimum=0)}
+        return {k: v for k, v in limits.items() if v is not None}
+
+    def _named(self, req: Request) -> Context:
+        name = req.arg("id", str)
+        with self._lock:
+            context = self._contexts.get(name)
+        if context is None:
+            raise AgentError(protocol.ERR_NOT_FOUND, f"{req.op}: no context {name!r}")
+        return context
+
+    def _context(self, req: Request, name: str, cwd: str | None = None) -> Context:
+        if not name:
+            raise req.bad("'context' must not be empty")
+        with self._lock:
+            context = self._contexts.get(name)
+            if context is None:
+                context = self._contexts[name] = self._fork(name, cwd)
+            return context
+
+    def _fork(self, name: str, cwd: str | None) -> Context:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            pid = self.template.fork({"kind": "context", "name": name, "cwd": cwd}, [theirs.fileno()])
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return Context(name, cwd, pid, FrameSocket(ours))
+
+    def _replace(self, old: Context) -> Context:
+        """A fresh fork under the old id (unless the context was deleted meanwhile)."""
+        with self._lock:
+            if self._contexts.get(old.id) is not old:
+                raise AgentError(protocol.ERR_NOT_FOUND, f"context {old.id!r} was deleted")
+            try:
+                new = self._contexts[old.id] = self._fork(old.id, old.cwd)
+            except BaseException:
+                del self._contexts[old.id]
+                raise
+            return new
+
+    def _kill(self, context: Context) -> None:
+        try:
+            os.kill(context.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        context.link.close()
+        self.template.forget_exit(context.pid)
+
+    # ---- running cells -------------------------------------------------------------------------
+
+    def _serve(self, req: Request, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        name = req.arg("context", str, DEFAULT_CONTEXT)
+        timeout_s = args.get("timeout_s")
+        context = self._context(req, name)
+        if not context.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise AgentError(protocol.ERR_TIMEOUT, f"context {name!r} stayed busy for {timeout_s} s")
+        try:
+            if context.pending_entropy is not None:
+                entropy, context.pending_entropy = context.pending_entropy, None
+                if context.call(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(entropy)}) is None:
+                    return self._crashed(req, op, context)
+            return self._exchange(req, op, args, context, timeout_s)
+        except OSError:  # the socket broke under us: the process is gone
+            return self._crashed(req, op, context)
+        finally:
+            context.lock.release()
+
+    def _exchange(self, req: Request, op: str, args: dict[str, Any], context: Context,
+                  timeout_s: float | None) -> dict[str, Any]:
+        """Send one cell and relay its frames until the answer, a crash, the deadline or a cancel."""
+        control = req.control()
+        control.on_cancel(lambda: _interrupt(context.pid))
+        cell_id = next(context.ids)
+        context.link.send(protocol.request(cell_id, op, args))
+        hard_deadline = None if timeout_s is None else time.monotonic() + timeout_s + GRACE_S
+        cancel_deadline: float | None = None
+        while True:
+            if control.cancelled and cancel_deadline is None:
+                cancel_deadline = time.monotonic() + GRACE_S
+            deadlines = [d for d in (hard_deadline, cancel_deadline) if d is not None]
+            wait = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+            if not _wait_readable(context.link, control, wait):
+                if deadlines and time.monotonic() >= min(deadlines):
+                    self._kill(context)
+                    self._replace(context)
+                    raise AgentError(protocol.ERR_TIMEOUT, f"the cell did not stop {GRACE_S} s after its "
+                                     f"{'cancel' if cancel_deadline else 'timeout'}; context {context.id!r} was "
+                                     "restarted from the warm template (its variables are gone)")
+                continue
+            frame = context.link.read()
+            if frame is None:
+                return self._crashed(req, op, context)
+            if protocol.is_terminal(frame):
+                if frame.get("ok"):
+                    return frame.get("result") or {}
+                err = dict(frame.get("error") or {})
+                raise AgentError(str(err.pop("code", protocol.ERR_INTERNAL)), str(err.pop("message", "")), **err)
+            req.emit(str(frame.get("event")), frame.get("data") or {})
+
+    def _crashed(self, req: Request, op: str, context: Context) -> dict[str, Any]:
+        """The answer for a cell whose interpreter died: the signal, and the context restored."""
+        status = self.template.wait_exit(context.pid, EXIT_REPORT_S)
+        exit_code, sig = status if status is not None else (None, None)
+        context.link.close()
+        try:
+            self._replace(context)
+            state, after = "restored", "was restored from the warm template (its variables are gone)"
+        except AgentError as exc:
+            state, after = "lost", f"is lost ({exc}); run code again to create it anew"
+        error = {
+            "name": protocol.INTERPRETER_CRASHED,
+            "value": f"the interpreter of context {context.id!r} {_describe_signal(sig, exit_code)}; "
+                     f"the context {after}",
+            "traceback": "",
+            "signal": sig,
+            "signal_name": _signal_name(sig),
+            "exit_code": exit_code,
+            "context": state,
+        }
+        result: dict[str, Any] = {"value": None, "value_json": None, "error": error}
+        if op == protocol.OP_RUN_CODE:
+            result["results"] = []
+        else:
+            result["type"] = None
+        return result
+
+
+def _wait_readable(link: FrameSocket, control: Control, timeout: float | None) -> bool:
+    """Wait for the context's next frame unless paused; False when the wait ended for another reason."""
+    if link.buffered() and not control.paused:
+        return True
+    watched: list[Any] = [control.wake_fd] if control.paused else [link.sock, control.wake_fd]
+    ready, _, _ = select.select(watched, [], [], timeout)
+    if control.wake_fd in ready:
+        control.drain()
+    return link.sock in ready
+
+
+def _interrupt(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass
+
+
+def _derive(entropy: bytes, label: str) -> bytes:
+    """Distinct, reproducible entropy per interpreter, so contexts of one VM differ too."""
+    return hashlib.sha256(entropy + b"\0" + label.encode()).digest() + entropy
+

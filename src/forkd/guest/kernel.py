@@ -1,0 +1,468 @@
+"""A code-interpreter context: one process, forked from the warm template, running cells.
+
+Stdlib only; runs only in processes forked by :mod:`template` (never in the agent). The agent
+sends requests over a Unix stream socket in the guest protocol's own framing (``run_code``,
+``eval``, ``reseed``) and gets the same event and terminal frames back. Cells run on the main
+thread, one at a time, so a deadline or a ``cancel`` is a real signal (``SIGINT``) that also
+interrupts blocking calls. A crash of native code kills only this process; the agent sees the
+socket close and answers ``InterpreterCrashed``.
+
+Rich results follow E2B's code interpreter: every ``display(obj)`` and the cell's last value
+become results with keys among ``text, html, markdown, svg, png, jpeg, pdf, latex, json,
+javascript, extra`` plus ``is_main_result``; matplotlib figures shown in a cell come back as PNG.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import builtins
+import io
+import itertools
+import json
+import linecache
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+from . import protocol, reseed
+
+#: Largest text chunk carried by one output event.
+OUTPUT_CHUNK_CHARS = 64 * 1024
+
+#: value_json is dropped (null) above this encoded size; ``value`` still carries the repr.
+VALUE_JSON_MAX_BYTES = 1024 * 1024
+
+#: One rich format larger than this is left out of its result (and named in ``extra``).
+FORMAT_MAX_BYTES = 4 * 1024 * 1024
+
+
+#: IPython's display-method names and the E2B result keys they fill.
+_REPR_METHODS = (
+    ("_repr_html_", "html"),
+    ("_repr_markdown_", "markdown"),
+    ("_repr_svg_", "svg"),
+    ("_repr_png_", "png"),
+    ("_repr_jpeg_", "jpeg"),
+    ("_repr_pdf_", "pdf"),
+    ("_repr_latex_", "latex"),
+    ("_repr_json_", "json"),
+    ("_repr_javascript_", "javascript"),
+)
+_MIME_KEYS = {
+    "text/plain": "text",
+    "text/html": "html",
+    "text/markdown": "markdown",
+    "image/svg+xml": "svg",
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "application/pdf": "pdf",
+    "text/latex": "latex",
+    "application/json": "json",
+    "application/javascript": "javascript",
+}
+_BINARY_KEYS = frozenset({"png", "jpeg", "pdf"})
+_INTERNAL_FILES = frozenset({__file__, ast.__file__})
+
+
+class Connection:
+    """The socket to the agent: line-framed requests in, frames out (any thread may send)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._buf = bytearray()
+
+    def send(self, frame: dict[str, Any]) -> None:
+        try:
+            data = protocol.encode_frame(frame)
+        except (TypeError, ValueError) as exc:  # not JSON, or larger than a frame
+            data = protocol.encode_frame(
+                protocol.error(frame.get("id"), protocol.ERR_INTERNAL, f"cannot send result: {exc}")
+            )
+        with self._lock:
+            self._sock.sendall(data)
+
+    def receive(self) -> dict[str, Any] | None:
+        """The next request frame, or None once the agent hung up."""
+        while (end := self._buf.find(b"\n")) < 0:
+            chunk = self._sock.recv(1 << 20)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 1]
+        return protocol.decode_frame(line)
+
+
+class _Run:
+    """What the request being served right now needs: its id, output budget and results."""
+
+    def __init__(self, conn: Connection, req_id: Any, output_limit: int | None) -> None:
+        self.conn = conn
+        self.id = req_id
+        self.budget = protocol.OutputBudget(output_limit)
+        self.results: list[dict[str, Any]] = []
+
+    def output(self, name: str, text: str) -> None:
+        text = self.budget.clip(text)
+        for start in range(0, len(text), OUTPUT_CHUNK_CHARS):
+            self.conn.send(protocol.event(self.id, name, {"text": text[start : start + OUTPUT_CHUNK_CHARS]}))
+
+    def result(self, result: dict[str, Any]) -> None:
+        self.results.append(result)
+        self.conn.send(protocol.event(self.id, protocol.EVENT_RESULT, result))
+
+
+_current: _Run | None = None
+
+
+class _OutputStream(io.TextIOBase):
+    """sys.stdout / sys.stderr of a context: the current request's events, line at a time."""
+
+    _FLUSH_AT = 8192
+
+    def __init__(self, event_name: str, real: Any) -> None:
+        self._event = event_name
+        self._real = real
+        self._pending: list[str] = []
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        with self._lock:
+            self._pending.append(text)
+            self._size += len(text)
+        if "\n" in text or self._size >= self._FLUSH_AT:
+            self.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            text = "".join(self._pending)
+            self._pending.clear()
+            self._size = 0
+        run = _current
+        if not text:
+            return
+        if run is not None:
+            run.output(self._event, text)
+        elif self._real is not None:  # output of a thread that outlived its cell: the console
+            self._real.write(text)
+            self._real.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        if self._real is None:
+            raise io.UnsupportedOperation("fileno")
+        return self._real.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+
+# --------------------------------------------------------------------------------------------
+# Rich results
+# --------------------------------------------------------------------------------------------
+
+
+def _format_value(key: str, value: Any) -> Any:
+    if key in _BINARY_KEYS and isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode("ascii")
+    if key == "json":
+        return value if _json_or_none(value) is not None or value is None else None
+    return value if isinstance(value, str) else None
+
+
+def _figure_png(figure: Any) -> str:
+    buf = io.BytesIO()
+    figure.savefig(buf, format="png", bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _is_figure(obj: Any) -> bool:
+    figure_module = sys.modules.get("matplotlib.figure")
+    return figure_module is not None and isinstance(obj, figure_module.Figure)
+
+
+def formats_of(obj: Any) -> dict[str, Any]:
+    """Every representation ``obj`` offers, by E2B result key; a failing ``_repr_*_`` is skipped."""
+    found: dict[str, Any] = {}
+    if _is_figure(obj):
+        found["png"] = _figure_png(obj)
+    bundle = getattr(obj, "_repr_mimebundle_", None)
+    if callable(bundle) and not isinstance(obj, type):
+        try:
+            data = bundle()
+            data = data[0] if isinstance(data, tuple) else data
+            for mime, value in (data or {}).items():
+                key = _MIME_KEYS.get(mime)
+                if key is not None and (formatted := _format_value(key, value)) is not None:
+                    found.setdefault(key, formatted)
+        except Exception:
+            pass
+    for method, key in _REPR_METHODS:
+        repr_method = getattr(obj, method, None)
+        if key in found or not callable(repr_method) or isinstance(obj, type):
+            continue
+        try:
+            value = repr_method()
+        except Exception:
+            continue
+        value = value[0] if isinstance(value, tuple) else value  # (data, metadata) is allowed
+        if (formatted := _format_value(key, value)) is not None:
+            found[key] = formatted
+    found.setdefault("text", _safe_repr(obj))
+    oversized = [key for key, value in found.items() if len(json.dumps(value)) > FORMAT_MAX_BYTES]
+    for key in oversized:
+        del found[key]
+    if oversized:
+        found["extra"] = {"dropped_formats": oversized, "format_max_bytes": FORMAT_MAX_BYTES}
+    return found
+
+
+def _safe_repr(obj: Any) -> str:
+    try:
+        return repr(obj)
+    except Exception as exc:
+        return f"<repr failed: {type(exc).__name__}: {exc}>"
+
+
+def display(*objs: Any, **_: Any) -> None:
+    """IPython's ``display()``: each object becomes a result of the running cell."""
+    run = _current
+    for obj in objs:
+        formats = formats_of(obj)
+        if run is None:
+            print(formats.get("text", ""))
+        else:
+            _flush_streams()
+            run.result({**formats, "is_main_result": False})
+
+
+def _show_figures(*_: Any, **__: Any) -> None:
+    """Replaces ``pyplot.show``: every open figure becomes a PNG result, then is closed."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is None:
+        return
+    for number in pyplot.get_fignums():
+        display(pyplot.figure(number))
+    pyplot.close("all")
+
+
+def _hook_matplotlib() -> None:
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None and pyplot.show is not _show_figures:
+        pyplot.show = _show_figures
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# Running code
+# --------------------------------------------------------------------------------------------
+
+
+def describe_exception(exc: BaseException) -> dict[str, str]:
+    """Jupyter-style error: the traceback starts at user code, not in the interpreter's own."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in _INTERNAL_FILES:
+        tb = tb.tb_next
+    return {
+        "name": type(exc).__name__,
+        "value": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
+    }
+
+
+def _json_or_none(value: Any) -> Any:
+    try:
+        encoded = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return value if len(encoded) <= VALUE_JSON_MAX_BYTES else None
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _value_result(value: Any) -> dict[str, Any]:
+    return {"value": None if value is None else _safe_repr(value), "value_json": _json_or_none(value), "error": None}
+
+
+def _failure_result(exc: BaseException) -> dict[str, Any]:
+    return {"value": None, "value_json": None, "error": describe_exception(exc)}
+
+
+class Interrupts:
+    """Deadlines and cancels as SIGINT on the main thread, raised only while user code runs.
+
+    The deadline timer and the agent's ``cancel`` both deliver SIGINT; the handler raises
+    TimeoutError for the former, KeyboardInterrupt for the latter, and nothing between cells.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # the handler may run on the main thread while it holds it
+        self._in_cell = False
+        self._timed_out = False
+        self._timer: threading.Timer | None = None
+        self._timeout_s: float | None = None
+        self._main = threading.main_thread().ident
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def enter(self, timeout_s: float | None) -> None:
+        with self._lock:
+            self._in_cell, self._timed_out, self._timeout_s = True, False, timeout_s
+            if timeout_s is not None:
+                self._timer = threading.Timer(timeout_s, self._expire)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def leave(self) -> None:
+        with self._lock:
+            self._in_cell = False
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._in_cell and self._main is not None:
+                self._timed_out = True
+                signal.pthread_kill(self._main, signal.SIGINT)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        with self._lock:
+            if not self._in_cell:
+                return
+            timed_out = self._timed_out
+        if timed_out:
+            raise TimeoutError(f"cell exceeded its {self._timeout_s} s timeout")
+        raise KeyboardInterrupt
+
+
+class Kernel:
+    """The interpreter state of one context and the loop that serves its requests."""
+
+    def __init__(self, namespace: dict[str, Any], name: str) -> None:
+        self.namespace = namespace
+        self.name = name
+        self._cell_numbers = itertools.count(1)
+        self._interrupts: Interrupts | None = None
+
+    def serve(self, conn: Connection) -> None:
+        """Answer requests until the agent hangs up (the context is deleted or the agent went)."""
+        self._interrupts = Interrupts()
+        while (frame := conn.receive()) is not None:
+            req_id, op, args = protocol.parse_request(frame)
+            if op == protocol.OP_RESEED:
+                entropy = base64.b64decode(args["entropy_b64"])
+                conn.send(protocol.ok(req_id, reseed.reseed_interpreter(entropy)))
+                continue
+            run = _Run(conn, req_id, args.get("output_limit"))
+            conn.send(protocol.ok(req_id, self.run(run, op, args)))
+
+    def run(self, run: _Run, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        global _current
+        _current = run
+        source = args["code"] if op == protocol.OP_RUN_CODE else args["expr"]
+        filename = self.source_name(source)
+        if self._interrupts is not None:
+            self._interrupts.enter(args.get("timeout_s"))
+        try:
+            try:
+                if op == protocol.OP_RUN_CODE:
+                    result = self._exec_cell(source, filename)
+                else:
+                    result = self._eval(source, filename)
+            finally:
+                if self._interrupts is not None:
+                    self._interrupts.leave()
+        except BaseException as exc:  # the interrupt landed between user code and leave()
+            result = _failure_result(exc)
+        finally:
+            _flush_streams()
+            _current = None
+        if op == protocol.OP_RUN_CODE:
+            result["results"] = run.results
+        if run.budget.truncated:
+            result["truncated"] = True
+        return result
+
+    def source_name(self, source: str) -> str:
+        """A unique filename whose source linecache knows, so tracebacks show the user's lines."""
+        filename = f"<cell-{next(self._cell_numbers)}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        return filename
+
+    def _exec_cell(self, code: str, filename: str) -> dict[str, Any]:
+        """Statements, then the value of a trailing expression (Jupyter semantics)."""
+        try:
+            tree = ast.parse(code, filename, "exec")
+            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            _hook_matplotlib()
+            exec(compile(tree, filename, "exec"), self.namespace)
+            value = None
+            if isinstance(last, ast.Expr):
+                value = eval(compile(ast.Expression(last.value), filename, "eval"), self.namespace)
+            _hook_matplotlib()
+            pyplot = sys.modules.get("matplotlib.pyplot")
+            if pyplot is not None and _is_figure(value):
+                pyplot.close(value)  # shown once, as the cell's value
+            _show_figures()  # figures left open at the end of a cell are shown, as in Jupyter
+            if value is not None and _current is not None:
+                _flush_streams()
+                _current.result({**formats_of(value), "is_main_result": True})
+            return _value_result(value)
+        except BaseException as exc:  # SystemExit and KeyboardInterrupt in user code are results too
+            return _failure_result(exc)
+
+    def _eval(self, expr: str, filename: str) -> dict[str, Any]:
+        try:
+            value = eval(compile(expr, filename, "eval"), self.namespace)
+            return _value_result(value) | {"type": _type_name(value)}
+        except BaseException as exc:
+            return _failure_result(exc) | {"type": None}
+
+
+def run_warmup(conn: Connection, req_id: Any, namespace: dict[str, Any], code: str) -> dict[str, Any]:
+    """Run the warm-up code in the template's namespace, its output as events of ``req_id``."""
+    kernel = Kernel(namespace, "template")
+    return kernel.run(_Run(conn, req_id, None), protocol.OP_RUN_CODE, {"code": code})
+
+
+def install_streams(namespace: dict[str, Any]) -> None:
+    """Route this process's Python output to request events and offer ``display`` to cells."""
+    sys.stdin = io.StringIO()
+    sys.stdout = _OutputStream(protocol.EVENT_STDOUT, sys.__stdout__)
+    sys.stderr = _OutputStream(protocol.EVENT_STDERR, sys.__stderr__)
+    namespace.setdefault("display", display)
+
+
+def main_namespace() -> dict[str, Any]:
+    """A fresh ``__main__`` module's namespace, registered so pickling of cell classes works."""
+    module = type(sys)("__main__")
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = module
+    return module.__dict__
+

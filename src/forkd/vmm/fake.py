@@ -1,0 +1,222 @@
+"""A VMM backend without virtual machines, so runtime logic (fork, BRANCH, workspaces, recovery) is
+unit-tested in milliseconds against the same seam QEMU implements.
+
+Each "VM" is a real host process (``tail -f`` on its console file, so it can be waited on, killed,
+found by command line and adopted after a restart like a VMM) plus a small in-process server that
+speaks the real guest protocol on the VM's agent socket. Guest RAM is a plain file per VM: a
+child's is a copy of the snapshot's memory with its diff layers laid over it, and tests change it
+with :meth:`FakeVmm.write_guest_memory` as a guest would. It is also the smallest complete backend,
+the example a new one (Firecracker) follows: the core :class:`forkd.vmm.base.Vmm` plus, optionally,
+:class:`forkd.vmm.branching.Branching`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forkd.guest import protocol
+from forkd.guest.agent import AGENT_VERSION
+from forkd.store.layers import Layer
+from forkd.vmm.base import (
+    BootSpec,
+    Capabilities,
+    ChildSetup,
+    MachineIdentity,
+    MemoryStats,
+    SavedVm,
+    VmHandle,
+    VmmError,
+    VmProcess,
+)
+from forkd.vmm.branching import Capture
+
+PROGRAM = "tail"  # the fake VMM process: `tail -f RUN_DIR/console.log`
+RAM_KEY, DISK_KEY = "ram", "disk"
+
+
+@dataclass
+class FakeBehaviour:
+    """What the fake guests do; tests flip these to drive failure paths."""
+
+    kernel_rng_reseeded: bool = True  # the answer to ``reseed``
+    fail_restore: str | None = None  # complete_restore raises VmmError with this message
+    stalled: set[str] = field(default_factory=set)  # names whose "monitor" never answers: adopt times out
+
+
+class FakeVmm:
+    kind = "fake"
+    program = PROGRAM
+
+    def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
+        self.behaviour = behaviour or FakeBehaviour()
+        self.branching = FakeBranching(self)
+        self.reseeds: list[str] = []  # sandbox ids whose agent answered a reseed, in order
+        self._agents: dict[str, asyncio.AbstractServer] = {}  # by run dir
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(kind=self.kind, version="1", accelerator="none", accelerator_reason="no VM at all",
+                            shared_memory_snapshots=True, vmgenid=False, background_snapshot=False,
+                            branching=True, machine="fake-1", cpu_model="fake")
+
+    def identity(self, spec: BootSpec) -> MachineIdentity:
+        return MachineIdentity(vmm=self.kind, vmm_version="1", machine="fake-1", accelerator="none",
+                               cpu_model="fake", memory_mib=spec.memory_mib, vcpus=spec.vcpus,
+                               kernel_sha256=spec.kernel_sha256, agent_version=spec.agent_version)
+
+    async def _start(self, name: str, run_dir: Path, ram: Path, disk: Path) -> VmHandle:
+        console = run_dir / "console.log"
+        console.touch()
+        process = await asyncio.create_subprocess_exec(PROGRAM, "-f", str(console), stdin=asyncio.subprocess.DEVNULL,
+                                                       stdout=asyncio.subprocess.DEVNULL, start_new_session=True)
+        return VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+                        state={RAM_KEY: str(ram), DISK_KEY: str(disk)})
+
+    async def boot(self, name: str, spec: BootSpec, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
+        with open(memory, "wb") as ram:
+            ram.truncate(spec.memory_mib << 20)
+        disk = run_dir / "disk.qcow2"
+        disk.write_bytes(b"overlay of " + base_disk.name.encode())
+        vm = await self._start(name, run_dir, memory, disk)
+        await self._serve_agent(vm)
+        return vm
+
+    async def save(self, vm: VmHandle, state: Path) -> None:
+        state.write_text(json.dumps({"saved": vm.name}))
+
+    async def prepare_restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
+                              setup: ChildSetup = ChildSetup()) -> VmHandle:
+        ram, disk = run_dir / "ram", run_dir / "disk.qcow2"
+        await asyncio.to_thread(shutil.copyfile, saved.memory, ram)
+        os.chmod(ram, 0o600)
+        disk.write_bytes(b"overlay of " + str(saved.disk).encode())
+        vm = await self._start(name, run_dir, ram, disk)
+        if setup.on_spawn is not None:
+            try:
+                setup.on_spawn(vm.pid)
+            except Exception as exc:
+                await self.kill(vm)
+                raise VmmError(f"fake VMM for {name} could not be set up: {exc}") from None
+        return vm
+
+    async def complete_restore(self, vm: VmHandle, saved: SavedVm) -> None:
+        if self.behaviour.fail_restore is not None:
+            raise VmmError(self.behaviour.fail_restore)
+        await asyncio.to_thread(_lay, Path(vm.state[RAM_KEY]), list(saved.layers))
+        await self._serve_agent(vm)
+
+    async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
+        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+                      state=dict(state))
+        if name in self.behaviour.stalled:
+            await self.kill(vm)
+            raise VmmError(f"the fake monitor of {name} did not answer; the VMM has been killed")
+        if str(run_dir) not in self._agents:
+            await self._serve_agent(vm)  # a VMM left by a daemon in another process (or test)
+        return vm
+
+    async def kill(self, vm: VmHandle) -> None:
+        if vm.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                vm.process.kill()
+            await vm.process.wait()
+        await self._stop_agent(vm)
+
+    def memory_stats(self, vm: VmHandle) -> MemoryStats:
+        size = Path(vm.state[RAM_KEY]).stat().st_size >> 10
+        return MemoryStats(rss_kib=size, pss_kib=size, private_dirty_kib=0, shared_clean_kib=size)
+
+    def write_guest_memory(self, vm: VmHandle, offset: int, data: bytes) -> None:
+        """What a guest writing its RAM does to a child's (private) memory."""
+        with open(vm.state[RAM_KEY], "r+b") as ram:
+            ram.seek(offset)
+            ram.write(data)
+
+    # the guest agent
+
+    async def _serve_agent(self, vm: VmHandle) -> None:
+        async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, protocol.ProtocolError):
+                while line := await reader.readline():
+                    request = protocol.decode_frame(line)
+                    writer.write(protocol.encode_frame(self._answer(vm, request)))
+                    await writer.drain()
+            writer.close()
+
+        vm.agent_socket.unlink(missing_ok=True)
+        server = await asyncio.start_unix_server(session, str(vm.agent_socket), limit=protocol.MAX_FRAME_BYTES + 1)
+        self._agents[str(vm.run_dir)] = server
+        asyncio.get_running_loop().create_task(self._stop_agent_on_exit(vm))
+
+    def _answer(self, vm: VmHandle, request: dict[str, Any]) -> dict[str, Any]:
+        op, args, req_id = request.get("op"), request.get("args") or {}, request.get("id")
+        if op == protocol.OP_PING:
+            return {"id": req_id, "ok": True, "result": {"agent_version": AGENT_VERSION, "sandbox_id": vm.name}}
+        if op == protocol.OP_RESEED:
+            self.reseeds.append(str(args.get("sandbox_id")))
+            reseeded = self.behaviour.kernel_rng_reseeded
+            return {"id": req_id, "ok": True, "result": {"kernel_rng": reseeded, "clock": True, "hostname": True,
+                                                         "skipped": [] if reseeded else ["kernel_rng"]}}
+        if op == protocol.OP_WARM:
+            return {"id": req_id, "ok": True, "result": {"imported": args.get("modules", []), "seconds": 0.0}}
+        if op == protocol.OP_EXEC:
+            return {"id": req_id, "ok": True, "result": {"exit_code": 0, "signal": None, "timed_out": False,
+                                                         "duration_s": 0.0}}
+        return {"id": req_id, "ok": False, "error": {"code": protocol.ERR_UNKNOWN_OP,
+                                                     "message": f"the fake agent does not do {op!r}"}}
+
+    async def _stop_agent_on_exit(self, vm: VmHandle) -> None:
+        await vm.process.wait()
+        await self._stop_agent(vm)
+
+    async def _stop_agent(self, vm: VmHandle) -> None:
+        server = self._agents.pop(str(vm.run_dir), None)
+        if server is not None:
+            server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), timeout=1)
+
+
+def _lay(ram: Path, layers: list[Layer]) -> None:
+    """Diff layers' pages over a child's RAM file, base first (what QEMU's restore does in /proc/PID/mem)."""
+    with open(ram, "r+b") as target:
+        for layer in layers:
+            with open(layer.path, "rb") as source:
+                for guest_offset, position, length in layer.runs():
+                    source.seek(position)
+                    target.seek(guest_offset)
+                    target.write(source.read(length))
+
+
+class FakeBranching:
+    """BRANCH for the fake: the capture stream is the child's RAM file, the disk layer a copy."""
+
+    def __init__(self, vmm: FakeVmm) -> None:
+        self.vmm = vmm
+        self.captures = 0
+
+    async def capture(self, vm: VmHandle, new_top: Path, stream: Path, live: bool) -> Capture:
+        frozen = Path(vm.state[DISK_KEY])
+        await asyncio.to_thread(shutil.copyfile, vm.state[RAM_KEY], stream)
+        new_top.write_bytes(b"overlay of " + frozen.name.encode())
+        vm.state[DISK_KEY] = str(new_top)
+        self.captures += 1
+        return Capture(pause_s=0.0, frozen_disk=frozen)
+
+    async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
+        dest.write_bytes(frozen.read_bytes() + b" backed by " + backing_name.encode())
+
+    async def flatten_disk(self, disk: Path, base_name: str) -> None:
+        os.chmod(disk, 0o600)
+        disk.write_bytes(b"flattened onto " + base_name.encode())
+
+    async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
+                       work_dir: Path) -> None:
+        await asyncio.to_thread(shutil.copyfile, stream, memory)
+        state.write_text(json.dumps({"reparented": stream.name}))

@@ -1,0 +1,318 @@
+"""One QEMU process: its command line, how it is started and confined, and a bounded QMP monitor.
+
+Shared by the core backend (``qemu.py``) and the branching capability (``qemu_branch.py``), so
+neither reaches into the other. Every QMP command has a deadline: a VMM that accepts its monitor
+and then stalls (hung, or stopped with SIGSTOP) is killed and reported, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import EventListener, QMPClient, QMPError
+
+from forkd.guest import netconf
+from forkd.guest.protocol import AGENT_PORT_NAME
+from forkd.vmm.base import BootSpec, VmHandle, VmmError
+
+QEMU_BINARY = "qemu-system-x86_64"
+MACHINE_ALIAS = "q35"
+STARTUP_TIMEOUT_S = 20.0
+QMP_TIMEOUT_S = 30.0  # one monitor command; QEMU answers in milliseconds unless it is stalled
+MIGRATION_TIMEOUT_S = 120.0
+TCG_TB_SIZE_MIB = 16
+NIC_ID = "nic0"
+#: An inert NIC backend: a hub with this one port, so frames go nowhere. Backends are not
+#: migrated, so a parent baked on it can restore onto a tap. The tap is opened without vnet headers,
+#: so the offload features the guest negotiated are the same whichever backend a child gets.
+_INERT_NETDEV = "hubport,id=net0,hubid=0"
+#: QEMU's seccomp filter: no obsolete syscalls, no setuid/setgid/capset, no fork/exec, no
+#: scheduler or resource-limit changes. Migration to an fd and userfaultfd (live BRANCH) need none.
+SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+#: The VMM keeps uid 0 and one capability, CAP_DAC_OVERRIDE: QEMU 7.2 opens a child's memory file
+#: (root's, mode 0400) read-write even for a private mapping. Every other capability is gone from
+#: its bounding, inheritable and ambient sets, and no_new_privs stops it regaining any (docs/security.md).
+CONFINE = ("setpriv", "--no-new-privs", "--bounding-set=-all,+dac_override", "--inh-caps=-all",
+           "--ambient-caps=-all", "--")
+
+
+#: The guest CPU under TCG: a named, versioned model (its CPUID never moves with a QEMU release,
+#: unlike ``max``) that QEMU 7.2's TCG implements completely, minus cx16. ``qemu64`` claims to be
+#: a family-15 AMD, so OpenBLAS picks its Opteron kernels, which execute the 3DNow! ``femms``
+#: (``dgemm_otcopy_OPTERON_SSE3``) that qemu64 does not offer: SIGILL. ``max`` is the same AMD
+#: family 15 (and changes with every QEMU). Westmere is Intel (OpenBLAS: Nehalem kernels) with
+#: SSSE3, SSE4.1/4.2, POPCNT, AES-NI and PCLMULQDQ; its AVX-capable successors are not fully
+#: implemented by 7.2's TCG. cx16 stays off: QEMU 7.2's TCG corrupted flags in the guest kernel's
+#: SLUB cmpxchg16b fast path (4 of 4 parents booted in parallel double-faulted; 0 of 4 without).
+TCG_CPU_MODEL = "Westmere-v1,-cx16"
+
+
+def cpu_model(accelerator: str) -> str:
+    """The host's CPU under KVM; under TCG the model above."""
+    return "host" if accelerator == "kvm" else TCG_CPU_MODEL
+
+
+class MonitorStalled(VmmError):
+    """A QMP command got no answer in time; the VMM has been killed."""
+
+
+@functools.cache
+def qemu_version(binary: str) -> str:
+    """``7.2.22`` from ``QEMU emulator version 7.2.22 (Debian ...)``."""
+    match = re.search(r"version (\S+)", _run(binary, "--version"))
+    if match is None:
+        raise VmmError(f"cannot tell the version of {binary}; install QEMU with `bash scripts/setup`")
+    return match.group(1)
+
+
+@functools.cache
+def machine_type(binary: str, alias: str = MACHINE_ALIAS) -> str:
+    """The versioned machine an alias stands for in this QEMU (``q35`` → ``pc-q35-7.2``).
+
+    Device state only loads into the same versioned machine; recording the alias would let a QEMU
+    upgrade move it under existing snapshots. Pinning the versioned name keeps old snapshots loading
+    on a newer QEMU (which keeps the old machine types) and names the difference when it does not.
+    """
+    for line in _run(binary, "-machine", "help").splitlines():
+        fields = line.split()
+        if fields and fields[0] == alias:
+            match = re.search(r"\(alias of (\S+)\)", line)
+            return match.group(1) if match else alias
+    raise VmmError(f"{binary} has no machine {alias!r}; install qemu-system-x86 with `bash scripts/setup`")
+
+
+def _run(binary: str, *args: str) -> str:
+    try:
+        return subprocess.run([binary, *args], capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise VmmError(f"cannot run {binary} ({exc}); install QEMU with `bash scripts/setup`") from None
+
+
+async def create_overlay(backing: Path, overlay: Path, backing_format: str, relative: bool = False) -> None:
+    """A qcow2 overlay so the VM writes its own file and ``backing`` stays untouched.
+
+    ``relative`` records the backing file by name only, resolved next to the overlay, so a
+    directory holding both can be renamed into place after it is built.
+    """
+    if relative and backing.parent.resolve() != overlay.parent.resolve():
+        raise VmmError(f"relative backing file {backing} must sit next to {overlay}")
+    backing_ref = backing.name if relative else str(backing)
+    await qemu_img("create", "-q", "-f", "qcow2", "-b", backing_ref, "-F", backing_format, str(overlay))
+
+
+async def qemu_img(*args: str, timeout_s: float = 120.0) -> None:
+    try:
+        proc = await asyncio.create_subprocess_exec("qemu-img", *args, stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.PIPE)
+    except OSError as exc:
+        raise VmmError(f"qemu-img failed ({exc!r}); install qemu-utils with `bash scripts/setup`") from None
+    try:
+        _, stderr = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise VmmError(f"qemu-img {args[0]} did not finish in {timeout_s:.0f} s") from None
+    if proc.returncode != 0:
+        raise VmmError(f"qemu-img {' '.join(args)}: {stderr.decode(errors='replace').strip()}")
+
+
+# What a QEMU VmHandle keeps in its backend state (persisted with the sandbox record).
+MONITOR_KEY, DISK_KEY = "monitor_socket", "disk"
+
+
+def disk_of(vm: VmHandle) -> Path:
+    """The qcow2 overlay the VM writes now (BRANCH moves it to a new top)."""
+    return Path(vm.state[DISK_KEY])
+
+
+class Monitor:
+    """A connected QMP session whose every command is bounded; a stall kills the VMM."""
+
+    def __init__(self, client: QMPClient, vm: VmHandle, timeout_s: float) -> None:
+        self._client = client
+        self.vm = vm
+        self.timeout_s = timeout_s
+
+    async def execute(self, command: str, arguments: dict[str, Any] | None = None,
+                      timeout_s: float | None = None) -> Any:
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return await asyncio.wait_for(self._client.execute(command, arguments), timeout=limit)
+        except asyncio.TimeoutError:
+            await kill(self.vm)
+            raise MonitorStalled(f"the QEMU monitor of {self.vm.name} did not answer {command!r} within "
+                                 f"{limit:.0f} s; the VMM was stalled and has been killed") from None
+
+    def send_fd_scm(self, fd: int) -> None:
+        self._client.send_fd_scm(fd)
+
+    def listen(self, listener: EventListener) -> contextlib.AbstractContextManager[Any]:
+        return self._client.listen(listener)
+
+    async def wait_for_migration(self, doing: str, timeout_s: float = MIGRATION_TIMEOUT_S) -> None:
+        """Poll until an outgoing or incoming migration completes (both take milliseconds here)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = await self.execute("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                return
+            if status in {"failed", "cancelled"}:
+                raise VmmError(f"{doing} {self.vm.name} failed: {info.get('error-desc', status)}")
+            if time.monotonic() > deadline:
+                await kill(self.vm)
+                raise MonitorStalled(f"{doing} {self.vm.name} did not finish in {timeout_s:.0f} s; "
+                                     "the VMM has been killed")
+            await asyncio.sleep(0.002)
+
+
+async def kill(vm: VmHandle) -> None:
+    if vm.process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            vm.process.kill()
+        await vm.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def monitor(vm: VmHandle, wait_s: float = 10.0, timeout_s: float = QMP_TIMEOUT_S) -> AsyncIterator[Monitor]:
+    """A QMP session, retrying the connection for up to ``wait_s`` while QEMU is still starting.
+
+    The connect includes QMP's greeting and capability negotiation, so a VMM that accepts the
+    socket and never speaks is bounded by ``wait_s`` too (and killed: it is not a VMM we can use).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        client = QMPClient(vm.name)
+        try:
+            await asyncio.wait_for(client.connect(vm.state[MONITOR_KEY]),
+                                   timeout=max(0.1, deadline - time.monotonic()))
+            break
+        except asyncio.TimeoutError:
+            await _abandon(client)
+            await kill(vm)
+            raise MonitorStalled(f"the QEMU monitor of {vm.name} accepted but did not answer within {wait_s:.0f} s; "
+                                 "the VMM was stalled and has been killed") from None
+        except Exception as exc:  # qemu.qmp raises its own ConnectError hierarchy and OSError
+            if vm.process.returncode is not None or time.monotonic() > deadline:
+                raise VmmError(f"cannot reach the QEMU monitor of {vm.name}: {exc}") from None
+            await asyncio.sleep(0.005)
+    try:
+        yield Monitor(client, vm, timeout_s)
+    finally:
+        await _abandon(client)
+
+
+async def _abandon(client: QMPClient) -> None:
+    """Disconnect, bounded: a stalled peer must not hold the caller."""
+    with contextlib.suppress(Exception, asyncio.TimeoutError):
+        await asyncio.wait_for(client.disconnect(), timeout=2.0)
+
+
+def tail(path: Path, limit: int = 800) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return "(no log)"
+    return text[-limit:] or "(empty log)"
+
+
+class QemuMachine:
+    """How forkd runs ``qemu-system-x86_64``: one machine definition for parents, children and re-parents."""
+
+    def __init__(self, binary: str, accelerator: str, cpu_model: str, confine: bool = True) -> None:
+        self.binary = binary
+        self.accelerator = accelerator
+        self.cpu_model = cpu_model
+        # setpriv is util-linux (always on Debian); without it the VMM keeps root's capabilities.
+        self.confine = confine and shutil.which(CONFINE[0]) is not None
+
+    @property
+    def machine(self) -> str:
+        return machine_type(self.binary)
+
+    def argv(self, spec: BootSpec, run_dir: Path, disk: Path, memory: Path, share: bool,
+             tap_fd: int | None = None, boot: bool | None = None) -> list[str]:
+        """The machine; parent and children must agree on every device for state to load.
+
+        Only a parent (``share=True``) is given the kernel: a child's kernel is already in the RAM
+        it maps, and QEMU would otherwise keep a private ~14 MB copy of vmlinuz and initrd per child.
+        """
+        with_kernel = share if boot is None else boot
+        kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if with_kernel else []
+        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MIB}"
+        netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
+        return [
+            self.binary,
+            "-nodefaults", "-no-user-config", "-nographic", "-display", "none",
+            "-no-reboot",  # a guest panic (panic=-1) ends the VMM, so it is noticed, not rebooted
+            "-sandbox", SECCOMP,
+            "-machine", f"{self.machine},memory-backend=ram",
+            "-accel", accel,
+            "-cpu", self.cpu_model,
+            "-smp", str(spec.vcpus),
+            "-m", f"{spec.memory_mib}M",
+            "-object",
+            f"memory-backend-file,id=ram,size={spec.memory_mib}M,mem-path={memory},share={'on' if share else 'off'}",
+            *kernel,
+            "-drive", f"file={disk},format=qcow2,if=none,id=root,cache=writeback,discard=unmap",
+            "-device", "virtio-blk-pci,drive=root,id=rootdisk",
+            "-netdev", netdev,
+            "-device", f"virtio-net-pci,netdev=net0,mac={netconf.GUEST_MAC},id={NIC_ID}",
+            "-device", "virtio-serial-pci,id=vser",
+            "-chardev", f"socket,id=agent,path={run_dir / 'agent.sock'},server=on,wait=off",
+            "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},id=agentport",
+            # A new generation id on every restore tells the guest kernel to reseed its RNG.
+            "-device", f"vmgenid,guid={uuid.uuid4()},id=vmgenid",
+            "-chardev", f"file,id=console,path={run_dir / 'console.log'}",
+            "-serial", "chardev:console",
+            "-qmp", f"unix:{run_dir / 'qmp.sock'},server=on,wait=off",
+        ]
+
+    async def start(self, name: str, argv: list[str], run_dir: Path, disk: Path, pass_fds: tuple[int, ...] = (),
+                    setup: Callable[[Monitor], Awaitable[object]] | None = None,
+                    on_spawn: Callable[[int], None] | None = None) -> VmHandle:
+        """Start QEMU, run ``on_spawn(pid)``, prove it is up with a monitor answer, then run ``setup`` on it."""
+        log_path = run_dir / "qemu.log"
+        command = [*CONFINE, *argv] if self.confine else argv
+        with open(log_path, "ab") as log:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    pass_fds=pass_fds, start_new_session=True,
+                )
+            except OSError as exc:
+                raise VmmError(f"cannot start {self.binary}: {exc}; install QEMU with `bash scripts/setup`") from None
+        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+                      state={MONITOR_KEY: str(run_dir / "qmp.sock"), DISK_KEY: str(disk)})
+        if on_spawn is not None:
+            try:
+                on_spawn(process.pid)
+            except Exception as exc:  # e.g. it could not join its cgroup, or it died at once
+                await kill(vm)
+                raise VmmError(f"QEMU for {name} could not be set up ({exc}; exit status {process.returncode}): "
+                               f"{tail(log_path)}") from None
+        # QEMU creates its sockets before it has parsed every option (and binds before it
+        # listens), so only a monitor answer proves the machine was really created.
+        try:
+            async with monitor(vm, wait_s=STARTUP_TIMEOUT_S) as qmp:
+                await qmp.execute("query-status")
+                if setup is not None:
+                    await setup(qmp)
+        except (VmmError, QMPError) as exc:
+            await kill(vm)
+            raise VmmError(f"QEMU for {name} did not start ({exc}; exit status {process.returncode}): "
+                           f"{tail(log_path)}") from None
+        except BaseException:
+            await kill(vm)
+            raise
+        return vm

@@ -1,0 +1,212 @@
+"""Runtime logic (fork, reseed, BRANCH, workspaces, recovery) on the FakeVmm: real registry, files,
+processes and guest protocol, no virtual machine, so each test takes milliseconds of VMM time."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from forkd.config import Paths
+from forkd.guest.agent import AGENT_VERSION
+from forkd.image.store import Image
+from forkd.runtime.recovery import recover
+from forkd.runtime.registry import Registry, SandboxRecord
+from forkd.runtime.runtime import Runtime
+from forkd.runtime.snapshots import SnapshotRequest
+from forkd.store.layers import PAGE_SIZE
+from forkd.vmm.base import Capabilities
+from forkd.vmm.branching import BranchingUnsupported
+from forkd.vmm.fake import FakeBehaviour, FakeVmm
+
+T = TypeVar("T")
+BOUND_S = 30.0  # every test is bounded; each takes well under a second
+
+
+def run(make: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(asyncio.wait_for(make(), BOUND_S))
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A short directory: agent sockets live in it and Unix socket paths have at most 107 bytes."""
+    directory = Path(tempfile.mkdtemp(prefix="fkv-", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _paths(tmp_path: Path) -> Paths:
+    return Paths(home=tmp_path / "home", cache=tmp_path / "cache", socket=tmp_path / "forkd.sock")
+
+
+def _image(tmp_path: Path) -> Image:
+    directory = tmp_path / "image"
+    directory.mkdir(exist_ok=True)
+    for name in ("vmlinuz", "initrd.img", "rootfs.ext4"):
+        (directory / name).write_bytes(name.encode())
+    return Image(name="default", key="k", path=directory, kernel=directory / "vmlinuz",
+                 initrd=directory / "initrd.img", rootfs=directory / "rootfs.ext4", kernel_version="6.12",
+                 kernel_sha256="0" * 64, agent_version=AGENT_VERSION, created_at=0.0, size_bytes=3,
+                 disk_size_mib=1, spec={}, inputs={})
+
+
+async def _runtime(tmp_path: Path, vmm: FakeVmm, tag: str | None = "base") -> Runtime:
+    runtime = Runtime(_paths(tmp_path), vmm)
+    if tag is not None:
+        await runtime.snapshots.create(SnapshotRequest(tag=tag, memory_mib=1, warm_modules=("numpy",)),
+                                       _image(tmp_path), lambda _line: None)
+    return runtime
+
+
+def test_fork_spawns_distinct_reseeded_children(tmp_path: Path) -> None:
+    async def scenario() -> tuple[list[Any], list[str], list[Any]]:
+        vmm = FakeVmm()
+        runtime = await _runtime(tmp_path, vmm)
+        try:
+            outcomes = await runtime.sandboxes.fork("base", 3)
+            records = runtime.registry.list_sandboxes()
+            return outcomes, vmm.reseeds, records
+        finally:
+            await runtime.stop()
+
+    outcomes, reseeds, records = run(scenario)
+    ids = [o.sandbox["id"] for o in outcomes if o.sandbox]
+    assert [o.error for o in outcomes] == [None, None, None]
+    assert len(set(ids)) == 3 and sorted(reseeds) == sorted(ids)
+    assert {r.status for r in records} == {"running"}
+    assert all(r.vmm_state and r.vmm_state["ram"].endswith("/ram") for r in records)  # the backend's own state
+
+
+def test_a_child_whose_kernel_rng_was_not_reseeded_fails_its_spawn(tmp_path: Path) -> None:
+    async def scenario() -> tuple[list[Any], list[Any], list[Path]]:
+        vmm = FakeVmm(FakeBehaviour(kernel_rng_reseeded=False))
+        runtime = await _runtime(tmp_path, vmm)
+        try:
+            outcomes = await runtime.sandboxes.fork("base", 2)
+            return outcomes, runtime.sandboxes.live(), list(runtime.paths.sandboxes.iterdir())
+        finally:
+            await runtime.stop()
+
+    outcomes, live, leftovers = run(scenario)
+    assert [o.sandbox for o in outcomes] == [None, None]
+    assert all("did not reseed its kernel RNG" in (o.error or "") for o in outcomes)
+    assert live == [] and leftovers == []  # killed and released, nothing left behind
+
+
+def test_a_failed_restore_is_reported_and_cleaned_up(tmp_path: Path) -> None:
+    async def scenario() -> tuple[list[Any], list[Any]]:
+        runtime = await _runtime(tmp_path, FakeVmm(FakeBehaviour(fail_restore="state does not load")))
+        try:
+            return await runtime.sandboxes.fork("base", 1), runtime.registry.list_sandboxes()
+        finally:
+            await runtime.stop()
+
+    outcomes, records = run(scenario)
+    assert outcomes[0].error == "state does not load" and records == []
+
+
+def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_path: Path) -> None:
+    async def scenario() -> tuple[dict[str, Any], bytes]:
+        vmm = FakeVmm()
+        runtime = await _runtime(tmp_path, vmm)
+        try:
+            [outcome] = await runtime.sandboxes.fork("base", 1)
+            source = runtime.sandboxes.get(outcome.sandbox["id"])
+            vmm.write_guest_memory(source.vm, 3 * PAGE_SIZE, b"written by the source")
+            disk_before = source.vm.state["disk"]
+            record = await runtime.branches.branch(source.record.id, "b1", mode="diff")
+            persisted = runtime.registry.get_sandbox(source.record.id)
+            # What a restarted daemon adopts is the overlay the source writes now, not the frozen one.
+            assert persisted is not None and persisted.vmm_state == source.vm.state
+            assert source.vm.state["disk"] != disk_before
+            [child] = await runtime.sandboxes.fork("b1", 1)
+            vm = runtime.sandboxes.get(child.sandbox["id"]).vm
+            with open(vm.state["ram"], "rb") as ram:
+                ram.seek(3 * PAGE_SIZE)
+                seen = ram.read(21)
+            return record.meta, seen
+        finally:
+            await runtime.stop()
+
+    meta, seen = run(scenario)
+    assert meta["memory_kind"] == "diff" and meta["changed_pages"] == 1 and meta["parent_tag"] == "base"
+    assert seen == b"written by the source"
+
+
+def test_a_workspace_suspends_to_a_layer_and_resumes_with_its_memory(tmp_path: Path) -> None:
+    async def scenario() -> tuple[str, str, bytes]:
+        vmm = FakeVmm()
+        runtime = await _runtime(tmp_path, vmm)
+        try:
+            record = await runtime.workspaces.create("notes", "base")
+            vm = runtime.sandboxes.get(record.sandbox_id).vm
+            vmm.write_guest_memory(vm, 0, b"kept across suspend")
+            suspended = await runtime.workspaces.suspend("notes")
+            resumed = await runtime.workspaces.resume("notes")
+            with open(runtime.sandboxes.get(resumed.sandbox_id).vm.state["ram"], "rb") as ram:
+                return suspended.state, resumed.state, ram.read(19)
+        finally:
+            await runtime.stop()
+
+    suspended, resumed, memory = run(scenario)
+    assert (suspended, resumed, memory) == ("suspended", "running", b"kept across suspend")
+
+
+def test_a_restarted_daemon_adopts_answering_vmms_and_reaps_a_stalled_one(tmp_path: Path) -> None:
+    """A previous daemon left two children running; one VMM's monitor stalls: it is killed and released."""
+
+    async def scenario() -> tuple[list[str], list[str], list[str], bool]:
+        behaviour = FakeBehaviour()
+        vmm = FakeVmm(behaviour)
+        first = await _runtime(tmp_path, vmm)
+        outcomes = await first.sandboxes.fork("base", 2)
+        kept, stalled = (o.sandbox["id"] for o in outcomes)
+        stalled_process = first.sandboxes.get(stalled).vm.process
+        await first.sandboxes.detach_all()  # the daemon goes; its VMMs stay
+        first.registry.close()
+        behaviour.stalled.add(stalled)
+        second = Runtime(first.paths, vmm)
+        try:
+            recovery = await recover(second.sandboxes)
+            ids = [s.record.id for s in second.sandboxes.live()]
+            return recovery.adopted, recovery.reaped, ids, stalled_process.returncode is not None
+        finally:
+            await second.stop()
+            if stalled_process.returncode is None:
+                stalled_process.kill()
+
+    adopted, reaped, live, stalled_gone = run(scenario)
+    assert len(adopted) == 1 and len(reaped) == 1 and live == adopted and stalled_gone
+
+
+def test_records_keep_the_backend_state_opaque(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state.db")
+    registry.add_sandbox(SandboxRecord("sb-opaqueopaque", "base", "running", None, tmp_path, time.time()))
+    registry.set_vmm("sb-opaqueopaque", 5, 6, {"anything": ["a", 1], "nested": {"x": None}})
+    record = registry.get_sandbox("sb-opaqueopaque")
+    assert record is not None and record.vmm_state == {"anything": ["a", 1], "nested": {"x": None}}
+    registry.close()
+
+
+def test_a_backend_without_branching_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    class NoBranching(FakeVmm):
+        def capabilities(self) -> Capabilities:
+            return replace(super().capabilities(), branching=False)
+
+    async def scenario() -> None:
+        runtime = await _runtime(tmp_path, NoBranching())
+        try:
+            [outcome] = await runtime.sandboxes.fork("base", 1)
+            await runtime.branches.branch(outcome.sandbox["id"], "b1")
+        finally:
+            await runtime.stop()
+
+    with pytest.raises(BranchingUnsupported, match="fake VMM backend cannot branch"):
+        run(scenario)
