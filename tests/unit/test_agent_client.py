@@ -72,16 +72,23 @@ class Guest:
         await self.writer.drain()
 
 
-async def _with_guest(tmp_path: Path, body: Callable[[AgentClient, Guest], Awaitable[None]]) -> None:
+async def _with_guest(tmp_path: Path, body: Callable[[AgentClient, Guest, VmHandle], Awaitable[None]]) -> None:
+    """Run ``body`` with the real client connected through a VM handle to a stand-in guest (and VMM process)."""
     guest = Guest()
     server = await asyncio.start_unix_server(guest.serve, path=str(tmp_path / "agent.sock"))
-    client = await AgentClient.connect(tmp_path / "agent.sock")
+    vmm = await asyncio.create_subprocess_exec("sleep", "300")  # stands in for the VMM process
+    vm = VmHandle(name="sb-hostile000000", run_dir=tmp_path / "sb-hostile000000", process=vmm,
+                  agent_socket=tmp_path / "agent.sock")
+    client = await AgentClient.connect(vm)
     try:
         await asyncio.wait_for(guest.connected.wait(), BOUND_S)
-        await body(client, guest)
+        await body(client, guest, vm)
     finally:
         await client.close()
         server.close()
+        if vmm.returncode is None:
+            vmm.kill()
+        await vmm.wait()
 
 
 def _echo_handler(name: str, data: dict) -> None:
@@ -93,12 +100,14 @@ def _echo_handler(name: str, data: dict) -> None:
 def test_a_hostile_frame_fails_every_pending_call_at_once(case: str, tmp_path: Path) -> None:
     violations: list[str] = []
 
-    async def body(client: AgentClient, guest: Guest) -> None:
+    async def body(client: AgentClient, guest: Guest, _: VmHandle) -> None:
         client.on_violation = violations.append
         first = asyncio.create_task(client.call("exec", {}, timeout=300, on_event=_echo_handler))
         second = asyncio.create_task(client.call("ping", {}, timeout=300))
         request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
         await asyncio.wait_for(guest.requests.get(), BOUND_S)
+        # A well-formed frame first: the first line of a connection may be a torn one and is skipped.
+        await guest.send(protocol.encode_frame(protocol.event(request["id"], "started", {"pid": 7})))
         await guest.send(HOSTILE[case](request["id"]))
         for call in (first, second):
             with pytest.raises(AgentUnavailable, match="broke the agent protocol"):
@@ -111,8 +120,8 @@ def test_a_hostile_frame_fails_every_pending_call_at_once(case: str, tmp_path: P
     assert len(violations) == 1, violations
 
 
-def test_a_torn_line_is_skipped_and_the_answer_still_arrives(tmp_path: Path) -> None:
-    async def body(client: AgentClient, guest: Guest) -> None:
+def test_a_torn_first_line_is_skipped_and_the_answer_still_arrives(tmp_path: Path) -> None:
+    async def body(client: AgentClient, guest: Guest, _: VmHandle) -> None:
         call = asyncio.create_task(client.call("ping", {}, timeout=BOUND_S))
         request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
         await guest.send(b'fore a restore"}\n' + protocol.encode_frame(protocol.ok(request["id"], {"pong": True})))
@@ -120,10 +129,6 @@ def test_a_torn_line_is_skipped_and_the_answer_still_arrives(tmp_path: Path) -> 
         assert not client.closed
 
     asyncio.run(_with_guest(tmp_path, body))
-
-
-async def _stand_in_vmm() -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec("sleep", "300")
 
 
 def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_path: Path) -> None:
@@ -136,19 +141,17 @@ def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_pa
                              Isolation.from_env(registry))
     released: list[str] = []
     service.releasers.append(released.append)
-    run_dir = paths.sandboxes / "sb-hostile000000"
+    run_dir = tmp_path / "sb-hostile000000"
     run_dir.mkdir()
 
-    async def body(client: AgentClient, guest: Guest) -> None:
-        process = await _stand_in_vmm()
+    async def body(client: AgentClient, guest: Guest, vm: VmHandle) -> None:
+        process = vm.process
         record = SandboxRecord("sb-hostile000000", "base", "running", process.pid, run_dir, time.time())
         registry.add_sandbox(record)
-        vm = VmHandle(name=record.id, run_dir=run_dir, process=process, agent_socket=tmp_path / "agent.sock",
-                      monitor_socket=run_dir / "qmp.sock", disk=run_dir / "disk.qcow2")
         live = service.watch(record, vm, client)
         call = asyncio.create_task(client.call("exec", {}, timeout=300))
         request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
-        await guest.send(_deep(200_000).replace(b'"id": 1', f'"id": {request["id"]}'.encode()))
+        await guest.send(b"torn end of an old frame\n" + _deep(200_000))
         with pytest.raises(AgentUnavailable):
             await asyncio.wait_for(call, BOUND_S)
         assert live.watcher is not None

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import pytest
 
 from forkd.config import Paths
-from forkd.guest.agent import AGENT_VERSION
+from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import Image
 from forkd.runtime.recovery import recover
 from forkd.runtime.registry import Registry, SandboxRecord

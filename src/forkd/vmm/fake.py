@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.guest import protocol
-from forkd.guest.agent import AGENT_VERSION
+from forkd.guest.protocol import AGENT_VERSION
 from forkd.store.layers import Layer
 from forkd.vmm.base import (
     BootSpec,
