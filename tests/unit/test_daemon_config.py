@@ -37,3 +37,8 @@ def test_bad_files_are_refused_naming_the_key(tmp_path: Path, text: str, names: 
 def test_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "absent.toml", env={})
+
+
+def test_limits_have_real_defaults_as_documented() -> None:
+    options = load_config(env={}).runtime_options
+    assert (options.max_sandboxes, options.max_concurrent_forks) == (500, 16)

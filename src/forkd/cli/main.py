@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -22,6 +23,7 @@ from forkd.safetext import for_rich
 from forkd.sdk.autostart import ensure_daemon
 from forkd.sdk.controller import Controller, ForkdError
 
+CP_CHUNK_BYTES = 1 << 20
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -313,20 +315,23 @@ def _print_python_result(result: dict[str, Any]) -> None:
 @click.argument("dst")
 @reports_errors
 def cp(src: str, dst: str) -> None:
-    """Copy a file into or out of a sandbox: `forkd cp local SB:/path` or `forkd cp SB:/path local`."""
+    """Copy a file into or out of a sandbox: `forkd cp local SB:/path` or `forkd cp SB:/path local`.
+
+    Both ways stream: memory use does not grow with the file (a guest path can be endless, /dev/zero).
+    """
     controller = daemon()
     if ":" in src and src.startswith("sb-"):
         sandbox_id, path = src.split(":", 1)
-        data = controller.read_file(sandbox_id, path)
-        if dst == "-":
-            sys.stdout.buffer.write(data)
-        else:
-            with open(dst, "wb") as f:
-                f.write(data)
+        chunks = controller.read_file_chunks(sandbox_id, path)
+        first = next(chunks, b"")  # a missing file fails here, before dst is created
+        with open(dst, "wb") if dst != "-" else contextlib.nullcontext(sys.stdout.buffer) as out:
+            out.write(first)
+            for chunk in chunks:
+                out.write(chunk)
     elif ":" in dst and dst.startswith("sb-"):
         sandbox_id, path = dst.split(":", 1)
-        with open(src, "rb") if src != "-" else sys.stdin.buffer as f:
-            controller.write_file(sandbox_id, path, f.read())
+        with open(src, "rb") if src != "-" else contextlib.nullcontext(sys.stdin.buffer) as f:
+            controller.write_file(sandbox_id, path, iter(functools.partial(f.read, CP_CHUNK_BYTES), b""))
     else:
         raise click.UsageError("one side must be SANDBOX_ID:/path")
 
@@ -343,7 +348,7 @@ def files() -> None:
 def files_ls(sandbox_id: str, path: str) -> None:
     table = Table("name", "type", "size", "mode")
     for entry in daemon().list_files(sandbox_id, path):
-        table.add_row(entry["name"], entry["type"], str(entry["size"]), oct(entry["mode"] & 0o7777))
+        table.add_row(for_rich(entry["name"]), entry["type"], str(entry["size"]), oct(entry["mode"] & 0o7777))
     console.print(table)
 
 

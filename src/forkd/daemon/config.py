@@ -56,14 +56,20 @@ ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socke
             "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file"}
 
 
+DEFAULT_MAX_SANDBOXES = 500
+DEFAULT_MAX_CONCURRENT_FORKS = 16
+
+
 class ConfigError(ValueError):
     """The config file cannot be read or holds a bad value; the message names the file and key."""
 
 
 @dataclass(frozen=True, config=_STRICT)
 class Limits:
-    max_sandboxes: int | None = Field(default=None, ge=1)
-    max_concurrent_forks: int | None = Field(default=None, ge=1)
+    # Real defaults: a daemon nobody configured still refuses the 501st child and queues the 17th
+    # restore, instead of forking until the host runs out of memory.
+    max_sandboxes: int = Field(default=DEFAULT_MAX_SANDBOXES, ge=1)
+    max_concurrent_forks: int = Field(default=DEFAULT_MAX_CONCURRENT_FORKS, ge=1)
 
 
 @dataclass(frozen=True, config=_STRICT)
