@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -80,11 +82,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.write_line(f"VM tests run: {ran}{note} — {detail}")
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def vm_env_for(home: Path) -> dict[str, str]:
     env = os.environ.copy()
     env["FORKD_HOME"] = str(home)
     env["FORKD_SOCKET"] = str(home / "forkd.sock")
     env.pop("FORKD_URL", None)
+    # Also a loopback TCP listener with a token of its own, as a networked daemon runs (tests/vm/test_fuzz_live.py).
+    env["FORKD_LISTEN"] = f"127.0.0.1:{_free_port()}"
+    env["FORKD_TOKEN"] = secrets.token_hex(32)
     # nat guests' DNS relay goes to the "outside" namespace tests/vm/test_network.py makes, never off the host.
     env["FORKD_DNS"] = "192.168.250.2"
     return env

@@ -20,6 +20,7 @@ from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentUnavailable
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
+from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.registry import Registry, SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotService
@@ -49,6 +50,8 @@ HOSTILE = {
     "event without a name": lambda req_id: json.dumps({"id": req_id, "data": {}}).encode() + b"\n",
     "bad base64 for its handler": lambda req_id: _event(req_id, {"data_b64": "%%%not base64"}),
     "oversize line": lambda req_id: b"x" * (protocol.MAX_FRAME_BYTES + 2) + b"\n",
+    "a later line that is not JSON": lambda req_id: b"not a frame\n",
+    "a later line that is not an object": lambda req_id: b"[1, 2]\n",
 }
 
 
@@ -72,23 +75,17 @@ class Guest:
         await self.writer.drain()
 
 
-async def _with_guest(tmp_path: Path, body: Callable[[AgentClient, Guest, VmHandle], Awaitable[None]]) -> None:
-    """Run ``body`` with the real client connected through a VM handle to a stand-in guest (and VMM process)."""
+async def _with_guest(tmp_path: Path, body: Callable[[AgentClient, Guest], Awaitable[None]]) -> None:
     guest = Guest()
     server = await asyncio.start_unix_server(guest.serve, path=str(tmp_path / "agent.sock"))
-    vmm = await asyncio.create_subprocess_exec("sleep", "300")  # stands in for the VMM process
-    vm = VmHandle(name="sb-hostile000000", run_dir=tmp_path / "sb-hostile000000", process=vmm,
-                  agent_socket=tmp_path / "agent.sock")
-    client = await AgentClient.connect(vm)
+    reader, writer = await asyncio.open_unix_connection(str(tmp_path / "agent.sock"), limit=protocol.MAX_FRAME_BYTES + 1)
+    client = AgentClient(reader, writer)
     try:
         await asyncio.wait_for(guest.connected.wait(), BOUND_S)
-        await body(client, guest, vm)
+        await body(client, guest)
     finally:
         await client.close()
         server.close()
-        if vmm.returncode is None:
-            vmm.kill()
-        await vmm.wait()
 
 
 def _echo_handler(name: str, data: dict) -> None:
@@ -100,7 +97,7 @@ def _echo_handler(name: str, data: dict) -> None:
 def test_a_hostile_frame_fails_every_pending_call_at_once(case: str, tmp_path: Path) -> None:
     violations: list[str] = []
 
-    async def body(client: AgentClient, guest: Guest, _: VmHandle) -> None:
+    async def body(client: AgentClient, guest: Guest) -> None:
         client.on_violation = violations.append
         first = asyncio.create_task(client.call("exec", {}, timeout=300, on_event=_echo_handler))
         second = asyncio.create_task(client.call("ping", {}, timeout=300))
@@ -121,7 +118,7 @@ def test_a_hostile_frame_fails_every_pending_call_at_once(case: str, tmp_path: P
 
 
 def test_a_torn_first_line_is_skipped_and_the_answer_still_arrives(tmp_path: Path) -> None:
-    async def body(client: AgentClient, guest: Guest, _: VmHandle) -> None:
+    async def body(client: AgentClient, guest: Guest) -> None:
         call = asyncio.create_task(client.call("ping", {}, timeout=BOUND_S))
         request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
         await guest.send(b'fore a restore"}\n' + protocol.encode_frame(protocol.ok(request["id"], {"pong": True})))
@@ -131,6 +128,10 @@ def test_a_torn_first_line_is_skipped_and_the_answer_still_arrives(tmp_path: Pat
     asyncio.run(_with_guest(tmp_path, body))
 
 
+async def _stand_in_vmm() -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec("sleep", "300")
+
+
 def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_path: Path) -> None:
     paths = Paths(home=tmp_path, cache=tmp_path / "cache", socket=tmp_path / "forkd.sock")
     for directory in (paths.sandboxes, paths.snapshots):
@@ -138,20 +139,21 @@ def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_pa
     registry = Registry(paths.db)
     vmm = QemuVmm()
     service = SandboxService(paths, registry, vmm, SnapshotService(paths, registry, vmm, DigestCache()), Metrics(),
-                             Isolation.from_env(registry))
+                             Isolation.from_options(registry, RuntimeOptions()))
     released: list[str] = []
     service.releasers.append(released.append)
-    run_dir = tmp_path / "sb-hostile000000"
+    run_dir = paths.sandboxes / "sb-hostile000000"
     run_dir.mkdir()
 
-    async def body(client: AgentClient, guest: Guest, vm: VmHandle) -> None:
-        process = vm.process
+    async def body(client: AgentClient, guest: Guest) -> None:
+        process = await _stand_in_vmm()
         record = SandboxRecord("sb-hostile000000", "base", "running", process.pid, run_dir, time.time())
         registry.add_sandbox(record)
+        vm = VmHandle(name=record.id, run_dir=run_dir, process=process, agent_socket=tmp_path / "agent.sock")
         live = service.watch(record, vm, client)
         call = asyncio.create_task(client.call("exec", {}, timeout=300))
         request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
-        await guest.send(b"torn end of an old frame\n" + _deep(200_000))
+        await guest.send(_deep(200_000).replace(b'"id": 1', f'"id": {request["id"]}'.encode()))
         with pytest.raises(AgentUnavailable):
             await asyncio.wait_for(call, BOUND_S)
         assert live.watcher is not None

@@ -20,15 +20,15 @@ def api(tmp_path: Path) -> TestClient:
 @pytest.mark.parametrize("tag", ["../etc", "a/b", "", "x" * 65, "white space"])
 def test_bad_tags_are_refused_with_json_errors(api: TestClient, tag: str) -> None:
     response = api.post("/v1/sandboxes", json={"snapshot_tag": tag, "n": 1})
-    assert response.status_code == 422
+    assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_request"
-    assert api.post("/v1/snapshots", json={"tag": tag}).status_code == 422
+    assert api.post("/v1/snapshots", json={"tag": tag}).status_code == 400
 
 
 @pytest.mark.parametrize("body", [{"snapshot_tag": "ok", "n": 0}, {"snapshot_tag": "ok", "n": 1001},
                                   {"snapshot_tag": "ok", "n": True}, {"snapshot_tag": "ok", "extra": 1}, []])
 def test_counts_and_shapes_are_bounded(api: TestClient, body: object) -> None:
-    assert api.post("/v1/sandboxes", json=body).status_code == 422
+    assert api.post("/v1/sandboxes", json=body).status_code == 400
 
 
 def test_unknown_snapshot_and_sandbox(api: TestClient) -> None:
@@ -42,7 +42,7 @@ def test_unknown_snapshot_and_sandbox(api: TestClient) -> None:
 
 def test_exec_needs_exactly_one_command_form(api: TestClient) -> None:
     for body in ({}, {"cmd": "ls", "argv": ["ls"]}, {"argv": []}, {"cmd": "ls", "timeout_s": -1}):
-        assert api.post("/v1/sandboxes/sb-000000000000/exec", json=body).status_code == 422
+        assert api.post("/v1/sandboxes/sb-000000000000/exec", json=body).status_code == 400
 
 
 def test_warm_exec_splits_a_shell_string_and_refuses_what_cannot_split() -> None:
@@ -62,3 +62,46 @@ def test_health_version_and_listing(api: TestClient) -> None:
     assert api.get("/v1/sandboxes").json() == {"sandboxes": []}
     assert api.get("/v1/snapshots").json() == {"snapshots": []}
     assert api.get("/openapi.json").json()["paths"]["/v1/sandboxes"]
+
+
+def test_every_error_has_the_documented_body(api: TestClient) -> None:
+    """Malformed JSON, unknown routes and methods answer {"error": {code, message}}, never {"detail": ...}."""
+    malformed = api.post("/v1/sandboxes", content=b'{"snapshot_tag": ', headers={"content-type": "application/json"})
+    assert malformed.status_code == 400 and malformed.json()["error"]["code"] == "malformed_body"
+    for answer, status in ((api.get("/v1/nothing-here"), 404), (api.put("/v1/sandboxes"), 405)):
+        assert answer.status_code == status and set(answer.json()["error"]) == {"code", "message"}, answer.text
+
+
+@pytest.mark.parametrize("body", [{"expr": "1", "timeout_s": 5e-324}, {"expr": "1", "timeout_s": 0.5},
+                                  {"expr": "1", "timeout_s": 1e300}])
+def test_numbers_are_bounded_both_ways(api: TestClient, body: dict[str, object]) -> None:
+    answer = api.post("/v1/sandboxes/sb-000000000000/eval", json=body)
+    assert answer.status_code == 400 and "timeout_s" in answer.json()["error"]["message"]
+    nan = api.post("/v1/sandboxes/sb-000000000000/eval", content=b'{"expr": "1", "timeout_s": NaN}',
+                   headers={"content-type": "application/json"})
+    assert nan.status_code == 400
+
+
+def test_every_numeric_field_of_the_schema_has_both_bounds(api: TestClient) -> None:
+    document = api.get("/openapi.json").json()
+    unbounded = []
+
+    def walk(node: object, where: str) -> None:
+        if isinstance(node, dict):
+            if node.get("type") in ("integer", "number") and not where.endswith(("Outcome", "Use", "Entry", "Usage")) \
+                    and ("minimum" not in node and "exclusiveMinimum" not in node or "maximum" not in node):
+                unbounded.append(where)
+            for key, value in node.items():
+                walk(value, f"{where}.{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{where}[{i}]")
+
+    for name, schema in document["components"]["schemas"].items():
+        if not name.endswith(("Outcome", "Use", "Entry", "Usage", "Snapshot", "Sandbox", "ForkResult")):
+            walk(schema, name)
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            for parameter in operation.get("parameters", []):
+                walk(parameter["schema"], f"{method} {path} {parameter['name']}")
+    assert not unbounded, unbounded

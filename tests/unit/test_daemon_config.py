@@ -39,6 +39,30 @@ def test_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
         load_config(tmp_path / "absent.toml", env={})
 
 
+def test_runtime_keys_come_from_the_file_or_their_old_variables(tmp_path: Path) -> None:
+    file = tmp_path / "forkd.toml"
+    file.write_text('[network]\npool = "10.99.0.0/16"\n[limits]\nmax_branches = 4\n'
+                    '[output]\nresult_bytes = 65536\nstream_buffer_bytes = 8192\n')
+    options = load_config(file, env={}).runtime_options
+    assert (options.net_pool, options.max_concurrent_branches, options.dns) == ("10.99.0.0/16", 4, None)
+    assert (options.output.result_bytes, options.output.stream_buffer_bytes, options.output.stream_bytes) == \
+        (65536, 8192, None)
+    env = {"FORKD_DNS": "192.168.250.2", "FORKD_MAX_BRANCHES": "3", "FORKD_NET_POOL": "10.98.0.0/16"}
+    options = load_config(file, env=env).runtime_options
+    assert (options.dns, options.max_concurrent_branches, options.net_pool) == ("192.168.250.2", 3, "10.98.0.0/16")
+
+
+@pytest.mark.parametrize(("env", "names"), [
+    ({"FORKD_DNS": "not-an-address"}, "network.dns"),
+    ({"FORKD_NET_POOL": "8.8.8.0/24"}, "not a private range"),
+    ({"FORKD_MAX_BRANCHES": "0"}, "limits.max_branches"),
+])
+def test_bad_runtime_values_are_refused_naming_the_key(env: dict[str, str], names: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, env=env)
+    assert names in str(refused.value)
+
+
 def test_limits_have_real_defaults_as_documented() -> None:
     options = load_config(env={}).runtime_options
     assert (options.max_sandboxes, options.max_concurrent_forks) == (500, 16)

@@ -107,6 +107,8 @@ def test_bad_base64_is_refused_with_the_fix() -> None:
 
 def test_error_messages_name_the_next_step() -> None:
     assert "kill the sandbox" in readable(ForkdError(502, "agent_unavailable", "agent gone"))
-    assert readable(ForkdError(404, "not_found", "no running sandbox 'sb-1'")) == "no running sandbox 'sb-1'"
+    assert readable(ForkdError(404, "not_found", "no running sandbox 'sb-1'")).startswith(
+        "no running sandbox 'sb-1'. Next: list what exists")
+    assert "does not offer" in readable(ForkdError(404, "no_route", "no route"))
     missing_route = readable(ForkdError(404, "error", '{"detail":"Not Found"}'))
     assert "does not offer" in missing_route and "upgrade forkd" in missing_route

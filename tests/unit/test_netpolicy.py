@@ -6,6 +6,7 @@ import ipaddress
 
 import pytest
 
+from forkd.daemon.routes.sandboxes import isolation_of
 from forkd.daemon.schemas import SandboxCreate
 from forkd.host.netpolicy import AddressPool, allow_rule, egress_policy, parse_allow_spec
 from forkd.validation import ValidationError
@@ -42,7 +43,7 @@ def test_policy_rules() -> None:
 def test_fork_body_validation() -> None:
     body = SandboxCreate(snapshot_tag="t", net="nat", egress={"default": "deny", "allow": [
         {"cidr": "192.0.2.0/24", "ports": [443, "8000-8001"], "protocol": "tcp"}]}, memory_limit_mib=256)
-    options = body.options()
+    options = isolation_of(body)
     assert options.net.mode == "nat" and options.net.egress.allow[0].ports == ((443, 443), (8000, 8001))
     assert options.limits.to_dict() == {"memory_limit_mib": 256}
     for bad in ({"net": "none", "egress": {"default": "deny"}},

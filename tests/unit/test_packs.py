@@ -504,9 +504,9 @@ def test_rest_routes_refuse_before_streaming(runtime: Runtime, good_pack: Path, 
     taken = api.post("/v1/packs", json={"tag": "base", "path": str(good_pack)})
     assert taken.status_code == 400 and "pass --force" in taken.json()["error"]["message"]
     assert api.post("/v1/packs/unpack", json={"path": str(good_pack)}).status_code == 409
-    assert api.post("/v1/packs/unpack", json={"path": "relative.tar.zst"}).status_code == 422
-    assert api.post("/v1/packs/pull", json={"url": str(good_pack), "index": str(good_pack), "name": "x"}).status_code == 422
-    assert api.post("/v1/packs/push", json={"tag": "base", "url": "file:///tmp/x"}).status_code == 422
+    assert api.post("/v1/packs/unpack", json={"path": "relative.tar.zst"}).status_code == 400
+    assert api.post("/v1/packs/pull", json={"url": str(good_pack), "index": str(good_pack), "name": "x"}).status_code == 400
+    assert api.post("/v1/packs/push", json={"tag": "base", "url": "file:///tmp/x"}).status_code == 400
     lines = api.post("/v1/packs/unpack", json={"path": str(good_pack), "tag": "rest-copy"}).text.splitlines()
     assert json.loads(lines[-1])["result"]["tag"] == "rest-copy"
     assert any("progress" in json.loads(line) for line in lines[:-1])

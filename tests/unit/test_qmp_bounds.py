@@ -18,6 +18,7 @@ import pytest
 from forkd.config import Paths
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
+from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
 from forkd.runtime.registry import Registry, SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
@@ -118,7 +119,7 @@ def test_recovery_reaps_a_stalled_vmm_and_finishes(short_dir: Path, monkeypatch:
         vmm = QemuVmm(accelerator="tcg")
         vmm.program = "tail"
         service = SandboxService(paths, registry, vmm, SnapshotService(paths, registry, vmm, DigestCache()),
-                                 Metrics(), Isolation.from_env(registry))
+                                 Metrics(), Isolation.from_options(registry, RuntimeOptions()))
         try:
             result = await recover(service)
             await asyncio.wait_for(process.wait(), 5)

@@ -13,6 +13,7 @@ from pathlib import Path
 from forkd.config import Paths
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
+from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
 from forkd.runtime.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
@@ -42,7 +43,7 @@ def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path) -> None:
 
     vmm = QemuVmm()
     service = SandboxService(paths, registry, vmm, SnapshotService(paths, registry, vmm, DigestCache()), Metrics(),
-                             Isolation.from_env(registry))
+                             Isolation.from_options(registry, RuntimeOptions()))
     released: list[str] = []
     service.releasers.append(released.append)
 

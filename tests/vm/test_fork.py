@@ -125,14 +125,14 @@ def test_bad_tags_are_refused_before_the_filesystem(daemon: Controller, forkd_ho
     for tag in ("../etc", "a/b", "", "x" * 65, "spaces here"):
         with pytest.raises(ForkdError) as refused:
             daemon.fork(tag, 1)
-        assert refused.value.status in (400, 404, 422), tag
+        assert refused.value.status in (400, 404), tag
     with pytest.raises(ForkdError) as refused:
         daemon.create_snapshot("../../escape")
-    assert refused.value.status == 422
+    assert refused.value.status == 400
     assert not (forkd_home.parent / "escape").exists()
     with pytest.raises(ForkdError) as too_many:
         daemon.fork("vmtest", 100000)
-    assert too_many.value.status == 422
+    assert too_many.value.status == 400
 
 
 def test_cli_fork_exec_ls_kill(vm_env: dict[str, str], snapshot_tag: str) -> None:

@@ -84,4 +84,4 @@ def test_limits_are_validated(daemon: Controller) -> None:
     for bad in ({"memory_limit_mib": 1}, {"cpu_quota": 0}, {"cpu_weight": 20000}, {"pids_max": 2}):
         with pytest.raises(ForkdError) as refused:
             daemon.fork("any-tag", 1, **bad)  # refused before any snapshot is looked up
-        assert refused.value.status == 422
+        assert refused.value.status == 400

@@ -60,7 +60,7 @@ def test_bad_workspace_requests(daemon: Controller, snapshot_tag: str) -> None:
     for name in ("../x", "x" * 41, ""):
         with pytest.raises(ForkdError) as bad:
             daemon.create_workspace(name, snapshot_tag)
-        assert bad.value.status == 422, name
+        assert bad.value.status == 400, name
     with pytest.raises(ForkdError) as missing:
         daemon.resume_workspace("nope")
     assert missing.value.status == 404 and "forkd workspace ls" in missing.value.message

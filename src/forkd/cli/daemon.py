@@ -33,7 +33,7 @@ def daemon_command(config_file: Path | None, home: Path | None, cache: Path | No
     It always serves its 0600 Unix socket; with --listen also TCP, where every route but /healthz
     needs `Authorization: Bearer <token>`.
     """
-    from forkd.daemon.auth import TokenRejected
+    from forkd.daemon.middleware.auth import TokenRejected
     from forkd.daemon.config import ConfigError, load_config
     from forkd.daemon.server import DaemonAlreadyRunning, ListenerError, run
     try:

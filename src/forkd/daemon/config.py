@@ -2,7 +2,8 @@
 
 Precedence, highest first: ``forkd daemon`` flags, then ``FORKD_*`` variables, then the file given
 with ``--config``, then the defaults below. Unknown keys and wrong types in the file are refused
-with the key named, so a typo never silently falls back to a default.
+with the key named, so a typo never silently falls back to a default. This is the only place the
+daemon reads ``FORKD_*`` variables; the runtime gets what it needs as ``RuntimeOptions``.
 
 ```toml
 home = "/var/lib/forkd"          # state: SQLite, snapshots, sandbox run directories
@@ -22,9 +23,28 @@ packs_dir = "/var/lib/forkd/packs"      # pack files API clients may write and r
 [limits]
 max_sandboxes = 500              # live + starting children
 max_concurrent_forks = 16        # restores running at once; more queue
+max_branches = 2                 # branches written at once; more answer 503  [FORKD_MAX_BRANCHES]
 
 [sandboxes]
 keep_on_stop = false             # true: stopping the daemon leaves VMMs for the next one to re-adopt
+
+[network]
+pool = "10.213.0.0/16"           # private IPv4 range nat children's /30s come from  [FORKD_NET_POOL]
+dns = "192.0.2.53"               # resolver nat guests' DNS is relayed to (default: the host's)  [FORKD_DNS]
+
+[output]                         # guest output one exec/run_code call may hold in the daemon
+result_bytes = 4194304           # a non-streamed answer keeps this much stdout+stderr, then `truncated`
+stream_bytes = 1073741824        # a streamed call forwards this much in all (unset: no cap)
+stream_buffer_bytes = 1048576    # queued for a slow stream reader before the guest is paused
+
+[server]
+max_connections = 1000           # concurrent connections + requests per listener; more answer 503
+header_timeout_s = 10            # a connection must send a request's headers within this
+keep_alive_s = 5                 # idle keep-alive connections are closed after this
+
+[audit]                          # logs/audit.jsonl under home
+max_bytes = 67108864             # rotate at this size ...
+backups = 3                      # ... keeping this many old files (audit.jsonl.1 ...)
 
 [transfers]
 allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any
@@ -35,6 +55,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from ipaddress import IPv4Address
 from collections.abc import Mapping
 from dataclasses import field
 from pathlib import Path
@@ -46,14 +67,17 @@ from pydantic.dataclasses import dataclass
 
 from forkd.config import Paths
 from forkd.hostpaths import HostRoots
-from forkd.runtime.options import RuntimeOptions
+from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
+from forkd.runtime.options import DEFAULT_MAX_BRANCHES, OutputLimits, RuntimeOptions
+from forkd.validation import ValidationError as FieldError
 
 _STRICT = ConfigDict(extra="forbid")
 DEFAULT_HOME = Path("/var/lib/forkd")
 DEFAULT_CACHE = Path("/var/cache/forkd")
 # Environment variable → top-level key. FORKD_SOCKET defaults to HOME/forkd.sock when unset everywhere.
 ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socket", "FORKD_LISTEN": "listen",
-            "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file"}
+            "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file", "FORKD_NET_POOL": "network.pool",
+            "FORKD_DNS": "network.dns", "FORKD_MAX_BRANCHES": "limits.max_branches"}
 
 
 DEFAULT_MAX_SANDBOXES = 500
@@ -68,13 +92,46 @@ class ConfigError(ValueError):
 class Limits:
     # Real defaults: a daemon nobody configured still refuses the 501st child and queues the 17th
     # restore, instead of forking until the host runs out of memory.
-    max_sandboxes: int = Field(default=DEFAULT_MAX_SANDBOXES, ge=1)
-    max_concurrent_forks: int = Field(default=DEFAULT_MAX_CONCURRENT_FORKS, ge=1)
+    max_sandboxes: int = Field(default=DEFAULT_MAX_SANDBOXES, ge=1, le=1 << 20)
+    max_concurrent_forks: int = Field(default=DEFAULT_MAX_CONCURRENT_FORKS, ge=1, le=1 << 16)
+    max_branches: int = Field(default=DEFAULT_MAX_BRANCHES, ge=1, le=1024)
 
 
 @dataclass(frozen=True, config=_STRICT)
 class SandboxPolicy:
     keep_on_stop: bool = False
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Network:
+    pool: str = DEFAULT_POOL
+    dns: IPv4Address | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            AddressPool.parse(self.pool)
+        except FieldError as exc:
+            raise ValueError(f"network.pool: {exc}") from None
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Output:
+    result_bytes: int = Field(default=OutputLimits.result_bytes, ge=4096, le=1 << 30)
+    stream_bytes: int | None = Field(default=None, ge=4096, le=1 << 50)
+    stream_buffer_bytes: int = Field(default=OutputLimits.stream_buffer_bytes, ge=4096, le=256 << 20)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Server:
+    max_connections: int = Field(default=1000, ge=1, le=1 << 20)
+    header_timeout_s: float = Field(default=10.0, ge=0.1, le=3600)
+    keep_alive_s: float = Field(default=5.0, ge=0.1, le=3600)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Audit:
+    max_bytes: int = Field(default=64 << 20, ge=4096, le=1 << 40)
+    backups: int = Field(default=3, ge=0, le=100)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -97,6 +154,10 @@ class DaemonConfig:
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
     limits: Limits = field(default_factory=Limits)
     sandboxes: SandboxPolicy = field(default_factory=SandboxPolicy)
+    network: Network = field(default_factory=Network)
+    output: Output = field(default_factory=Output)
+    server: Server = field(default_factory=Server)
+    audit: Audit = field(default_factory=Audit)
     imports_dir: Path | None = None  # None: HOME/imports
     packs_dir: Path | None = None  # None: HOME/packs
     transfers: Transfers = field(default_factory=Transfers)
@@ -113,7 +174,12 @@ class DaemonConfig:
     def runtime_options(self) -> RuntimeOptions:
         return RuntimeOptions(max_sandboxes=self.limits.max_sandboxes,
                               max_concurrent_forks=self.limits.max_concurrent_forks,
+                              max_concurrent_branches=self.limits.max_branches,
                               keep_sandboxes_on_stop=self.sandboxes.keep_on_stop,
+                              net_pool=self.network.pool, dns=str(self.network.dns) if self.network.dns else None,
+                              output=OutputLimits(result_bytes=self.output.result_bytes,
+                                                  stream_bytes=self.output.stream_bytes,
+                                                  stream_buffer_bytes=self.output.stream_buffer_bytes),
                               host_roots=self.host_roots,
                               transfer_hosts=(None if self.transfers.allow_hosts is None
                                               else tuple(self.transfers.allow_hosts)))
@@ -140,7 +206,7 @@ def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,
     env = os.environ if env is None else env
     for variable, key in ENV_KEYS.items():
         if env.get(variable):
-            data[key] = env[variable]
+            _set(data, key, env[variable])
             where += f" + ${variable}"
     for key, value in (overrides or {}).items():
         if value is not None:

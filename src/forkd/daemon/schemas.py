@@ -1,4 +1,6 @@
-"""Request bodies of the REST API; pydantic validates them at the boundary and feeds the OpenAPI document."""
+"""Request bodies and answers of the REST API; pydantic validates them at the boundary and feeds the
+OpenAPI document. Every number has a minimum and a maximum; schemas only validate, routes build the
+runtime's objects from them."""
 
 from __future__ import annotations
 
@@ -8,14 +10,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from forkd.host.cgroups import Limits
-from forkd.host.netpolicy import MAX_ALLOW_RULES, MAX_PORTS_PER_RULE, NetRequest, allow_rule, egress_policy
-from forkd.runtime.isolation import SandboxOptions
+from forkd.host.netpolicy import MAX_ALLOW_RULES, MAX_PORTS_PER_RULE, allow_rule, egress_policy
+from forkd.runtime.sessions import MAX_TIMEOUT_S
 from forkd.validation import TAG_PATTERN
 
 Tag = Annotated[str, Field(pattern=TAG_PATTERN, description="[A-Za-z0-9_-]{1,64}")]
 MAX_CHILDREN_PER_REQUEST = 1000
-MAX_TIMEOUT_S = 24 * 3600
+MIN_TIMEOUT_S = 1.0  # shorter ones could only answer "timed out"
 MAX_SANDBOX_TIMEOUT_S = 30 * 24 * 3600
 MAX_STDIN_CHARS = 8 << 20  # base64 of it must fit one 16 MiB agent frame
 
@@ -23,12 +24,13 @@ EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
 Envs = Annotated[dict[EnvName, Annotated[str, Field(max_length=1 << 16)]], Field(max_length=1024)]
 MetadataKey = Annotated[str, Field(min_length=1, max_length=128)]
 Metadata = Annotated[dict[MetadataKey, Annotated[str, Field(max_length=4096)]], Field(max_length=64)]
-SandboxTimeout = Annotated[float, Field(gt=0, le=MAX_SANDBOX_TIMEOUT_S,
+SandboxTimeout = Annotated[float, Field(ge=MIN_TIMEOUT_S, le=MAX_SANDBOX_TIMEOUT_S,
                                         description="seconds until the daemon kills the sandbox")]
+CallTimeout = Annotated[float, Field(ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S, description="seconds")]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ImageBuild(Strict):
@@ -59,7 +61,7 @@ MIN_PIDS = 16
 
 class AllowRuleBody(Strict):
     cidr: str = Field(max_length=64, description="IPv4 network, e.g. 203.0.113.0/24")
-    ports: list[StrictInt | Annotated[str, Field(pattern=r"^[0-9]{1,5}(-[0-9]{1,5})?$")]] = Field(
+    ports: list[Annotated[StrictInt, Field(ge=1, le=65535)] | Annotated[str, Field(pattern=r"^[0-9]{1,5}(-[0-9]{1,5})?$")]] = Field(
         default_factory=list, max_length=MAX_PORTS_PER_RULE, description="ports or 'low-high' ranges; empty: all")
     protocol: Literal["tcp", "udp", "any"] = "any"
 
@@ -86,18 +88,13 @@ class SandboxCreate(Strict):
 
     @model_validator(mode="after")
     def egress_needs_nat(self) -> SandboxCreate:
-        if self.egress is not None and self.net != "nat":
-            raise ValueError("an egress policy needs net 'nat' (a 'none' sandbox has no network at all)")
-        self.options()  # refuses bad CIDRs and port ranges here, as a 422
+        if self.egress is not None:
+            if self.net != "nat":
+                raise ValueError("an egress policy needs net 'nat' (a 'none' sandbox has no network at all)")
+            # Bad CIDRs and port ranges are refused here, with the other schema errors.
+            egress_policy(self.egress.default, [allow_rule(r.cidr, list(r.ports), r.protocol)
+                                                for r in self.egress.allow], self.egress.dns)
         return self
-
-    def options(self) -> SandboxOptions:
-        egress = self.egress or EgressBody()
-        policy = egress_policy(egress.default, [allow_rule(r.cidr, list(r.ports), r.protocol) for r in egress.allow],
-                               egress.dns)
-        return SandboxOptions(net=NetRequest(mode=self.net, egress=policy),
-                              limits=Limits(memory_limit_mib=self.memory_limit_mib, cpu_quota=self.cpu_quota,
-                                            cpu_weight=self.cpu_weight, pids_max=self.pids_max))
 
 
 class TimeoutBody(Strict):
@@ -120,7 +117,7 @@ class ExecRequest(Strict):
     cwd: str | None = Field(default=None, max_length=4096)
     stdin: str | None = Field(default=None, max_length=MAX_STDIN_CHARS,
                               description="written to stdin, then closed; absent: stdin stays open for /stdin")
-    timeout_s: float | None = Field(default=60.0, gt=0, le=MAX_TIMEOUT_S)
+    timeout_s: CallTimeout | None = 60.0
     user: str | None = Field(default=None, max_length=64)
     stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")
     warm: bool = Field(default=False, description="run a python3 command line as a fork of the warm template "
@@ -143,14 +140,14 @@ class ExecRequest(Strict):
 class EvalRequest(Strict):
     expr: str = Field(max_length=1 << 20)
     context: Tag = "default"
-    timeout_s: float = Field(default=60.0, gt=0, le=MAX_TIMEOUT_S)
+    timeout_s: CallTimeout = 60.0
 
 
 class RunCodeRequest(Strict):
     code: str = Field(max_length=16 << 20)
     context: Tag = "default"
-    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
-    stream: bool = False
+    timeout_s: CallTimeout | None = None
+    stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")
 
 
 class PathBody(Strict):
@@ -228,7 +225,7 @@ class DiffRequest(Strict):
     base_tag: Tag
     tag: Tag
     cmd: str = Field(min_length=1, max_length=65536, description="shell command run in a child of base_tag")
-    timeout_s: float = Field(default=600.0, gt=0, le=MAX_TIMEOUT_S)
+    timeout_s: CallTimeout = 600.0
 
 
 # Answers. They allow extra fields: a snapshot or sandbox carries backend-specific details.
@@ -251,9 +248,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorBody, "description": description,
              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
     for status, description in {
-        400: "invalid request or state", 401: "missing or wrong bearer token (TCP only)", 404: "not found",
-        409: "conflict: busy, in use, mismatched or corrupt snapshot", 413: "body too large",
-        422: "request body or parameters fail the schema", 500: "internal error",
+        400: "invalid request: a refused value, a body or parameters that fail the schema, or JSON that does "
+             "not parse", 401: "missing or wrong bearer token (TCP only)", 404: "not found",
+        409: "conflict: busy, in use, ended, mismatched or corrupt snapshot", 413: "body too large",
+        "default": "any other error, with the same body", 500: "internal error",
         502: "the guest agent is unreachable", 503: "over a concurrency cap", 504: "timed out",
         507: "no disk space left for a snapshot",
     }.items()
@@ -316,6 +314,8 @@ class Printed(Open):
 
     stdout: str = ""
     stderr: str = ""
+    truncated: bool = Field(default=False, description="output went past the daemon's per-call budget "
+                                                       "(config `output`); the rest was dropped")
 
 
 class CommandOutcome(Printed):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import logging.handlers
@@ -20,13 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from forkd.daemon.app import create_app
-from forkd.daemon.audit import AuditLog, AuditMiddleware
-from forkd.daemon.auth import TokenAuth, check_token
-from forkd.daemon.body_limit import BodyLimit
-from forkd.daemon.config import DaemonConfig
+from forkd.daemon.middleware.audit import AuditLog, AuditMiddleware
+from forkd.daemon.middleware.auth import TokenAuth, check_token
+from forkd.daemon.middleware.body_limit import BodyLimit
+from forkd.daemon.config import DaemonConfig, Server
 from forkd.runtime.runtime import Runtime
 from forkd.safetext import visible
 from forkd.vmm.qemu import QemuVmm
@@ -126,11 +129,56 @@ def bind_tcp(listener: TcpListener) -> socket.socket:
     return sock
 
 
-def _server(app: object, lifespan: str, listener: TcpListener | None = None) -> uvicorn.Server:
+class HeadDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection that does not finish a request's head in time.
+
+    uvicorn bounds idle keep-alive connections but not a client that opens a connection and sends
+    its headers slowly (or never); many such clients would hold every connection slot.
+    """
+
+    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        if self._head_timer is None and self.conn.their_state is h11.IDLE:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:
+            self._arm()  # part of a head (first request, or the next one on a kept-alive connection)
+        else:
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def _server(app: object, lifespan: str, limits: Server, listener: TcpListener | None = None) -> uvicorn.Server:
     tls = {"ssl_certfile": str(listener.tls_cert), "ssl_keyfile": str(listener.tls_key)} \
         if listener is not None and listener.tls_cert is not None else {}
-    return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan=lifespan,
-                                         h11_max_incomplete_event_size=1 << 20, **tls))  # type: ignore[arg-type]
+    return uvicorn.Server(uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=5, lifespan=lifespan,
+        http=functools.partial(HeadDeadline, header_timeout_s=limits.header_timeout_s),  # type: ignore[arg-type]
+        limit_concurrency=limits.max_connections, timeout_keep_alive=limits.keep_alive_s,
+        h11_max_incomplete_event_size=1 << 20, **tls))  # type: ignore[arg-type]
 
 
 async def serve(config: DaemonConfig) -> None:
@@ -145,12 +193,12 @@ async def serve(config: DaemonConfig) -> None:
         paths.socket.unlink(missing_ok=True)
         raise
     runtime = Runtime(paths, QemuVmm(accelerator=config.accelerator), config.runtime_options)
-    audit = AuditLog(paths.audit_log)
+    audit = AuditLog(paths.audit_log, max_bytes=config.audit.max_bytes, backups=config.audit.backups)
     api = BodyLimit(create_app(runtime))
     # The Unix listener runs the app's lifespan (start, and on shutdown kill every child).
-    servers = [_server(AuditMiddleware(api, audit, "unix"), "on")]
+    servers = [_server(AuditMiddleware(api, audit, "unix"), "on", config.server)]
     if tcp is not None:
-        servers.append(_server(AuditMiddleware(TokenAuth(api, tcp.token), audit, "tcp"), "off", tcp))
+        servers.append(_server(AuditMiddleware(TokenAuth(api, tcp.token), audit, "tcp"), "off", config.server, tcp))
         scheme = "https" if tcp.tls_cert else "http"
         log.info("listening on %s://%s:%d (bearer token required)%s", scheme, tcp.host, tcp.port,
                  "" if tcp.loopback or tcp.tls_cert else "; WARNING: no TLS on a non-loopback address")

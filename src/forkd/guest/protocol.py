@@ -66,6 +66,12 @@ OP_FLOW_PAUSE = "flow.pause"
 OP_FLOW_RESUME = "flow.resume"
 OP_CANCEL = "cancel"
 
+# Control ops about another request in flight (``args: {"id": <its id>}``). An agent that does not
+# know them answers ``unknown_op``; the host then falls back (see runtime/agent_client.py).
+OP_FLOW_PAUSE = "flow.pause"  # stop reading that request's process pipes (the process blocks on write)
+OP_FLOW_RESUME = "flow.resume"  # read them again
+OP_CANCEL = "cancel"  # end that request: kill its process group / interrupt its cell
+
 ALL_OPS = frozenset(
     {
         OP_PING,
@@ -133,6 +139,10 @@ class ProtocolError(ValueError):
     """A frame that cannot be parsed or does not have the protocol's shape."""
 
 
+class FrameTooDeep(ProtocolError):
+    """A frame nested past what the parser survives: hostile, never a line torn by a restore."""
+
+
 def b64encode(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -158,7 +168,9 @@ def decode_frame(line: bytes) -> dict[str, Any]:
         raise ProtocolError(f"frame of {len(line)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
         frame = json.loads(line)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: [[[[...
+    except RecursionError:  # [[[[...: valid JSON no honest peer sends
+        raise FrameTooDeep("frame nested too deeply to parse") from None
+    except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"frame is not JSON: {exc}") from None
     if not isinstance(frame, dict):
         raise ProtocolError("frame must be a JSON object")

@@ -15,7 +15,7 @@ def isolation_checks(check: Callable[..., Any]) -> list[Any]:
     dns = host_resolver()
     results.append(check("guest dns", "ok" if dns else "warn",
                          f"nat guests' DNS is relayed to {dns}" if dns else "no non-loopback resolver in /etc/resolv.conf",
-                         "" if dns else "set FORKD_DNS to a resolver the host routes to; a loopback resolver "
+                         "" if dns else "set network.dns (or FORKD_DNS) to a resolver the host routes to; a loopback resolver "
                          "(e.g. 127.0.0.53) cannot be reached from a namespace"))
     try:
         leftovers = leftover_networks()

@@ -2,7 +2,8 @@
 
 Requests are numbered and many may be in flight at once; a reader task routes every frame to the
 request it belongs to, so a long ``exec`` never blocks a ``ping``. Events reach the caller as they
-arrive through an ``on_event`` callback.
+arrive through an ``on_event`` callback; a callback that returns an awaitable holds the reader until
+it completes (back-pressure for agents without ``flow.pause``: the guest's writes then block).
 
 Everything the guest sends is hostile. A frame that breaks the protocol (a line over the frame
 limit, JSON nested past what the parser survives, an id or payload of the wrong type) ends the
@@ -67,9 +68,11 @@ def _checked(frame: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Pending:
-    def __init__(self, on_event: EventHandler | None) -> None:
+    def __init__(self, op: str, on_event: EventHandler | None) -> None:
         self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.op = op
         self.on_event = on_event
+        self.started = time.monotonic()
 
 
 class AgentClient:
@@ -84,6 +87,7 @@ class AgentClient:
         self._pending: dict[int, _Pending] = {}
         self._write_lock = asyncio.Lock()
         self._closed_reason: str | None = None
+        self._unsupported: set[str] = set()  # control ops this agent answered unknown_op to
         self._reader_task = asyncio.create_task(self._read_loop())
         self.on_roundtrip: Callable[[str, float], None] | None = None  # (op, seconds) of each answered call
         self.on_violation: Callable[[str], None] | None = None  # the guest broke the protocol (reason)
@@ -109,30 +113,66 @@ class AgentClient:
     async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = 60.0,
                    on_event: EventHandler | None = None) -> dict[str, Any]:
         """Send one request and return its result; raise :class:`AgentError` on an error frame."""
+        return await self.wait(await self.start(op, args, on_event=on_event), timeout=timeout)
+
+    async def start(self, op: str, args: dict[str, Any] | None = None, *,
+                    on_event: EventHandler | None = None) -> int:
+        """Send one request and return its id; its events go to ``on_event`` until :meth:`wait` ends it."""
         if self._closed_reason is not None:
             raise AgentUnavailable(self._closed_reason)
         req_id = next(self._ids)
-        started = time.monotonic()
-        pending = _Pending(on_event)
-        self._pending[req_id] = pending
+        self._pending[req_id] = _Pending(op, on_event)
         try:
             async with self._write_lock:
                 self._writer.write(protocol.encode_frame(protocol.request(req_id, op, args)))
                 await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            self._pending.pop(req_id, None)
+            raise AgentUnavailable(f"connection to the agent failed: {exc}") from None
+        except BaseException:
+            self._pending.pop(req_id, None)
+            raise
+        return req_id
+
+    async def wait(self, req_id: int, *, timeout: float | None = 60.0) -> dict[str, Any]:
+        """The result of a started request; it is forgotten however the wait ends (later frames are dropped)."""
+        pending = self._pending.get(req_id)
+        if pending is None:
+            raise AgentError(protocol.ERR_INTERNAL, f"request {req_id} is not in flight")
+        try:
             frame = await asyncio.wait_for(asyncio.shield(pending.done), timeout)
         except asyncio.TimeoutError:
-            raise AgentError(protocol.ERR_TIMEOUT, f"agent did not answer {op} within {timeout} s") from None
-        except (ConnectionError, OSError) as exc:
-            raise AgentUnavailable(f"connection to the agent failed: {exc}") from None
+            raise AgentError(protocol.ERR_TIMEOUT, f"agent did not answer {pending.op} within {timeout} s") from None
         finally:
             self._pending.pop(req_id, None)
         if self.on_roundtrip is not None:
-            self.on_roundtrip(op, time.monotonic() - started)
+            self.on_roundtrip(pending.op, time.monotonic() - pending.started)
         if frame.get("ok"):
             return frame.get("result") or {}
         err = frame.get("error") or {}
         details = {k: v for k, v in err.items() if k not in {"code", "message"}}
         raise AgentError(str(err.get("code", protocol.ERR_INTERNAL)), str(err.get("message", "")), details)
+
+    async def control(self, op: str, req_id: int, timeout: float = 10.0) -> bool:
+        """Send a control op (flow.pause, flow.resume, cancel) about request ``req_id``.
+
+        False when this agent does not implement ``op`` (remembered: it is not asked again), so
+        callers fall back to what older agents offer.
+        """
+        if op in self._unsupported:
+            return False
+        try:
+            await self.call(op, {"id": req_id}, timeout=timeout)
+        except AgentError as exc:
+            if exc.code != protocol.ERR_UNKNOWN_OP:
+                raise
+            self._unsupported.add(op)
+            return False
+        return True
+
+    def declined(self, op: str) -> bool:
+        """True once the agent answered ``unknown_op`` to control op ``op``."""
+        return op in self._unsupported
 
     async def _read_loop(self) -> None:
         first = True
@@ -147,11 +187,13 @@ class AgentClient:
                     return
                 try:
                     frame = protocol.decode_frame(line)
-                except (protocol.ProtocolError, RecursionError) as exc:
+                except protocol.FrameTooDeep:
+                    raise ProtocolViolation("a frame nested too deeply to parse") from None
+                except protocol.ProtocolError as exc:
                     if first:
                         first = False
                         continue  # the torn end of a frame from before; the request it belonged to is gone
-                    raise ProtocolViolation(f"a line that is not a frame ({type(exc).__name__})") from None
+                    raise ProtocolViolation(f"a line that is not a frame ({exc})") from None
                 first = False
                 await self._route(_checked(frame))
         except ProtocolViolation as exc:

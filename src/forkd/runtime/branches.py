@@ -13,7 +13,6 @@ The snapshot is registered as ``writing`` before the pause, so it is visible (an
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import shutil
 import time
@@ -53,9 +52,6 @@ from forkd.vmm.base import Vmm
 from forkd.vmm.branching import branching_of
 
 MODES = ("full", "diff", "live")
-DEFAULT_MAX_CONCURRENT = 2
-
-
 class BranchBusy(SnapshotError):
     """Too many branches are being written at once; try again shortly."""
 
@@ -66,13 +62,6 @@ class _SourceState:
 
     lock: asyncio.Lock
     broken: str | None = None  # set when a capture froze a disk layer no snapshot received
-
-
-def max_concurrent_from_env() -> int:
-    raw = os.environ.get("FORKD_MAX_BRANCHES", str(DEFAULT_MAX_CONCURRENT))
-    if not raw.isdigit() or int(raw) < 1:
-        raise SnapshotError(f"FORKD_MAX_BRANCHES must be a positive integer, not {raw!r}")
-    return int(raw)
 
 
 class BranchService:
@@ -100,7 +89,7 @@ class BranchService:
                                    f"or remove it with `forkd rmi {tag}`")
         if len(self._writing) >= self.max_concurrent:
             raise BranchBusy(f"{len(self._writing)} branches are being written (the limit is "
-                             f"{self.max_concurrent}, FORKD_MAX_BRANCHES); retry when one is ready")
+                             f"{self.max_concurrent}, config limits.max_branches); retry when one is ready")
         running = {s.record.id for s in self.sandboxes.live()}
         for gone in [sid for sid, state in self._sources.items() if sid not in running and not state.lock.locked()]:
             del self._sources[gone]  # bookkeeping of sandboxes that have exited

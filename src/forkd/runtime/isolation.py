@@ -18,8 +18,9 @@ from pyroute2 import NetlinkError
 
 from forkd.host.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup, release_cgroup
 from forkd.host.netns import NetworkError, create_child_network, host_resolver, release_network, slots_in_use_on_host
-from forkd.host.netpolicy import DEFAULT_POOL, AddressPool, Lease, NetRequest
+from forkd.host.netpolicy import AddressPool, Lease, NetRequest
 from forkd.host.nftrules import ChildNetwork
+from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.registry import LeasesExhausted, Registry
 from forkd.validation import ValidationError
 from forkd.vmm.base import ChildSetup
@@ -78,21 +79,19 @@ class Isolation:
         self.cgroups = cgroups
 
     @classmethod
-    def from_env(cls, registry: Registry, env: dict[str, str] | None = None) -> Isolation:
-        """``FORKD_NET_POOL`` (default 10.213.0.0/16) and ``FORKD_DNS`` (default: the host's resolver)."""
-        env = os.environ if env is None else env
-        pool = AddressPool.parse(env.get("FORKD_NET_POOL", DEFAULT_POOL))
-        dns_text = env.get("FORKD_DNS")
-        if dns_text:
+    def from_options(cls, registry: Registry, options: RuntimeOptions) -> Isolation:
+        """The configured address pool and DNS resolver (default: the host's own resolver)."""
+        pool = AddressPool.parse(options.net_pool)
+        if options.dns:
             try:
-                dns: ipaddress.IPv4Address | None = ipaddress.IPv4Address(dns_text)
+                dns: ipaddress.IPv4Address | None = ipaddress.IPv4Address(options.dns)
             except ValueError:
-                raise ValidationError(f"FORKD_DNS={dns_text!r} is not an IPv4 address") from None
+                raise ValidationError(f"network.dns {options.dns!r} is not an IPv4 address") from None
         else:
             dns = host_resolver()
             if dns is None:
                 log.warning("the host has no non-loopback IPv4 resolver in /etc/resolv.conf: nat guests get no DNS; "
-                            "set FORKD_DNS to a resolver the host can route to")
+                            "set network.dns (FORKD_DNS) to a resolver the host can route to")
         return cls(registry, pool, dns, CgroupLayout.detect())
 
     def prepare(self, sandbox_id: str, options: SandboxOptions) -> Prepared:

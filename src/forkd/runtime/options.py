@@ -1,19 +1,43 @@
-"""What an operator may tune in the runtime (from the daemon's config file); defaults keep today's behaviour."""
+"""What an operator may tune in the runtime (from the daemon's config); defaults keep today's behaviour.
+
+The daemon builds these from its one config object (file + environment + flags, daemon/config.py);
+nothing in runtime/ reads the environment itself.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from forkd.host.netpolicy import DEFAULT_POOL
 from forkd.hostpaths import HostRoots
+
+DEFAULT_MAX_BRANCHES = 2
+
+
+@dataclass(frozen=True)
+class OutputLimits:
+    """How much output of one exec or run_code call the daemon holds (guest output is hostile: bound it)."""
+
+    # A non-streamed result keeps at most this many bytes of stdout plus stderr; the rest is
+    # dropped (the guest stops sending it) and the result says ``truncated: true``.
+    result_bytes: int = 4 << 20
+    # A streamed call forwards at most this many bytes in all (None: no cap, the stream flows on).
+    stream_bytes: int | None = None
+    # Output queued for a stream reader before the guest is told to pause that command.
+    stream_buffer_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
     max_sandboxes: int | None = None  # live + starting children; a child over it fails, its batch does not
     max_concurrent_forks: int | None = None  # children restored at the same time; the rest queue
+    max_concurrent_branches: int = DEFAULT_MAX_BRANCHES  # branches written at once; more answer 503
     # On SIGTERM: False kills every sandbox (nothing outlives the daemon); True leaves VMMs running
     # for the next daemon to re-adopt (an upgrade or restart without losing sandboxes).
     keep_sandboxes_on_stop: bool = False
+    net_pool: str = DEFAULT_POOL  # IPv4 network nat children's addresses come from
+    dns: str | None = None  # resolver nat guests' DNS is relayed to; None: the host's own
+    output: OutputLimits = field(default_factory=OutputLimits)
     # Where API clients' host paths may point (image sources, pack files); None: anywhere (in-process
     # use only; the daemon always sets them).
     host_roots: HostRoots | None = None

@@ -284,7 +284,7 @@ class Registry:
                 slot = next((i for i in range(capacity) if i not in held and i not in taken), None)
                 if slot is None:
                     raise LeasesExhausted(f"all {capacity} address blocks of {pool} are in use; kill sandboxes "
-                                          f"or set a larger FORKD_NET_POOL")
+                                          f"or set a larger network.pool (FORKD_NET_POOL)")
                 self._db.execute("INSERT INTO net_leases (pool, slot, sandbox_id) VALUES (?, ?, ?)",
                                  (pool, slot, sandbox_id))
                 self._db.execute("COMMIT")

@@ -20,7 +20,7 @@ from forkd.image.builder import (
 )
 from forkd.packs.service import PackService
 from forkd.packs.transfer import UrlPolicy
-from forkd.runtime.branches import BranchService, max_concurrent_from_env
+from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
@@ -28,6 +28,7 @@ from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import Recovery, recover
 from forkd.runtime.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
+from forkd.runtime.sessions import Sessions
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
 from forkd.runtime.workspaces import WorkspaceService
 from forkd.store.files import DigestCache
@@ -45,7 +46,7 @@ class Runtime:
         self.options = options or RuntimeOptions()
         self.metrics = Metrics()
         self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics,
-                                        Isolation.from_env(self.registry), self.options)
+                                        Isolation.from_options(self.registry, self.options), self.options)
         if self.options.host_roots is not None:
             self.options.host_roots.create()
         self.packs = PackService(paths, self.registry, vmm, self.snapshots, self.sandboxes.count_of,
@@ -54,7 +55,8 @@ class Runtime:
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.compaction = CompactService(paths, self.registry, vmm, self.snapshots)
         self.branches = BranchService(paths, self.registry, vmm, self.snapshots, self.sandboxes,
-                                      max_concurrent_from_env(), self.metrics)
+                                      self.options.max_concurrent_branches, self.metrics)
+        self.sessions = Sessions(self.sandboxes, self.options.output)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.branches, self.remove_snapshot)
         self._image_lock = asyncio.Lock()
         self._deadline_keeper: asyncio.Task[None] | None = None

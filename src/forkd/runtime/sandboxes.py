@@ -43,6 +43,10 @@ class SandboxNotFound(LookupError):
     pass
 
 
+class SandboxEnded(RuntimeError):
+    """The sandbox ended (its timeout, a kill, its VMM exited) while an operation on it ran."""
+
+
 class SandboxLimitReached(RuntimeError):
     """The daemon's ``max_sandboxes`` limit is reached; this child is refused, the others are not."""
 

@@ -9,15 +9,18 @@ the workspace's chain (``ws-NAME-1``, ``ws-NAME-2``, …); removing the workspac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 from typing import Any
 
+from forkd.runtime.agent_client import AgentUnavailable
 from forkd.runtime.branches import BranchService
 from forkd.runtime.registry import Registry, WorkspaceRecord
-from forkd.runtime.sandboxes import ForkOptions, SandboxNotFound, SandboxService
+from forkd.runtime.sandboxes import ForkOptions, SandboxEnded, SandboxNotFound, SandboxService
 from forkd.runtime.snapshots import SnapshotConflict, SnapshotError
 from forkd.validation import ValidationError, check_tag
+from forkd.vmm.base import VmmError
 
 MAX_NAME_CHARS = 40  # leaves room for the "ws-NAME-N" snapshot tags within 64 characters
 
@@ -74,13 +77,32 @@ class WorkspaceService:
                 raise SnapshotConflict(f"workspace {name!r} lost its sandbox {record.sandbox_id} (killed or timed "
                                        "out) before it was suspended; remove it and create it again") from None
             tag = f"ws-{name}-{len(record.meta['suspends']) + 1}"
-            snapshot = await self.branches.branch(record.sandbox_id, tag, mode="diff", wait=True)
-            await self.sandboxes.kill(record.sandbox_id)
+            try:
+                snapshot = await self.branches.branch(record.sandbox_id, tag, mode="diff", wait=True)
+            except (OSError, VmmError, AgentUnavailable, SnapshotError) as exc:
+                if await self._ended(record.sandbox_id or ""):
+                    raise SandboxEnded(f"workspace {name!r} lost its sandbox {record.sandbox_id} (its timeout or a "
+                                       "kill) while it was being suspended, so nothing was saved; remove the "
+                                       "workspace and create it again") from exc
+                raise
+            with contextlib.suppress(SandboxNotFound):  # it ended just after the branch: the layer is saved
+                await self.sandboxes.kill(record.sandbox_id)
             record.meta["suspends"].append(tag)
             record.meta["last_pause_ms"] = snapshot.meta.get("pause_ms")
             record.state, record.sandbox_id, record.snapshot_tag = "suspended", None, tag
             self.registry.put_workspace(record)
             return record
+
+    async def _ended(self, sandbox_id: str, within_s: float = 5.0) -> bool:
+        """Whether the sandbox ended (its watcher, which notices the VMM's exit, gets ``within_s`` to see it)."""
+        try:
+            live = self.sandboxes.get(sandbox_id)
+        except SandboxNotFound:
+            return True
+        if live.watcher is None:
+            return False
+        await asyncio.wait({live.watcher}, timeout=within_s)
+        return live.watcher.done()
 
     async def resume(self, name: str) -> WorkspaceRecord:
         """Fork the workspace's last layer: its sandbox runs again where it was suspended."""

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from forkd.config import paths_from_env
+from forkd.errors import KINDS, kind_of
 from forkd.sdk.errors import DaemonUnreachable, ForkdError, error_for
 
 __all__ = ["Controller", "DaemonUnreachable", "EventStream", "ForkdError"]
@@ -90,8 +91,8 @@ class EventStream:
                     self.close()
                     if "error" in line:
                         err = line["error"]
-                        raise error_for(_STREAM_ERROR_STATUS.get(err.get("code"), 500), err.get("code", "error"),
-                                        err.get("message", ""))
+                        code = str(err.get("code", "error"))
+                        raise error_for(kind_of(code).status, code, err.get("message", ""))
                     self.result = line["result"]
                     return
                 yield line
@@ -101,16 +102,12 @@ class EventStream:
             if not self.done:
                 self.close()
         if not self.done:
-            raise ForkdError(500, "truncated", "the daemon closed the stream without a result")
+            raise ForkdError(500, "truncated", f"the daemon closed the stream without a result; "
+                                               f"{KINDS['truncated'].next_step}")
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._context.__exit__(None, None, None)
-
-
-# Errors inside a stream arrive after the 200 status line; their code says what the status would have been.
-_STREAM_ERROR_STATUS = {"not_found": 404, "timeout": 504, "invalid_request": 400, "bad_request": 400,
-                        "conflict": 409, "agent_unavailable": 502}
 
 
 class Controller:

@@ -1,10 +1,13 @@
 """Exceptions every forkd client raises, named after E2B's where the meaning is the same.
 
-The daemon answers errors as ``{"error": {"code", "message"}}`` with an HTTP status; the status
-picks the class, so callers can catch ``NotFoundException`` without parsing messages.
+The daemon answers errors as ``{"error": {"code", "message"}}`` with an HTTP status; the code's
+kind in ``forkd.errors`` picks the class, so callers can catch ``NotFoundException`` without parsing
+messages.
 """
 
 from __future__ import annotations
+
+from forkd.errors import KINDS, kind_for_status
 
 
 class ForkdError(RuntimeError):
@@ -23,11 +26,11 @@ SandboxException = ForkdError  # E2B's name for the base class
 class DaemonUnreachable(ForkdError):
     def __init__(self, where: str, reason: str) -> None:
         super().__init__(0, "unreachable", f"cannot reach the forkd daemon at {where}: {reason} "
-                                           "(start it with `forkd daemon`, or set FORKD_URL)")
+                                           f"({KINDS['unreachable'].next_step})")
 
 
 class InvalidArgumentException(ForkdError):
-    """400/422: the request itself is wrong; its message names the field."""
+    """400/413: the request itself is wrong; its message names the field."""
 
 
 class AuthenticationException(ForkdError):
@@ -47,15 +50,17 @@ class TimeoutException(ForkdError):
 
 
 class RateLimitException(ForkdError):
-    """503/429: over a concurrency cap; retry later."""
+    """503: over a concurrency cap; retry later."""
 
 
-_BY_STATUS: dict[int, type[ForkdError]] = {
-    400: InvalidArgumentException, 401: AuthenticationException, 404: NotFoundException, 409: ConflictException,
-    413: InvalidArgumentException, 422: InvalidArgumentException, 429: RateLimitException,
-    503: RateLimitException, 504: TimeoutException,
+_BY_FAMILY: dict[str, type[ForkdError]] = {
+    "invalid_argument": InvalidArgumentException, "authentication": AuthenticationException,
+    "not_found": NotFoundException, "conflict": ConflictException, "timeout": TimeoutException,
+    "rate_limit": RateLimitException,
 }
 
 
 def error_for(status: int, code: str, message: str) -> ForkdError:
-    return _BY_STATUS.get(status, ForkdError)(status, code, message)
+    """The exception for an error answer: by its code's kind, or by its status when the code is not forkd's."""
+    kind = KINDS.get(code) or kind_for_status(status)
+    return _BY_FAMILY.get(kind.family, ForkdError)(status, code, message)

@@ -1,34 +1,28 @@
-"""REST routes for BRANCH and snapshot chains: branch a sandbox, describe and walk a snapshot's chain."""
+"""BRANCH and snapshot chains: branch a sandbox, describe a snapshot's chain, compact, diff."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from forkd.daemon import schemas
+from forkd.daemon.deps import RuntimeDep, SandboxId
 from forkd.runtime.chains import describe_chain
-from forkd.runtime.runtime import Runtime
-from forkd.validation import check_sandbox_id
 
 router = APIRouter()
 
 
-def _runtime(request: Request) -> Runtime:
-    return request.app.state.runtime
-
-
 @router.post("/v1/sandboxes/{sandbox_id}/branch", status_code=201)
-async def branch(sandbox_id: str, body: schemas.BranchRequest, request: Request) -> JSONResponse:
+async def branch(sandbox_id: SandboxId, body: schemas.BranchRequest, runtime: RuntimeDep) -> JSONResponse:
     """201 with the ready snapshot, or 202 with it ``writing`` when ``wait`` is false."""
-    record = await _runtime(request).branches.branch(check_sandbox_id(sandbox_id), body.tag, body.mode, body.wait)
+    record = await runtime.branches.branch(sandbox_id, body.tag, body.mode, body.wait)
     return JSONResponse(record.to_dict(), status_code=201 if record.status == "ready" else 202)
 
 
 @router.get("/v1/snapshots/{tag}")
-async def snapshot_info(tag: str, request: Request) -> dict[str, Any]:
-    runtime = _runtime(request)
+async def snapshot_info(tag: str, runtime: RuntimeDep) -> dict[str, Any]:
     record = runtime.registry.get_snapshot(tag)
     if record is None:
         raise LookupError(f"no snapshot {tag!r}; list them with `forkd snapshots`")
@@ -36,13 +30,12 @@ async def snapshot_info(tag: str, request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/snapshots/compact", status_code=201)
-async def compact(body: schemas.CompactRequest, request: Request) -> dict[str, Any]:
+async def compact(body: schemas.CompactRequest, runtime: RuntimeDep) -> dict[str, Any]:
     """A standalone copy of ``from_tag``'s whole chain (no parent) named ``to_tag``."""
-    return (await _runtime(request).compaction.compact(body.from_tag, body.to_tag)).to_dict()
+    return (await runtime.compaction.compact(body.from_tag, body.to_tag)).to_dict()
 
 
 @router.post("/v1/snapshots/diff", status_code=201)
-async def diff(body: schemas.DiffRequest, request: Request) -> dict[str, Any]:
+async def diff(body: schemas.DiffRequest, runtime: RuntimeDep) -> dict[str, Any]:
     """Run ``cmd`` in a fresh child of ``base_tag`` and keep what it changed as diff snapshot ``tag``."""
-    record = await _runtime(request).branches.diff_exec(body.base_tag, body.tag, body.cmd, body.timeout_s)
-    return record.to_dict()
+    return (await runtime.branches.diff_exec(body.base_tag, body.tag, body.cmd, body.timeout_s)).to_dict()

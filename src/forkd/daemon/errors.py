@@ -1,0 +1,113 @@
+"""Exceptions to API error bodies: which kind of ``forkd.errors`` each runtime exception is.
+
+Every error the daemon answers has the documented body ``{"error": {"code", "message"}}`` with its
+kind's status, including the ones FastAPI and Starlette raise themselves (a malformed JSON body, an
+unknown route or method), so no client ever sees a bare ``{"detail": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from forkd.errors import KINDS, ErrorKind, kind_for_status, kind_of
+from forkd.daemon.middleware.body_limit import BodyTooLarge
+from forkd.image.builder import ImageError, ImageNotFound
+from forkd.packs.format import PackError
+from forkd.runtime.agent_client import AgentError, AgentUnavailable
+from forkd.runtime.branches import BranchBusy
+from forkd.runtime.sandboxes import SandboxEnded, SandboxNotFound
+from forkd.runtime.snapshots import SnapshotConflict, SnapshotCorrupt, SnapshotDiskFull, SnapshotError
+from forkd.validation import ValidationError
+from forkd.vmm.base import SnapshotMismatch, VmmError
+
+# Most specific first: the first matching class decides the kind.
+_KIND_OF_CLASS: list[tuple[type[BaseException], str]] = [
+    (ValidationError, "invalid_request"),
+    (SandboxNotFound, "not_found"),
+    (SandboxEnded, "sandbox_ended"),
+    (SnapshotConflict, "conflict"),
+    (SnapshotMismatch, "snapshot_mismatch"),
+    (SnapshotCorrupt, "snapshot_corrupt"),
+    (SnapshotDiskFull, "disk_full"),
+    (BranchBusy, "busy"),
+    (AgentUnavailable, "agent_unavailable"),
+    (SnapshotError, "snapshot_error"),
+    (PackError, "pack_refused"),
+    (ImageNotFound, "not_found"),
+    (ImageError, "image_error"),
+    (VmmError, "vmm_error"),
+    (LookupError, "not_found"),
+]
+# Registered per class (not for Exception, which Starlette re-raises after answering).
+HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError, PackError)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; the call was ended (answered 499, seen by no one)."""
+
+
+def kind_for(exc: BaseException) -> ErrorKind:
+    if isinstance(exc, AgentError) and not isinstance(exc, AgentUnavailable):
+        return kind_of(exc.code)  # the agent's codes (bad_request, not_found, timeout, ...) are kinds too
+    return next((KINDS[code] for cls, code in _KIND_OF_CLASS if isinstance(exc, cls)), KINDS["internal"])
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """HTTP status and JSON body for an exception raised by the runtime."""
+    kind = kind_for(exc)
+    if isinstance(exc, AgentError) and not isinstance(exc, AgentUnavailable):
+        return kind.status, kind.body(exc.message, **exc.details)
+    message = f"{type(exc).__name__}: {exc}" if kind.code == "internal" else str(exc)
+    return kind.status, kind.body(message)
+
+
+def answer(kind: ErrorKind, message: str) -> JSONResponse:
+    return JSONResponse(kind.body(message), status_code=kind.status)
+
+
+def _problems(exc: RequestValidationError) -> tuple[str, bool]:
+    """A readable list of what failed the schema, and whether the body was not JSON at all."""
+    malformed = any(e.get("type") == "json_invalid" for e in exc.errors())
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()), malformed
+
+
+def install(app: FastAPI) -> None:
+    """Answer every error the app can raise with the documented body."""
+    async def runtime_error(_: Request, exc: Exception) -> JSONResponse:
+        status, body = error_body(exc)
+        return JSONResponse(body, status_code=status)
+
+    for error_class in HANDLED_ERRORS:
+        app.add_exception_handler(error_class, runtime_error)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; it shows in the audit log
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, __: BodyTooLarge) -> JSONResponse:
+        return answer(KINDS["body_too_large"], "request body over this route's limit")
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems, malformed = _problems(exc)
+        if malformed:
+            return answer(KINDS["malformed_body"], f"the body is not valid JSON ({problems})")
+        return answer(KINDS["invalid_request"], problems)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in detail:
+            return answer(KINDS["malformed_body"], "the body is not valid JSON")
+        response = answer(kind_for_status(exc.status_code), detail)
+        response.status_code = exc.status_code
+        if exc.headers:
+            response.headers.update(exc.headers)
+        return response

@@ -1,0 +1,33 @@
+"""Request metrics: every answer counted by route template, method and status (errors included)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from forkd.runtime.metrics import Metrics
+
+
+class RequestMetrics:
+    """Pure ASGI (no ``BaseHTTPMiddleware``), so streamed answers pass through untouched."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def status_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, status_send)
+        finally:  # the router put the matched route into this scope
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.count_request(route, scope["method"], status)

@@ -1,0 +1,8 @@
+"""One router module per resource; ``ROUTERS`` is what the app includes, in documentation order."""
+
+from __future__ import annotations
+
+from forkd.daemon.routes import branch, commands, files, images, packs, sandboxes, snapshots, system, workspaces
+
+ROUTERS = (system.router, images.router, snapshots.router, packs.router, sandboxes.router, commands.router,
+           files.router, branch.router, workspaces.router)

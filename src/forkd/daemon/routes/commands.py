@@ -1,0 +1,120 @@
+"""Commands, Python cells and the processes exec started: the REST face of ``runtime.sessions``.
+
+exec and run_code answer JSON with the output gathered (up to the configured budget, then
+``truncated: true``), or with ``"stream": true`` NDJSON events as output arrives. Either way the
+call ends in the guest when the client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+
+from forkd.daemon import schemas
+from forkd.daemon.errors import ClientGone
+from forkd.daemon.deps import Pid, SandboxId, SessionsDep
+from forkd.daemon.ndjson import NDJSONResponse, attached, json_or_ndjson
+from forkd.runtime.sessions import CellSpec, CommandSpec, Execution, Notice, Output, Sessions, Started
+
+router = APIRouter()
+T = TypeVar("T")
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (and so its guest call) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone
+    return task.result()
+
+
+def _wire(event: Started | Output | Notice) -> dict[str, Any]:
+    """An event as an NDJSON line (the wire format clients already read)."""
+    if isinstance(event, Output):
+        return {"event": event.stream, "data": event.text}
+    if isinstance(event, Started):
+        return {"event": "started", "pid": event.pid}
+    return {"event": event.name, **event.data}
+
+
+async def _lines(execution: Execution) -> AsyncIterator[dict[str, Any]]:
+    try:
+        async for event in execution:
+            yield _wire(event)
+        for tail in execution.flush():
+            yield _wire(tail)
+    finally:
+        await execution.cancel()  # a no-op once the call ended; ends it in the guest otherwise
+
+
+def command_spec(body: schemas.ExecRequest) -> CommandSpec:
+    return CommandSpec(cmd=body.cmd, argv=body.argv, env=body.env, cwd=body.cwd, timeout_s=body.timeout_s,
+                       user=body.user, stdin=body.stdin.encode() if body.stdin is not None else None,
+                       warm=body.warm)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/exec", response_model=None, responses=json_or_ndjson(schemas.CommandOutcome))
+async def exec_command(sandbox_id: SandboxId, body: schemas.ExecRequest, sessions: SessionsDep,
+                       request: Request) -> dict[str, Any] | NDJSONResponse:
+    spec = command_spec(body)
+    if not body.stream:
+        return (await unless_client_leaves(request, sessions.exec(sandbox_id, spec))).to_dict()
+    execution = await sessions.start_exec(sandbox_id, spec)
+
+    async def finish() -> dict[str, Any]:
+        return Sessions.command_result(execution, await execution.raw_result()).to_dict()
+
+    return attached(_lines(execution), finish)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/run_code", response_model=None,
+             responses=json_or_ndjson(schemas.CodeOutcome))
+async def run_code(sandbox_id: SandboxId, body: schemas.RunCodeRequest, sessions: SessionsDep,
+                   request: Request) -> dict[str, Any] | NDJSONResponse:
+    spec = CellSpec(code=body.code, context=body.context, timeout_s=body.timeout_s)
+    if not body.stream:
+        return (await unless_client_leaves(request, sessions.run_code(sandbox_id, spec))).to_dict()
+    execution = await sessions.start_cell(sandbox_id, spec)
+
+    async def finish() -> dict[str, Any]:
+        return Sessions.cell_result(execution, await execution.raw_result()).to_dict()
+
+    return attached(_lines(execution), finish)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/eval", response_model=schemas.CodeOutcome)
+async def eval_expr(sandbox_id: SandboxId, body: schemas.EvalRequest, sessions: SessionsDep,
+                    request: Request) -> dict[str, Any]:
+    return await unless_client_leaves(request, sessions.eval(sandbox_id, body.expr, body.context, body.timeout_s))
+
+
+@router.get("/v1/sandboxes/{sandbox_id}/processes")
+async def list_processes(sandbox_id: SandboxId, sessions: SessionsDep) -> dict[str, Any]:
+    return await sessions.processes(sandbox_id)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/signal")
+async def signal_process(sandbox_id: SandboxId, pid: Pid, body: schemas.SignalBody,
+                         sessions: SessionsDep) -> dict[str, Any]:
+    await sessions.signal(sandbox_id, pid, body.signal)
+    return {"pid": pid, "signal": body.signal}
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin")
+async def write_stdin(sandbox_id: SandboxId, pid: Pid, body: schemas.StdinBody, sessions: SessionsDep) -> dict[str, Any]:
+    return await sessions.write_stdin(sandbox_id, pid, body.data.encode(), body.eof)

@@ -1,0 +1,41 @@
+"""Snapshots: list (with disk use), create (NDJSON progress), remove."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter
+
+from forkd.daemon import schemas
+from forkd.daemon.deps import RuntimeDep
+from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, detached
+from forkd.runtime.snapshots import SnapshotRequest
+from forkd.store.usage import directory_usage
+
+router = APIRouter()
+
+
+@router.get("/v1/snapshots", response_model=schemas.SnapshotList)
+async def snapshots(runtime: RuntimeDep) -> dict[str, Any]:
+    records = runtime.registry.list_snapshots()
+    usage = await asyncio.to_thread(lambda: [directory_usage(s.path) for s in records])  # walks the store
+    return {"snapshots": [{**s.to_dict(), "disk": disk} for s, disk in zip(records, usage)]}
+
+
+@router.post("/v1/snapshots", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
+async def create_snapshot(body: schemas.SnapshotCreate, runtime: RuntimeDep) -> NDJSONResponse:
+    request = SnapshotRequest(tag=body.tag, image=body.image, memory_mib=body.memory_mib, vcpus=body.vcpus,
+                              warm_modules=tuple(body.warm_modules), warmup_cmd=body.warmup_cmd)
+    runtime.snapshots.reserve(body.tag)  # a taken tag is a 409 before any streaming starts
+
+    async def work(emit):  # type: ignore[no-untyped-def]
+        record = await runtime.create_snapshot(request, lambda line: emit({"progress": line}), reserved=True)
+        return record.to_dict()
+
+    return detached(work)
+
+
+@router.delete("/v1/snapshots/{tag}")
+async def remove_snapshot(tag: str, runtime: RuntimeDep, cascade: bool = False, force: bool = False) -> dict[str, Any]:
+    return {"removed": tag, "removed_tags": runtime.remove_snapshot(tag, cascade=cascade, force=force)}

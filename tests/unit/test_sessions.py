@@ -1,0 +1,195 @@
+"""runtime/sessions.py with the real host AgentClient, over a socket pair to a scripted guest.
+
+The scripted guest speaks the wire protocol (it is a seam for the host logic: budgets, back-pressure,
+cancel); the real agent is exercised by tests/unit/test_agent.py and the VM tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from forkd.guest import protocol
+from forkd.runtime.agent_client import AgentClient
+from forkd.runtime.options import OutputLimits
+from forkd.runtime.sessions import CellSpec, CommandSpec, Output, Sessions, Started
+
+CHUNK = b"x" * 4096
+
+
+@dataclass
+class ScriptedGuest:
+    """Answers exec with ``chunks`` stdout chunks (fewer when it honours output_limit), then a result."""
+
+    chunks: int = 10
+    flow: bool = False  # implements flow.pause / flow.resume / cancel
+    seen: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    paused: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    sent_chunks: int = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        resume = asyncio.Event()
+        resume.set()
+        tasks = set()
+
+        def send(frame: dict[str, Any]) -> None:
+            writer.write(protocol.encode_frame(frame))
+
+        async def run_exec(req_id: int, args: dict[str, Any]) -> None:
+            send(protocol.event(req_id, protocol.EVENT_STARTED, {"pid": 4242}))
+            for _ in range(self.chunks):
+                await resume.wait()
+                if self.cancelled.is_set():
+                    return
+                send(protocol.event(req_id, protocol.EVENT_STDOUT, {"data_b64": protocol.b64encode(CHUNK)}))
+                self.sent_chunks += 1
+                await writer.drain()
+            send(protocol.ok(req_id, {"exit_code": 0, "signal": None, "timed_out": False, "duration_s": 0.1}))
+
+        while line := await reader.readline():
+            frame = json.loads(line)
+            req_id, op, args = frame["id"], frame["op"], frame["args"]
+            self.seen.append((op, args))
+            if op in (protocol.OP_FLOW_PAUSE, protocol.OP_FLOW_RESUME, protocol.OP_CANCEL) and not self.flow:
+                send(protocol.error(req_id, protocol.ERR_UNKNOWN_OP, f"unknown op {op!r}"))
+            elif op == protocol.OP_FLOW_PAUSE:
+                resume.clear()
+                self.paused.set()
+                send(protocol.ok(req_id))
+            elif op == protocol.OP_FLOW_RESUME:
+                resume.set()
+                send(protocol.ok(req_id))
+            elif op in (protocol.OP_CANCEL, protocol.OP_PROC_KILL):
+                self.cancelled.set()
+                resume.set()
+                send(protocol.ok(req_id))
+            elif op == protocol.OP_EXEC:
+                task = asyncio.create_task(run_exec(req_id, args))
+                tasks.add(task)
+            elif op == protocol.OP_RUN_CODE:
+                send(protocol.event(req_id, protocol.EVENT_STDOUT, {"text": "é" * 3000}))
+                send(protocol.ok(req_id, {"value": "1", "value_json": 1, "error": None}))
+            else:
+                send(protocol.ok(req_id, {"op": op}))
+            await writer.drain()
+
+
+@dataclass
+class _Record:
+    meta: dict[str, Any]
+
+
+@dataclass
+class _Live:
+    agent: AgentClient
+    record: _Record
+
+
+class _Sandboxes:
+    def __init__(self, agent: AgentClient) -> None:
+        self.live = _Live(agent, _Record({"envs": {"A": "1"}}))
+
+    def get(self, sandbox_id: str) -> _Live:
+        return self.live
+
+
+async def _connected(guest: ScriptedGuest, limits: OutputLimits) -> tuple[Sessions, AgentClient, asyncio.Task[None]]:
+    host_sock, guest_sock = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=host_sock)
+    agent = AgentClient(reader, writer)
+    g_reader, g_writer = await asyncio.open_connection(sock=guest_sock)
+    serving = asyncio.create_task(guest.serve(g_reader, g_writer))
+    return Sessions(_Sandboxes(agent), limits), agent, serving
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_a_result_keeps_at_most_its_budget_and_says_truncated() -> None:
+    async def main() -> None:
+        guest = ScriptedGuest(chunks=50)
+        sessions, agent, serving = await _connected(guest, OutputLimits(result_bytes=10_000))
+        result = await sessions.exec("sb", CommandSpec(cmd="yes"))
+        assert result.truncated and len(result.stdout) == 10_000 and result.exit_code == 0
+        op, args = guest.seen[0]
+        assert op == protocol.OP_EXEC and args["output_limit"] == 10_000 and args["env"] == {"A": "1"}
+        guest.chunks = 2
+        small = await sessions.exec("sb", CommandSpec(argv=["true"], env={"B": "2"}))
+        assert not small.truncated and len(small.stdout) == 2 * len(CHUNK)
+        assert guest.seen[-1][1]["env"] == {"A": "1", "B": "2"}
+        await agent.close()
+        serving.cancel()
+    run(main())
+
+
+def test_text_is_decoded_whole_across_chunks_and_cells_are_bounded_too() -> None:
+    async def main() -> None:
+        guest = ScriptedGuest()
+        sessions, agent, serving = await _connected(guest, OutputLimits(result_bytes=5000))
+        cell = await sessions.run_code("sb", CellSpec(code="print('é' * 3000)"))
+        assert cell.truncated and cell.value_json == 1 and cell.stdout == "é" * 2500
+        await agent.close()
+        serving.cancel()
+    run(main())
+
+
+def test_a_stream_not_read_pauses_the_guest_then_resumes() -> None:
+    async def main() -> None:
+        guest = ScriptedGuest(chunks=200, flow=True)
+        sessions, agent, serving = await _connected(guest, OutputLimits(stream_buffer_bytes=16 * 4096))
+        execution = await sessions.start_exec("sb", CommandSpec(cmd="yes"))
+        await asyncio.wait_for(guest.paused.wait(), 10)
+        assert guest.sent_chunks < 200  # the guest stopped sending while nobody read
+        events = [event async for event in execution]
+        assert isinstance(events[0], Started) and events[0].pid == 4242
+        assert sum(len(e.text) for e in events if isinstance(e, Output)) == 200 * 4096
+        assert (await execution.raw_result())["exit_code"] == 0
+        assert (protocol.OP_FLOW_RESUME, {"id": execution._req_id}) in guest.seen
+        await agent.close()
+        serving.cancel()
+    run(main())
+
+
+def test_without_flow_control_the_reader_is_held_and_cancel_kills_the_process() -> None:
+    async def main() -> None:
+        guest = ScriptedGuest(chunks=10_000, flow=False)
+        sessions, agent, serving = await _connected(guest, OutputLimits(stream_buffer_bytes=8 * 4096))
+        execution = await sessions.start_exec("sb", CommandSpec(cmd="yes"))
+        await asyncio.sleep(0.5)  # let it flood; the host holds its reader once the buffer is full
+        assert execution._queued_bytes <= 4 * 8 * 4096 + len(CHUNK)
+        await execution.cancel()
+        await asyncio.wait_for(guest.cancelled.wait(), 10)
+        assert (protocol.OP_PROC_KILL, {"pid": 4242, "signal": 9}) in guest.seen
+        assert guest.sent_chunks < 10_000
+        await agent.close()
+        serving.cancel()
+    run(main())
+
+
+def test_a_cancelled_collect_ends_the_call_in_the_guest() -> None:
+    async def main() -> None:
+        guest = ScriptedGuest(chunks=10_000, flow=True)
+        sessions, agent, serving = await _connected(guest, OutputLimits())
+        task = asyncio.create_task(sessions.exec("sb", CommandSpec(cmd="yes")))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(guest.cancelled.wait(), 10)
+        assert any(op == protocol.OP_CANCEL for op, _ in guest.seen)
+        await agent.close()
+        serving.cancel()
+    run(main())
+
+
+def test_command_spec_needs_exactly_one_form() -> None:
+    for bad in ({}, {"cmd": "ls", "argv": ["ls"]}):
+        with pytest.raises(ValueError):
+            CommandSpec(**bad)
