@@ -74,3 +74,10 @@ def test_waiting_for_text_scans_a_bounded_stream_and_finds_a_split_marker(contro
         tracemalloc.stop()
     assert peak < 4 << 20, peak  # one chunk at a time, not 8 MiB
     assert file_contains(controller, "sb-aaaaaaaaaaaa", "/tmp/split", b"marker found", 1 << 20) is True
+
+
+def test_a_scan_stops_at_its_deadline(controller: Controller) -> None:
+    """1 TiB of an endless file would take far past the module's timeout; the deadline ends it."""
+    import time
+
+    assert file_contains(controller, "sb-aaaaaaaaaaaa", "/tmp/zero", b"never", 1 << 40, time.monotonic() + 0.5) is False

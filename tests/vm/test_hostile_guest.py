@@ -79,7 +79,7 @@ def test_a_huge_guest_file_cannot_grow_a_client(daemon: Controller, children: li
     threat through a regular file: as much data as the guest likes, at no cost to it."""
     sandbox = children[2]
     made = daemon.exec(sandbox, "truncate -s 64G /tmp/zero && echo done > /tmp/log", timeout_s=30)
-    assert made["exit_code"] == 0, made
+    assert made["exit_code"] == 0, (made, made.get("stderr"))
     with pytest.raises(ForkdError, match="holds more than 1048576 bytes"):
         daemon.read_file(sandbox, "/tmp/zero", max_bytes=1 << 20)
     assert file_contains(daemon, sandbox, "/tmp/zero", b"never", 8 << 20) is False
@@ -106,7 +106,7 @@ def test_guest_text_is_shown_not_interpreted_by_the_cli(daemon: Controller, chil
     sandbox = children[2]
     made = daemon.exec(sandbox, ["python3", "-c", "open('/tmp/[bold]loud[/bold]\\x1b[31mred', 'w').close()"],
                        timeout_s=30)
-    assert made["exit_code"] == 0, made
+    assert made["exit_code"] == 0, (made, made.get("stderr"))
     assert any("loud" in entry["name"] for entry in daemon.list_files(sandbox, "/tmp"))
     listed = subprocess.run([sys.executable, "-m", "forkd", "files", "ls", sandbox, "/tmp"], env=vm_env,
                             capture_output=True, text=True, timeout=120)

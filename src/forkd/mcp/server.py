@@ -75,9 +75,11 @@ def _encode(content: str, encoding: str) -> bytes:
         raise ToolError("content is not valid base64: send text with encoding='text'") from None
 
 
-def file_contains(controller: Controller, sandbox_id: str, path: str, marker: bytes, limit: int) -> bool:
+def file_contains(controller: Controller, sandbox_id: str, path: str, marker: bytes, limit: int,
+                  deadline: float | None = None) -> bool:
     """Whether the file's first ``limit`` bytes hold ``marker``, streamed: only one chunk and the end of
-    the one before are held, so a guest file that never ends (a symlink to /dev/zero) costs nothing."""
+    the one before are held, so a guest file that never ends costs nothing; the scan also stops at
+    ``deadline`` (``time.monotonic()``), so a huge file cannot hold the caller past its timeout."""
     keep = len(marker) - 1  # a marker split across two chunks is still found
     tail, seen = b"", 0
     chunks = controller.read_file_chunks(sandbox_id, path)
@@ -87,7 +89,7 @@ def file_contains(controller: Controller, sandbox_id: str, path: str, marker: by
             if marker in window:
                 return True
             seen += len(chunk)
-            if seen >= limit:
+            if seen >= limit or (deadline is not None and time.monotonic() > deadline):
                 return False
             tail = window[len(window) - keep:] if keep else b""
     finally:
@@ -271,7 +273,7 @@ def build_server(controller: Controller) -> MCPServer:
     ) -> WaitResult:
         """Poll a file in a sandbox until it contains some text (e.g. a log line a background job
         prints when done), or until the timeout; a missing file counts as not yet. Only the file's
-        first 64 MiB are searched."""
+        first 64 MiB are searched, and a poll stops reading at the timeout."""
         await _call(controller.sandbox, sandbox_id)  # a wrong id fails now, not at the timeout
         started = time.monotonic()
         deadline = started + timeout_s
@@ -281,7 +283,7 @@ def build_server(controller: Controller) -> MCPServer:
             polls += 1
             try:
                 found = await anyio.to_thread.run_sync(file_contains, controller, sandbox_id, path, marker,
-                                                       MAX_SCAN_BYTES)
+                                                       MAX_SCAN_BYTES, deadline)
                 exists = True
             except ForkdError as exc:
                 if exc.status != 404:
