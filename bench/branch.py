@@ -1,10 +1,12 @@
-"""BRANCH: pause window and caller-visible latency per mode and dirtied memory; ten BRANCHes in a row;
-spawn time through diff chains of depth 0-3 vs a compacted (flat) copy; layer bytes vs pages changed.
+"""BRANCH: pause window and caller-visible latency per mode and dirtied memory, with the per-stage
+breakdown; ten BRANCHes in a row; spawn time through diff chains of depth 0-3 vs a compacted (flat)
+copy; layer bytes vs pages changed.
 
 Each measurement uses a fresh child of ``--tag`` (a 1 GiB snapshot) that first fills a bytearray of
-N MiB with random bytes in its warm interpreter. ``pause_ms`` is what the daemon measured between
-QMP ``stop`` and the guest running again; ``latency_s`` is the caller's wall time for the whole
-BRANCH request (capture, re-parent, diff, digests). Spawn time is the daemon's seconds_to_answer.
+N MiB with random bytes in its warm interpreter. ``pause_ms`` is what the daemon measured from QMP
+``stop`` to ``cont`` answered; ``latency_s`` is the caller's wall time for the whole BRANCH request;
+``timings`` is the daemon's per-stage breakdown (ms). Spawn time is the daemon's seconds_to_answer.
+Record the load average around a run (it is in the JSON): figures from a busy machine do not compare.
 
     FORKD_HOME=... .venv/bin/python bench/branch.py --tag vmtest --repeats 3
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -63,10 +66,15 @@ def one_branch(controller: Controller, tag: str, mode: str, mib: int, name: str)
     own = "memory.layer" if info["memory_kind"] == "diff" else "memory"
     sizes = controller.snapshot(name)
     controller.remove_snapshot(name)
-    return {"pause_ms": info["pause_ms"], "latency_s": latency, "reparent_s": info["reparent_seconds"],
-            "diff_s": info.get("diff_seconds"), "digest_s": info["digest_seconds"],
-            "changed_pages": info.get("changed_pages"), "memory_file_bytes": info["sizes"][own],
+    return {"pause_ms": info["pause_ms"], "latency_s": latency, "timings_ms": info["timings"],
+            "private_pages": info["private_pages"], "changed_pages": info["changed_pages"],
+            "precopied": info.get("precopied"), "memory_file_bytes": info["sizes"][own],
             "disk_layer_bytes": info["sizes"]["disk.qcow2"], "physical_bytes": sizes["physical_bytes"]}
+
+
+def stage_p50(timings: list[dict[str, float]]) -> dict[str, float]:
+    """Median milliseconds of each stage over runs, in stage order."""
+    return {stage: statistics.median(t[stage] for t in timings if stage in t) for stage in timings[0]} if timings else {}
 
 
 def modes_grid(controller: Controller, tag: str, modes: list[str], dirty: list[int], repeats: int) -> dict[str, Any]:
@@ -86,6 +94,7 @@ def modes_grid(controller: Controller, tag: str, modes: list[str], dirty: list[i
                     "runs": runs,
                     "pause_ms": summary([run["pause_ms"] for run in runs]),
                     "latency_s": summary([run["latency_s"] for run in runs]),
+                    "stages_ms_p50": stage_p50([run["timings_ms"] for run in runs]),
                 }
             if mode == "live" and "refused" in grid.get(f"{mode}/{mib}", {}):
                 break  # the host cannot do it; one refusal says so
@@ -95,17 +104,19 @@ def modes_grid(controller: Controller, tag: str, modes: list[str], dirty: list[i
 def series(controller: Controller, tag: str, count: int) -> dict[str, Any]:
     sandbox_id = dirty_child(controller, tag, 0)
     tags = [f"bench-series-{i}" for i in range(count)]
-    pauses, latencies = [], []
+    pauses, latencies, timings = [], [], []
     try:
         for i, name in enumerate(tags):
             controller.exec(sandbox_id, f"head -c 4M /dev/urandom > /tmp/step-{i}")
             started = time.monotonic()
-            pauses.append(controller.branch(sandbox_id, name)["pause_ms"])
+            info = controller.branch(sandbox_id, name)
             latencies.append(time.monotonic() - started)
+            pauses.append(info["pause_ms"])
+            timings.append(info["timings"])
     finally:
         controller.kill(sandbox_id)
         controller.remove_snapshot(tags[0], cascade=True)
-    return {"pause_ms": pauses, "latency_s": latencies}
+    return {"pause_ms": pauses, "latency_s": latencies, "timings_ms": timings, "stages_ms_p50": stage_p50(timings)}
 
 
 def chain_spawns(controller: Controller, tag: str, depth: int, layer_mib: int, repeats: int) -> dict[str, Any]:
@@ -170,7 +181,8 @@ def main() -> None:
     args = parser.parse_args()
     controller = ensure_daemon(paths_from_env())
     started = time.monotonic()
-    data = {"tag": args.tag, "repeats": args.repeats, "host": controller.version()}
+    data = {"tag": args.tag, "repeats": args.repeats, "host": controller.version(),
+            "load_average_before": os.getloadavg()}
     data["home"] = str(paths_from_env().home)
     data["modes"] = modes_grid(controller, args.tag, args.modes.split(","), [int(x) for x in args.dirty.split(",")],
                                args.repeats)
@@ -178,6 +190,7 @@ def main() -> None:
         data["series"] = series(controller, args.tag, args.series)
         data["chain"] = chain_spawns(controller, args.tag, args.depth, args.layer_mib, max(3, args.repeats))
     data["runtime_s"] = time.monotonic() - started
+    data["load_average_after"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(data, indent=2))
     if not args.only_modes:

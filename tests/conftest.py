@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from forkd.config import paths_from_env
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
 
 VM_SNAPSHOT = "vmtest"
@@ -198,3 +199,61 @@ def children(daemon: Controller, snapshot_tag: str) -> Iterator[list[str]]:
     for sandbox_id in ids:
         with contextlib.suppress(ForkdError):  # already gone: the test killed it
             daemon.kill(sandbox_id)
+
+
+WORKLOADS_IMAGE = "workloads"
+WORKLOADS_SNAPSHOT = "workloads"
+#: Debian packages of the real-workload image: the scientific stack, a chart library and a database.
+WORKLOADS_PACKAGES = ["python3-pandas", "python3-sklearn", "python3-matplotlib", "postgresql"]
+
+
+@pytest.fixture(scope="session")
+def workloads_ca(vm_env: dict[str, str]) -> tuple[Path, Path, Path]:
+    """A CA and a ``localhost`` server certificate it signed: (ca.pem, server.pem, server.key).
+
+    Made once per cache directory, so the image that trusts the CA keeps its key between runs.
+    """
+    cache = paths_from_env(vm_env).cache
+    cache.mkdir(parents=True, exist_ok=True)
+    directory = cache / "test-ca"
+    ca, cert, key = directory / "ca.pem", directory / "server.pem", directory / "server.key"
+    if cert.is_file():
+        return ca, cert, key
+    work = Path(tempfile.mkdtemp(prefix=".test-ca-", dir=cache))
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=work, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=forkd test CA",
+        "-keyout", "ca.key", "-out", "ca.pem")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "server.key", "-out",
+        "server.csr")
+    (work / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days",
+        "3650", "-extfile", "san.ext", "-out", "server.pem")
+    try:
+        os.replace(work, directory)
+    except OSError:  # another test run made it first: use theirs
+        shutil.rmtree(work)
+    return ca, cert, key
+
+
+@pytest.fixture(scope="session")
+def workloads_image(daemon: Controller, workloads_ca: tuple[Path, Path, Path]) -> str:
+    """The real-workload image (scientific stack, matplotlib, PostgreSQL, the test CA), built once per cache."""
+    ca, _, _ = workloads_ca
+    daemon.build_image(on_progress=_progress, name=WORKLOADS_IMAGE, packages=WORKLOADS_PACKAGES,
+                       ca_certs=[ca.read_text()])
+    return WORKLOADS_IMAGE
+
+
+@pytest.fixture(scope="session")
+def workloads_snapshot(daemon: Controller, workloads_image: str) -> str:
+    """A snapshot of the workloads image with numpy, pandas and sklearn imported and PostgreSQL running,
+    seeded by the postgres recipe's warmup."""
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "postgres_fixture.py"
+    warmup = subprocess.run([sys.executable, str(recipe), "--print-warmup"], check=True, capture_output=True,
+                            text=True, timeout=60).stdout.strip()  # the recipe's own warmup, as users run it
+    daemon.create_snapshot(WORKLOADS_SNAPSHOT, on_progress=_progress, image=workloads_image, memory_mib=1024,
+                           warm_modules=["numpy", "pandas", "sklearn", "scipy.linalg", "pytest"], warmup_cmd=warmup)
+    return WORKLOADS_SNAPSHOT

@@ -862,7 +862,7 @@ def test_stdio_transport_in_the_guest_layout(tmp_path: Path) -> None:
 def test_guest_modules_import_without_site_packages(tmp_path: Path) -> None:
     (tmp_path / "forkd_guest").symlink_to(GUEST_PACKAGE)
     subprocess.run(
-        [sys.executable, "-S", "-c", "import forkd_guest.agent, forkd_guest.init"], cwd=tmp_path, check=True, timeout=20
+        [sys.executable, "-S", "-c", "import forkd_guest.agent, forkd_guest.init, forkd_guest.template"], cwd=tmp_path, check=True, timeout=20
     )
 
 
@@ -899,6 +899,7 @@ def test_a_crashing_cell_answers_with_the_signal(agent: AgentClient, code: str, 
     assert error["name"] == protocol.INTERPRETER_CRASHED
     assert (error["signal"], error["signal_name"], error["context"]) == (int(sig), sig.name, "restored")
     assert sig.name in error["value"]
+    assert "Fatal Python error" in error["traceback"] and "<cell-" in error["traceback"]  # where it crashed
     # The next cell in the context works, in a fresh process without the old variables.
     assert run_code(agent, "before", context=context)[1]["error"]["name"] == "NameError"
     assert run_code(agent, "1 + 1", context=context)[1]["value"] == "2"
@@ -1176,3 +1177,25 @@ def test_matplotlib_figures_come_back_as_png(agent: AgentClient) -> None:
     pngs = [r for r in result["results"] if "png" in r]
     assert len(pngs) == 2 and all(unb64(r["png"]).startswith(b"\x89PNG") for r in pngs)
     assert pngs[-1]["is_main_result"] is True
+
+
+def test_a_dead_template_is_replaced_with_its_warm_up_replayed() -> None:
+    process = AgentProcess()
+    try:
+        client = process.client
+        client.result(protocol.OP_WARM, {"modules": ["decimal"], "code": "WARMED = 1"})
+        run_code(client, "kept = 5", context="survivor")
+        old = client.result(protocol.OP_PING)["template_pid"]
+        os.kill(old, signal.SIGKILL)
+        # A context forked before keeps running; a new one comes from a new template, warm again.
+        assert run_code(client, "kept", context="survivor")[1]["value"] == "5"
+        deadline = time.monotonic() + 30
+        while True:  # the first request after the death may still meet the old template's socket
+            _, terminal = client.call(protocol.OP_EVAL, {"expr": "[WARMED, decimal.Decimal(2)]", "context": "new"})
+            if terminal["ok"] and terminal["result"]["error"] is None or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert terminal["result"]["value"] == "[1, Decimal('2')]", terminal
+        assert client.result(protocol.OP_PING)["template_pid"] not in (None, old)
+    finally:
+        process.stop()

@@ -21,9 +21,10 @@ from forkd.runtime.agent_client import AgentClient, AgentUnavailable
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
-from forkd.runtime.registry import Registry, SandboxRecord
+from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotService
+from forkd.store.snapshots import SnapshotStore
 from forkd.store.files import DigestCache
 from forkd.vmm.base import VmHandle
 from forkd.vmm.qemu import QemuVmm
@@ -138,7 +139,8 @@ def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_pa
         directory.mkdir(parents=True)
     registry = Registry(paths.db)
     vmm = QemuVmm()
-    service = SandboxService(paths, registry, vmm, SnapshotService(paths, registry, vmm, DigestCache()), Metrics(),
+    store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+    service = SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
                              Isolation.from_options(registry, RuntimeOptions()))
     released: list[str] = []
     service.releasers.append(released.append)

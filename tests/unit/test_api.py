@@ -45,6 +45,14 @@ def test_exec_needs_exactly_one_command_form(api: TestClient) -> None:
         assert api.post("/v1/sandboxes/sb-000000000000/exec", json=body).status_code == 400
 
 
+def test_contexts_of_a_missing_sandbox_and_bad_bodies(api: TestClient) -> None:
+    base = "/v1/sandboxes/sb-000000000000/contexts"
+    assert api.get(base).status_code == 404
+    assert api.post(base, json={"language": "r"}).status_code == 400
+    assert api.post(base, json={"id": "../x"}).status_code == 400
+    assert api.post(f"{base}/bad id/restart").status_code == 400
+
+
 def test_warm_exec_splits_a_shell_string_and_refuses_what_cannot_split() -> None:
     from forkd.daemon.schemas import ExecRequest
     body = ExecRequest(cmd="python3 -m pytest -k 'a and b'", warm=True)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
 
-from forkd.runtime.chains import ChainBroken, ancestry, chain_memory, descendants, describe_chain, parent_digests
-from forkd.runtime.registry import Registry, SnapshotRecord
+from forkd.store.chains import ChainBroken, ancestry, chain_memory, descendants, describe_chain, parent_digests
+from forkd.store.registry import Registry, SnapshotRecord
 
 
 def add(registry: Registry, tmp_path: Path, tag: str, parent: str | None, kind: str = "diff") -> SnapshotRecord:
@@ -65,16 +64,3 @@ def test_descendants_deepest_first_and_description(chain: Registry) -> None:
     assert (info["depth"], info["ancestors"]) == (4, ["full", "b", "a", "root"])
     assert info["dependents"] == [] and 0 < info["physical_bytes"] < info["logical_bytes"]
     assert sorted(describe_chain(chain, chain.get_snapshot("a"))["dependents"]) == ["b", "side"]
-
-
-def test_old_database_gains_parent_column(tmp_path: Path) -> None:
-    db = sqlite3.connect(tmp_path / "state.db")
-    db.execute("CREATE TABLE snapshots (tag TEXT PRIMARY KEY, status TEXT NOT NULL, image TEXT NOT NULL, "
-               "path TEXT NOT NULL, created_at REAL NOT NULL, meta TEXT NOT NULL)")
-    db.execute("INSERT INTO snapshots VALUES ('old', 'ready', 'default', '/x', 1.0, '{}')")
-    db.commit()
-    db.close()
-    registry = Registry(tmp_path / "state.db")
-    assert registry.get_snapshot("old").parent_tag is None
-    registry.update_snapshot("old", status="failed", meta={"error": "e"})
-    assert (registry.get_snapshot("old").status, registry.get_snapshot("old").meta) == ("failed", {"error": "e"})

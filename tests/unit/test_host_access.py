@@ -23,7 +23,7 @@ from forkd.hostpaths import HostRoots, OutsideRoots
 from forkd.packs.format import PackError
 from forkd.packs.index import MAX_INDEX_BYTES, load_index
 from forkd.packs.transfer import UrlPolicy, download
-from forkd.runtime.registry import SnapshotRecord
+from forkd.store.registry import SnapshotRecord
 from forkd.runtime.runtime import Runtime
 from forkd.validation import ValidationError
 from forkd.vmm.qemu import QemuVmm

@@ -34,10 +34,6 @@ def test_cgroup_layouts_are_told_apart(tmp_path: Path) -> None:
 
 
 def test_kernel_probes_agree_with_the_kernel() -> None:
-    uffd = probes.probe_userfaultfd()
-    device = Path("/dev/userfaultfd")
-    if device.exists() and os.access(device, os.R_OK | os.W_OK):
-        assert uffd.available and uffd.via == "/dev/userfaultfd"
     assert probes.probe_memfd() is None
     if Path("/dev/net/tun").exists() and os.geteuid() == 0:
         assert probes.probe_tun() is None
@@ -49,7 +45,7 @@ def test_kernel_probes_agree_with_the_kernel() -> None:
 def test_every_check_has_a_fix_when_not_ok(tmp_path: Path) -> None:
     checks = run_checks(Paths(home=tmp_path / "home", cache=tmp_path / "cache", socket=tmp_path / "s.sock"))
     names = {c.name for c in checks}
-    assert {"platform", "accelerator", "qemu", "cgroups", "netns", "tun", "nft", "ip_forward", "userfaultfd",
+    assert {"platform", "accelerator", "qemu", "cgroups", "netns", "tun", "nft", "ip_forward", "soft_dirty",
             "memfd", "ksm", "hugepages", "free disk (home)", "free disk (cache)", "free memory"} <= names
     assert all(c.fix for c in checks if c.status != "ok"), [c for c in checks if c.status != "ok" and not c.fix]
     assert next(c for c in checks if c.name == "image cache").status == "warn"  # an empty cache

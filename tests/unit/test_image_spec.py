@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import pytest
 
 import forkd.guest.protocol
 from forkd.image.agent import AgentPayload, current_agent
+from forkd.image.certs import install_ca_certs
 from forkd.image.errors import SourceError
 from forkd.image.rootfs import debootstrap_cache_path
 from forkd.image.spec import ImageSpec
 from forkd.validation import ValidationError
 
 AGENT = AgentPayload(files=(("__init__.py", b""), ("agent.py", b"AGENT_VERSION = '1'\n")), version="1")
+
+
+CERT = "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIU\n-----END CERTIFICATE-----\n"
 
 
 def key(**changes: object) -> str:
@@ -79,6 +84,10 @@ def test_missing_sources_are_reported(tmp_path: Path) -> None:
     {"mirror": "ftp://mirror.example.test/debian"},
     {"disk_size_mib": 10},
     {"source_dir": Path("/a"), "source_oci": Path("/b.tar")},
+    {"ca_certs": ("not a certificate",)},
+    {"ca_certs": (CERT + CERT,)},
+    {"ca_certs": (CERT + "; rm -rf /\n",)},
+    {"ca_certs": (CERT,) * 51},
 ])
 def test_invalid_specs_are_refused(changes: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
@@ -90,7 +99,7 @@ def test_to_dict_is_json_ready(tmp_path: Path) -> None:
     assert spec.to_dict() == {
         "name": "custom", "suite": "bookworm", "packages": ["python3"], "mirror": None,
         "kernel_package": "linux-image-cloud-amd64", "kernel_suite": "bookworm-backports",
-        "source_dir": None, "source_oci": str(tmp_path / "x.tar"), "disk_size_mib": None,
+        "source_dir": None, "source_oci": str(tmp_path / "x.tar"), "disk_size_mib": None, "ca_certs_sha256": [],
     }
 
 
@@ -108,3 +117,18 @@ def test_current_agent_is_the_guest_package() -> None:
     assert {"__init__.py", "agent.py", "protocol.py"} <= set(names)
     assert names == sorted(names)
     assert agent.version == forkd.guest.protocol.AGENT_VERSION
+
+
+def test_ca_certificates_change_the_key_and_add_their_package() -> None:
+    with_cert = ImageSpec(ca_certs=(CERT,))
+    assert with_cert.key(AGENT) != key()
+    assert with_cert.key(AGENT) != ImageSpec(ca_certs=(CERT.replace("MIIB", "MIIC"),)).key(AGENT)
+    assert "ca-certificates" in with_cert.root_packages
+    assert "ca-certificates" not in ImageSpec().root_packages
+    assert with_cert.to_dict()["ca_certs_sha256"] == [hashlib.sha256(CERT.strip().encode()).hexdigest()]
+
+
+def test_ca_certificates_need_the_trees_updater(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="install the ca-certificates package"):
+        install_ca_certs(tmp_path, [CERT])
+    install_ca_certs(tmp_path, [])  # nothing asked, nothing needed

@@ -12,8 +12,8 @@ from forkd.store.layers import (
     PAGE_SIZE,
     ChainMemory,
     LayerError,
-    changed_pages,
-    data_extents,
+    Pages,
+    drop_unchanged,
     flatten,
     punch_zero_pages,
     read_layer,
@@ -33,6 +33,13 @@ def sparse(path: Path, pages: dict[int, bytes]) -> Path:
     return path
 
 
+def pages_of(memory: Path, indices: list[int]) -> Pages:
+    """What a BRANCH copies out of a VMM: these pages of its memory, in order."""
+    data = memory.read_bytes()
+    return Pages(offsets=array("Q", [i * PAGE_SIZE for i in indices]),
+                 data=memoryview(b"".join(data[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] for i in indices)))
+
+
 def view(memory: ChainMemory) -> bytes:
     fds = [os.open(layer.path, os.O_RDONLY) for layer in memory.layers]
     base = os.open(memory.base, os.O_RDONLY)
@@ -46,7 +53,9 @@ def view(memory: ChainMemory) -> bytes:
 def test_layer_round_trip_and_runs(tmp_path: Path) -> None:
     memory = sparse(tmp_path / "m", {1: b"a", 2: b"b", 7: b"c"})
     offsets = array("Q", [1 * PAGE_SIZE, 2 * PAGE_SIZE, 7 * PAGE_SIZE])
-    written = write_layer(tmp_path / "l", memory, offsets)
+    pages = pages_of(memory, [1, 2, 7])
+    assert [(o, n) for o, _, n in pages.runs()] == [(PAGE_SIZE, 2 * PAGE_SIZE), (7 * PAGE_SIZE, PAGE_SIZE)]
+    written = write_layer(tmp_path / "l", pages)
     layer = read_layer(tmp_path / "l")
     assert list(layer.offsets) == list(offsets) and layer.page_size == PAGE_SIZE
     assert [(o, n) for o, _, n in layer.runs()] == [(PAGE_SIZE, 2 * PAGE_SIZE), (7 * PAGE_SIZE, PAGE_SIZE)]
@@ -59,7 +68,7 @@ def test_layer_round_trip_and_runs(tmp_path: Path) -> None:
 
 def test_truncated_or_foreign_layers_are_refused(tmp_path: Path) -> None:
     memory = sparse(tmp_path / "m", {3: b"x"})
-    write_layer(tmp_path / "l", memory, array("Q", [3 * PAGE_SIZE]))
+    write_layer(tmp_path / "l", pages_of(memory, [3]))
     data = (tmp_path / "l").read_bytes()
     (tmp_path / "short").write_bytes(data[:-1])
     (tmp_path / "foreign").write_bytes(b"NOTLAYER" + data[8:])
@@ -70,32 +79,32 @@ def test_truncated_or_foreign_layers_are_refused(tmp_path: Path) -> None:
 
 def test_diff_holds_changed_and_zeroed_pages_only(tmp_path: Path) -> None:
     base = sparse(tmp_path / "base", {0: b"k", 5: b"s", 9: b"z"})
-    # The child changed page 5, wrote new page 20, zeroed page 9 (a hole in its capture), kept page 0.
+    # The child changed page 5, wrote new page 20, zeroed page 9, rewrote page 0 with what it held.
     child = sparse(tmp_path / "child", {0: b"k", 5: b"S", 20: b"n"})
-    parent = ChainMemory(base, [])
-    assert data_extents(base)[0][0] == 0
-    offsets = changed_pages(child, parent)
-    assert list(offsets) == [5 * PAGE_SIZE, 9 * PAGE_SIZE, 20 * PAGE_SIZE]
-    layer = write_layer(tmp_path / "layer", child, offsets)
+    kept = drop_unchanged(pages_of(child, [0, 5, 9, 20]), ChainMemory(base, []))
+    assert list(kept.offsets) == [5 * PAGE_SIZE, 9 * PAGE_SIZE, 20 * PAGE_SIZE]
+    layer = write_layer(tmp_path / "layer", kept)
     assert view(ChainMemory(base, [layer])) == (tmp_path / "child").read_bytes()
 
 
 def test_layers_stack_base_first(tmp_path: Path) -> None:
     base = sparse(tmp_path / "base", {1: b"0", 2: b"0"})
     one = sparse(tmp_path / "one", {1: b"1", 2: b"0"})
-    first = write_layer(tmp_path / "l1", one, changed_pages(one, ChainMemory(base, [])))
+    first = write_layer(tmp_path / "l1", drop_unchanged(pages_of(one, [1, 2]), ChainMemory(base, [])))
+    assert list(first.offsets) == [1 * PAGE_SIZE]
     two = sparse(tmp_path / "two", {1: b"1", 2: b"2", 3: b"2"})
-    second_offsets = changed_pages(two, ChainMemory(base, [first]))
-    assert list(second_offsets) == [2 * PAGE_SIZE, 3 * PAGE_SIZE]  # page 1 is already in the first layer
-    second = write_layer(tmp_path / "l2", two, second_offsets)
+    # A child of the first layer holds its pages privately too (laid in at restore): they are dropped.
+    second_pages = drop_unchanged(pages_of(two, [1, 2, 3]), ChainMemory(base, [first]))
+    assert list(second_pages.offsets) == [2 * PAGE_SIZE, 3 * PAGE_SIZE]
+    second = write_layer(tmp_path / "l2", second_pages)
     assert view(ChainMemory(base, [first, second])) == (tmp_path / "two").read_bytes()
-    assert not list(changed_pages(two, ChainMemory(base, [first, second])))
+    assert not list(drop_unchanged(pages_of(two, [1, 2, 3]), ChainMemory(base, [first, second])).offsets)
 
 
 def test_flatten_writes_what_children_see_and_stays_sparse(tmp_path: Path) -> None:
     base = sparse(tmp_path / "base", {1: b"0", 30: b"0"})
     top = sparse(tmp_path / "top", {1: b"1", 30: b"0", 40: b"4"})
-    layer = write_layer(tmp_path / "l", top, changed_pages(top, ChainMemory(base, [])))
+    layer = write_layer(tmp_path / "l", drop_unchanged(pages_of(top, [1, 30, 40]), ChainMemory(base, [])))
     flatten(ChainMemory(base, [layer]), tmp_path / "flat")
     assert (tmp_path / "flat").read_bytes() == top.read_bytes()
     assert os.stat(tmp_path / "flat").st_blocks * 512 < SIZE

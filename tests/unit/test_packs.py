@@ -13,92 +13,28 @@ import json
 import os
 import subprocess
 import tarfile
-import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import zstandard
 
-from forkd.config import Paths
-from forkd.guest.protocol import AGENT_VERSION
 from forkd.packs import archive
 from forkd.packs.format import PackError, layer_digest
 from forkd.packs.index import add_to_index, parse_index
-from forkd.runtime.registry import SnapshotRecord
+from forkd.runtime.recovery import recover
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.snapshots import SnapshotConflict
+from forkd.store.errors import SnapshotConflict
 from forkd.store.files import sha256_file, write_json_atomic
 from forkd.validation import ValidationError
-from forkd.vmm.base import BootSpec, SnapshotMismatch
-from forkd.vmm.qemu import QemuVmm
+from forkd.vmm.base import SnapshotMismatch
 
-MEMORY_BYTES = 8 << 20
-
-
-def _runtime(root: Path) -> Runtime:
-    return Runtime(Paths(home=root / "home", cache=root / "cache", socket=root / "forkd.sock"),
-                   QemuVmm(accelerator="tcg"))
+from store_helpers import MEMORY_BYTES, make_runtime, make_snapshot, pack_of, qemu_img, run, unpack
 
 
 @pytest.fixture
 def runtime(tmp_path: Path) -> Runtime:
-    return _runtime(tmp_path / "a")
-
-
-def _qemu_img(*args: str, cwd: Path) -> None:
-    subprocess.run(["qemu-img", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_snapshot(runtime: Runtime, tag: str, parent: str | None = None) -> SnapshotRecord:
-    """A registered snapshot laid out like a baked one (a chain layer when ``parent`` is given)."""
-    directory = runtime.paths.snapshots / tag
-    directory.mkdir()
-    files: list[str] = []
-    if parent is None:
-        (directory / "vmlinuz").write_bytes(b"kernel" + os.urandom(4096))
-        (directory / "initrd.img").write_bytes(os.urandom(8192))
-        with open(directory / "base.ext4", "wb") as f:
-            f.truncate(4 << 20)
-            f.write(os.urandom(4096))
-        _qemu_img("create", "-q", "-f", "qcow2", "-b", "base.ext4", "-F", "raw", "disk.qcow2", cwd=directory)
-        files += ["vmlinuz", "initrd.img", "base.ext4"]
-    else:
-        _qemu_img("create", "-q", "-f", "qcow2", "-b", f"../{parent}/disk.qcow2", "-F", "qcow2", "disk.qcow2",
-                  cwd=directory)
-    with open(directory / "memory", "wb") as f:  # mostly holes, like guest RAM
-        f.truncate(MEMORY_BYTES)
-        f.seek(1 << 20)
-        f.write(os.urandom(64 * 1024))
-    (directory / "state").write_bytes(os.urandom(50_000))
-    files += ["disk.qcow2", "memory", "state"]
-    spec = BootSpec(kernel=Path(), initrd=Path(), cmdline="", memory_mib=1024, vcpus=1, kernel_sha256="k" * 64,
-                    agent_version=AGENT_VERSION)
-    meta = {"identity": asdict(runtime.vmm.identity(spec)),
-            "boot": {"cmdline": "", "memory_mib": 1024, "vcpus": 1, "kernel_sha256": "k" * 64,
-                     "agent_version": AGENT_VERSION},
-            "sha256": {name: sha256_file(directory / name) for name in sorted(files)}}
-    if parent is not None:
-        meta["parent_tag"] = parent
-    write_json_atomic(directory / "meta.json", meta)
-    for name in files:
-        os.chmod(directory / name, 0o400)
-    record = SnapshotRecord(tag=tag, status="ready", image="default", path=directory, created_at=time.time(), meta=meta)
-    runtime.registry.add_snapshot(record)
-    return record
-
-
-def run(coro):  # the service is async; the tests drive it directly
-    return asyncio.run(coro)
-
-
-def pack_of(runtime: Runtime, tag: str, out: Path) -> dict:
-    return run(runtime.packs.pack(tag, out, False, lambda _: None))
-
-
-def unpack(runtime: Runtime, pack: Path, tag: str | None = None, force: bool = False) -> dict:
-    return run(runtime.packs.unpack(pack, tag, force, lambda _: None))
+    return make_runtime(tmp_path / "a")
 
 
 def store_state(runtime: Runtime) -> tuple[list[str], list[str]]:
@@ -116,7 +52,7 @@ def good_pack(runtime: Runtime, tmp_path: Path) -> Path:
 
 
 def test_pack_round_trip_into_a_clean_store_keeps_files_digests_and_holes(good_pack: Path, tmp_path: Path) -> None:
-    other = _runtime(tmp_path / "b")
+    other = make_runtime(tmp_path / "b")
     result = unpack(other, good_pack)
     assert result["tag"] == "base" and result["unpacked"] == ["base"]
     record = other.registry.get_snapshot("base")
@@ -129,7 +65,7 @@ def test_pack_round_trip_into_a_clean_store_keeps_files_digests_and_holes(good_p
                           capture_output=True, text=True, check=True).stdout
     chain = json.loads(info)
     assert [Path(i["filename"]).name for i in chain] == ["disk.qcow2", "base.ext4"]
-    other.snapshots.open("base")  # digests and identity check out as for a fork
+    other.store.open("base")  # digests and identity check out as for a fork
     assert not [p for p in other.paths.snapshots.iterdir() if p.name.startswith(".")]
 
 
@@ -159,7 +95,7 @@ def test_a_chain_packs_root_first_and_unpacks_bottom_up(runtime: Runtime, tmp_pa
     out = tmp_path / "layer.tar.zst"
     packed = pack_of(runtime, "layer", out)
     assert [s["tag"] for s in packed["chain"]] == ["base", "layer"]
-    other = _runtime(tmp_path / "b")
+    other = make_runtime(tmp_path / "b")
     result = unpack(other, out)
     assert result["unpacked"] == ["base", "layer"] and result["parent_tag"] == "base"
     info = json.loads(subprocess.run(["qemu-img", "info", "--backing-chain", "--output=json",
@@ -177,7 +113,7 @@ def test_a_chain_whose_parent_differs_in_the_store_is_refused(runtime: Runtime, 
     make_snapshot(runtime, "layer", parent="base")
     out = tmp_path / "layer.tar.zst"
     pack_of(runtime, "layer", out)
-    other = _runtime(tmp_path / "b")
+    other = make_runtime(tmp_path / "b")
     make_snapshot(other, "base")  # same tag, other content
     before = store_state(other)
     with pytest.raises(SnapshotConflict, match="ancestor 'base' differs"):
@@ -198,7 +134,7 @@ def test_identical_files_of_two_layers_are_stored_once(runtime: Runtime, tmp_pat
     members = _members(out)
     links = [info for info, _ in members if info.islnk()]
     assert [(i.name, i.linkname) for i in links] == [("layer/vmlinuz", "base/vmlinuz")]
-    other = _runtime(tmp_path / "b")
+    other = make_runtime(tmp_path / "b")
     unpack(other, out)
     a, b = (other.paths.snapshots / "base" / "vmlinuz").stat(), (other.paths.snapshots / "layer" / "vmlinuz").stat()
     assert (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)
@@ -220,7 +156,7 @@ def test_index_entries_and_pull_from_a_file_url(runtime: Runtime, good_pack: Pat
     entry = add_to_index(index_file, good_pack, "py", "base.tar.zst", "test pack")
     assert entry.sha256 == sha256_file(good_pack) and entry.tag == "base"
     assert parse_index(index_file.read_bytes(), "index").find("py").size == good_pack.stat().st_size
-    other = _runtime(tmp_path / "b")
+    other = make_runtime(tmp_path / "b")
     source = run(other.packs.resolve(None, str(index_file), "py", None, None))
     assert source.url == good_pack.as_uri() and source.sha256 == entry.sha256
     result = run(other.packs.pull(source, False, lambda _: None))
@@ -230,7 +166,7 @@ def test_index_entries_and_pull_from_a_file_url(runtime: Runtime, good_pack: Pat
 
 
 def test_pull_refuses_a_mismatching_advertised_digest(runtime: Runtime, good_pack: Path, tmp_path: Path) -> None:
-    other = _runtime(tmp_path / "b")
+    other = make_runtime(tmp_path / "b")
     source = run(other.packs.resolve(good_pack.as_uri(), None, None, "0" * 64, "x"))
     with pytest.raises(PackError, match="was advertised: refused, nothing unpacked"):
         run(other.packs.pull(source, False, lambda _: None))
@@ -243,7 +179,7 @@ def test_index_identity_for_another_machine_is_refused_before_download(good_pack
     data = json.loads(index_file.read_text())
     data["packs"][0]["identity"]["vmm_version"] = "0.1"
     index_file.write_text(json.dumps(data))
-    other = _runtime(tmp_path / "b")
+    other = make_runtime(tmp_path / "b")
     with pytest.raises(SnapshotMismatch, match="vmm_version: saved '0.1'"):
         run(other.packs.resolve(None, str(index_file), "py", None, None))
 
@@ -389,7 +325,7 @@ def test_more_data_than_declared_is_refused(runtime: Runtime, good_pack: Path, t
 def test_a_disk_backed_by_a_host_file_is_refused(runtime: Runtime, good_pack: Path, tmp_path: Path) -> None:
     evil_dir = tmp_path / "evil"
     evil_dir.mkdir()
-    _qemu_img("create", "-q", "-f", "qcow2", "-b", "/etc/passwd", "-F", "raw", "disk.qcow2", cwd=evil_dir)
+    qemu_img("create", "-q", "-f", "qcow2", "-b", "/etc/passwd", "-F", "raw", "disk.qcow2", cwd=evil_dir)
     disk = (evil_dir / "disk.qcow2").read_bytes()
     members = _members(good_pack)
     digest = hashlib.sha256(disk).hexdigest()
@@ -439,7 +375,7 @@ def test_a_parent_missing_from_pack_and_store_is_refused(runtime: Runtime, tmp_p
 
     thin = [m for m in _with_manifest(members, drop_root) if not m[0].name.startswith("base/")]
     bad = _write(tmp_path / "thin.tar.zst", thin)
-    other = _runtime(tmp_path / "b")
+    other = make_runtime(tmp_path / "b")
     with pytest.raises(PackError, match="needs parent 'base', which is neither in the pack nor in the store"):
         unpack(other, bad)
     make_snapshot(other, "base")  # another 'base'
@@ -447,7 +383,7 @@ def test_a_parent_missing_from_pack_and_store_is_refused(runtime: Runtime, tmp_p
         unpack(other, bad)
     assert store_state(other) == (["base"], ["base"])
     # With the right parent in the store, the thin pack unpacks onto it.
-    third = _runtime(tmp_path / "c")
+    third = make_runtime(tmp_path / "c")
     unpack(third, out, tag="ignored")  # brings base (and layer as 'ignored')
     assert unpack(third, bad)["unpacked"] == ["layer"]
 
@@ -463,15 +399,16 @@ def test_an_inconsistent_chain_is_refused(runtime: Runtime, tmp_path: Path) -> N
 
     bad = _write(tmp_path / "chain.tar.zst", _with_manifest(_members(out), wrong_parent_digest))
     with pytest.raises(PackError, match="chain is inconsistent"):
-        unpack(_runtime(tmp_path / "b"), bad)
+        unpack(make_runtime(tmp_path / "b"), bad)
 
 
 def test_stale_work_directories_are_reaped_at_start(tmp_path: Path) -> None:
-    first = _runtime(tmp_path / "a")
-    (first.paths.snapshots / ".unpack-deadbeef" / "x").mkdir(parents=True)
-    (first.paths.snapshots / "kept").mkdir()
+    first = make_runtime(tmp_path / "a")
+    (first.paths.snapshots / ".build-unpack-deadbeef" / "x").mkdir(parents=True)
+    make_snapshot(first, "kept")
     first.registry.close()
-    _runtime(tmp_path / "a")
+    second = make_runtime(tmp_path / "a")
+    assert asyncio.run(recover(second.sandboxes, second.store)).removed_builds == [".build-unpack-deadbeef"]
     assert sorted(p.name for p in first.paths.snapshots.iterdir()) == ["kept"]
 
 
@@ -507,6 +444,9 @@ def test_rest_routes_refuse_before_streaming(runtime: Runtime, good_pack: Path, 
     assert api.post("/v1/packs/unpack", json={"path": "relative.tar.zst"}).status_code == 400
     assert api.post("/v1/packs/pull", json={"url": str(good_pack), "index": str(good_pack), "name": "x"}).status_code == 400
     assert api.post("/v1/packs/push", json={"tag": "base", "url": "file:///tmp/x"}).status_code == 400
+    with runtime.store.claim("held", "compacted"):  # another request is making "held": 409, nothing streamed
+        busy = api.post("/v1/packs/unpack", json={"path": str(good_pack), "tag": "held"})
+        assert busy.status_code == 409 and "being compacted" in busy.json()["error"]["message"]
     lines = api.post("/v1/packs/unpack", json={"path": str(good_pack), "tag": "rest-copy"}).text.splitlines()
     assert json.loads(lines[-1])["result"]["tag"] == "rest-copy"
     assert any("progress" in json.loads(line) for line in lines[:-1])

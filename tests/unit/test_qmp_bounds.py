@@ -20,9 +20,10 @@ from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
-from forkd.runtime.registry import Registry, SandboxRecord
+from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotService
+from forkd.store.snapshots import SnapshotStore
 from forkd.store.files import DigestCache
 from forkd.vmm import qemu, qemu_machine
 from forkd.vmm.base import VmHandle, VmmError
@@ -118,10 +119,11 @@ def test_recovery_reaps_a_stalled_vmm_and_finishes(short_dir: Path, monkeypatch:
                          {"monitor_socket": str(run_dir / "qmp.sock"), "disk": str(run_dir / "disk.qcow2")})
         vmm = QemuVmm(accelerator="tcg")
         vmm.program = "tail"
-        service = SandboxService(paths, registry, vmm, SnapshotService(paths, registry, vmm, DigestCache()),
-                                 Metrics(), Isolation.from_options(registry, RuntimeOptions()))
+        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+        service = SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
+                                 Isolation.from_options(registry, RuntimeOptions()))
         try:
-            result = await recover(service)
+            result = await recover(service, store)
             await asyncio.wait_for(process.wait(), 5)
             return result.adopted, result.reaped, process.returncode
         finally:

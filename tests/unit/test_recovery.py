@@ -15,9 +15,10 @@ from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
-from forkd.runtime.registry import Registry, SandboxRecord, SnapshotRecord
+from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.snapshots import SnapshotService
+from forkd.store.snapshots import SnapshotStore
 from forkd.store.files import DigestCache
 from forkd.vmm.qemu import QemuVmm
 
@@ -42,7 +43,8 @@ def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path) -> None:
     registry.add_snapshot(SnapshotRecord("kept", "ready", "default", paths.snapshots / "kept", 1.0))
 
     vmm = QemuVmm()
-    service = SandboxService(paths, registry, vmm, SnapshotService(paths, registry, vmm, DigestCache()), Metrics(),
+    store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+    service = SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
                              Isolation.from_options(registry, RuntimeOptions()))
     released: list[str] = []
     service.releasers.append(released.append)
@@ -51,7 +53,7 @@ def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path) -> None:
         raise OSError("this resource cannot be freed")
 
     service.releasers.insert(0, broken)  # one failing releaser does not stop the others
-    result = asyncio.run(recover(service))
+    result = asyncio.run(recover(service, store))
 
     assert result.adopted == []
     assert sorted(result.reaped) == ["sb-norecord0000", "sb-recorded0000"]

@@ -3,7 +3,16 @@ from pathlib import Path
 
 import pytest
 
-from forkd.runtime.registry import SCHEMA_VERSION, Registry, SandboxRecord, SchemaTooNew, SnapshotRecord
+from forkd.store.registry import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    Registry,
+    SandboxRecord,
+    SchemaTooNew,
+    SnapshotRecord,
+    migrate,
+    schema_version,
+)
 
 
 def test_snapshots_persist_across_reopen(tmp_path: Path) -> None:
@@ -99,23 +108,55 @@ def test_a_database_from_a_newer_forkd_is_refused(tmp_path: Path) -> None:
         Registry(db_path)
 
 
-def test_replace_snapshots_is_all_or_nothing(tmp_path: Path) -> None:
+def test_publish_snapshots_is_all_or_nothing(tmp_path: Path) -> None:
     registry = Registry(tmp_path / "state.db")
     registry.add_snapshot(SnapshotRecord("old", "ready", "default", tmp_path / "old", 1.0))
     registry.add_snapshot(SnapshotRecord("other", "ready", "default", tmp_path / "other", 1.0))
+    registry.add_snapshot(SnapshotRecord("branch", "writing", "default", tmp_path / "branch", 1.0))
     clash = [SnapshotRecord("new", "ready", "default", tmp_path, 2.0), SnapshotRecord("other", "ready", "d", tmp_path, 2.0)]
     with pytest.raises(sqlite3.IntegrityError):
-        registry.replace_snapshots(clash, remove=("old",))
-    assert [r.tag for r in registry.list_snapshots()] == ["old", "other"]
-    registry.replace_snapshots([SnapshotRecord("old", "ready", "default", tmp_path / "new", 3.0)], remove=("old",))
+        registry.publish_snapshots(clash, remove=("old",))
+    assert [r.tag for r in registry.list_snapshots()] == ["old", "other", "branch"]
+    registry.publish_snapshots([SnapshotRecord("old", "ready", "default", tmp_path / "new", 3.0),
+                                SnapshotRecord("branch", "ready", "default", tmp_path / "branch", 3.0, {"m": 1})],
+                               remove=("old",))
     record = registry.get_snapshot("old")
     assert record is not None and record.path == tmp_path / "new"
+    branch = registry.get_snapshot("branch")  # its own `writing` record is replaced by the ready one
+    assert branch is not None and (branch.status, branch.meta) == ("ready", {"m": 1})
+
+
+def test_an_unversioned_database_is_migrated_in_order_and_state_leaves_meta(tmp_path: Path) -> None:
+    """A state.db from before schema versions: snapshots without parent_tag (an unpacked chain kept its
+    parent only in meta) and a failed branch with its error in meta."""
+    db_path = tmp_path / "state.db"
+    old = sqlite3.connect(db_path)
+    old.executescript("""
+        CREATE TABLE snapshots (tag TEXT PRIMARY KEY, status TEXT NOT NULL, image TEXT NOT NULL, path TEXT NOT NULL,
+                                created_at REAL NOT NULL, meta TEXT NOT NULL);
+        INSERT INTO snapshots VALUES ('base', 'ready', 'default', '/s/base', 1.0, '{"sha256": {}}');
+        INSERT INTO snapshots VALUES ('child', 'ready', 'default', '/s/child', 2.0,
+                                      '{"parent_tag": "base", "sha256": {}}');
+        INSERT INTO snapshots VALUES ('broken', 'failed', 'default', '/s/broken', 3.0,
+                                      '{"mode": "diff", "error": "capture failed"}');
+    """)
+    old.commit()
+    old.close()
+    registry = Registry(db_path)
+    assert schema_version(sqlite3.connect(db_path)) == SCHEMA_VERSION == len(MIGRATIONS)
+    child, broken = registry.get_snapshot("child"), registry.get_snapshot("broken")
+    assert child is not None and broken is not None
+    assert (child.parent_tag, child.meta) == ("base", {"sha256": {}})
+    assert registry.snapshot_children("base") == ["child"]  # so `rmi base` knows its dependent
+    assert (broken.error, broken.meta, broken.to_dict()["error"]) == ("capture failed", {"mode": "diff"}, "capture failed")
+    registry.close()
+    assert migrate(sqlite3.connect(db_path, isolation_level=None)) == []  # opening again changes nothing
 
 
 def test_address_leases_are_unique_under_concurrency_and_persist(tmp_path: Path) -> None:
     import threading
 
-    from forkd.runtime.registry import LeasesExhausted
+    from forkd.store.registry import LeasesExhausted
 
     registry = Registry(tmp_path / "state.db")
     slots: list[int] = []

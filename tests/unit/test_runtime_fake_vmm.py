@@ -18,7 +18,7 @@ from forkd.config import Paths
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import Image
 from forkd.runtime.recovery import recover
-from forkd.runtime.registry import Registry, SandboxRecord
+from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.snapshots import SnapshotRequest
 from forkd.store.layers import PAGE_SIZE
@@ -113,7 +113,7 @@ def test_a_failed_restore_is_reported_and_cleaned_up(tmp_path: Path) -> None:
 
 
 def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_path: Path) -> None:
-    async def scenario() -> tuple[dict[str, Any], bytes]:
+    async def scenario() -> tuple[SnapshotRecord, bytes]:
         vmm = FakeVmm()
         runtime = await _runtime(tmp_path, vmm)
         try:
@@ -131,12 +131,12 @@ def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_pa
             with open(vm.state["ram"], "rb") as ram:
                 ram.seek(3 * PAGE_SIZE)
                 seen = ram.read(21)
-            return record.meta, seen
+            return record, seen
         finally:
             await runtime.stop()
 
-    meta, seen = run(scenario)
-    assert meta["memory_kind"] == "diff" and meta["changed_pages"] == 1 and meta["parent_tag"] == "base"
+    record, seen = run(scenario)
+    assert record.meta["memory_kind"] == "diff" and record.meta["changed_pages"] == 1 and record.parent_tag == "base"
     assert seen == b"written by the source"
 
 
@@ -174,7 +174,7 @@ def test_a_restarted_daemon_adopts_answering_vmms_and_reaps_a_stalled_one(tmp_pa
         behaviour.stalled.add(stalled)
         second = Runtime(first.paths, vmm)
         try:
-            recovery = await recover(second.sandboxes)
+            recovery = await recover(second.sandboxes, second.store)
             ids = [s.record.id for s in second.sandboxes.live()]
             return recovery.adopted, recovery.reaped, ids, stalled_process.returncode is not None
         finally:

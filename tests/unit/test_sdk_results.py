@@ -20,6 +20,11 @@ def test_rich_results_become_e2b_results() -> None:
     assert execution.text == "X()"
 
 
+def test_the_main_result_carries_the_json_value() -> None:
+    outcome = {"value": "42", "value_json": 42, "error": None, "results": [{"text": "42", "is_main_result": True}]}
+    assert _execution(outcome, Logs()).results[0].json == 42
+
+
 def test_an_answer_without_results_keeps_the_value() -> None:
     execution = _execution({"value": "42", "value_json": 42, "error": None}, Logs())
     assert [(r.text, r.json, r.is_main_result) for r in execution.results] == [("42", 42, True)]

@@ -164,7 +164,7 @@ def test_without_flow_control_the_reader_is_held_and_cancel_kills_the_process() 
         execution = await sessions.start_exec("sb", CommandSpec(cmd="yes"))
         await asyncio.sleep(0.5)  # let it flood; the host holds its reader once the buffer is full
         assert execution._queued_bytes <= 4 * 8 * 4096 + len(CHUNK)
-        await execution.cancel()
+        execution.cancel()
         await asyncio.wait_for(guest.cancelled.wait(), 10)
         assert (protocol.OP_PROC_KILL, {"pid": 4242, "signal": 9}) in guest.seen
         assert guest.sent_chunks < 10_000

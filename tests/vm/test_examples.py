@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def run_example(name: str, vm_env: dict[str, str], snapshot_tag: str, *args: str) -> str:
+    """Run ``examples/NAME`` against the test daemon with ``snapshot_tag`` as its template; its stdout."""
     env = {**vm_env, "FORKD_URL": f"unix://{vm_env['FORKD_SOCKET']}", "FORKD_TEMPLATE": snapshot_tag}
     ran = subprocess.run([sys.executable, str(EXAMPLES / name), *args], env=env, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=900)
     assert ran.returncode == 0, f"{name} failed:\n{ran.stdout}\n{ran.stderr}"
     return ran.stdout
 
@@ -55,3 +57,37 @@ def test_branch_fanout(daemon: Controller, snapshot_tag: str, vm_env: dict[str, 
     assert "source still has its state: 400" in out
     assert "best: cubic" in out or "best: degree 7" in out
     assert {s["tag"] for s in daemon.snapshots()} == before
+
+
+@pytest.mark.timeout(2400)  # may build the workloads image first (minutes)
+def test_postgres_fork_per_test(workloads_snapshot: str, vm_env: dict[str, str]) -> None:
+    """Each test's child has the seeded server running; its writes are invisible to its siblings."""
+    out = dict(line.split(": ", 1) for line in run_example("postgres_fixture.py", vm_env, workloads_snapshot)
+               .splitlines())
+    assert json.loads(out["test_transfer"]) == {"balances": [["ada", "100"], ["grace", "200"], ["linus", "125"]]}
+    assert json.loads(out["test_new_account"]) == {"count": 4}
+    assert json.loads(out["test_sees_seed_only"]) == {"owners": ["ada", "grace", "linus"]}
+
+
+@pytest.mark.timeout(2400)  # may build the workloads image first (minutes)
+def test_chart_session_returns_a_png(workloads_snapshot: str, vm_env: dict[str, str], tmp_path: Path) -> None:
+    chart = tmp_path / "chart.png"
+    out = run_example("chart_session.py", vm_env, workloads_snapshot, "--out", str(chart))
+    assert "[1] -> " in out and "error" not in out, out
+    assert f"[2] chart: {chart}" in out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[3] table as html" in out
+
+
+@pytest.mark.timeout(2400)  # may build the workloads image first (minutes)
+def test_pytest_fanout_warm_fresh_and_serial_agree(workloads_snapshot: str, vm_env: dict[str, str]) -> None:
+    """The same project run serially, one fresh process per file and one warm fork per file: same outcomes."""
+    lines = run_example("pytest_warm_fanout.py", vm_env, workloads_snapshot, "--json").splitlines()
+    modes = {entry["mode"]: entry for entry in map(json.loads, lines)}
+    assert set(modes) == {"serial", "fresh", "warm"}
+    assert [(r["exit_code"], r["passed"], r["failed"]) for r in modes["serial"]["runs"]] == [(1, 29, 1)]
+    for mode in ("fresh", "warm"):
+        outcomes = {r["files"][0]: (r["exit_code"], r["failed"]) for r in modes[mode]["runs"]}
+        assert outcomes == {"test_arrays.py": (0, 0), "test_failures.py": (1, 1), "test_frames.py": (0, 0),
+                            "test_linalg.py": (0, 0), "test_models.py": (0, 0)}, mode
+        assert sum(r["passed"] for r in modes[mode]["runs"]) == 29, mode

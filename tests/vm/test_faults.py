@@ -103,11 +103,11 @@ def running_records(home: Path) -> int:
         return db.execute("SELECT count(*) FROM sandboxes WHERE status = 'running'").fetchone()[0]
 
 
-@pytest.fixture(scope="module")
-def fault_home() -> Iterator[Path]:
+def own_home(prefix: str) -> Iterator[Path]:
+    """A FORKD_HOME for one test module; any VMM left under it is killed at the end."""
     if os.geteuid() != 0:
         pytest.fail("VM tests need root")
-    home = Path(tempfile.mkdtemp(prefix="forkd-faults-", dir="/var/tmp"))
+    home = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
     yield home
     for pid in vmm_processes_under(home):
         with contextlib.suppress(ProcessLookupError):
@@ -116,27 +116,40 @@ def fault_home() -> Iterator[Path]:
         shutil.rmtree(home, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def fault_snapshot(fault_home: Path) -> str:
-    """One small snapshot on the module's home, baked by a daemon that is then stopped."""
-    daemon = Daemon(fault_home).start()
+def bake(home: Path, tag: str, **options: object) -> str:
+    """One snapshot on ``home``, baked by a daemon that is then stopped."""
+    daemon = Daemon(home).start()
     try:
         daemon.controller.build_image(name="default")
-        daemon.controller.create_snapshot(TAG, memory_mib=512, warm_modules=[])
+        daemon.controller.create_snapshot(tag, **options)
     finally:
         daemon.stop()
-    return TAG
+    return tag
 
 
-@pytest.fixture
-def daemon(fault_home: Path, fault_snapshot: str) -> Iterator[Daemon]:
-    """A fresh daemon on the module's home; whatever the test leaves is killed when it stops."""
-    running = Daemon(fault_home).start()
+@pytest.fixture(scope="module")
+def fault_home() -> Iterator[Path]:
+    yield from own_home("forkd-faults-")
+
+
+@pytest.fixture(scope="module")
+def fault_snapshot(fault_home: Path) -> str:
+    return bake(fault_home, TAG, memory_mib=512, warm_modules=[])
+
+
+def serving(home: Path) -> Iterator[Daemon]:
+    """A fresh daemon on ``home``; whatever the test leaves is killed when it stops, and none may be left."""
+    running = Daemon(home).start()
     yield running
     if running.process is not None and running.process.poll() is not None:
         running.start()  # the test SIGKILLed it: a new one reaps what is left, then stops
     running.stop()
-    assert host_state(fault_home)["vmms"] == 0, running.log_tail()
+    assert host_state(home)["vmms"] == 0, running.log_tail()
+
+
+@pytest.fixture
+def daemon(fault_home: Path, fault_snapshot: str) -> Iterator[Daemon]:
+    yield from serving(fault_home)
 
 
 def test_daemon_sigkill_during_fork_readopts_survivors(daemon: Daemon, fault_home: Path) -> None:

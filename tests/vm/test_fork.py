@@ -151,6 +151,11 @@ def test_cli_fork_exec_ls_kill(vm_env: dict[str, str], snapshot_tag: str) -> Non
     ran = forkd("exec", ids[0], "--", "python3", "-c", "import os; print(6*7, os.environ['STAGE'])")
     assert (ran.returncode, ran.stdout) == (0, "42 ci\n")
     assert forkd("fork", "--tag", snapshot_tag, "--env", "NOEQUALS").returncode == 2
+    stages = [stage for stage in children[0]["timings"] if stage != "total"]  # in the order they ran
+    assert stages[-3:] == ["cont", "reseed", "recorded"] and "state_loaded" in stages, children[0]["timings"]
+    verbose = forkd("fork", "--tag", snapshot_tag, "-v")
+    assert verbose.returncode == 0 and "qmp_greeting" in verbose.stdout and "reseed" in verbose.stdout, verbose.stdout
+    assert forkd("kill", verbose.stdout.split()[0]).returncode == 0
     assert forkd("exec", ids[0], "--", "false").returncode == 1
     evaluated = forkd("eval", ids[1], "numpy.__name__")
     assert evaluated.stdout.strip() == "'numpy'"

@@ -167,3 +167,39 @@ def test_pull_refuses_a_mismatching_advertised_hash(daemon: Controller, server: 
         daemon.pull(f"{server}/wrong.tar.zst", sha256="ab" * 32, tag="vmtest-wrong")
     assert {s["tag"] for s in daemon.snapshots()} == before
     assert _work_dirs_left(forkd_home) == [] and not (forkd_home / "snapshots" / "vmtest-wrong").exists()
+
+
+def test_a_branched_chain_unpacked_in_a_clean_daemon_forks_with_its_state_and_pins_its_base(
+        daemon: Controller, snapshot_tag: str, work_dir: Path) -> None:
+    tag = "vmtest-chain"
+    source = daemon.fork(snapshot_tag, 1)["sandboxes"][0]["id"]
+    try:
+        daemon.exec(source, "echo chained > /root/chain-disk; echo ram > /tmp/chain-ram; sync")
+        assert daemon.run_code(source, "chained = 41")["error"] is None
+        daemon.branch(source, tag, mode="diff")
+    finally:
+        daemon.kill(source)
+    home = Path(tempfile.mkdtemp(prefix="forkd-test-3-", dir="/var/tmp"))
+    process, clean = start_daemon(home, vm_env_for(home))
+    try:
+        packed = daemon.pack(tag, str(work_dir / "chain.tar.zst"))
+        assert [s["tag"] for s in packed["chain"]] == [snapshot_tag, tag]
+        result = clean.unpack(packed["path"])
+        assert result["unpacked"] == [snapshot_tag, tag] and result["parent_tag"] == snapshot_tag
+        forked = clean.fork(tag, 1)
+        assert forked["errors"] == []
+        child = forked["sandboxes"][0]["id"]
+        try:
+            assert clean.exec(child, "cat /root/chain-disk /tmp/chain-ram /tmp/warm-marker")["stdout"] == \
+                "chained\nram\nwarmed\n"
+            assert clean.run_code(child, "chained + 1")["value"] == "42"
+        finally:
+            clean.kill(child)
+        with pytest.raises(ForkdError) as refused:  # the unpacked layer's disk and memory sit on the base
+            clean.remove_snapshot(snapshot_tag)
+        assert refused.value.status == 409 and tag in str(refused.value)
+        assert clean.remove_snapshot(snapshot_tag, cascade=True) == [tag, snapshot_tag]
+    finally:
+        stop_daemon(process, clean, home)
+        shutil.rmtree(home, ignore_errors=True)
+        daemon.remove_snapshot(tag)

@@ -56,6 +56,17 @@ def test_three_contexts_are_independent(child: Sandbox) -> None:
     assert len({s[1] for s in seen}) == 3 and len({s[2] for s in seen}) == 3
 
 
+def test_code_contexts_like_e2b(child: Sandbox) -> None:
+    context = child.create_code_context(cwd="/tmp")
+    assert (context.language, context.cwd) == ("python", "/tmp")
+    assert child.run_code("import os; x = os.getcwd(); x", context=context).text == "'/tmp'"
+    assert context.id in [c.id for c in child.list_code_contexts()]
+    child.restart_code_context(context)
+    assert child.run_code("x", context=context).error.name == "NameError"
+    child.remove_code_context(context)
+    assert context.id not in [c.id for c in child.list_code_contexts()]
+
+
 def test_rich_results_reach_the_sdk(child: Sandbox) -> None:
     code = "class H:\n    def _repr_html_(self):\n        return '<i>h</i>'\ndisplay(H())\n6 * 7"
     execution = child.run_code(code, context="rich")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from forkd.cli.main import console, daemon, print_json, reports_errors
+from forkd.cli.common import console, daemon, describe_timings, print_json, reports_errors
 from forkd.safetext import for_rich
 
 
@@ -15,8 +15,9 @@ from forkd.safetext import for_rich
               help="full: whole memory; diff: only pages changed since the parent; live: copy RAM while it runs")
 @click.option("--no-wait", is_flag=True, help="return as soon as the sandbox runs again (snapshot `writing`)")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True, help="show how long each stage took")
 @reports_errors
-def branch(sandbox_id: str, tag: str, mode: str, no_wait: bool, as_json: bool) -> None:
+def branch(sandbox_id: str, tag: str, mode: str, no_wait: bool, as_json: bool, verbose: bool) -> None:
     """Save a running sandbox as a new snapshot; the sandbox keeps running, the snapshot is forkable."""
     info = daemon().branch(sandbox_id, tag, mode=mode, wait=not no_wait)
     if as_json:
@@ -24,6 +25,8 @@ def branch(sandbox_id: str, tag: str, mode: str, no_wait: bool, as_json: bool) -
     elif info["status"] == "ready":
         console.print(f"{tag}: ready ({info['memory_kind']} memory, paused {info['pause_ms']:.0f} ms, "
                       f"{info['total_seconds']:.1f} s) from {info['parent_tag']}")
+        if verbose:
+            console.print("    " + describe_timings(info.get("timings") or {}))
     else:
         console.print(f"{tag}: {info['status']} (watch it with `forkd snapshot-info {tag}`)")
 

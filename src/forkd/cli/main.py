@@ -4,63 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, TextIO
 
 import click
-from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
+from forkd.cli.branch import BRANCH_COMMANDS
+from forkd.cli.common import console, daemon, err_console, key_values, print_json, progress_printer, reports_errors
 from forkd.cli.daemon import daemon_command
 from forkd.cli.doctor import doctor
 from forkd.cli.isolation import describe_limits, describe_net, fork_options, isolation_options
+from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
-from forkd.config import paths_from_env
+from forkd.cli.workspaces import workspace
 from forkd.safetext import for_rich
-from forkd.sdk.autostart import ensure_daemon
-from forkd.sdk.controller import Controller, ForkdError
 
 CP_CHUNK_BYTES = 1 << 20
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def reports_errors(func: F) -> F:
-    """Turn daemon errors into one readable line and exit status 1, not a traceback."""
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except ForkdError as exc:
-            err_console.print(f"[red]error:[/red] {for_rich(exc.message)}")
-            sys.exit(1)
-    return wrapper  # type: ignore[return-value]
-
-
-def daemon() -> Controller:
-    return ensure_daemon(paths_from_env())
-
-
-def progress_printer(prefix: str = "") -> Callable[[str], None]:
-    started = time.monotonic()
-    return lambda line: err_console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {prefix}{for_rich(line)}")
-
-
-
-def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str]:
-    """``KEY=VALUE`` options as a dict; a pair without ``=`` is a usage error, not silently dropped."""
-    bad = [pair for pair in pairs if "=" not in pair or pair.startswith("=")]
-    if bad:
-        raise click.UsageError(f"{option} wants KEY=VALUE, got {bad[0]!r}")
-    return dict(pair.split("=", 1) for pair in pairs)
-
-
-def print_json(data: Any) -> None:
-    console.print_json(json.dumps(data))
 
 
 @click.group()
@@ -70,6 +33,17 @@ def cli() -> None:
 
 
 # images ------------------------------------------------------------------------------------------
+
+#: Where Debian and Ubuntu keep the CA certificates a machine's admin added (what `update-ca-certificates` reads).
+HOST_CA_DIR = Path("/usr/local/share/ca-certificates")
+
+
+def read_host_ca_certs() -> list[str]:
+    """The CA certificates this machine added to its own trust store, sorted by path."""
+    if not HOST_CA_DIR.is_dir():
+        return []
+    return [path.read_text() for path in sorted(HOST_CA_DIR.rglob("*.crt")) if path.is_file()]
+
 
 @cli.group()
 def image() -> None:
@@ -84,12 +58,18 @@ def image() -> None:
 @click.option("--from-oci", "source_oci", type=click.Path(exists=True, dir_okay=False),
               help="use an OCI image tarball (docker save or OCI layout)")
 @click.option("--disk-size-mib", type=int)
+@click.option("--ca-cert", "ca_cert_files", multiple=True, type=click.File("r"),
+              help="PEM CA certificate to add to the guest's trust store (repeatable)")
+@click.option("--host-ca-certs", is_flag=True,
+              help=f"add the CA certificates this host trusts locally ({HOST_CA_DIR}/*.crt), e.g. a TLS proxy's")
 @click.option("--force", is_flag=True, help="rebuild even if the cached image is current")
 @reports_errors
 def image_build(name: str, packages: tuple[str, ...], mirror: str | None, source_dir: str | None,
-                source_oci: str | None, disk_size_mib: int | None, force: bool) -> None:
+                source_oci: str | None, disk_size_mib: int | None, ca_cert_files: tuple[TextIO, ...],
+                host_ca_certs: bool, force: bool) -> None:
     """Build (or reuse from cache) a guest image."""
-    spec: dict[str, Any] = {"name": name, "packages": list(packages), "force": force}
+    ca_certs = [f.read() for f in ca_cert_files] + (read_host_ca_certs() if host_ca_certs else [])
+    spec: dict[str, Any] = {"name": name, "packages": list(packages), "force": force, "ca_certs": ca_certs}
     for key, value in (("mirror", mirror), ("source_dir", source_dir), ("source_oci", source_oci),
                        ("disk_size_mib", disk_size_mib)):
         if value is not None:
@@ -195,31 +175,59 @@ def rmi(tag: str, cascade: bool, force: bool) -> None:
 @click.option("--label", "labels", multiple=True, help="KEY=VALUE metadata kept with the sandbox (repeatable)")
 @isolation_options
 @click.option("--json", "as_json", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True, help="show where each child's time went, stage by stage")
+@click.option("--deadline", "deadline_s", type=click.FloatRange(min=0.1),
+              help="wait at most this many seconds; children not answering by then are dropped")
 @reports_errors
 def fork(tag: str, count: int, timeout_s: float | None, envs: tuple[str, ...], labels: tuple[str, ...],
-         as_json: bool, **isolation: Any) -> None:
-    """Fork N children from a snapshot; one line per child with its time to first answer."""
+         as_json: bool, verbose: bool, deadline_s: float | None, **isolation: Any) -> None:
+    """Fork N children from a snapshot; one line per child as it answers, with its time to first answer."""
     started = time.monotonic()
-    result = daemon().fork(tag, count, timeout_s=timeout_s, envs=key_values(envs, "--env"),
-                           metadata=key_values(labels, "--label"), **fork_options(**isolation))
-    total = time.monotonic() - started
+    options = dict(timeout_s=timeout_s, envs=key_values(envs, "--env"), metadata=key_values(labels, "--label"),
+                   deadline_s=deadline_s, **fork_options(**isolation))
     if as_json:
-        print_json({**result, "total_seconds": total})
-    else:
-        for child in result["sandboxes"]:
-            console.print(f"{child['id']}  answered in {child['seconds_to_answer'] * 1000:7.0f} ms")
-        for error in result["errors"]:
-            err_console.print(f"[red]failed:[/red] {for_rich(error)}")
-        console.print(f"{len(result['sandboxes'])}/{count} children answering, {total:.2f} s in all")
-    if result["errors"]:
+        result = daemon().fork(tag, count, **options)
+        print_json({**result, "total_seconds": time.monotonic() - started})
+        if result["errors"]:
+            sys.exit(1)
+        return
+    answered = failed = 0
+    with Progress(TextColumn("forking"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True, disable=count < 2) as progress:
+        bar = progress.add_task("children", total=count)
+        for child in daemon().fork_iter(tag, count, **options):
+            progress.advance(bar)
+            if "sandbox" in child:
+                answered += 1
+                sandbox = child["sandbox"]
+                console.print(f"{sandbox['id']}  answered in {sandbox['seconds_to_answer'] * 1000:7.0f} ms")
+                if verbose:
+                    console.print("    " + describe_timings(child.get("timings") or {}))
+            else:
+                failed += 1
+                err_console.print(f"[red]failed:[/red] {for_rich(child.get('error'))}")
+                if verbose:
+                    err_console.print("    " + describe_timings(child.get("timings") or {}))
+    console.print(f"{answered}/{count} children answering, {time.monotonic() - started:.2f} s in all")
+    if failed:
         sys.exit(1)
+
+
+def describe_timings(timings: dict[str, float]) -> str:
+    """``queued 0.1 · isolation 2.3 · ... ms``: a child's spawn stages in the order they ran."""
+    stages = [f"{stage} {ms:.1f}" for stage, ms in timings.items() if stage != "total"]
+    return " · ".join(stages) + " ms" if stages else "(no stage timings)"
 
 
 @cli.command("ls")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--pool", "pools", is_flag=True, help="list the pools of ready VMMs instead, with their memory")
 @reports_errors
-def ls(as_json: bool) -> None:
-    """List running sandboxes."""
+def ls(as_json: bool, pools: bool) -> None:
+    """List running sandboxes (or, with --pool, the ready VMMs kept per snapshot)."""
+    if pools:
+        list_pools(as_json)
+        return
     items = daemon().sandboxes()
     if as_json:
         print_json(items)
@@ -232,6 +240,31 @@ def ls(as_json: bool) -> None:
                       describe_limits(item), f"{answered * 1000:.0f} ms" if answered else "-",
                       f"{time.time() - item['created_at']:.0f} s")
     console.print(table)
+
+
+def list_pools(as_json: bool) -> None:
+    items = daemon().pools()
+    if as_json:
+        print_json(items)
+        return
+    table = Table(Column("snapshot", no_wrap=True), "size", "ready", "starting", "Private_Dirty", "PSS")
+    for pool in items:
+        memory = pool["memory"]
+        table.add_row(pool["tag"], str(pool["size"]), str(pool["ready"]), str(pool["starting"]),
+                      f"{memory['private_dirty_kib'] / 1024:.1f} MiB", f"{memory['pss_kib'] / 1024:.1f} MiB")
+    console.print(table)
+
+
+@cli.command("pool")
+@click.argument("tag")
+@click.option("--size", type=click.IntRange(min=0), required=True,
+              help="ready VMMs to keep for the snapshot (0: none)")
+@reports_errors
+def pool(tag: str, size: int) -> None:
+    """Keep SIZE VMMs of a snapshot started and waiting, so a fork only loads state and runs."""
+    state = daemon().set_pool_size(tag, size)
+    console.print(f"pool of {state['tag']}: size {state['size']}, {state['ready']} ready, "
+                  f"{state['starting']} starting (filled in the background; `forkd ls --pool`)")
 
 
 @cli.command("kill")
@@ -317,7 +350,7 @@ def _print_python_result(result: dict[str, Any]) -> None:
 def cp(src: str, dst: str) -> None:
     """Copy a file into or out of a sandbox: `forkd cp local SB:/path` or `forkd cp SB:/path local`.
 
-    Both ways stream: memory use does not grow with the file (a guest path can be endless, /dev/zero).
+    Both ways stream: memory use does not grow with the file (a guest file can be as large as it likes).
     """
     controller = daemon()
     if ":" in src and src.startswith("sb-"):
@@ -380,18 +413,8 @@ def files_mkdir(sandbox_id: str, path: str) -> None:
 cli.add_command(quickstart)
 cli.add_command(daemon_command)
 cli.add_command(doctor)
-from forkd.cli.packs import PACK_COMMANDS  # noqa: E402 - it uses the helpers defined above
-
-for _command in PACK_COMMANDS:
+for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, workspace):
     cli.add_command(_command)
-from forkd.cli.branch import BRANCH_COMMANDS  # noqa: E402 (uses the helpers above)
-
-for _command in BRANCH_COMMANDS:
-    cli.add_command(_command)
-
-from forkd.cli.workspaces import workspace  # noqa: E402 (uses the helpers above)
-
-cli.add_command(workspace)
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from forkd.cli.main import console, daemon, progress_printer, reports_errors
+from forkd.cli.common import console, daemon, progress_printer, reports_errors
 
 
 def _absolute(path: str) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from forkd.cli.main import console, daemon, print_json, reports_errors
+from forkd.cli.common import console, daemon, print_json, reports_errors
 
 
 def _line(info: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ from forkd.packs.format import PackError
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.branches import BranchBusy
 from forkd.runtime.sandboxes import SandboxEnded, SandboxNotFound
-from forkd.runtime.snapshots import SnapshotConflict, SnapshotCorrupt, SnapshotDiskFull, SnapshotError
+from forkd.store.errors import SnapshotConflict, SnapshotCorrupt, SnapshotDiskFull, SnapshotError
 from forkd.validation import ValidationError
 from forkd.vmm.base import SnapshotMismatch, VmmError
 

@@ -16,7 +16,6 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import anyio
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Send
@@ -25,6 +24,7 @@ from forkd.daemon.errors import error_body
 
 NDJSON = "application/x-ndjson"
 CLOSE_TIMEOUT_S = 30.0  # ending a streamed call in the guest (cancel, or a kill) takes at most this
+_closing: set[asyncio.Task[None]] = set()  # streams being closed after their client left
 MAX_QUEUED_PROGRESS = 1000  # progress lines waiting for a slow client; older ones are dropped
 _DOC = {"schema": {"type": "string", "description": "one JSON object per line: progress or event lines, "
                                                      "then one {\"result\": ...} or {\"error\": ...} line"}}
@@ -47,10 +47,12 @@ class NDJSONResponse(StreamingResponse):
         finally:  # the client left or the answer ended: end the generator (and what it streams) now
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
-                # Shielded: Starlette cancels this scope when the client disconnects, and anyio would
-                # cancel every await of the cleanup too; bounded so a stuck guest cannot hold it.
-                with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-                    await close()
+                # In a task of its own: Starlette cancels this one when the client disconnects, and
+                # its cancel scope would cancel the cleanup's awaits too. Bounded: a stuck guest
+                # cannot hold it.
+                closing = asyncio.create_task(asyncio.wait_for(close(), CLOSE_TIMEOUT_S))
+                _closing.add(closing)
+                closing.add_done_callback(_closing.discard)
 
 
 def _line(item: dict[str, Any]) -> bytes:

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from forkd.host.netpolicy import MAX_ALLOW_RULES, MAX_PORTS_PER_RULE, allow_rule, egress_policy
+from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.runtime.sessions import MAX_TIMEOUT_S
 from forkd.validation import TAG_PATTERN
 
@@ -41,6 +42,9 @@ class ImageBuild(Strict):
     source_dir: str | None = Field(default=None, max_length=4096)
     source_oci: str | None = Field(default=None, max_length=4096)
     disk_size_mib: StrictInt | None = Field(default=None, ge=256, le=1024 * 1024)
+    ca_certs: list[Annotated[str, Field(max_length=64 * 1024)]] = Field(
+        default_factory=list, max_length=50,
+        description="PEM CA certificates added to the guest's trust store (e.g. a TLS-intercepting proxy's CA)")
     force: bool = False
 
 
@@ -85,6 +89,9 @@ class SandboxCreate(Strict):
     cpu_quota: float | None = Field(default=None, ge=0.01, le=1024, description="cores, e.g. 0.5")
     cpu_weight: StrictInt | None = Field(default=None, ge=1, le=10000, description="relative share, 100 = default")
     pids_max: StrictInt | None = Field(default=None, ge=MIN_PIDS, le=1 << 22, description="threads of the VMM")
+    deadline_s: float | None = Field(default=None, ge=0.1, le=MAX_TIMEOUT_S, description=(
+        "wait no longer than this for the children: one not answering by then is dropped and reported"))
+    stream: bool = Field(default=False, description="answer NDJSON, one line per child as it answers")
 
     @model_validator(mode="after")
     def egress_needs_nat(self) -> SandboxCreate:
@@ -150,6 +157,12 @@ class RunCodeRequest(Strict):
     stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")
 
 
+class ContextCreate(Strict):
+    id: Tag | None = Field(default=None, description="default: a random id")
+    language: Literal["python"] = "python"
+    cwd: str | None = Field(default=None, min_length=1, max_length=4096)
+
+
 class PathBody(Strict):
     path: str = Field(min_length=1, max_length=4096)
 
@@ -207,7 +220,7 @@ class BranchRequest(Strict):
     tag: Tag
     mode: Literal["full", "diff", "live"] = Field(
         default="diff", description="full: whole memory file; diff: only pages changed since the parent; "
-                                    "live: full, with RAM copied while the guest runs (needs tmpfs memory files)")
+                                    "live: full, with memory pre-copied while the guest runs where the kernel tracks soft-dirty pages")
     wait: bool = Field(default=True, description="false: answer 202 at once with status `writing`")
 
 
@@ -277,6 +290,9 @@ class Sandbox(Open):
     end_at: float | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     memory: MemoryUse | None = None
+    seconds_to_answer: float | None = Field(default=None, description="fork request to the child's reseed answer")
+    timings: dict[str, float] | None = Field(
+        default=None, description="milliseconds per spawn stage, in the order they ran, and their total")
 
 
 class SandboxList(Open):
@@ -286,6 +302,23 @@ class SandboxList(Open):
 class ForkResult(Open):
     sandboxes: list[Sandbox]
     errors: list[str] = Field(description="one message per child that failed; the others still started")
+
+
+class PoolResize(Strict):
+    size: StrictInt = Field(ge=0, le=MAX_POOL_SIZE, description="ready VMMs to keep for the snapshot (0: none)")
+
+
+class Pool(Open):
+    tag: str
+    size: int = Field(ge=0, le=MAX_POOL_SIZE, description="ready VMMs kept for the snapshot")
+    ready: int = Field(ge=0, le=MAX_POOL_SIZE, description="members ready now")
+    starting: int = Field(ge=0, le=MAX_POOL_SIZE, description="members being started")
+    memory: MemoryUse = Field(description="sum over the ready members' VMM processes")
+    members: list[str]
+
+
+class PoolList(Open):
+    pools: list[Pool]
 
 
 class Snapshot(Open):

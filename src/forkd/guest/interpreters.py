@@ -36,8 +36,12 @@ LANGUAGE = "python"
 #: After a cell's own deadline, how long it gets to stop before its context is killed and restored.
 GRACE_S = 2.0
 
-#: How long a dead interpreter's exit status may take to arrive from the template.
-EXIT_REPORT_S = 1.0
+#: How long a dead interpreter's exit status may take to arrive from the template. It comes in
+#: milliseconds; a loaded TCG guest can take over a second to schedule the template.
+EXIT_REPORT_S = 5.0
+
+#: How much of faulthandler's report of a crashed context is passed on.
+FAULT_REPORT_BYTES = 64 * 1024
 
 #: Exit reports kept for pids nobody has asked about yet.
 EXITS_KEPT = 1024
@@ -255,6 +259,7 @@ class Context:
     cwd: str | None
     pid: int
     link: FrameSocket
+    faults_fd: int  # read end of the pipe the context's faulthandler writes to
     created_at: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock)
     pending_entropy: bytes | None = None
@@ -270,6 +275,19 @@ class Context:
         self.link.send(protocol.request(req_id, op, args))
         frame = self.link.read()
         return None if frame is None else frame.get("result")
+
+    def close(self) -> None:
+        self.link.close()
+        if self.faults_fd >= 0:
+            os.close(self.faults_fd)
+            self.faults_fd = -1
+
+    def fault_report(self) -> str:
+        """What faulthandler wrote when a fatal signal hit (the Python stack), bounded."""
+        try:
+            return os.read(self.faults_fd, FAULT_REPORT_BYTES).decode("utf-8", "replace")
+        except OSError:
+            return ""
 
 
 class PythonRuntime:
@@ -364,8 +382,11 @@ class PythonRuntime:
 
     def reseed(self, entropy: bytes) -> dict[str, Any]:
         """Reseed the template and every context, each with its own stream derived from entropy."""
-        result = self.template.request(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(
-            _derive(entropy, "template"))})
+        try:
+            result = self.template.request(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(
+                _derive(entropy, "template"))})
+        except TemplateGone:  # its replacement starts from os.urandom: distinct without a reseed
+            result = {"python_rng": False, "numpy_rng": False, "openssl_rng": False}
         with self._lock:
             contexts = list(self._contexts.values())
         reseeded = 0
@@ -406,14 +427,17 @@ class PythonRuntime:
 
     def _fork(self, name: str, cwd: str | None) -> Context:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        faults_r, faults_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            pid = self.template.fork({"kind": "context", "name": name, "cwd": cwd}, [theirs.fileno()])
+            pid = self.template.fork({"kind": "context", "name": name, "cwd": cwd}, [theirs.fileno(), faults_w])
         except BaseException:
             ours.close()
+            os.close(faults_r)
             raise
         finally:
             theirs.close()
-        return Context(name, cwd, pid, FrameSocket(ours))
+            os.close(faults_w)
+        return Context(name, cwd, pid, FrameSocket(ours), faults_r)
 
     def _replace(self, old: Context) -> Context:
         """A fresh fork under the old id (unless the context was deleted meanwhile)."""
@@ -432,7 +456,7 @@ class PythonRuntime:
             os.kill(context.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        context.link.close()
+        context.close()
         self.template.forget_exit(context.pid)
 
     # ---- running cells -------------------------------------------------------------------------
@@ -490,7 +514,8 @@ class PythonRuntime:
         """The answer for a cell whose interpreter died: the signal, and the context restored."""
         status = self.template.wait_exit(context.pid, EXIT_REPORT_S)
         exit_code, sig = status if status is not None else (None, None)
-        context.link.close()
+        report = context.fault_report()
+        context.close()
         try:
             self._replace(context)
             state, after = "restored", "was restored from the warm template (its variables are gone)"
@@ -500,7 +525,7 @@ class PythonRuntime:
             "name": protocol.INTERPRETER_CRASHED,
             "value": f"the interpreter of context {context.id!r} {_describe_signal(sig, exit_code)}; "
                      f"the context {after}",
-            "traceback": "",
+            "traceback": report,
             "signal": sig,
             "signal_name": _signal_name(sig),
             "exit_code": exit_code,

@@ -170,8 +170,10 @@ def _spawn_fresh(req: Request, argv: list[str] | None, shell: str | None) -> _Pr
     )
     assert popen.stdin is not None and popen.stdout is not None and popen.stderr is not None
     command: dict[str, Any] = {"argv": argv} if argv is not None else {"shell": shell}
-    return _Process(popen.pid, popen.stdin, os.dup(popen.stdout.fileno()), os.dup(popen.stderr.fileno()),
-                    os.pidfd_open(popen.pid), popen.wait, command)
+    stdout_fd, stderr_fd = os.dup(popen.stdout.fileno()), os.dup(popen.stderr.fileno())
+    popen.stdout.close()  # the _Process owns the duplicates; these would linger until Popen is freed
+    popen.stderr.close()
+    return _Process(popen.pid, popen.stdin, stdout_fd, stderr_fd, os.pidfd_open(popen.pid), popen.wait, command)
 
 
 def _spawn_warm(req: Request, template: TemplateProcess, argv: list[str]) -> _Process:

@@ -62,9 +62,6 @@ OP_CONTEXTS_CREATE = "contexts.create"
 OP_CONTEXTS_LIST = "contexts.list"
 OP_CONTEXTS_RESTART = "contexts.restart"
 OP_CONTEXTS_DELETE = "contexts.delete"
-OP_FLOW_PAUSE = "flow.pause"
-OP_FLOW_RESUME = "flow.resume"
-OP_CANCEL = "cancel"
 
 # Control ops about another request in flight (``args: {"id": <its id>}``). An agent that does not
 # know them answers ``unknown_op``; the host then falls back (see runtime/agent_client.py).

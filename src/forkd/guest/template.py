@@ -10,7 +10,8 @@ to the agent, which is how the agent learns that an interpreter was killed by a 
 Requests use the guest protocol's framing; file descriptors travel with them as SCM_RIGHTS:
 
 - ``warm {modules, code}``: import, then run ``code`` in the template's ``__main__`` namespace
-- ``fork {kind: "context", name}`` + 1 fd (the context's socket): answers ``{pid}``
+- ``fork {kind: "context", name, cwd}`` + 2 fds (the context's socket, a pipe for the Python stack
+  ``faulthandler`` writes on a fatal signal): answers ``{pid}``
 - ``fork {kind: "command", argv, env, cwd, identity}`` + 3 fds (stdin, stdout, stderr): ``{pid}``
 - ``reseed {entropy_b64}``: the template's own generators (future forks inherit them)
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import faulthandler
 import gc
 import importlib
 import os
@@ -137,6 +139,8 @@ class Template:
             if args["kind"] == "context":
                 if args.get("cwd"):
                     os.chdir(args["cwd"])
+                faults = os.fdopen(fds[1], "w")
+                faulthandler.enable(faults)  # a fatal signal's Python stack goes to the agent
                 kernel.Kernel(self.namespace, args["name"]).serve(kernel.Connection(socket.socket(fileno=fds[0])))
                 code = 0
             else:

@@ -17,6 +17,7 @@ from forkd.vmm.accel import choose_accelerator, probe_kvm
 from forkd.vmm.base import VmmError
 from forkd.vmm.qemu_machine import QEMU_BINARY, cpu_model, machine_type
 from forkd.vmm.kvm_speed import probe_speed
+from forkd.vmm.procmem import soft_dirty_supported
 
 MIN_FREE_DISK_GIB = 4
 MIN_FREE_MEMORY_GIB = 2
@@ -145,18 +146,16 @@ def _network() -> list[Check]:
 
 
 def _memory_features() -> list[Check]:
-    uffd = probes.probe_userfaultfd()
+    soft_dirty = soft_dirty_supported()
     memfd = probes.probe_memfd()
     ksm = probes.read_flag(Path("/sys/kernel/mm/ksm/run"))
     thp = probes.read_flag(Path("/sys/kernel/mm/transparent_hugepage/enabled"))
     huge = probes.meminfo().get("HugePages_Total", 0)
-    uffd_detail = (f"via {uffd.via}; write-protect: anonymous {'yes' if uffd.write_protect else 'no'}, "
-                   f"shmem {'yes' if uffd.write_protect_shmem else 'no'}" if uffd.available else uffd.via)
     return [
-        Check("userfaultfd", "ok" if uffd.available and uffd.write_protect else "warn", uffd_detail,
-              "" if uffd.available and uffd.write_protect else
-              "live snapshots of running children (background-snapshot) need userfaultfd with write-protect: "
-              "a 5.7+ kernel with CONFIG_USERFAULTFD, and vm.unprivileged_userfaultfd=1 unless root"),
+        Check("soft_dirty", "ok" if soft_dirty else "warn",
+              "the kernel tracks soft-dirty pages" if soft_dirty else "the kernel has no soft-dirty tracking",
+              "" if soft_dirty else "live BRANCH copies memory while the guest runs only with a kernel built "
+              "with CONFIG_MEM_SOFT_DIRTY; without it, live pauses like diff and full (it still works)"),
         Check("memfd", "ok" if memfd is None else "warn", "memfd_create works" if memfd is None
               else f"memfd_create: {memfd}"),
         Check("ksm", "ok", "not in this kernel" if ksm is None else f"/sys/kernel/mm/ksm/run = {ksm} "

@@ -1,7 +1,7 @@
 """Kernel facilities forkd relies on, each probed by using it (not by reading a version number).
 
-Every probe is side-effect free: a namespace is created in a throwaway child process, a
-userfaultfd is opened and closed, nothing on the host is changed.
+Every probe is side-effect free: a namespace is created in a throwaway child process, a memfd is
+created and closed, nothing on the host is changed.
 """
 
 from __future__ import annotations
@@ -13,56 +13,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-SYS_USERFAULTFD = 323  # x86_64
-USERFAULTFD_IOC_NEW = 0xAA00  # _IO(0xAA, 0x00) on /dev/userfaultfd
-UFFDIO_API = 0xC018AA3F  # _IOWR(0xAA, 0x3F, struct uffdio_api {u64 api, features, ioctls})
-UFFD_API = 0xAA
-UFFD_FEATURE_PAGEFAULT_FLAG_WP = 1 << 0  # write-protect faults (anonymous memory)
-UFFD_FEATURE_WP_HUGETLBFS_SHMEM = 1 << 12  # write-protect on shmem and hugetlbfs
 CLONE_NEWNET = 0x40000000
 NEEDED_CONTROLLERS = ("cpu", "memory", "pids")
-
-
-@dataclass(frozen=True)
-class Userfaultfd:
-    available: bool
-    via: str  # "/dev/userfaultfd", "syscall" or why neither worked
-    write_protect: bool
-    write_protect_shmem: bool
-
-
-def _uffd_features(fd: int) -> int:
-    answer = fcntl.ioctl(fd, UFFDIO_API, struct.pack("QQQ", UFFD_API, 0, 0))
-    return struct.unpack("QQQ", answer)[1]
-
-
-def probe_userfaultfd() -> Userfaultfd:
-    """Open a userfaultfd (device first, then the syscall) and ask the kernel which features it has."""
-    fd, via = -1, ""
-    try:
-        dev = os.open("/dev/userfaultfd", os.O_RDWR | os.O_CLOEXEC)
-        try:
-            fd = fcntl.ioctl(dev, USERFAULTFD_IOC_NEW, os.O_CLOEXEC)
-            via = "/dev/userfaultfd"
-        finally:
-            os.close(dev)
-    except OSError as exc:
-        via = f"/dev/userfaultfd: {exc.strerror}"
-    if fd < 0:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = libc.syscall(SYS_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK)
-        if fd < 0:
-            reason = os.strerror(ctypes.get_errno())
-            return Userfaultfd(False, f"{via}; userfaultfd(2): {reason}", False, False)
-        via = "syscall"
-    try:
-        features = _uffd_features(fd)
-    except OSError as exc:
-        return Userfaultfd(False, f"{via}: UFFDIO_API failed ({exc.strerror})", False, False)
-    finally:
-        os.close(fd)
-    return Userfaultfd(True, via, bool(features & UFFD_FEATURE_PAGEFAULT_FLAG_WP),
-                       bool(features & UFFD_FEATURE_WP_HUGETLBFS_SHMEM))
 
 
 def probe_memfd() -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 from forkd.config import Paths
 from forkd.image.agent import AgentPayload, current_agent
 from forkd.image.apt import AptRepo, Mirror, PackageRecord, find_mirror, resolve_kernel
+from forkd.image.certs import install_ca_certs
 from forkd.image.errors import ImageDamaged, ImageError, ImageNotFound
 from forkd.image.initramfs import build_initramfs, busybox_from_deb
 from forkd.image.kernel import Module, unpack_kernel
@@ -158,6 +159,9 @@ def _make_rootfs(spec: ImageSpec, mirror: Mirror, agent: AgentPayload, paths: Pa
     _make_root_tree(spec, mirror, paths, root, progress)
     with _step(progress, "installing the forkd agent"):
         finish_root(root, agent)
+    if spec.ca_certs:
+        with _step(progress, f"adding {len(spec.ca_certs)} CA certificate(s) to the guest's trust store"):
+            install_ca_certs(root, spec.ca_certs)
     requested_mib = spec.disk_size_mib or default_disk_size_mib(root)
     with _step(progress, f"writing the {requested_mib} MiB ext4 root file system"):
         make_ext4(root, image, requested_mib)
@@ -173,9 +177,9 @@ def _make_root_tree(spec: ImageSpec, mirror: Mirror, paths: Paths, root: Path, p
         with _step(progress, f"importing {spec.source_oci}"):
             import_oci(spec.source_oci, root, progress)
     else:
-        cached = debootstrap_cache_path(paths.cache / "rootfs", spec.suite, spec.packages)
+        cached = debootstrap_cache_path(paths.cache / "rootfs", spec.suite, spec.root_packages)
         with _step(progress, f"making the {spec.suite} root tree"):
-            debootstrap_root(root, suite=spec.suite, packages=spec.packages, mirror=mirror, cached=cached,
+            debootstrap_root(root, suite=spec.suite, packages=spec.root_packages, mirror=mirror, cached=cached,
                              progress=progress)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from forkd.image.agent import AgentPayload, current_agent
 from forkd.image.apt import MIRROR_SCHEMES
+from forkd.image.certs import CA_PACKAGE, ca_cert_digests, check_ca_certs
 from forkd.image.errors import SourceError
 from forkd.image.tree import tree_fingerprint
 from forkd.store.files import sha256_file
@@ -40,6 +41,7 @@ class ImageSpec:
     source_dir: Path | None = None
     source_oci: Path | None = None
     disk_size_mib: int | None = None
+    ca_certs: tuple[str, ...] = ()  # PEM texts added to the guest's trust store (see image/certs.py)
 
     def __post_init__(self) -> None:
         check_tag(self.name, "image name")
@@ -53,6 +55,12 @@ class ImageSpec:
             raise ValidationError("pass either a source directory or an OCI tarball, not both")
         if self.disk_size_mib is not None:
             check_range(self.disk_size_mib, "disk size (MiB)", MIN_DISK_MIB, MAX_DISK_MIB)
+        check_ca_certs(self.ca_certs)
+
+    @property
+    def root_packages(self) -> tuple[str, ...]:
+        """What debootstrap installs: the packages asked for, plus what installing CA certificates needs."""
+        return tuple(dict.fromkeys((*self.packages, *((CA_PACKAGE,) if self.ca_certs else ()))))
 
     def key(self, agent: AgentPayload | None = None) -> str:
         """SHA-256 naming everything the image is made of, except its name and the mirror host.
@@ -69,6 +77,8 @@ class ImageSpec:
             "disk_size_mib": self.disk_size_mib,
             "agent": agent.digest(),
         }
+        if self.ca_certs:  # only then, so images without extra certificates keep their keys
+            identity["ca_certs"] = ca_cert_digests(self.ca_certs)
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
     def _root_identity(self) -> dict[str, Any]:
@@ -80,7 +90,7 @@ class ImageSpec:
             if not self.source_oci.is_file():
                 raise SourceError(f"OCI tarball {self.source_oci} does not exist")
             return {"oci": sha256_file(self.source_oci)}
-        return {"debootstrap": sorted(set(self.packages))}
+        return {"debootstrap": sorted(set(self.root_packages))}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, as recorded in the image manifest."""
@@ -89,7 +99,7 @@ class ImageSpec:
             "kernel_package": self.kernel_package, "kernel_suite": self.kernel_suite,
             "source_dir": str(self.source_dir) if self.source_dir else None,
             "source_oci": str(self.source_oci) if self.source_oci else None,
-            "disk_size_mib": self.disk_size_mib,
+            "disk_size_mib": self.disk_size_mib, "ca_certs_sha256": ca_cert_digests(self.ca_certs),
         }
 
 

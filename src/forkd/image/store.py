@@ -7,7 +7,6 @@ failed build leaves the old image untouched. Builds and removals of one name hol
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
 import os
@@ -22,7 +21,7 @@ from typing import Any
 
 from forkd.config import Paths
 from forkd.image.errors import ImageDamaged, ImageNotFound
-from forkd.store.files import fsync_dir, write_json_atomic
+from forkd.store.files import RENAME_EXCHANGE, fsync_dir, renameat2, write_json_atomic
 from forkd.validation import ValidationError, check_tag
 
 MANIFEST_FILE = "manifest.json"
@@ -30,8 +29,6 @@ KERNEL_FILE, INITRD_FILE, ROOTFS_FILE = "vmlinuz", "initrd.img", "rootfs.ext4"
 #: Bump when the manifest's fields change meaning; older images then read as needing a rebuild.
 MANIFEST_FORMAT = 1
 _FILES = ("path", "kernel", "initrd", "rootfs")
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
 
 
 @dataclass(frozen=True)
@@ -154,15 +151,7 @@ def publish(staged: Path, final: Path) -> None:
     """Put the directory ``staged`` in place as ``final``; a previous ``final`` ends up at ``staged``."""
     staged.chmod(0o755)
     if final.exists():
-        _exchange(staged, final)
+        renameat2(staged, final, RENAME_EXCHANGE)
     else:
         os.rename(staged, final)
     fsync_dir(final.parent)
-
-
-def _exchange(a: Path, b: Path) -> None:
-    """Swap two directory entries atomically (Linux ``renameat2`` with ``RENAME_EXCHANGE``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, os.strerror(errno), str(a), None, str(b))

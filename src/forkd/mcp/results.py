@@ -19,7 +19,8 @@ class ExecResult(BaseModel):
     signal: int | None = None
     timed_out: bool = Field(description="the timeout hit and the command's process group was killed")
     duration_s: float
-    truncated: bool = Field(False, description="stdout or stderr was cut to its last max_output_chars characters")
+    truncated: bool = Field(False, description="stdout or stderr was cut to its last max_output_chars characters, "
+                                               "or the command printed past the daemon's output budget")
 
 
 class PythonError(BaseModel):

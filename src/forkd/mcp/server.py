@@ -191,7 +191,8 @@ def build_server(controller: Controller) -> MCPServer:
                              timeout_s=timeout_s)
         stdout, cut_out = _tail(result["stdout"], max_output_chars)
         stderr, cut_err = _tail(result["stderr"], max_output_chars)
-        return ExecResult(**{**result, "stdout": stdout, "stderr": stderr, "truncated": cut_out or cut_err})
+        return ExecResult(**{**result, "stdout": stdout, "stderr": stderr,
+                             "truncated": bool(result.get("truncated")) or cut_out or cut_err})
 
     @server.tool()
     async def run_code(
@@ -254,8 +255,8 @@ def build_server(controller: Controller) -> MCPServer:
         tag: Annotated[str | None, Field(description=(
             "tag of the new snapshot (1-64 of A-Z a-z 0-9 _ -); null lets the daemon pick one"))] = None,
         mode: Annotated[Literal["full", "diff", "live"], Field(description=(
-            "full: a standalone snapshot; diff: only the pages changed since the parent; live: copy memory "
-            "while the sandbox keeps running (needs memory files on tmpfs)"))] = "diff",
+            "full: a standalone snapshot; diff: only the pages changed since the parent; live: full, with memory "
+            "pre-copied while the sandbox keeps running where the host kernel tracks soft-dirty pages"))] = "diff",
         wait: Annotated[bool, Field(description=(
             "wait until the snapshot is written; false returns at once with status 'writing'"))] = True,
     ) -> dict[str, Any]:

@@ -54,12 +54,14 @@ PROGRESS_EVERY_S = 2.0
 
 @dataclass(frozen=True)
 class SourceSnapshot:
-    """A registered snapshot as the packer reads it; files and digests come from its ``meta.json``."""
+    """A registered snapshot as the packer reads it; files and digests come from its ``meta.json``,
+    its parent from its registry record."""
 
     tag: str
     directory: Path
     image: str
     created_at: float
+    parent_tag: str | None
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ def build_manifest(chain: list[SourceSnapshot]) -> Manifest:
                   for name, digest in meta["sha256"].items()]
         parent = entries[-1] if entries else None
         entries.append(PackSnapshot(
-            tag=snapshot.tag, parent_tag=meta.get("parent_tag"),
+            tag=snapshot.tag, parent_tag=snapshot.parent_tag,
             digest=layer_digest(meta["sha256"]), parent_digest=parent.digest if parent else None,
             image=snapshot.image, created_at=snapshot.created_at, files=files))
     return Manifest(format="forkd-pack", format_version=1, forkd_version=__version__, created_at=time.time(),

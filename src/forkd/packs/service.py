@@ -1,10 +1,11 @@
 """Packing, unpacking, pulling and pushing snapshots: the daemon side, which owns the store.
 
-Unpacking is all or nothing: the pack is extracted into a hidden directory under the snapshots
-directory and verified there (every digest, the chain, the machine identity, every disk's
-backing reference); only then are the directories renamed into place and registered, in one
-registry transaction, root first. On any failure the hidden directory is removed, a replaced
-snapshot is put back, and nothing is registered.
+Unpacking is all or nothing: the tags are claimed in the store, the pack is extracted into a
+store build directory and verified there (every digest, the chain and each link's record of its
+parent's digests, the machine identity, every disk's backing reference, the store's own ancestors'
+files); only then does the store publish the directories and register them, parent links
+included, in one registry transaction, root first. On any failure the build directory is removed,
+a replaced snapshot is put back, and nothing is registered.
 
 Host paths and URLs come from API clients: with ``roots`` every pack file read or written (and a
 pull's local file or index) must lie in the packs directory, and every network URL must pass the
@@ -14,29 +15,26 @@ daemon's ``UrlPolicy``, index entries and redirects included.
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forkd.config import Paths
-from forkd.guest.protocol import AGENT_VERSION
 from forkd.hostpaths import HostRoots
 from forkd.packs import archive, transfer
 from forkd.packs.format import MAX_CHAIN_DEPTH, META_NAME, Manifest, PackError, layer_digest
 from forkd.packs.index import entry_url, load_index
-from forkd.runtime.registry import Registry, SnapshotRecord
-from forkd.runtime.snapshots import SnapshotConflict, SnapshotError, SnapshotService
-from forkd.store.files import fsync_dir
+from forkd.store.chains import parent_digests
+from forkd.store.errors import SnapshotConflict, SnapshotError
+from forkd.store.io import blocking, remove_tree
+from forkd.store.registry import SnapshotRecord
+from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.validation import check_tag
-from forkd.vmm.base import BootSpec, MachineIdentity, SnapshotMismatch, Vmm
+from forkd.vmm.base import MachineIdentity
 
 Progress = Callable[[str], None]
-WORK_PREFIXES = (".unpack-", ".pull-", ".push-")
+_REBUILD_HINT = "create the snapshot on this host with `forkd snapshot create` instead"
 
 
 @dataclass
@@ -59,26 +57,15 @@ class PullSource:
     tag: str | None
 
 
-def parent_tag(record: SnapshotRecord) -> str | None:
-    return record.meta.get("parent_tag")
-
-
 class PackService:
-    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotService,
-                 live_children: Callable[[str], int], roots: HostRoots | None = None,
+    def __init__(self, store: SnapshotStore, live_children: Callable[[str], int], roots: HostRoots | None = None,
                  urls: transfer.UrlPolicy = transfer.UrlPolicy()) -> None:
-        self.paths, self.registry, self.vmm, self.snapshots = paths, registry, vmm, snapshots
+        self.store = store
+        self.registry = store.registry
         self.live_children = live_children
         self.roots = roots  # None: any host path (in-process use only; the daemon always confines)
         self.urls = urls
         self._lock = asyncio.Lock()  # one unpack at a time: two could plan against the same store
-        self._reap()
-
-    def _reap(self) -> None:
-        """Remove work directories a daemon that died mid-unpack left (never registered, so unused)."""
-        for entry in self.paths.snapshots.iterdir() if self.paths.snapshots.exists() else ():
-            if entry.name.startswith(WORK_PREFIXES):
-                shutil.rmtree(entry, ignore_errors=True)
 
     def pack_input(self, path: Path, what: str = "pack") -> Path:
         """A pack file (or index) an API client named, confined to the packs directory."""
@@ -87,29 +74,15 @@ class PackService:
     def pack_output(self, path: Path) -> Path:
         return path if self.roots is None else self.roots.pack_output(path)
 
-    def _work_dir(self, prefix: str) -> Path:
-        work = self.paths.snapshots / f"{prefix}{secrets.token_hex(6)}"
-        work.mkdir(parents=True)
-        return work
-
     # packing ---------------------------------------------------------------------------------------
 
     def chain(self, tag: str) -> list[SnapshotRecord]:
-        """The snapshot ``tag`` and its ancestors, root first."""
-        records: list[SnapshotRecord] = []
-        current: str | None = check_tag(tag)
-        while current is not None:
-            record = self.registry.get_snapshot(current)
-            if record is None:
-                raise LookupError(f"no snapshot {current!r}" if not records else
-                                  f"snapshot {records[-1].tag!r} names parent {current!r}, which is not in the store")
-            if record.status != "ready":
-                raise SnapshotConflict(f"snapshot {current!r} is {record.status}, not ready")
-            if any(r.tag == current for r in records) or len(records) >= MAX_CHAIN_DEPTH:
-                raise SnapshotError(f"the chain of {tag!r} loops or is deeper than {MAX_CHAIN_DEPTH}")
-            records.append(record)
-            current = parent_tag(record)
-        return records[::-1]
+        """The ready snapshot ``tag`` and its ancestors, root first (the store's one chain walk)."""
+        records = self.store.chain(tag)[::-1]
+        if len(records) > MAX_CHAIN_DEPTH:
+            raise SnapshotError(f"the chain of {tag!r} is deeper than {MAX_CHAIN_DEPTH}, the most a pack holds; "
+                                f"compact it first with `forkd snapshot-compact {tag} NEW`")
+        return records
 
     async def pack(self, tag: str, output: Path, force: bool, progress: Progress) -> dict[str, Any]:
         return await self._pack(tag, self.pack_output(output), force, progress)
@@ -119,25 +92,13 @@ class PackService:
         chain = self.chain(tag)
         progress(f"packing {' → '.join(r.tag for r in chain)}")
         started = time.monotonic()
-        sources = [archive.SourceSnapshot(tag=r.tag, directory=r.path, image=r.image, created_at=r.created_at)
-                   for r in chain]
+        sources = [archive.SourceSnapshot(tag=r.tag, directory=r.path, image=r.image, created_at=r.created_at,
+                                          parent_tag=r.parent_tag) for r in chain]
         written = await asyncio.to_thread(archive.write_pack, output, sources, progress, force)
         return {"path": str(written.path), "size": written.size, "sha256": written.sha256,
                 "seconds": round(time.monotonic() - started, 3), **archive.manifest_summary(written.manifest)}
 
     # unpacking -------------------------------------------------------------------------------------
-
-    def check_identity(self, identity: MachineIdentity, what: str) -> None:
-        """Refuse a snapshot this host cannot restore, naming every field that differs."""
-        host = self.vmm.identity(BootSpec(kernel=Path(), initrd=Path(), cmdline="", memory_mib=identity.memory_mib,
-                                          vcpus=identity.vcpus, kernel_sha256=identity.kernel_sha256,
-                                          agent_version=identity.agent_version))
-        differences = identity.differences(host)
-        if identity.agent_version != AGENT_VERSION:
-            differences.append(f"agent_version: saved {identity.agent_version!r}, this forkd speaks {AGENT_VERSION!r}")
-        if differences:
-            raise SnapshotMismatch(f"{what} was saved on a different machine and cannot be restored here: "
-                                   + "; ".join(differences))
 
     def check_target(self, tag: str, force: bool) -> SnapshotRecord | None:
         """Refuse a taken tag unless ``force``; returns the snapshot ``force`` would replace."""
@@ -149,7 +110,7 @@ class PackService:
         live = self.live_children(tag)
         if live:
             raise SnapshotConflict(f"snapshot {tag!r} has {live} live sandboxes; kill them before replacing it")
-        dependents = [r.tag for r in self.registry.list_snapshots() if parent_tag(r) == tag]
+        dependents = self.registry.snapshot_children(tag)
         if dependents:
             raise SnapshotConflict(f"snapshot {tag!r} is the parent of {', '.join(dependents)}; "
                                    "it cannot be replaced under them")
@@ -157,7 +118,7 @@ class PackService:
 
     def plan(self, manifest: Manifest, tag: str | None, force: bool) -> UnpackPlan:
         """Check a manifest against this host and store; raises before anything is extracted."""
-        self.check_identity(manifest.machine_identity(), f"pack of {manifest.top.tag!r}")
+        self.store.check_machine(manifest.machine_identity(), f"pack of {manifest.top.tag!r}", _REBUILD_HINT)
         plan = UnpackPlan(top_tag=check_tag(tag or manifest.top.tag))
         ancestors = manifest.snapshots[:-1]
         if plan.top_tag in {a.tag for a in ancestors}:
@@ -192,76 +153,89 @@ class PackService:
         except OSError as exc:
             raise PackError(f"cannot read pack {source}: {exc.strerror or exc}") from None
 
-    async def unpack(self, source: Path, tag: str | None, force: bool, progress: Progress) -> dict[str, Any]:
-        return await self._unpack_file(self.pack_input(source), tag, force, progress)
-
-    async def _unpack_file(self, source: Path, tag: str | None, force: bool, progress: Progress) -> dict[str, Any]:
-        manifest = await asyncio.to_thread(self._manifest, source)
+    def claim(self, manifest: Manifest, tag: str | None) -> Claim:
+        """Hold every tag an unpack of ``manifest`` writes or reuses (409 if another request holds one);
+        its ancestors may be in the store already (reused, so held against removal meanwhile)."""
         wanted = [tag or manifest.top.tag, *(s.tag for s in manifest.snapshots[:-1])]
-        async with self._lock:
-            with self.snapshots.reserving([check_tag(t) for t in wanted]):
-                return await asyncio.to_thread(self._unpack, source, tag, force, progress)
+        return self.store.claim(wanted, "unpacked", existing_ok=True)
 
-    def _unpack(self, source: Path, tag: str | None, force: bool, progress: Progress) -> dict[str, Any]:
+    async def unpack(self, source: Path, tag: str | None, force: bool, progress: Progress,
+                     claim: Claim | None = None) -> dict[str, Any]:
+        """Unpack ``source`` (in the packs directory); ``claim`` when the caller already holds its tags."""
+        return await self._unpack_file(self.pack_input(source), tag, force, progress, claim)
+
+    async def _unpack_file(self, source: Path, tag: str | None, force: bool, progress: Progress,
+                           claim: Claim | None = None) -> dict[str, Any]:
+        if claim is None:
+            claim = self.claim(await asyncio.to_thread(self._manifest, source), tag)
+        with claim:
+            async with self._lock:
+                work = self.store.build_dir("unpack")
+                try:
+                    return await blocking(self._unpack, claim, work, source, tag, force, progress)
+                finally:
+                    await remove_tree(work)
+
+    def _unpack(self, claim: Claim, work: Path, source: Path, tag: str | None, force: bool,
+                progress: Progress) -> dict[str, Any]:
         started = time.monotonic()
-        work = self._work_dir(".unpack-")
         decided: list[UnpackPlan] = []
 
         def plan_for(manifest: Manifest) -> archive.Plan:
             plan = self.plan(manifest, tag, force)
             decided.append(plan)
-            targets = {s.tag: (self.paths.snapshots / s.tag if s.tag in plan.reuse
+            targets = {s.tag: (self.store.directory / s.tag if s.tag in plan.reuse
                                else work / plan.final_tag(manifest, s.tag)) for s in manifest.snapshots}
             store_files = {}
             root = manifest.snapshots[0]
             if root.parent_tag is not None:
-                store_files = {r.tag: {META_NAME, *r.meta["sha256"]} for r in self.chain(root.parent_tag)}
+                below = self.chain(root.parent_tag)
+                for link in below:  # the store's ancestors the pack builds on: still what they were saved as
+                    self.store.verify(link)
+                store_files = {r.tag: {META_NAME, *r.meta["sha256"]} for r in below}
             progress(f"unpacking {' → '.join(s.tag for s in manifest.snapshots)} as {plan.top_tag!r}"
                      + (f" (reusing {', '.join(sorted(plan.reuse))} from the store)" if plan.reuse else ""))
             return archive.Plan(targets=targets, reuse=plan.reuse, store_files=store_files)
 
-        try:
-            manifest, metas = archive.extract_pack(source, plan_for, progress)
-            records = self._publish(manifest, decided[0], metas, work)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        manifest, metas = archive.extract_pack(source, plan_for, progress)
+        records = self._publish(claim, manifest, decided[0], metas, work)
         top = records[-1]  # the top snapshot is never reused, so always published
         return {**top.to_dict(), "unpacked": [r.tag for r in records], "reused": sorted(decided[0].reuse),
                 "seconds": round(time.monotonic() - started, 3)}
 
-    def _publish(self, manifest: Manifest, plan: UnpackPlan, metas: dict[str, dict[str, Any]],
+    def _publish(self, claim: Claim, manifest: Manifest, plan: UnpackPlan, metas: dict[str, dict[str, Any]],
                  work: Path) -> list[SnapshotRecord]:
-        """Rename the verified directories into place and register them root first, or undo it all."""
-        moved: list[Path] = []
-        set_aside: Path | None = None
-        records: list[SnapshotRecord] = []
-        try:
-            if plan.replaces is not None:
-                set_aside = work / ".replaced"
-                os.rename(plan.replaces.path, set_aside)
-            for entry in manifest.snapshots:
-                if entry.tag in plan.reuse:
-                    continue
-                final_tag = plan.final_tag(manifest, entry.tag)
-                final = self.paths.snapshots / final_tag
-                if final.exists():
-                    shutil.rmtree(final)  # left by a crash before registration: never registered, so unused
-                os.rename(work / final_tag, final)
-                moved.append(final)
-                records.append(SnapshotRecord(tag=final_tag, status="ready", image=entry.image, path=final,
-                                              created_at=time.time(), meta=metas[entry.tag]))
-            fsync_dir(self.paths.snapshots)
-            self.registry.replace_snapshots(records, remove=(plan.top_tag,) if plan.replaces else ())
-        except BaseException:
-            for directory in moved:
-                shutil.rmtree(directory, ignore_errors=True)
-            if set_aside is not None and plan.replaces is not None:
-                os.rename(set_aside, plan.replaces.path)
-            raise
-        for record in records:  # the digests were just verified: the first fork need not hash again
+        """Publish the verified directories through the store, each registered with its parent link."""
+        entries: list[tuple[Path, SnapshotRecord]] = []
+        for entry in manifest.snapshots:
+            if entry.tag in plan.reuse:
+                continue
+            final_tag = plan.final_tag(manifest, entry.tag)
+            entries.append((work / final_tag, SnapshotRecord(
+                tag=final_tag, status="ready", image=entry.image, path=self.store.directory / final_tag,
+                created_at=time.time(), meta=metas[entry.tag], parent_tag=entry.parent_tag)))
+        for _, record in entries:
+            self._check_parent_digests(record, metas)
+            self.store.check_format(record.meta, f"snapshot {record.tag!r} of the pack", "recreate it on this host")
+        replacing = (plan.replaces, work / ".replaced") if plan.replaces is not None else None
+        self.store.publish(claim, entries, replacing=replacing)
+        for _, record in entries:  # every file was just hashed as it was written: the first fork need not again
             for name, digest in record.meta["sha256"].items():
-                self.snapshots.digests.remember(record.path / name, digest)
-        return records
+                self.store.digests.remember(record.path / name, digest)
+        return [record for _, record in entries]
+
+    def _check_parent_digests(self, record: SnapshotRecord, metas: dict[str, dict[str, Any]]) -> None:
+        """A link must record its parent's digests as the parent (from the pack or the store) has them."""
+        if record.parent_tag is None:
+            return
+        parent_meta = metas.get(record.parent_tag)
+        if parent_meta is None:
+            parent_meta = self.store.get(record.parent_tag).meta
+        parent = SnapshotRecord(tag=record.parent_tag, status="ready", image="", path=Path(), created_at=0,
+                                meta=parent_meta)
+        if record.meta.get("parent_sha256") != parent_digests(parent):
+            raise PackError(f"snapshot {record.tag!r} records other digests for its parent {record.parent_tag!r} "
+                            "than the parent has: the pack is inconsistent")
 
     # pull and push ---------------------------------------------------------------------------------
 
@@ -276,7 +250,7 @@ class PackService:
             raise PackError("give the name of a pack in the index")
         listed, base = await load_index(self._source(index, "index"), self.urls)
         entry = listed.find(name)
-        self.check_identity(MachineIdentity.from_dict(entry.identity), f"pack {name!r}")
+        self.store.check_machine(MachineIdentity.from_dict(entry.identity), f"pack {name!r}", _REBUILD_HINT)
         return PullSource(url=self._source(entry_url(entry, base)), sha256=entry.sha256, size=entry.size,
                           tag=tag or entry.tag)
 
@@ -294,7 +268,7 @@ class PackService:
         local = transfer.local_path(source.url)
         if local is not None:
             local = self.pack_input(local)
-        work = self._work_dir(".pull-")
+        work = self.store.build_dir("pull")
         try:
             if source.sha256 is None:
                 progress("no SHA-256 was advertised: only the pack's own manifest digests protect this download")
@@ -309,7 +283,7 @@ class PackService:
             progress(f"pack SHA-256 {digest}" + (" matches the advertised digest" if source.sha256 else ""))
             result = await self._unpack_file(pack, source.tag, force, progress)
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            await remove_tree(work)
         return {**result, "pack_sha256": digest}
 
     def check_push_url(self, url: str) -> None:
@@ -319,11 +293,11 @@ class PackService:
 
     async def push(self, tag: str, url: str, progress: Progress) -> dict[str, Any]:
         self.check_push_url(url)
-        work = self._work_dir(".push-")
+        work = self.store.build_dir("push")
         try:
             packed = await self._pack(tag, work / f"{tag}.tar.zst", False, progress)
             progress(f"uploading {packed['size'] / 2**20:.1f} MiB to {transfer.shown(url)}")
             await transfer.upload(Path(packed["path"]), url, progress, self.urls)
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            await remove_tree(work)
         return {**packed, "path": None, "url": transfer.shown(url)}

@@ -21,7 +21,7 @@ from forkd.host.netns import NetworkError, create_child_network, host_resolver, 
 from forkd.host.netpolicy import AddressPool, Lease, NetRequest
 from forkd.host.nftrules import ChildNetwork
 from forkd.runtime.options import RuntimeOptions
-from forkd.runtime.registry import LeasesExhausted, Registry
+from forkd.store.registry import LeasesExhausted, Registry
 from forkd.validation import ValidationError
 from forkd.vmm.base import ChildSetup
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -16,6 +17,7 @@ from prometheus_client.registry import Collector
 disable_created_metrics()  # the *_created series double the output and say nothing an operator needs
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
@@ -33,12 +35,31 @@ class _StateGauges(Collector):
             yield family
 
 
+class _PoolGauges(Collector):
+    def __init__(self, pools: Callable[[], Iterable[dict[str, Any]]]) -> None:
+        self._pools = pools
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        ready = GaugeMetricFamily("forkd_pool_ready", "Ready VMMs waiting in a snapshot's pool", labels=["tag"])
+        size = GaugeMetricFamily("forkd_pool_size", "Ready VMMs a snapshot's pool is kept at", labels=["tag"])
+        memory = GaugeMetricFamily("forkd_pool_private_dirty_bytes",
+                                   "Private_Dirty memory of a pool's idle VMMs, summed", labels=["tag"])
+        for pool in self._pools():
+            ready.add_metric([pool["tag"]], pool["ready"])
+            size.add_metric([pool["tag"]], pool["size"])
+            memory.add_metric([pool["tag"]], pool["memory"]["private_dirty_kib"] * 1024)
+        yield from (ready, size, memory)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.spawn_seconds = Histogram(
             "forkd_spawn_seconds", "Fork request start to the child's first answer, per child",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.spawn_stage_seconds = Histogram(
+            "forkd_spawn_stage_seconds", "Time spent in each spawn stage (runtime/timings.py), per child", ["stage"],
+            buckets=_STAGE_BUCKETS, registry=self.registry)
         self.spawn_failures = Counter("forkd_spawn_failures", "Children that failed to start",
                                       registry=self.registry)
         self.branch_seconds = Histogram(
@@ -47,6 +68,9 @@ class Metrics:
         self.branch_pause_seconds = Histogram(
             "forkd_branch_pause_seconds", "Time a branched sandbox was paused, by mode", ["mode"],
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.branch_stage_seconds = Histogram(
+            "forkd_branch_stage_seconds", "Time spent in each BRANCH stage (runtime/timings.py), by mode",
+            ["mode", "stage"], buckets=_STAGE_BUCKETS, registry=self.registry)
         self.agent_roundtrip_seconds = Histogram(
             "forkd_agent_roundtrip_seconds", "Guest agent request round trip, by op", ["op"],
             buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -58,6 +82,9 @@ class Metrics:
     def watch_states(self, sandbox_states: Callable[[], Iterable[str]],
                      snapshot_states: Callable[[], Iterable[str]]) -> None:
         self.registry.register(_StateGauges(sandbox_states, snapshot_states))
+
+    def watch_pools(self, pools: Callable[[], Iterable[dict[str, Any]]]) -> None:
+        self.registry.register(_PoolGauges(pools))
 
     def count_request(self, route: str, method: str, status: int) -> None:
         self.http_requests.labels(route, method, str(status)).inc()

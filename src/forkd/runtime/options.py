@@ -6,6 +6,7 @@ nothing in runtime/ reads the environment itself.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from forkd.host.netpolicy import DEFAULT_POOL
@@ -27,6 +28,13 @@ class OutputLimits:
     stream_buffer_bytes: int = 1 << 20
 
 
+# Restores in flight per host CPU when the config sets no bound. A child being restored (VMM start,
+# state load, its first guest code translated by TCG, the reseed answer) keeps a core busy; more
+# at once than the cores can serve only makes every child of a big batch late, past its answer
+# window (docs/benchmarks.md, "admission").
+RESTORES_PER_CPU = 2
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     max_sandboxes: int | None = None  # live + starting children; a child over it fails, its batch does not
@@ -42,3 +50,8 @@ class RuntimeOptions:
     # use only; the daemon always sets them).
     host_roots: HostRoots | None = None
     transfer_hosts: tuple[str, ...] | None = None  # hosts pulls and pushes may reach; None: any http(s) host
+    pool_sizes: dict[str, int] = field(default_factory=dict)  # ready VMMs kept per snapshot tag (runtime/pool.py)
+
+    def restore_slots(self) -> int:
+        """Children restored at once: the configured bound, else what this host's CPUs can serve."""
+        return self.max_concurrent_forks or RESTORES_PER_CPU * (os.cpu_count() or 1)

@@ -15,17 +15,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentError, connect_when_answering
-from forkd.runtime.registry import SandboxRecord
+from forkd.store.registry import SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
-from forkd.runtime.snapshots import BUILD_PREFIX
-from forkd.validation import is_sandbox_id, is_tag
+from forkd.store.io import blocking
+from forkd.store.layout import BUILD_PREFIX
+from forkd.store.snapshots import SnapshotStore
+from forkd.validation import is_sandbox_id
 from forkd.vmm.base import VmmError
 from forkd.vmm.process import AdoptedProcess, ProcessRef, kill_pidfd, open_verified, processes_under
 
@@ -41,7 +42,7 @@ class Recovery:
     removed_builds: list[str] = field(default_factory=list)  # half-built snapshot directories
 
 
-async def recover(sandboxes: SandboxService) -> Recovery:
+async def recover(sandboxes: SandboxService, store: SnapshotStore) -> Recovery:
     """Re-adopt or reap every sandbox a previous daemon left, then remove what has no record."""
     paths, program = sandboxes.paths, sandboxes.vmm.program
     result = Recovery()
@@ -64,7 +65,7 @@ async def recover(sandboxes: SandboxService) -> Recovery:
     for orphan in sorted(set(sandboxes.registry.leases()) - set(result.adopted)):  # a lease without a record
         await asyncio.to_thread(sandboxes.isolation.release, orphan)
         result.reaped.append(orphan)
-    result.removed_builds = await _remove_half_built(sandboxes)
+    result.removed_builds = await _remove_half_built(sandboxes, store)
     return result
 
 
@@ -100,23 +101,11 @@ async def _kill_all(refs: list[ProcessRef], must_mention: str) -> None:
                 log.error("VMM %d of %s did not exit after SIGKILL", ref.pid, must_mention)
 
 
-async def _remove_half_built(sandboxes: SandboxService) -> list[str]:
-    """Kill parents of snapshots that were being baked and remove their build directories.
-
-    A finished directory that never got registered (the daemon died between rename and register)
-    is removed too: no child can use it, and ``snapshot create`` would replace it anyway.
-    """
-    snapshots_dir, program = sandboxes.paths.snapshots, sandboxes.vmm.program
-    for ref in processes_under(snapshots_dir, program):
+async def _remove_half_built(sandboxes: SandboxService, store: SnapshotStore) -> list[str]:
+    """Kill parents of snapshots that were being baked, then let the store reap what they and any
+    other interrupted build left (see :meth:`SnapshotStore.reap`)."""
+    snapshots_dir = store.directory
+    for ref in processes_under(snapshots_dir, sandboxes.vmm.program):
         if ref.directory.startswith(BUILD_PREFIX):
             await _kill_all([ref], f"{snapshots_dir}/{ref.directory}/")
-    registered = {r.path.name for r in sandboxes.registry.list_snapshots()}
-    removed = []
-    if snapshots_dir.exists():
-        for entry in sorted(snapshots_dir.iterdir()):
-            # Only names forkd makes: a filesystem's own lost+found (a mount point) is left alone.
-            if entry.is_dir() and (entry.name.startswith(BUILD_PREFIX) or
-                                   (is_tag(entry.name) and entry.name not in registered)):
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry.name)
-    return removed
+    return await blocking(store.reap)

@@ -26,12 +26,14 @@ from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import Recovery, recover
-from forkd.runtime.registry import Registry, SnapshotRecord
+from forkd.store.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.sessions import Sessions
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
 from forkd.runtime.workspaces import WorkspaceService
 from forkd.store.files import DigestCache
+from forkd.store.io import blocking
+from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.vmm.base import Vmm
 
 
@@ -42,20 +44,22 @@ class Runtime:
         self.paths = paths
         self.vmm = vmm
         self.registry = Registry(paths.db)
-        self.snapshots = SnapshotService(paths, self.registry, vmm, DigestCache())
+        self.store = SnapshotStore(paths.snapshots, self.registry, DigestCache(), vmm.identity)
+        self.snapshots = SnapshotService(paths, self.store, vmm)
         self.options = options or RuntimeOptions()
         self.metrics = Metrics()
         self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics,
                                         Isolation.from_options(self.registry, self.options), self.options)
         if self.options.host_roots is not None:
             self.options.host_roots.create()
-        self.packs = PackService(paths, self.registry, vmm, self.snapshots, self.sandboxes.count_of,
-                                 self.options.host_roots, UrlPolicy(self.options.transfer_hosts))
+        self.packs = PackService(self.store, self.sandboxes.count_of, self.options.host_roots,
+                                 UrlPolicy(self.options.transfer_hosts))
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
-        self.compaction = CompactService(paths, self.registry, vmm, self.snapshots)
-        self.branches = BranchService(paths, self.registry, vmm, self.snapshots, self.sandboxes,
-                                      self.options.max_concurrent_branches, self.metrics)
+        self.metrics.watch_pools(self.sandboxes.pool.list)
+        self.compaction = CompactService(self.store, vmm)
+        self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.options.max_concurrent_branches,
+                                      self.metrics)
         self.sessions = Sessions(self.sandboxes, self.options.output)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.branches, self.remove_snapshot)
         self._image_lock = asyncio.Lock()
@@ -64,9 +68,9 @@ class Runtime:
     async def start(self) -> Recovery:
         """Re-adopt the sandboxes a previous daemon left running, reap the rest, half-built snapshots and
         branches, then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline)."""
-        self.branches.reap_stale()
         await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
-        recovery = await recover(self.sandboxes)
+        recovery = await recover(self.sandboxes, self.store)
+        self.sandboxes.pool.start()
         self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
         return recovery
 
@@ -76,6 +80,7 @@ class Runtime:
         if self._deadline_keeper is not None:
             self._deadline_keeper.cancel()
         await self.branches.wait_all()
+        await self.sandboxes.pool.stop()  # idle members are never left for the next daemon
         leave = self.sandboxes.detach_all() if self.options.keep_sandboxes_on_stop else self.sandboxes.kill_all()
         await asyncio.gather(leave, self.snapshots.abort_all())
         self.registry.close()
@@ -98,19 +103,24 @@ class Runtime:
     def images(self) -> list[Image]:
         return list_images(self.paths)
 
-    def remove_image(self, name: str) -> None:
-        remove_image(self.paths, name)
+    async def remove_image(self, name: str) -> None:
+        # Off the loop: it waits for the image's lock (a build holds it for minutes) and removes gigabytes.
+        await blocking(remove_image, self.paths, name)
 
     async def create_snapshot(self, request: SnapshotRequest, progress: Callable[[str], None],
-                              reserved: bool = False) -> SnapshotRecord:
-        """Create a snapshot; ``reserved`` when the caller already claimed the tag with ``snapshots.reserve``."""
+                              claim: Claim | None = None) -> SnapshotRecord:
+        """Create a snapshot; ``claim`` when the caller already holds the tag (``snapshots.claim``)."""
         try:
             image = load_image(self.paths, request.image)
         except BaseException:
-            if reserved:
-                self.snapshots.release_reservation(request.tag)
+            if claim is not None:
+                claim.release()
             raise
-        return await self.snapshots.create(request, image, progress, reserved=reserved)
+        return await self.snapshots.create(request, image, progress, claim=claim)
 
-    def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
-        return self.snapshots.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)
+    async def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
+        """Remove snapshots (refused while children of them start or run) and kill their pools' members."""
+        removed = await self.store.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)
+        for gone in removed:
+            self.sandboxes.pool.discard(gone)
+        return removed

@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
-import shutil
 import string
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,13 @@ from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_answering
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
+from forkd.runtime.pool import Member, PoolService
 from forkd.runtime.isolation import END_OUT_OF_MEMORY, Isolation, IsolationError, Prepared, SandboxOptions, sandbox_meta
-from forkd.runtime.registry import Registry, SandboxRecord
+from forkd.store.io import remove_tree
+from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
-from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError, restore
+from forkd.runtime.timings import Timings
+from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
 from forkd.vmm.process import start_time
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
@@ -59,6 +62,15 @@ class ReseedFailed(AgentError):
         super().__init__("reseed_failed", f"child {sandbox_id} did not reseed its kernel RNG (skipped: {skipped}); "
                          "it would share random numbers with its siblings, so it was killed. Check that the "
                          "image's agent runs as root (PID 1's child) and rebuild it with `forkd image build --force`")
+
+
+class DeadlinePassed(RuntimeError):
+    """The caller's own deadline for a fork passed before this child answered; it was not kept."""
+
+
+def _remaining(deadline: float | None) -> float:
+    """Seconds left until a monotonic ``deadline`` (a day when there is none; at least a moment)."""
+    return 86400.0 if deadline is None else max(0.001, deadline - time.monotonic())
 
 
 # Frees one per-sandbox host resource (netns, cgroup, tap, ...) by sandbox id. Called whenever a
@@ -90,15 +102,18 @@ class ForkOptions:
     envs: dict[str, str] = field(default_factory=dict)  # defaults for every command run in it
     metadata: dict[str, str] = field(default_factory=dict)  # caller's labels, returned as given
     isolation: SandboxOptions = field(default_factory=SandboxOptions)  # network and resource limits
+    deadline_s: float | None = None  # the caller waits no longer: children not answering by then are dropped
 
 
 @dataclass
 class ForkOutcome:
-    """One child of a fork request: either a sandbox or the reason it failed."""
+    """One child of a fork request: either a sandbox or the reason it failed, and where its time went."""
 
+    index: int = 0  # the child's place in its request
     sandbox: dict[str, Any] | None = None
     error: str | None = None
     seconds_to_answer: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # ms per spawn stage (runtime/timings.py)
 
 
 class SandboxService:
@@ -118,78 +133,130 @@ class SandboxService:
         self._forking: Counter[str] = Counter()  # children being restored, per snapshot tag
         self._restoring = 0
         self._killers: set[asyncio.Task[None]] = set()  # kills started by a callback, kept until done
-        self._restore_slots = asyncio.Semaphore(self.options.max_concurrent_forks or 1 << 30)
+        self._restore_slots = asyncio.Semaphore(self.options.restore_slots())
+        self._batches: set[asyncio.Future[Any]] = set()
+        self.pool = PoolService(paths, registry, vmm, snapshots.store, isolation, self.release, new_sandbox_id,
+                                self.options.pool_sizes)
 
     async def fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> list[ForkOutcome]:
-        """Restore ``count`` children of snapshot ``tag`` concurrently; per-child outcome, same order."""
+        """Restore ``count`` children of snapshot ``tag``; per-child outcome, in request order."""
+        outcomes: list[ForkOutcome | None] = [None] * count
+        async for outcome in await self.start_fork(tag, count, options):
+            outcomes[outcome.index] = outcome
+        return [o for o in outcomes if o is not None]
+
+    async def start_fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> AsyncIterator[ForkOutcome]:
+        """Start restoring ``count`` children of ``tag``; iterate the result for each one's outcome as it comes.
+
+        A snapshot that cannot be forked raises here, before any child starts.
+
+        Every child gets an outcome, whatever a sibling raised: ids of children that started are
+        never lost. Children take ready VMMs from the snapshot's pool first, then start their own;
+        all queue for the restore slots (admission), and the pool is refilled once the batch is done.
+        If the consumer stops early, the children still finish starting (``forkd ls`` shows them).
+        """
         started = time.monotonic()
+        deadline = None if options.deadline_s is None else started + options.deadline_s
         # Counted before the first await, so `rmi` of this tag is refused while its children start.
         self._forking[tag] += count
         try:
-            record, saved, spec = await asyncio.to_thread(self.snapshots.open, tag)
+            record, saved, spec = await asyncio.to_thread(self.snapshots.store.open, tag)
         except BaseException:
             self._forking[tag] -= count
             raise
+        members: list[Member | None] = [*self.pool.take(record.tag, count, options.isolation)]
+        members += [None] * (count - len(members))
+        done: asyncio.Queue[ForkOutcome] = asyncio.Queue()
 
-        async def one() -> ForkOutcome:
+        async def one(index: int, member: Member | None) -> None:
+            timings = Timings(started)
             try:
-                sandbox = await self._spawn(record.tag, saved, spec, options)
-            except (VmmError, AgentError, IsolationError, OSError, SandboxLimitReached) as exc:
+                sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline)
+            except (VmmError, AgentError, IsolationError, OSError, SandboxLimitReached, DeadlinePassed) as exc:
                 self.metrics.spawn_failures.inc()
-                return ForkOutcome(error=str(exc))
+                done.put_nowait(ForkOutcome(index=index, error=str(exc), timings=timings.as_ms()))
+                return
+            except Exception as exc:  # a bug must not take the batch's other children with it
+                log.exception("spawning a child of %s failed", tag)
+                self.metrics.spawn_failures.inc()
+                done.put_nowait(ForkOutcome(index=index, error=f"internal error: {type(exc).__name__}: {exc}",
+                                            timings=timings.as_ms()))
+                return
             finally:
                 self._forking[tag] -= 1
-            elapsed = time.monotonic() - started
-            self.metrics.spawn_seconds.observe(elapsed)
-            self._update_meta(sandbox, seconds_to_answer=round(elapsed, 4))
-            if options.timeout_s is not None:
-                self.set_timeout(sandbox.record.id, options.timeout_s)
-            return ForkOutcome(sandbox=self.describe(sandbox), seconds_to_answer=elapsed)
+            self.metrics.spawn_seconds.observe(timings.total)
+            timings.observe(self.metrics.spawn_stage_seconds)
+            done.put_nowait(ForkOutcome(index=index, sandbox=self.describe(sandbox), seconds_to_answer=timings.total,
+                                        timings=timings.as_ms()))
 
-        return list(await asyncio.gather(*(one() for _ in range(count))))
+        batch = asyncio.gather(*(one(i, m) for i, m in enumerate(members)))
+        self._batches.add(batch)  # runs to the end even when nobody iterates any more
+        batch.add_done_callback(lambda _: (self._batches.discard(batch), self.pool.refill(record.tag)))
 
-    async def _spawn(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions) -> LiveSandbox:
+        async def outcomes() -> AsyncIterator[ForkOutcome]:
+            for _ in range(count):
+                yield await done.get()
+
+        return outcomes()
+
+    async def _spawn(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions, timings: Timings,
+                     member: Member | None, deadline: float | None) -> LiveSandbox:
         limit = self.options.max_sandboxes
         if limit is not None and len(self._live) + self._restoring >= limit:
+            if member is not None:
+                self.pool.give_back(tag, member)
             raise SandboxLimitReached(f"the daemon runs its limit of {limit} sandboxes (max_sandboxes); kill some "
                                       "with `forkd kill` or raise the limit in the daemon's config")
         self._restoring += 1
         try:
-            async with self._restore_slots:
-                return await self._restore(tag, saved, spec, options)
+            try:
+                await asyncio.wait_for(self._restore_slots.acquire(), _remaining(deadline))
+            except asyncio.TimeoutError:
+                if member is not None:
+                    self.pool.give_back(tag, member)
+                raise DeadlinePassed(f"the request's deadline of {deadline - timings.start:.1f} s passed while this "  # type: ignore[operator]
+                                     "child waited for a restore slot; fork fewer at once or give more time") from None
+            try:
+                timings.mark("queued")
+                return await self._restore(tag, saved, spec, options, timings, member, deadline)
+            finally:
+                self._restore_slots.release()
         finally:
             self._restoring -= 1
 
-    async def _restore(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions) -> LiveSandbox:
-        sandbox_id = new_sandbox_id()
-        run_dir = self.paths.sandboxes / sandbox_id
-        run_dir.mkdir(parents=True)
-        record = SandboxRecord(id=sandbox_id, snapshot_tag=tag, status="starting", pid=None, run_dir=run_dir,
-                               created_at=time.time(), meta={"hostname": sandbox_id, "envs": options.envs,
-                                                             "metadata": options.metadata, "end_at": None,
-                                                             **sandbox_meta(options.isolation, None)})
-        self.registry.add_sandbox(record)  # first, so a crash from here on leaves a record to reap by
+    async def _restore(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions, timings: Timings,
+                       member: Member | None, deadline: float | None) -> LiveSandbox:
+        """Restore one child (from a pool member if given); its record is written once, when it answers.
+
+        Until then a crash leaves only its run directory, which recovery reaps with its VMM
+        (found by the directory its command line names) and every releaser.
+        """
         vm: VmHandle | None = None
         agent: AgentClient | None = None
         prepared: Prepared | None = None
+        if member is not None:
+            sandbox_id, run_dir, prepared, vm = member.sandbox_id, member.vm.run_dir, member.prepared, member.vm
+            timings.mark("pool")
+        else:
+            sandbox_id = new_sandbox_id()
+            run_dir = self.paths.sandboxes / sandbox_id
+            run_dir.mkdir(parents=True)
         try:
-            prepared = await asyncio.to_thread(self.isolation.prepare, sandbox_id, options.isolation)
-            record.meta.update(sandbox_meta(options.isolation, prepared.lease))
-            self.registry.update_sandbox(sandbox_id, meta=record.meta)
-            try:
-                vm = await restore(self.vmm, sandbox_id, saved, spec, run_dir, prepared.setup())
-            finally:
-                prepared.close_tap()
-            self.registry.set_vmm(sandbox_id, vm.pid, start_time(vm.pid), vm.state)
-            # The first answer a child gives is to its reseed: nothing runs on a copied RNG or clock.
-            agent, reseeded = await connect_when_answering(vm, RESTORE_ANSWER_TIMEOUT_S, protocol.OP_RESEED, {
-                "entropy_b64": protocol.b64encode(os.urandom(64)),
-                "time_ns": time.time_ns(),
-                "hostname": sandbox_id,
-                "sandbox_id": sandbox_id,
-            })
-            if reseeded.get("kernel_rng") is not True:
-                raise ReseedFailed(sandbox_id, reseeded)
+            if vm is None:
+                prepared = await asyncio.to_thread(self.isolation.prepare, sandbox_id, options.isolation)
+                timings.mark("isolation")
+                try:
+                    vm = await self.vmm.prepare_restore(sandbox_id, saved, spec, run_dir,
+                                                        dataclasses.replace(prepared.setup(), on_stage=timings.mark))
+                finally:
+                    prepared.close_tap()
+            await self.vmm.complete_restore(vm, saved, timings.mark)
+            agent = await self._reseed(vm, sandbox_id, min(RESTORE_ANSWER_TIMEOUT_S, _remaining(deadline)))
+            timings.mark("reseed")
+            assert prepared is not None
+            record = self._running_record(sandbox_id, tag, vm, options, prepared, timings)
+            await asyncio.to_thread(self.registry.add_sandbox, record)
+            timings.mark("recorded")
         except BaseException:
             if agent is not None:
                 await agent.close()
@@ -198,10 +265,39 @@ class SandboxService:
             await self.release(sandbox_id, run_dir)
             raise
         agent.on_roundtrip = lambda op, seconds: self.metrics.agent_roundtrip_seconds.labels(op).observe(seconds)
-        record.pid = vm.pid
-        record.status = "running"
-        self.registry.update_sandbox(sandbox_id, status="running")
-        return self.watch(record, vm, agent, prepared)
+        live = self.watch(record, vm, agent, prepared)
+        live.record.meta["timings"] = timings.as_ms()  # shown with the sandbox; the record has them up to "recorded"
+        return live
+
+    @staticmethod
+    async def _reseed(vm: VmHandle, sandbox_id: str, timeout_s: float) -> AgentClient:
+        """The first answer a child gives is to its reseed: nothing runs on a copied RNG or clock.
+
+        ``timeout_s`` counts from this child's own restore, not from the request.
+        """
+        agent, reseeded = await connect_when_answering(vm, timeout_s, protocol.OP_RESEED, {
+            "entropy_b64": protocol.b64encode(os.urandom(64)),
+            "time_ns": time.time_ns(),
+            "hostname": sandbox_id,
+            "sandbox_id": sandbox_id,
+        })
+        if reseeded.get("kernel_rng") is not True:
+            await agent.close()
+            raise ReseedFailed(sandbox_id, reseeded)
+        return agent
+
+    @staticmethod
+    def _running_record(sandbox_id: str, tag: str, vm: VmHandle, options: ForkOptions, prepared: Prepared,
+                        timings: Timings) -> SandboxRecord:
+        """Everything about a child that just answered, in the one record written for it."""
+        answered = round(timings.total, 4)
+        meta = {"hostname": sandbox_id, "envs": options.envs, "metadata": options.metadata,
+                "end_at": None if options.timeout_s is None else round(time.time() + options.timeout_s, 3),
+                "seconds_to_answer": answered, "timings": timings.as_ms(),
+                **sandbox_meta(options.isolation, prepared.lease)}
+        return SandboxRecord(id=sandbox_id, snapshot_tag=tag, status="running", pid=vm.pid, run_dir=vm.run_dir,
+                             created_at=time.time(), meta=meta, vmm_started=start_time(vm.pid),
+                             vmm_state=vm.state)
 
     def watch(self, record: SandboxRecord, vm: VmHandle, agent: AgentClient,
               isolation: Prepared | None = None) -> LiveSandbox:
@@ -255,15 +351,16 @@ class SandboxService:
         """Free everything a sandbox whose VMM is gone held: plugged-in resources, files, then the record.
 
         The record goes last, so a daemon dying midway finds it again on restart and finishes the job.
-        Releasers run in a worker thread (pyroute2's netlink calls block and keep their own loop).
+        Releasers, file removal and the record's deletion run in worker threads (pyroute2's netlink
+        calls block and keep their own loop; SQLite and rmtree must not stall the event loop).
         """
         for releaser in self.releasers:
             try:
                 await asyncio.to_thread(releaser, sandbox_id)
             except Exception:  # one resource that cannot be freed must not keep the others
                 log.exception("releasing %s for %s failed", getattr(releaser, "__name__", releaser), sandbox_id)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        self.registry.remove_sandbox(sandbox_id)
+        await remove_tree(run_dir)  # a child's overlay can hold gigabytes: deleted off the loop
+        await asyncio.to_thread(self.registry.remove_sandbox, sandbox_id)
 
     def _update_meta(self, live: LiveSandbox, **meta: Any) -> None:
         live.record.meta.update(meta)
@@ -276,21 +373,34 @@ class SandboxService:
         return end_at
 
     async def expire(self, now: float | None = None) -> list[str]:
-        """Kill every sandbox whose deadline has passed; returns their ids."""
+        """Kill every sandbox whose deadline has passed; returns their ids.
+
+        One sandbox that cannot be killed is logged and retried next time; it never spares the others.
+        """
         now = time.time() if now is None else now
         expired = [s.record.id for s in self.live()
                    if s.record.meta.get("end_at") is not None and s.record.meta["end_at"] <= now and not s.killing]
         for sandbox_id in expired:
             log.info("sandbox %s reached its timeout: killing it", sandbox_id)
-            with contextlib.suppress(SandboxNotFound):
+            try:
                 await self.kill(sandbox_id)
+            except SandboxNotFound:
+                pass
+            except Exception:
+                log.exception("killing sandbox %s at its timeout failed; trying again", sandbox_id)
         return expired
 
     async def expire_forever(self, interval_s: float = 1.0) -> None:
-        """The daemon's deadline keeper: a sandbox outlives its timeout by at most ``interval_s``."""
+        """The daemon's deadline keeper: a sandbox outlives its timeout by at most ``interval_s``.
+
+        It must outlive any error of one round, or no deadline would be enforced any more.
+        """
         while True:
             await asyncio.sleep(interval_s)
-            await self.expire()
+            try:
+                await self.expire()
+            except Exception:
+                log.exception("the deadline keeper's round failed; it goes on")
 
     def get(self, sandbox_id: str) -> LiveSandbox:
         live = self._live.get(sandbox_id)

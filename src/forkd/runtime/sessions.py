@@ -34,6 +34,7 @@ log = logging.getLogger("forkd.sessions")
 MAX_TIMEOUT_S = 24 * 3600  # longest a command, cell or eval may be given
 CALL_GRACE_S = 30.0  # the host waits this much longer than the guest's own timeout
 CONTROL_TIMEOUT_S = 10.0
+_ending: set[asyncio.Task[None]] = set()  # guest calls being ended after their caller left
 HOLD_FACTOR = 4  # a stream's queue may reach this many buffers before the connection's reader is held
 Stream = Literal["stdout", "stderr"]
 
@@ -275,24 +276,40 @@ class Execution:
                     await self._arrived.wait()
         finally:
             if not self._result.done():
-                await self.cancel()
+                self.cancel()
 
     async def raw_result(self) -> dict[str, Any]:
-        """The agent's terminal result; raises :class:`AgentError` when the call failed."""
-        assert self._result is not None, "start() the execution first"
-        return await self._result
+        """The agent's terminal result; raises :class:`AgentError` when the call failed.
 
-    async def cancel(self) -> None:
-        """End the call: ask the guest to cancel it (older agents: kill its process group), drop its output."""
+        When the host gave up waiting (the guest's own timeout did not end it), the call is ended
+        in the guest too, so it does not run on unseen.
+        """
+        assert self._result is not None, "start() the execution first"
+        try:
+            return await self._result
+        except AgentError as exc:
+            if exc.code == protocol.ERR_TIMEOUT and self._req_id is not None:
+                await _end_in_guest(self._agent, self._req_id, self.pid)
+            raise
+
+    def cancel(self) -> None:
+        """End the call: drop its output and end it in the guest (``cancel``, and a kill of a command).
+
+        Not a coroutine on purpose: it is called from ``finally`` blocks of a stream whose client
+        left, where the surrounding cancel scope would cancel any await; the guest is told from a
+        task of its own.
+        """
+        if self._closed:
+            return
         self._closed = True
         self._queue.clear()
         self._drained.set()
         if self._result is not None and not self._result.done():
             self._result.cancel()
-            with contextlib.suppress(asyncio.CancelledError, AgentError):
-                await self._result
         if self._req_id is not None:
-            await _end_in_guest(self._agent, self._req_id, self.pid)
+            ending = asyncio.create_task(_end_in_guest(self._agent, self._req_id, self.pid))
+            _ending.add(ending)
+            ending.add_done_callback(_ending.discard)
 
     def flush(self) -> list[Output]:
         """What the decoders still hold (a character split at the end of the output)."""
@@ -301,12 +318,18 @@ class Execution:
 
 
 async def _end_in_guest(agent: AgentClient, req_id: int, pid: int | None) -> None:
-    try:
-        if await agent.control(protocol.OP_CANCEL, req_id, timeout=CONTROL_TIMEOUT_S) or pid is None:
-            return
-        await agent.call(protocol.OP_PROC_KILL, {"pid": pid, "signal": int(signal.SIGKILL)}, timeout=CONTROL_TIMEOUT_S)
-    except AgentError as exc:
-        log.debug("could not end request %d in the guest: %s", req_id, exc)
+    """Ask the agent to cancel the request and, for a command, also kill its process group at once.
+
+    Both are sent without waiting for the other: an agent without ``cancel`` still kills, and the
+    kill acts as soon as the agent reads it even while its answers queue behind output in flight.
+    """
+    calls = [agent.control(protocol.OP_CANCEL, req_id, timeout=CONTROL_TIMEOUT_S)]
+    if pid is not None:
+        calls.append(agent.call(protocol.OP_PROC_KILL, {"pid": pid, "signal": int(signal.SIGKILL)},
+                                timeout=CONTROL_TIMEOUT_S))
+    for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(outcome, Exception):
+            log.debug("ending request %d in the guest: %s", req_id, outcome)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,6 +463,23 @@ class Sessions:
     async def write_stdin(self, sandbox_id: str, pid: int, data: bytes, eof: bool = False) -> dict[str, Any]:
         return await self._call(sandbox_id, protocol.OP_PROC_STDIN,
                                 {"pid": pid, "data_b64": protocol.b64encode(data), "eof": eof})
+
+    # -- code-interpreter contexts (each a process in the guest forked from the warm interpreter)
+
+    async def create_context(self, sandbox_id: str, context_id: str | None = None, cwd: str | None = None,
+                             language: str = "python") -> dict[str, Any]:
+        args = {"id": context_id, "cwd": cwd, "language": language}
+        return await self._call(sandbox_id, protocol.OP_CONTEXTS_CREATE,
+                                {k: v for k, v in args.items() if v is not None})
+
+    async def contexts(self, sandbox_id: str) -> dict[str, Any]:
+        return await self._call(sandbox_id, protocol.OP_CONTEXTS_LIST, {})
+
+    async def restart_context(self, sandbox_id: str, context_id: str) -> dict[str, Any]:
+        return await self._call(sandbox_id, protocol.OP_CONTEXTS_RESTART, {"id": context_id})
+
+    async def remove_context(self, sandbox_id: str, context_id: str) -> None:
+        await self._call(sandbox_id, protocol.OP_CONTEXTS_DELETE, {"id": context_id})
 
     # -- files
 

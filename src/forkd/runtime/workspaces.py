@@ -16,9 +16,9 @@ from typing import Any
 
 from forkd.runtime.agent_client import AgentUnavailable
 from forkd.runtime.branches import BranchService
-from forkd.runtime.registry import Registry, WorkspaceRecord
 from forkd.runtime.sandboxes import ForkOptions, SandboxEnded, SandboxNotFound, SandboxService
-from forkd.runtime.snapshots import SnapshotConflict, SnapshotError
+from forkd.store.errors import SnapshotConflict, SnapshotError
+from forkd.store.registry import Registry, WorkspaceRecord
 from forkd.validation import ValidationError, check_tag
 from forkd.vmm.base import VmmError
 
@@ -35,7 +35,7 @@ class WorkspaceService:
         self.registry = registry
         self.sandboxes = sandboxes
         self.branches = branches
-        self._remove_snapshot = remove_snapshot  # Runtime.remove_snapshot(tag, cascade=...)
+        self._remove_snapshot = remove_snapshot  # await Runtime.remove_snapshot(tag, cascade=...)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # one change at a time
 
     def get(self, name: str) -> WorkspaceRecord:
@@ -124,7 +124,7 @@ class WorkspaceService:
                     await self.sandboxes.kill(record.sandbox_id)
                 except SandboxNotFound:
                     pass  # it ended already
-            removed = self._remove_snapshot(record.meta["suspends"][0], cascade=True) if record.meta["suspends"] else []
+            removed = await self._remove_snapshot(record.meta["suspends"][0], cascade=True) if record.meta["suspends"] else []
             self.registry.remove_workspace(name)
             return removed
 

@@ -12,8 +12,17 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
-from forkd.sdk.models import CommandResult, EntryInfo, Execution, ProcessInfo, SandboxInfo, WriteInfo
-from forkd.sdk.sandbox import DEFAULT_SANDBOX_TIMEOUT_S, CommandHandle, Sandbox
+from forkd.sdk.commands import CommandHandle
+from forkd.sdk.models import (
+    CommandResult,
+    Context,
+    EntryInfo,
+    Execution,
+    ProcessInfo,
+    SandboxInfo,
+    WriteInfo,
+)
+from forkd.sdk.sandbox import DEFAULT_SANDBOX_TIMEOUT_S, Sandbox
 
 
 def _on_loop(callback: Callable[..., Any] | None, loop: asyncio.AbstractEventLoop) -> Callable[..., Any] | None:
@@ -147,6 +156,18 @@ class AsyncSandbox:
 
     async def run_code(self, code: str, **kwargs: Any) -> Execution:
         return await _off_loop(self._sync.run_code, code, **_bridged(kwargs))
+
+    async def create_code_context(self, cwd: str | None = None, language: str | None = None) -> Context:
+        return await _off_loop(self._sync.create_code_context, cwd, language)
+
+    async def list_code_contexts(self) -> list[Context]:
+        return await _off_loop(self._sync.list_code_contexts)
+
+    async def restart_code_context(self, context: Context | str) -> None:
+        await _off_loop(self._sync.restart_code_context, context)
+
+    async def remove_code_context(self, context: Context | str) -> None:
+        await _off_loop(self._sync.remove_code_context, context)
 
     async def eval(self, expr: str, context: Any = None) -> Any:
         return await _off_loop(self._sync.eval, expr, context)

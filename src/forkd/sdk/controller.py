@@ -110,6 +110,17 @@ class EventStream:
             self._context.__exit__(None, None, None)
 
 
+_FORK_OPTIONS = ("timeout_s", "envs", "metadata", "net", "egress", "memory_limit_mib", "cpu_quota", "cpu_weight",
+                 "pids_max", "deadline_s")
+
+
+def _fork_body(tag: str, n: int, options: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(options) - {*_FORK_OPTIONS, "self", "tag", "n"}
+    if unknown:
+        raise TypeError(f"unknown fork options: {', '.join(sorted(unknown))}")
+    return {"snapshot_tag": tag, "n": n, **{k: options[k] for k in _FORK_OPTIONS if options.get(k) is not None}}
+
+
 class Controller:
     """Synchronous client for the forkd REST API."""
 
@@ -191,23 +202,39 @@ class Controller:
     def fork(self, tag: str, n: int = 1, *, timeout_s: float | None = None, envs: dict[str, str] | None = None,
              metadata: dict[str, str] | None = None, net: str | None = None, egress: dict[str, Any] | None = None,
              memory_limit_mib: int | None = None, cpu_quota: float | None = None, cpu_weight: int | None = None,
-             pids_max: int | None = None) -> dict[str, Any]:
+             pids_max: int | None = None, deadline_s: float | None = None) -> dict[str, Any]:
         """``{"sandboxes": [...], "errors": [...]}``: a failed child does not fail the others.
 
         ``timeout_s``: the daemon kills each child that long after it answered (renew with ``set_timeout``);
         ``envs``: default environment of every command; ``metadata``: labels kept with the sandbox.
         ``net`` is ``"none"`` (default) or ``"nat"``; ``egress`` e.g. ``{"default": "deny", "allow":
         [{"cidr": "203.0.113.0/24", "ports": [443]}]}``; the limits apply to each child's VMM.
+        ``deadline_s``: wait no longer for the children; one not answering by then is dropped, reported in errors.
         """
-        options = {"timeout_s": timeout_s, "envs": envs, "metadata": metadata, "net": net, "egress": egress,
-                   "memory_limit_mib": memory_limit_mib, "cpu_quota": cpu_quota, "cpu_weight": cpu_weight,
-                   "pids_max": pids_max}
-        body = {"snapshot_tag": tag, "n": n, **{k: v for k, v in options.items() if v is not None}}
+        body = _fork_body(tag, n, locals())
         return self.request("POST", "/v1/sandboxes", json=body, timeout=LONG_TIMEOUT_S)
+
+    def fork_iter(self, tag: str, n: int = 1, **options: Any) -> Iterator[dict[str, Any]]:
+        """Fork like :meth:`fork`, yielding each child as it answers or fails, in that order:
+        ``{"index": i, "sandbox": {...}, "timings": {...}}`` or ``{"index": i, "error": "...", ...}``."""
+        body = {**_fork_body(tag, n, options), "stream": True}
+        for line in self.open_stream("POST", "/v1/sandboxes", json=body):
+            if "child" in line:
+                yield line["child"]
 
     def set_timeout(self, sandbox_id: str, timeout_s: float) -> float:
         """Kill the sandbox ``timeout_s`` from now; returns the deadline (Unix time)."""
         return self.request("POST", f"/v1/sandboxes/{sandbox_id}/timeout", json={"timeout_s": timeout_s})["end_at"]
+
+    # pools of ready VMMs
+
+    def pools(self) -> list[dict[str, Any]]:
+        """Every snapshot's pool: size, ready members and their memory."""
+        return self.request("GET", "/v1/pools")["pools"]
+
+    def set_pool_size(self, tag: str, size: int) -> dict[str, Any]:
+        """Keep ``size`` ready VMMs of ``tag`` (0: none); filled in the background."""
+        return self.request("PUT", f"/v1/pools/{tag}", json={"size": size})
 
     def sandboxes(self) -> list[dict[str, Any]]:
         return self.request("GET", "/v1/sandboxes")["sandboxes"]
@@ -267,6 +294,21 @@ class Controller:
         if on_event is None:
             return self.request("POST", path, json=body, timeout=_call_timeout(timeout_s))
         return self.stream("POST", path, on_event, json={**body, "stream": True})
+
+    def create_context(self, sandbox_id: str, *, context_id: str | None = None, cwd: str | None = None,
+                       language: str = "python") -> dict[str, Any]:
+        body = {"id": context_id, "cwd": cwd, "language": language}
+        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/contexts",
+                            json={k: v for k, v in body.items() if v is not None})
+
+    def contexts(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return self.request("GET", f"/v1/sandboxes/{sandbox_id}/contexts")["contexts"]
+
+    def restart_context(self, sandbox_id: str, context_id: str) -> dict[str, Any]:
+        return self.request("POST", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}/restart")
+
+    def remove_context(self, sandbox_id: str, context_id: str) -> None:
+        self.request("DELETE", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}")
 
     # files
 

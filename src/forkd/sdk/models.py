@@ -16,6 +16,7 @@ class CommandResult:
     stderr: str
     exit_code: int
     error: str | None = None
+    truncated: bool = False  # the command printed past the daemon's output budget; the rest was dropped
 
 
 class CommandExitException(ForkdError):
@@ -147,6 +148,19 @@ class Result:
 
     def __str__(self) -> str:
         return self.text or ""
+
+
+@dataclass
+class Context:
+    """A code-interpreter context (E2B's ``Context``): its own interpreter process, forked warm."""
+
+    id: str
+    language: str
+    cwd: str | None
+
+    @classmethod
+    def from_agent(cls, context: dict[str, Any]) -> Context:
+        return cls(id=context["id"], language=context["language"], cwd=context.get("cwd"))
 
 
 @dataclass

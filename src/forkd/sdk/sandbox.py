@@ -12,30 +12,26 @@ import functools
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
-from forkd.sdk.controller import Controller, EventStream
-from forkd.sdk.errors import ForkdError, InvalidArgumentException, NotFoundException, TimeoutException
+from forkd.sdk.commands import Commands
+from forkd.sdk.controller import Controller
+from forkd.sdk.errors import ForkdError, InvalidArgumentException, NotFoundException
+from forkd.sdk.filesystem import Filesystem
 from forkd.sdk.models import (
     CodeError,
-    CommandExitException,
-    CommandResult,
-    EntryInfo,
+    Context,
     Execution,
     ExecutionError,
     Logs,
     OutputMessage,
-    ProcessInfo,
     Result,
     SandboxInfo,
-    WriteEntry,
-    WriteInfo,
 )
 
 DEFAULT_TEMPLATE = "quickstart"  # the snapshot `forkd quickstart` bakes
 DEFAULT_SANDBOX_TIMEOUT_S = 300  # as E2B: a forgotten sandbox does not live forever
-UPLOAD_PIECE_BYTES = 1 << 20
 
 
 def default_template() -> str:
@@ -61,201 +57,6 @@ class class_or_instance:  # noqa: N801 - used like the decorators it stands besi
                 sandbox.close()
 
         return on_class
-
-
-class CommandHandle:
-    """A command started in the background: its ``pid``, ``wait()``, ``kill()``, ``send_stdin()``."""
-
-    def __init__(self, sandbox: Sandbox, events: EventStream) -> None:
-        self._sandbox = sandbox
-        self._events = events
-        self._iterator = iter(events)
-        first = next(self._iterator, None)
-        if first is None or first.get("event") != "started":
-            events.close()
-            raise ForkdError(500, "no_start", f"the command did not report a start: {first or events.result}")
-        self.pid: int = first["pid"]
-        self._stdout: list[str] = []
-        self._stderr: list[str] = []
-
-    def __iter__(self) -> Iterator[tuple[str | None, str | None, None]]:
-        """``(stdout, stderr, pty)`` pieces as they arrive, one set, as E2B's handle yields them."""
-        for event in self._iterator:
-            name, data = event.get("event"), event.get("data", "")
-            if name == "stdout":
-                self._stdout.append(data)
-                yield data, None, None
-            elif name == "stderr":
-                self._stderr.append(data)
-                yield None, data, None
-
-    def wait(self, on_stdout: Callable[[str], Any] | None = None,
-             on_stderr: Callable[[str], Any] | None = None) -> CommandResult:
-        """Block until the command ends; raises ``CommandExitException`` if it exits non-zero."""
-        for stdout, stderr, _ in self:
-            if stdout is not None and on_stdout is not None:
-                on_stdout(stdout)
-            if stderr is not None and on_stderr is not None:
-                on_stderr(stderr)
-        outcome = self._events.result or {}
-        if outcome.get("timed_out"):
-            raise TimeoutException(504, "timeout", f"command {self.pid} ran past its timeout and was killed")
-        result = CommandResult(stdout="".join(self._stdout), stderr="".join(self._stderr),
-                               exit_code=outcome.get("exit_code", -1), error=_signal_error(outcome))
-        if result.exit_code != 0:
-            raise CommandExitException(result)
-        return result
-
-    def kill(self) -> bool:
-        """SIGKILL the command's process group; ``False`` if it had already ended."""
-        return self._sandbox.commands.kill(self.pid)
-
-    def send_stdin(self, data: str) -> None:
-        self._sandbox.commands.send_stdin(self.pid, data)
-
-    def disconnect(self) -> None:
-        """Stop reading its output; the command keeps running (kill it with ``commands.kill(pid)``)."""
-        self._events.close()
-
-
-def _signal_error(outcome: dict[str, Any]) -> str | None:
-    return f"killed by signal {outcome['signal']}" if outcome.get("signal") else None
-
-
-class Commands:
-    """``sandbox.commands``: run shell commands (``/bin/sh -c``) in the sandbox."""
-
-    def __init__(self, sandbox: Sandbox) -> None:
-        self._sandbox = sandbox
-
-    def run(self, cmd: str, background: bool | None = None, envs: dict[str, str] | None = None,
-            user: str | None = None, cwd: str | None = None, on_stdout: Callable[[str], Any] | None = None,
-            on_stderr: Callable[[str], Any] | None = None, stdin: bool | str | None = None,
-            timeout: float | None = 60, request_timeout: float | None = None,
-            warm: bool = False) -> CommandResult | CommandHandle:
-        """Run ``cmd``; wait and return a ``CommandResult``, or with ``background=True`` a ``CommandHandle``.
-
-        ``stdin=True`` keeps stdin open for ``send_stdin``; a string is written to stdin, which is then
-        closed; by default stdin is empty. ``timeout`` (seconds, 0 = none) kills the command's process group.
-        ``warm=True`` (forkd): ``cmd`` is a ``python3 ...`` command line, run as a fork of the snapshot's
-        warm interpreter so its imports are already done (see docs/guest-protocol.md for the differences).
-        """
-        del request_timeout  # requests are bounded by the command's own timeout
-        handle = CommandHandle(self._sandbox, self._sandbox._controller.start_exec(
-            self._sandbox.sandbox_id, cmd, env=envs, cwd=cwd, user=user, timeout_s=timeout or None,
-            stdin=None if stdin is True else (stdin or ""), warm=warm))
-        if background:
-            return handle
-        return handle.wait(on_stdout=on_stdout, on_stderr=on_stderr)
-
-    def kill(self, pid: int) -> bool:
-        try:
-            self._sandbox._controller.signal_process(self._sandbox.sandbox_id, pid, 9)
-        except NotFoundException:
-            return False
-        return True
-
-    def send_stdin(self, pid: int, data: str) -> None:
-        self._sandbox._controller.send_stdin(self._sandbox.sandbox_id, pid, data)
-
-    def close_stdin(self, pid: int) -> None:
-        self._sandbox._controller.send_stdin(self._sandbox.sandbox_id, pid, "", eof=True)
-
-    def list(self) -> list[ProcessInfo]:
-        """Running commands and the last finished ones."""
-        return [ProcessInfo(pid=p["pid"], cmd=p.get("shell") or " ".join(p.get("argv", [])),
-                            args=list(p.get("argv", [])), running=p["running"], exit_code=p["exit_code"],
-                            started_at=p.get("started_at"))
-                for p in self._sandbox._controller.processes(self._sandbox.sandbox_id)]
-
-
-class Filesystem:
-    """``sandbox.files``: read, write and manage files inside the sandbox (binary-safe, any size)."""
-
-    def __init__(self, sandbox: Sandbox) -> None:
-        self._sandbox = sandbox
-
-    @property
-    def _api(self) -> Controller:
-        return self._sandbox._controller
-
-    @property
-    def _id(self) -> str:
-        return self._sandbox.sandbox_id
-
-    def read(self, path: str, format: Literal["text", "bytes", "stream"] = "text",
-             request_timeout: float | None = None) -> str | bytearray | Iterator[bytes]:
-        del request_timeout
-        if format == "stream":
-            return self._api.read_file_chunks(self._id, path)
-        data = self._api.read_file(self._id, path)
-        if format == "bytes":
-            return bytearray(data)
-        if format == "text":
-            return data.decode()
-        raise InvalidArgumentException(400, "invalid_request", f"format must be text, bytes or stream, not {format!r}")
-
-    def write(self, path: str, data: str | bytes | IO[Any] | list[WriteEntry] | list[dict[str, Any]],
-              request_timeout: float | None = None) -> WriteInfo | list[WriteInfo]:
-        """Write one file (``str``, ``bytes`` or a file object, streamed), or a list of entries."""
-        del request_timeout
-        if isinstance(data, list):
-            return self.write_files(data)
-        self._api.write_file(self._id, path, _pieces(data))
-        return WriteInfo(name=os.path.basename(path), path=path)
-
-    def write_files(self, files: Iterable[WriteEntry | dict[str, Any]]) -> list[WriteInfo]:
-        entries = [f if isinstance(f, WriteEntry) else WriteEntry(path=f["path"], data=f["data"]) for f in files]
-        return [self.write(e.path, e.data) for e in entries]  # type: ignore[misc]
-
-    def list(self, path: str, depth: int = 1) -> list[EntryInfo]:
-        """Entries under ``path``, descending ``depth`` levels (1 = just its children)."""
-        if depth < 1:
-            raise InvalidArgumentException(400, "invalid_request", "depth must be at least 1")
-        found = []
-        for entry in map(EntryInfo.from_agent, self._api.list_files(self._id, path)):
-            found.append(entry)
-            if depth > 1 and entry.type.value == "dir":
-                found.extend(self.list(entry.path, depth - 1))
-        return found
-
-    def exists(self, path: str) -> bool:
-        try:
-            self._api.stat(self._id, path)
-        except NotFoundException:
-            return False
-        return True
-
-    def get_info(self, path: str) -> EntryInfo:
-        return EntryInfo.from_agent(self._api.stat(self._id, path))
-
-    def remove(self, path: str) -> None:
-        """Remove a file, or a directory with everything in it."""
-        self._api.remove_file(self._id, path, recursive=True)
-
-    def rename(self, old_path: str, new_path: str) -> EntryInfo:
-        self._api.rename(self._id, old_path, new_path)
-        return self.get_info(new_path)
-
-    def make_dir(self, path: str) -> bool:
-        """Create ``path`` and its parents; ``False`` if it already existed."""
-        if self.exists(path):
-            return False
-        self._api.make_dir(self._id, path)
-        return True
-
-
-def _pieces(data: str | bytes | IO[Any]) -> bytes | Iterator[bytes]:
-    if isinstance(data, str):
-        return data.encode()
-    if isinstance(data, bytes | bytearray | memoryview):
-        return bytes(data)
-
-    def read_all() -> Iterator[bytes]:
-        while piece := data.read(UPLOAD_PIECE_BYTES):
-            yield piece.encode() if isinstance(piece, str) else piece
-
-    return read_all()
 
 
 class Sandbox:
@@ -285,6 +86,11 @@ class Sandbox:
         self._token = token
         self.commands = Commands(self)
         self.files = Filesystem(self)
+
+    @property
+    def api(self) -> Controller:
+        """The REST client this sandbox talks through (``sandbox.commands`` and ``sandbox.files`` use it)."""
+        return self._controller
 
     # lifecycle
 
@@ -393,6 +199,24 @@ class Sandbox:
             on_error(execution.error)
         return execution
 
+    def create_code_context(self, cwd: str | None = None, language: str | None = None,
+                            request_timeout: float | None = None) -> Context:
+        """A new context: its own interpreter process, forked from the snapshot's warm one."""
+        del request_timeout
+        if language not in (None, "python", "py"):
+            raise InvalidArgumentException(400, "invalid_request", f"forkd runs Python cells, not {language!r}")
+        return Context.from_agent(self._controller.create_context(self.sandbox_id, cwd=cwd))
+
+    def list_code_contexts(self) -> list[Context]:
+        return [Context.from_agent(c) for c in self._controller.contexts(self.sandbox_id)]
+
+    def restart_code_context(self, context: Context | str) -> None:
+        """Back to a fresh fork of the warm interpreter (its variables are gone)."""
+        self._controller.restart_context(self.sandbox_id, _context_name(context))
+
+    def remove_code_context(self, context: Context | str) -> None:
+        self._controller.remove_context(self.sandbox_id, _context_name(context))
+
     def eval(self, expr: str, context: Any = None) -> Any:
         """The value of one Python expression (JSON-able values as themselves, others as their repr)."""
         outcome = self._controller.eval(self.sandbox_id, expr, context=_context_name(context))
@@ -442,6 +266,9 @@ def _execution(outcome: dict[str, Any], logs: Logs) -> Execution:
     error = outcome.get("error")
     if "results" in outcome:
         results = [Result.from_agent(result) for result in outcome["results"]]
+        for result in results:  # the value itself, as before rich results, unless it has a _repr_json_
+            if result.is_main_result and result.json is None:
+                result.json = outcome.get("value_json")
     else:  # a daemon or guest from before rich results
         results = [] if outcome.get("value") is None else [Result(text=outcome["value"], json=outcome.get("value_json"))]
     return Execution(results=results, logs=logs, error=ExecutionError.from_agent(error) if error else None)

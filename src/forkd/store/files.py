@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -15,31 +16,38 @@ _CHUNK = 4 * 1024 * 1024
 
 
 class DigestCache:
-    """SHA-256 of files, remembered per (inode, size, mtime) so a base is hashed once, not per spawn."""
+    """SHA-256 of files, remembered per file version so a gigabyte is hashed once, not per spawn.
+
+    A version is (device, inode, size, mtime, ctime). Writing a file changes its mtime and ctime;
+    resetting the mtime (``touch -d``) changes the ctime, which no caller can set. So a file whose
+    stat still matches the version that was hashed holds the bytes that were hashed, and any other
+    file is hashed again. A digest is cached only if the file's version did not change while it was read.
+    """
 
     def __init__(self) -> None:
-        self._known: dict[tuple[str, int, int, int, int], str] = {}
+        self._known: dict[tuple[int, int, int, int, int], str] = {}
         self._lock = threading.Lock()
 
     @staticmethod
-    def _key(path: Path) -> tuple[str, int, int, int, int]:
+    def _version(path: Path) -> tuple[int, int, int, int, int]:
         st = path.stat()
-        return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def remember(self, path: Path, digest: str) -> None:
-        """Record a digest just computed by the caller for the file as it is now."""
+        """Record ``digest``, computed by the caller over the bytes it just wrote, for the file as it is now."""
         with self._lock:
-            self._known[self._key(path)] = digest
+            self._known[self._version(path)] = digest
 
     def sha256(self, path: Path) -> str:
-        key = self._key(path)
+        version = self._version(path)
         with self._lock:
-            cached = self._known.get(key)
+            cached = self._known.get(version)
         if cached is not None:
             return cached
         digest = sha256_file(path)
-        with self._lock:
-            self._known[key] = digest
+        if self._version(path) == version:  # not written while it was read: this digest is of that version
+            with self._lock:
+                self._known[version] = digest
         return digest
 
 
@@ -71,6 +79,31 @@ def link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+def fsync_tree(directory: Path) -> None:
+    """Flush every file directly in ``directory``, then the directory itself, to stable storage."""
+    for entry in directory.iterdir():
+        if entry.is_file() and not entry.is_symlink():
+            fd = os.open(entry, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(directory)
+
+
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+_AT_FDCWD = -100
+
+
+def renameat2(source: Path, target: Path, flags: int) -> None:
+    """Linux ``renameat2``: ``RENAME_NOREPLACE`` fails with EEXIST instead of replacing ``target``,
+    ``RENAME_EXCHANGE`` swaps the two entries; either way in one atomic step."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(source), None, str(target))
 
 
 def fsync_dir(path: Path) -> None:

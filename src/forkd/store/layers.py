@@ -6,9 +6,10 @@ over it. A layer file is::
     b"FORKDLAY" | u32 version | u32 page size | u64 count | count × u64 page offsets (ascending)
     | count × page data
 
-Pages the child zeroed are stored as data too (rare, and it keeps one code path). Files are read
-through their data extents (``SEEK_DATA``/``SEEK_HOLE``), so a 1 GiB memory file with 150 MB written
-costs 150 MB of reads, not a gigabyte.
+Pages the child zeroed are stored as data too (rare, and it keeps one code path). A layer is written
+from :class:`forkd.vmm.base.Pages` a BRANCH copied out of the VMM (its private pages), less those equal to what the
+parent's children already see. Memory files are read through their data extents
+(``SEEK_DATA``/``SEEK_HOLE``), so flattening a 1 GiB file with 150 MB written reads 150 MB.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkd.vmm.base import PAGE_SIZE, Pages, page_runs
+
 MAGIC = b"FORKDLAY"
 VERSION = 1
-PAGE_SIZE = 4096
 _HEADER = struct.Struct("<8sIIQ")
 _CHUNK = 1 << 20  # compared a MiB at a time; only unequal MiBs are compared page by page
 
@@ -50,13 +52,7 @@ class Layer:
 
     def runs(self) -> Iterator[tuple[int, int, int]]:
         """``(guest offset, position in the file, length)`` of each run of adjacent pages."""
-        i, count = 0, len(self.offsets)
-        while i < count:
-            j = i + 1
-            while j < count and self.offsets[j] == self.offsets[j - 1] + self.page_size:
-                j += 1
-            yield self.offsets[i], self.data_start + i * self.page_size, (j - i) * self.page_size
-            i = j
+        return page_runs(self.offsets, self.page_size, self.data_start)
 
 
 def read_layer(path: Path) -> Layer:
@@ -104,10 +100,6 @@ class ChainMemory:
             for i, offset in enumerate(layer.offsets):
                 self._pages[offset] = (index, layer.data_start + i * layer.page_size)
 
-    def extents(self) -> list[tuple[int, int]]:
-        pages = [(o, o + PAGE_SIZE) for o in self._pages]
-        return data_extents(self.base) + pages
-
     def read(self, fds: list[int], base_fd: int, offset: int, length: int) -> bytes:
         data = bytearray(os.pread(base_fd, length, offset).ljust(length, b"\0"))
         if self._pages:
@@ -118,51 +110,36 @@ class ChainMemory:
         return bytes(data)
 
 
-def _merge(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, page-aligned, non-overlapping union of extents."""
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted((s - s % PAGE_SIZE, -(-e // PAGE_SIZE) * PAGE_SIZE) for s, e in extents):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def changed_pages(memory: Path, parent: ChainMemory) -> array:
-    """Offsets of the pages of ``memory`` that differ from what ``parent``'s children see."""
-    changed = array("Q")
+def drop_unchanged(pages: Pages, parent: ChainMemory) -> Pages:
+    """The pages that differ from what ``parent``'s children see (zeroed ones included)."""
+    kept_offsets, kept = array("Q"), bytearray()
     fds = [os.open(layer.path, os.O_RDONLY) for layer in parent.layers]
     base_fd = os.open(parent.base, os.O_RDONLY)
-    new_fd = os.open(memory, os.O_RDONLY)
     try:
-        for start, end in _merge(data_extents(memory) + parent.extents()):
-            for pos in range(start, end, _CHUNK):
-                length = min(_CHUNK, end - pos)
-                new = os.pread(new_fd, length, pos).ljust(length, b"\0")
-                old = parent.read(fds, base_fd, pos, length)
-                if new == old:
-                    continue
-                for page in range(0, length, PAGE_SIZE):
-                    if new[page:page + PAGE_SIZE] != old[page:page + PAGE_SIZE]:
-                        changed.append(pos + page)
+        for guest_offset, position, length in pages.runs():
+            new = pages.data[position:position + length]
+            old = parent.read(fds, base_fd, guest_offset, length)
+            if new == old:
+                continue
+            for page in range(0, length, PAGE_SIZE):
+                if new[page:page + PAGE_SIZE] != old[page:page + PAGE_SIZE]:
+                    kept_offsets.append(guest_offset + page)
+                    kept += new[page:page + PAGE_SIZE]
     finally:
-        for fd in (*fds, base_fd, new_fd):
+        for fd in (*fds, base_fd):
             os.close(fd)
-    return changed
+    return Pages(offsets=kept_offsets, data=memoryview(kept))
 
 
-def write_layer(path: Path, memory: Path, offsets: array) -> Layer:
-    """Write the pages of ``memory`` at ``offsets`` as a layer file."""
-    with open(memory, "rb") as src, open(path, "wb") as out:
-        out.write(_HEADER.pack(MAGIC, VERSION, PAGE_SIZE, len(offsets)))
-        out.write(offsets.tobytes())
-        layer = Layer(path=path, page_size=PAGE_SIZE, offsets=offsets)
-        for guest_offset, _, length in layer.runs():
-            out.write(os.pread(src.fileno(), length, guest_offset).ljust(length, b"\0"))
+def write_layer(path: Path, pages: Pages) -> Layer:
+    """Write ``pages`` as a layer file (fsynced)."""
+    with open(path, "wb") as out:
+        out.write(_HEADER.pack(MAGIC, VERSION, PAGE_SIZE, len(pages.offsets)))
+        out.write(pages.offsets.tobytes())
+        out.write(pages.data[:PAGE_SIZE * len(pages.offsets)])
         out.flush()
         os.fsync(out.fileno())
-    return layer
+    return Layer(path=path, page_size=PAGE_SIZE, offsets=pages.offsets)
 
 
 def flatten(memory: ChainMemory, dest: Path) -> None:

@@ -10,7 +10,8 @@ still fits (as in Kata's virtcontainers hypervisor capabilities).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -93,10 +94,17 @@ class ChildSetup:
     ``tap_fd`` is a tap opened inside the child's network namespace, passed to the VMM, which
     itself needs no network; without one the NIC sits on a dead hub port with its link down.
     ``on_spawn`` runs with the VMM's pid before any guest state is loaded (e.g. joins a cgroup).
+    ``on_stage`` is told the name of each stage of starting the VMM as it ends (``exec``,
+    ``qmp_greeting``, ...), so the runtime can say where a spawn's time went.
     """
 
     tap_fd: int | None = None
     on_spawn: Callable[[int], None] | None = None
+    on_stage: Callable[[str], None] | None = None
+
+
+def no_stage_marks(stage: str) -> None:
+    """The ``on_stage`` of a caller who does not time stages."""
 
 
 @dataclass(eq=False)  # a handle is one process: identity, not value, equality
@@ -126,6 +134,46 @@ class VmHandle:
         return await asyncio.open_unix_connection(str(self.agent_socket), limit=limit)
 
 
+class PageLayer(Protocol):
+    """A diff layer of guest RAM pages (the store's format, ``forkd.store.layers``), as a backend reads it:
+    the file and its runs of ``(guest offset, file position, length)``, lowest layer first."""
+
+    path: Path
+
+    def runs(self) -> Iterable[tuple[int, int, int]]: ...
+
+
+PAGE_SIZE = 4096  # of guest RAM, as layers and captures count it
+
+
+@dataclass(frozen=True)
+class Pages:
+    """Guest RAM pages held in memory: their offsets (ascending) and their bytes, page after page.
+
+    What a BRANCH copies out of a paused VMM (the pages it holds privately); the store writes them
+    as a layer (``forkd.store.layers``).
+    """
+
+    offsets: array  # unsigned 64-bit page offsets into guest RAM, ascending
+    data: memoryview  # len(offsets) × PAGE_SIZE bytes
+
+    def runs(self) -> Iterator[tuple[int, int, int]]:
+        """``(guest offset, position in data, length)`` of each run of adjacent pages."""
+        return page_runs(self.offsets, PAGE_SIZE, 0)
+
+
+def page_runs(offsets: array, page_size: int, data_start: int) -> Iterator[tuple[int, int, int]]:
+    """``(guest offset, position, length)`` of each run of adjacent pages whose data lies one page
+    after another from ``data_start``."""
+    i, count = 0, len(offsets)
+    while i < count:
+        j = i + 1
+        while j < count and offsets[j] == offsets[j - 1] + page_size:
+            j += 1
+        yield offsets[i], data_start + i * page_size, (j - i) * page_size
+        i = j
+
+
 @dataclass(frozen=True)
 class SavedVm:
     """The files a saved parent consists of: RAM image, device state and frozen disk."""
@@ -134,7 +182,8 @@ class SavedVm:
     state: Path
     disk: Path
     identity: MachineIdentity
-    layers: tuple[Any, ...] = ()  # diff snapshots: forkd.store.layers.Layer laid over memory, base first
+    layers: tuple[PageLayer, ...] = ()  # diff snapshots laid over memory, base first
+    state_format: str = ""  # "": what the backend's save writes; else what a BRANCH capture said it wrote
 
 
 @dataclass(frozen=True)
@@ -171,8 +220,10 @@ class Vmm(Protocol):
         """Start a child's VMM mapping ``saved.memory`` copy-on-write, waiting for its state (not running)."""
         ...
 
-    async def complete_restore(self, vm: VmHandle, saved: SavedVm) -> None:
-        """Load ``saved``'s layers and device state into a prepared VMM and let the guest run."""
+    async def complete_restore(self, vm: VmHandle, saved: SavedVm,
+                               on_stage: Callable[[str], None] = no_stage_marks) -> None:
+        """Load ``saved``'s layers and device state into a prepared VMM and let the guest run
+        (marking ``state_loaded`` and ``cont``, or the backend's own stages, through ``on_stage``)."""
         ...
 
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
@@ -190,7 +241,7 @@ async def restore(vmm: Vmm, name: str, saved: SavedVm, spec: BootSpec, run_dir: 
     """Prepare and complete a restore in one go; the VMM is killed if loading its state fails."""
     vm = await vmm.prepare_restore(name, saved, spec, run_dir, setup)
     try:
-        await vmm.complete_restore(vm, saved)
+        await vmm.complete_restore(vm, saved, setup.on_stage or no_stage_marks)
     except BaseException:
         await vmm.kill(vm)
         raise

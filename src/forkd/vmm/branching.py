@@ -8,11 +8,12 @@ backend that only boots, saves and restores (a first Firecracker backend) needs 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from forkd.vmm.base import BootSpec, VmHandle, Vmm, VmmError
+from forkd.vmm.base import Pages, VmHandle, Vmm, VmmError
 
 
 class BranchingUnsupported(VmmError):
@@ -21,13 +22,26 @@ class BranchingUnsupported(VmmError):
 
 @dataclass(frozen=True)
 class Capture:
-    pause_s: float  # the guest was not running for this long
+    """What a BRANCH took from the source while it was stopped (and, ``live``, before)."""
+
+    pause_s: float  # the guest was not running for at most this long
     frozen_disk: Path  # the disk layer the source wrote until the pause; it now backs the source's new top
+    pages: Pages  # guest RAM the source holds privately over its memory file: what it changed
+    state_format: str  # how the device state file was written; a restore is told (SavedVm.state_format)
+    precopied: bool  # live: pages were copied while the guest ran and only re-written ones re-read
 
 
 class Branching(Protocol):
-    async def capture(self, vm: VmHandle, new_top: Path, stream: Path, live: bool) -> Capture:
-        """Pause, freeze the disk (the VM continues in ``new_top``), stream RAM + devices to ``stream``, resume."""
+    async def capture(self, vm: VmHandle, memory_bytes: int, new_top: Path, state: Path,
+                      live: bool, mark: Callable[[str], None]) -> Capture:
+        """Stop the guest; switch its disk to ``new_top`` (the old top freezes); write its device state
+        (no RAM) to ``state``; copy the pages of its ``memory_bytes`` of guest RAM it holds privately
+        over the memory file it was restored from (what it changed since); resume it.
+
+        ``mark(stage)`` is called as each stage ends (``runtime/timings.py`` names). ``live`` first
+        copies the pages while the guest runs, then re-reads only those written since, where the
+        host kernel can tell.
+        """
         ...
 
     async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
@@ -36,11 +50,6 @@ class Branching(Protocol):
 
     async def flatten_disk(self, disk: Path, base_name: str) -> None:
         """Make ``disk`` hold everything its backing chain held above the raw ``base_name`` next to it."""
-        ...
-
-    async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
-                       work_dir: Path) -> None:
-        """Turn a capture into ``memory`` (RAM file) + ``state`` (devices only): a snapshot's files."""
         ...
 
 

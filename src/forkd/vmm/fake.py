@@ -17,28 +17,33 @@ import contextlib
 import json
 import os
 import shutil
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from forkd.guest import protocol
 from forkd.guest.protocol import AGENT_VERSION
-from forkd.store.layers import Layer
 from forkd.vmm.base import (
     BootSpec,
     Capabilities,
     ChildSetup,
     MachineIdentity,
     MemoryStats,
+    PAGE_SIZE,
+    PageLayer,
+    Pages,
     SavedVm,
     VmHandle,
     VmmError,
     VmProcess,
+    no_stage_marks,
 )
 from forkd.vmm.branching import Capture
 
 PROGRAM = "tail"  # the fake VMM process: `tail -f RUN_DIR/console.log`
-RAM_KEY, DISK_KEY = "ram", "disk"
+RAM_KEY, DISK_KEY, BASE_KEY = "ram", "disk", "base"  # BASE_KEY: the memory file a child was restored from
 
 
 @dataclass
@@ -97,6 +102,7 @@ class FakeVmm:
         os.chmod(ram, 0o600)
         disk.write_bytes(b"overlay of " + str(saved.disk).encode())
         vm = await self._start(name, run_dir, ram, disk)
+        vm.state[BASE_KEY] = str(saved.memory)
         if setup.on_spawn is not None:
             try:
                 setup.on_spawn(vm.pid)
@@ -105,11 +111,14 @@ class FakeVmm:
                 raise VmmError(f"fake VMM for {name} could not be set up: {exc}") from None
         return vm
 
-    async def complete_restore(self, vm: VmHandle, saved: SavedVm) -> None:
+    async def complete_restore(self, vm: VmHandle, saved: SavedVm,
+                               on_stage: Callable[[str], None] = no_stage_marks) -> None:
         if self.behaviour.fail_restore is not None:
             raise VmmError(self.behaviour.fail_restore)
         await asyncio.to_thread(_lay, Path(vm.state[RAM_KEY]), list(saved.layers))
+        on_stage("state_loaded")
         await self._serve_agent(vm)
+        on_stage("cont")
 
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
         vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
@@ -183,7 +192,7 @@ class FakeVmm:
                 await asyncio.wait_for(server.wait_closed(), timeout=1)
 
 
-def _lay(ram: Path, layers: list[Layer]) -> None:
+def _lay(ram: Path, layers: list[PageLayer]) -> None:
     """Diff layers' pages over a child's RAM file, base first (what QEMU's restore does in /proc/PID/mem)."""
     with open(ram, "r+b") as target:
         for layer in layers:
@@ -195,19 +204,27 @@ def _lay(ram: Path, layers: list[Layer]) -> None:
 
 
 class FakeBranching:
-    """BRANCH for the fake: the capture stream is the child's RAM file, the disk layer a copy."""
+    """BRANCH for the fake: the "private pages" are the pages of the child's RAM file that differ from
+    the memory file it was restored from (as a MAP_PRIVATE child's would), the disk layer a copy."""
 
     def __init__(self, vmm: FakeVmm) -> None:
         self.vmm = vmm
         self.captures = 0
 
-    async def capture(self, vm: VmHandle, new_top: Path, stream: Path, live: bool) -> Capture:
+    async def capture(self, vm: VmHandle, memory_bytes: int, new_top: Path, state: Path,
+                      live: bool, mark: Callable[[str], None]) -> Capture:
         frozen = Path(vm.state[DISK_KEY])
-        await asyncio.to_thread(shutil.copyfile, vm.state[RAM_KEY], stream)
+        mark("stop")
         new_top.write_bytes(b"overlay of " + frozen.name.encode())
         vm.state[DISK_KEY] = str(new_top)
+        mark("disk_switched")
+        state.write_text(json.dumps({"captured": vm.name}))
+        mark("device_state_saved")
+        pages = await asyncio.to_thread(_differing_pages, Path(vm.state[RAM_KEY]), Path(vm.state[BASE_KEY]))
+        mark("pages_read")
+        mark("cont")
         self.captures += 1
-        return Capture(pause_s=0.0, frozen_disk=frozen)
+        return Capture(pause_s=0.0, frozen_disk=frozen, pages=pages, state_format="fake", precopied=False)
 
     async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
         dest.write_bytes(frozen.read_bytes() + b" backed by " + backing_name.encode())
@@ -216,7 +233,14 @@ class FakeBranching:
         os.chmod(disk, 0o600)
         disk.write_bytes(b"flattened onto " + base_name.encode())
 
-    async def reparent(self, spec: BootSpec, stream: Path, disk: Path, memory: Path, state: Path,
-                       work_dir: Path) -> None:
-        await asyncio.to_thread(shutil.copyfile, stream, memory)
-        state.write_text(json.dumps({"reparented": stream.name}))
+
+def _differing_pages(ram: Path, memory: Path) -> Pages:
+    offsets, data = array("Q"), bytearray()
+    with open(ram, "rb") as mine, open(memory, "rb") as base:
+        offset = 0
+        while page := mine.read(PAGE_SIZE):
+            if page != base.read(PAGE_SIZE).ljust(len(page), b"\0"):
+                offsets.append(offset)
+                data += page
+            offset += len(page)
+    return Pages(offsets=offsets, data=memoryview(data))

@@ -1,16 +1,22 @@
-"""Laying diff-snapshot pages into a restored VMM's guest RAM, from the host, before its state loads.
+"""A VMM's guest RAM seen from the host: diff pages laid in before a restore, private pages read out.
 
 Any VMM that maps the base memory file ``MAP_PRIVATE`` works with this: pages written through
-``/proc/<pid>/mem`` become that process's private copy-on-write pages, exactly as in the source.
+``/proc/<pid>/mem`` become that process's private copy-on-write pages, exactly as in the source;
+and the pages a guest wrote are exactly that process's private pages of the mapping, found in its
+page map (:mod:`forkd.vmm.procmem`), so a BRANCH reads them without the VMM streaming anything.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+from array import array
 from pathlib import Path
 
-from forkd.store.layers import Layer
-from forkd.vmm.base import VmmError
+from forkd.vmm import procmem
+from forkd.vmm.base import PageLayer, Pages, VmmError
+
+PAGE = procmem.PAGE_SIZE
 
 
 def memory_mapping(pid: int, memory: Path, size: int) -> int:
@@ -26,7 +32,7 @@ def memory_mapping(pid: int, memory: Path, size: int) -> int:
     raise VmmError(f"guest RAM mapping of {memory} not found in process {pid}")
 
 
-def write_layers(pid: int, memory: Path, size: int, layers: list[Layer]) -> int:
+def write_layers(pid: int, memory: Path, size: int, layers: list[PageLayer]) -> int:
     """Lay each layer's pages (base first) over the guest RAM of process ``pid``; bytes written."""
     address = memory_mapping(pid, memory, size)
     written = 0
@@ -47,3 +53,39 @@ def write_layers(pid: int, memory: Path, size: int, layers: list[Layer]) -> int:
     finally:
         os.close(mem)
     return written
+
+
+def read_private(pid: int, memory: Path, size: int, previous: Pages | None = None) -> Pages:
+    """The guest RAM pages process ``pid`` holds privately over ``memory``, copied out.
+
+    With ``previous`` (a copy taken while the guest ran, after the soft-dirty bits were cleared),
+    only runs written since are read again: a page becomes private only by being written, which
+    marks it soft-dirty, so a clean private page is the one ``previous`` holds.
+    """
+    address = memory_mapping(pid, memory, size)
+    try:
+        runs = procmem.private_runs(pid, address, address + size)
+    except OSError as exc:
+        raise VmmError(f"cannot read the page map of VMM process {pid}: {exc}") from None
+    total = sum(run.length for run in runs)
+    area = mmap.mmap(-1, max(total, PAGE))
+    data = memoryview(area)
+    offsets = array("Q")
+    known = {} if previous is None else {o: i for i, o in enumerate(previous.offsets)}
+    fresh: list[tuple[int, int, int]] = []  # (address, length, position in data) to read from the VMM
+    pos = 0
+    for run in runs:
+        pages = range(run.start - address, run.end - address, PAGE)
+        offsets.extend(pages)
+        if previous is not None and not run.soft_dirty and all(page in known for page in pages):
+            for i, page in enumerate(pages):
+                at = known[page] * PAGE
+                data[pos + i * PAGE:pos + (i + 1) * PAGE] = previous.data[at:at + PAGE]
+        else:
+            fresh.append((run.start, run.length, pos))
+        pos += run.length
+    try:
+        procmem.copy(pid, fresh, area)
+    except OSError as exc:
+        raise VmmError(f"cannot read the guest RAM of VMM process {pid}: {exc}") from None
+    return Pages(offsets=offsets, data=data[:total])

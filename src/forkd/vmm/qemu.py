@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,17 @@ from forkd.vmm.base import (
     VmHandle,
     VmmError,
     VmProcess,
+    no_stage_marks,
 )
 from forkd.vmm.process import read_memory_stats
-from forkd.vmm.qemu_branch import QemuBranching
+from forkd.vmm.qemu_branch import DEVICE_STATE, DEVICE_STATE_ARGS, QemuBranching
 from forkd.vmm.qemu_machine import (
     DISK_KEY,
+    MEMORY_KEY,
     MONITOR_KEY,
     NIC_ID,
     QEMU_BINARY,
+    TCG_TB_SIZE_MIB,
     QemuMachine,
     cpu_model,
     create_overlay,
@@ -51,8 +55,10 @@ from forkd.vmm.qemu_machine import (
 
 ADOPT_MONITOR_TIMEOUT_S = 5.0
 CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
-# Shared RAM (the memory file) is neither written to nor read from the migration stream.
-_IGNORE_SHARED = {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
+# Shared RAM (the memory file) is neither written to nor read from the migration stream, and QEMU
+# announces each migration state change as a MIGRATION event, so nobody polls.
+_MIGRATION_CAPABILITIES = {"capabilities": [{"capability": "x-ignore-shared", "state": True},
+                                           {"capability": "events", "state": True}]}
 
 
 class QemuVmm:
@@ -60,11 +66,12 @@ class QemuVmm:
 
     kind = "qemu"
 
-    def __init__(self, binary: str = QEMU_BINARY, accelerator: str = "auto") -> None:
+    def __init__(self, binary: str = QEMU_BINARY, accelerator: str = "auto",
+                 tb_size_mib: int = TCG_TB_SIZE_MIB) -> None:
         self.program = Path(binary).name
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
-        self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator))
-        self.branching = QemuBranching(self.machine)
+        self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator), tb_size_mib=tb_size_mib)
+        self.branching = QemuBranching()
         self._template_lock = asyncio.Lock()
         self._offline: set[VmHandle] = set()  # prepared children without a tap: their link goes down on load
 
@@ -125,34 +132,43 @@ class QemuVmm:
         It needs neither the device state nor a layer yet: those arrive in :meth:`complete_restore`
         (the state file as an fd over the monitor), so VMMs can be started ahead of a fork.
         """
+        mark = setup.on_stage or no_stage_marks
         disk = run_dir / "disk.qcow2"
         await asyncio.to_thread(shutil.copyfile, await self._child_overlay_template(saved.disk), disk)
+        mark("overlay")
         argv = self.machine.argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd)
-        vm = await self.machine.start(name, argv + ["-incoming", "defer"], run_dir, disk,
+        if saved.state_format == DEVICE_STATE:  # written by a BRANCH: devices only, no configuration section
+            argv += DEVICE_STATE_ARGS
+        # -S: the guest runs only on complete_restore's `cont`, whatever run state the saved state holds.
+        vm = await self.machine.start(name, argv + ["-incoming", "defer", "-S"], run_dir, disk,
                                       pass_fds=() if setup.tap_fd is None else (setup.tap_fd,),
-                                      on_spawn=setup.on_spawn)
+                                      on_spawn=setup.on_spawn, on_stage=mark)
+        vm.state[MEMORY_KEY] = str(saved.memory)
         if setup.tap_fd is None:
             self._offline.add(vm)
         return vm
 
-    async def complete_restore(self, vm: VmHandle, saved: SavedVm) -> None:
+    async def complete_restore(self, vm: VmHandle, saved: SavedVm,
+                               on_stage: Callable[[str], None] = no_stage_marks) -> None:
         offline = vm in self._offline
         self._offline.discard(vm)
         memory_bytes = saved.identity.memory_mib << 20
         if saved.layers:  # a diff snapshot: its pages go into the mapping before the state loads
             await asyncio.to_thread(guest_ram.write_layers, vm.pid, saved.memory, memory_bytes, list(saved.layers))
+            on_stage("layers")
         state_fd = os.open(saved.state, os.O_RDONLY)
         try:
             async with monitor(vm) as qmp:
-                await qmp.execute("migrate-set-capabilities", _IGNORE_SHARED)
+                await qmp.execute("migrate-set-capabilities", _MIGRATION_CAPABILITIES)
                 qmp.send_fd_scm(state_fd)
                 await qmp.execute("getfd", {"fdname": "forkd-state"})
                 # Device state from the file; RAM comes from the mapped memory file.
-                await qmp.execute("migrate-incoming", {"uri": "fd:forkd-state"})
-                await qmp.wait_for_migration("restoring")
+                await qmp.migrate("restoring", "migrate-incoming", {"uri": "fd:forkd-state"})
+                on_stage("state_loaded")
                 if offline:  # the guest sees no carrier: a child without network
                     await qmp.execute("set_link", {"name": NIC_ID, "up": False})
                 await qmp.execute("cont")  # the parent was paused when saved, so the child loads paused
+                on_stage("cont")
         except QMPError as exc:
             raise VmmError(f"restoring {vm.name} failed: {exc}") from None
         finally:
@@ -164,11 +180,10 @@ class QemuVmm:
         try:
             async with monitor(vm) as qmp:
                 await qmp.execute("stop")
-                await qmp.execute("migrate-set-capabilities", _IGNORE_SHARED)
+                await qmp.execute("migrate-set-capabilities", _MIGRATION_CAPABILITIES)
                 qmp.send_fd_scm(fd)
                 await qmp.execute("getfd", {"fdname": "forkd-state"})
-                await qmp.execute("migrate", {"uri": "fd:forkd-state"})
-                await qmp.wait_for_migration("saving")
+                await qmp.migrate("saving", "migrate", {"uri": "fd:forkd-state"})
         except QMPError as exc:
             raise VmmError(f"saving {vm.name} failed: {exc}") from None
         finally:
@@ -180,7 +195,7 @@ class QemuVmm:
         if not isinstance(state.get(MONITOR_KEY), str) or not isinstance(state.get(DISK_KEY), str):
             raise VmmError(f"the record of {name} lacks its QEMU monitor socket or disk")
         vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
-                      state={MONITOR_KEY: state[MONITOR_KEY], DISK_KEY: state[DISK_KEY]})
+                      state={k: state[k] for k in (MONITOR_KEY, DISK_KEY, MEMORY_KEY) if k in state})
         try:
             async with monitor(vm, wait_s=ADOPT_MONITOR_TIMEOUT_S, timeout_s=ADOPT_MONITOR_TIMEOUT_S) as qmp:
                 status = (await qmp.execute("query-status")).get("status")

@@ -23,13 +23,17 @@ from qemu.qmp import EventListener, QMPClient, QMPError
 
 from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
-from forkd.vmm.base import BootSpec, VmHandle, VmmError
+from forkd.vmm.base import BootSpec, VmHandle, VmmError, no_stage_marks
 
 QEMU_BINARY = "qemu-system-x86_64"
 MACHINE_ALIAS = "q35"
 STARTUP_TIMEOUT_S = 20.0
 QMP_TIMEOUT_S = 30.0  # one monitor command; QEMU answers in milliseconds unless it is stalled
 MIGRATION_TIMEOUT_S = 120.0
+# TCG translation buffer per VMM. Measured per child (reseed + numpy eval + one command, bench/child_cost.py,
+# docs/benchmarks.md): 8 MiB → 12 buffer flushes and ~2x the CPU of 16 MiB (4 flushes); 32 MiB → 1
+# flush and ~35 % less CPU than 16, but +14 MiB Private_Dirty per child. The default favours memory;
+# `tcg_tb_size_mib` in the daemon's config trades it for CPU.
 TCG_TB_SIZE_MIB = 16
 NIC_ID = "nic0"
 #: An inert NIC backend: a hub with this one port, so frames go nowhere. Backends are not
@@ -37,7 +41,7 @@ NIC_ID = "nic0"
 #: so the offload features the guest negotiated are the same whichever backend a child gets.
 _INERT_NETDEV = "hubport,id=net0,hubid=0"
 #: QEMU's seccomp filter: no obsolete syscalls, no setuid/setgid/capset, no fork/exec, no
-#: scheduler or resource-limit changes. Migration to an fd and userfaultfd (live BRANCH) need none.
+#: scheduler or resource-limit changes. Migration to an fd and a BRANCH's device-state file need none.
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 #: The VMM keeps uid 0 and one capability, CAP_DAC_OVERRIDE: QEMU 7.2 opens a child's memory file
 #: (root's, mode 0400) read-write even for a private mapping. Every other capability is gone from
@@ -128,6 +132,7 @@ async def qemu_img(*args: str, timeout_s: float = 120.0) -> None:
 
 # What a QEMU VmHandle keeps in its backend state (persisted with the sandbox record).
 MONITOR_KEY, DISK_KEY = "monitor_socket", "disk"
+MEMORY_KEY = "memory"  # the memory file a child maps (share=off): its private pages are what it changed
 
 
 def disk_of(vm: VmHandle) -> Path:
@@ -158,6 +163,40 @@ class Monitor:
 
     def listen(self, listener: EventListener) -> contextlib.AbstractContextManager[Any]:
         return self._client.listen(listener)
+
+    async def migrate(self, doing: str, command: str, arguments: dict[str, Any],
+                      timeout_s: float = MIGRATION_TIMEOUT_S) -> None:
+        """Run a migration command and wait for QEMU's MIGRATION event saying it completed (no polling).
+
+        Needs the ``events`` migration capability. A VMM that dies meanwhile ends the wait at once;
+        one that never finishes is killed after ``timeout_s``.
+        """
+        listener = EventListener("MIGRATION")
+        with self.listen(listener):
+            await self.execute(command, arguments)
+            exited = asyncio.ensure_future(self.vm.process.wait())
+            deadline = time.monotonic() + timeout_s
+            try:
+                while True:
+                    event = asyncio.ensure_future(listener.get())
+                    done, _ = await asyncio.wait({event, exited}, timeout=max(0.0, deadline - time.monotonic()),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if event not in done:
+                        event.cancel()
+                        if exited in done:
+                            raise VmmError(f"{doing} {self.vm.name} failed: QEMU exited with status "
+                                           f"{exited.result()}")
+                        await kill(self.vm)
+                        raise MonitorStalled(f"{doing} {self.vm.name} did not finish in {timeout_s:.0f} s; "
+                                             "the VMM has been killed")
+                    status = (event.result().get("data") or {}).get("status")
+                    if status == "completed":
+                        return
+                    if status in {"failed", "cancelled"}:
+                        info = await self.execute("query-migrate")
+                        raise VmmError(f"{doing} {self.vm.name} failed: {info.get('error-desc', status)}")
+            finally:
+                exited.cancel()
 
     async def wait_for_migration(self, doing: str, timeout_s: float = MIGRATION_TIMEOUT_S) -> None:
         """Poll until an outgoing or incoming migration completes (both take milliseconds here)."""
@@ -227,10 +266,12 @@ def tail(path: Path, limit: int = 800) -> str:
 
 
 class QemuMachine:
-    """How forkd runs ``qemu-system-x86_64``: one machine definition for parents, children and re-parents."""
+    """How forkd runs ``qemu-system-x86_64``: one machine definition for parents and children."""
 
-    def __init__(self, binary: str, accelerator: str, cpu_model: str, confine: bool = True) -> None:
+    def __init__(self, binary: str, accelerator: str, cpu_model: str, confine: bool = True,
+                 tb_size_mib: int = TCG_TB_SIZE_MIB) -> None:
         self.binary = binary
+        self.tb_size_mib = tb_size_mib
         self.accelerator = accelerator
         self.cpu_model = cpu_model
         # setpriv is util-linux (always on Debian); without it the VMM keeps root's capabilities.
@@ -249,7 +290,7 @@ class QemuMachine:
         """
         with_kernel = share if boot is None else boot
         kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if with_kernel else []
-        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={TCG_TB_SIZE_MIB}"
+        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={self.tb_size_mib}"
         netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
         return [
             self.binary,
@@ -280,8 +321,12 @@ class QemuMachine:
 
     async def start(self, name: str, argv: list[str], run_dir: Path, disk: Path, pass_fds: tuple[int, ...] = (),
                     setup: Callable[[Monitor], Awaitable[object]] | None = None,
-                    on_spawn: Callable[[int], None] | None = None) -> VmHandle:
-        """Start QEMU, run ``on_spawn(pid)``, prove it is up with a monitor answer, then run ``setup`` on it."""
+                    on_spawn: Callable[[int], None] | None = None,
+                    on_stage: Callable[[str], None] = no_stage_marks) -> VmHandle:
+        """Start QEMU, run ``on_spawn(pid)``, prove it is up with a monitor answer, then run ``setup`` on it.
+
+        Marks ``exec`` (process started and set up) and ``qmp_greeting`` (the monitor answered).
+        """
         log_path = run_dir / "qemu.log"
         command = [*CONFINE, *argv] if self.confine else argv
         with open(log_path, "ab") as log:
@@ -301,11 +346,13 @@ class QemuMachine:
                 await kill(vm)
                 raise VmmError(f"QEMU for {name} could not be set up ({exc}; exit status {process.returncode}): "
                                f"{tail(log_path)}") from None
+        on_stage("exec")
         # QEMU creates its sockets before it has parsed every option (and binds before it
         # listens), so only a monitor answer proves the machine was really created.
         try:
             async with monitor(vm, wait_s=STARTUP_TIMEOUT_S) as qmp:
                 await qmp.execute("query-status")
+                on_stage("qmp_greeting")
                 if setup is not None:
                     await setup(qmp)
         except (VmmError, QMPError) as exc:

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from forkd.daemon.middleware import StatusSeen
+
 _SANDBOX_ID = re.compile(r"\bsb-[a-z0-9]{12}\b")
 _PEEK_BYTES = 64 << 10  # bodies this small are read for the snapshot tag they name
 MAX_FIELD_CHARS = 256  # a path, method or tag longer than this is cut (and marked)
@@ -91,7 +93,6 @@ class AuditMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
-        status = 500
         head = bytearray()
 
         async def peeking_receive() -> dict[str, Any]:
@@ -100,16 +101,11 @@ class AuditMiddleware:
                 head.extend(message.get("body", b"")[:_PEEK_BYTES - len(head)])
             return message
 
-        async def status_send(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        seen = StatusSeen(send)
         try:
-            await self.app(scope, peeking_receive, status_send)
+            await self.app(scope, peeking_receive, seen)
         finally:
-            self.log.write(self.entry(scope, status, time.monotonic() - started, bytes(head)))
+            self.log.write(self.entry(scope, seen.status, time.monotonic() - started, bytes(head)))
 
     def entry(self, scope: dict[str, Any], status: int, seconds: float, head: bytes) -> dict[str, Any]:
         client = scope.get("client")

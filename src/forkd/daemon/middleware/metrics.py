@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from forkd.daemon.middleware import StatusSeen
 from forkd.runtime.metrics import Metrics
 
 
@@ -18,16 +19,9 @@ class RequestMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
-
-        async def status_send(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        seen = StatusSeen(send)
         try:
-            await self.app(scope, receive, status_send)
+            await self.app(scope, receive, seen)
         finally:  # the router put the matched route into this scope
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.count_request(route, scope["method"], status)
+            self.metrics.count_request(route, scope["method"], seen.status)

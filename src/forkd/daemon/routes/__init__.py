@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from forkd.daemon.routes import branch, commands, files, images, packs, sandboxes, snapshots, system, workspaces
+from forkd.daemon.routes import (
+    branch,
+    commands,
+    contexts,
+    files,
+    images,
+    packs,
+    pools,
+    sandboxes,
+    snapshots,
+    system,
+    workspaces,
+)
 
 ROUTERS = (system.router, images.router, snapshots.router, packs.router, sandboxes.router, commands.router,
-           files.router, branch.router, workspaces.router)
+           contexts.router, files.router, branch.router, workspaces.router, pools.router)

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from forkd.daemon import schemas
 from forkd.daemon.deps import RuntimeDep, SandboxId
-from forkd.runtime.chains import describe_chain
+from forkd.store.chains import describe_chain
 
 router = APIRouter()
 

@@ -8,7 +8,7 @@ call ends in the guest when the client disconnects.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -59,7 +59,7 @@ async def _lines(execution: Execution) -> AsyncIterator[dict[str, Any]]:
         for tail in execution.flush():
             yield _wire(tail)
     finally:
-        await execution.cancel()  # a no-op once the call ended; ends it in the guest otherwise
+        execution.cancel()  # a no-op once the call ended; ends it in the guest otherwise
 
 
 def command_spec(body: schemas.ExecRequest) -> CommandSpec:
@@ -68,18 +68,26 @@ def command_spec(body: schemas.ExecRequest) -> CommandSpec:
                        warm=body.warm)
 
 
+async def _answer(request: Request, stream: bool, collect: Callable[[], Awaitable[Any]],
+                  start: Callable[[], Awaitable[Execution]],
+                  result_of: Callable[[Execution, dict[str, Any]], Any]) -> dict[str, Any] | NDJSONResponse:
+    """Gathered (``collect``) unless ``stream``; then NDJSON events of the started call, then its result."""
+    if not stream:
+        return (await unless_client_leaves(request, collect())).to_dict()
+    execution = await start()
+
+    async def finish() -> dict[str, Any]:
+        return result_of(execution, await execution.raw_result()).to_dict()
+
+    return attached(_lines(execution), finish)
+
+
 @router.post("/v1/sandboxes/{sandbox_id}/exec", response_model=None, responses=json_or_ndjson(schemas.CommandOutcome))
 async def exec_command(sandbox_id: SandboxId, body: schemas.ExecRequest, sessions: SessionsDep,
                        request: Request) -> dict[str, Any] | NDJSONResponse:
     spec = command_spec(body)
-    if not body.stream:
-        return (await unless_client_leaves(request, sessions.exec(sandbox_id, spec))).to_dict()
-    execution = await sessions.start_exec(sandbox_id, spec)
-
-    async def finish() -> dict[str, Any]:
-        return Sessions.command_result(execution, await execution.raw_result()).to_dict()
-
-    return attached(_lines(execution), finish)
+    return await _answer(request, body.stream, lambda: sessions.exec(sandbox_id, spec),
+                         lambda: sessions.start_exec(sandbox_id, spec), Sessions.command_result)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/run_code", response_model=None,
@@ -87,14 +95,8 @@ async def exec_command(sandbox_id: SandboxId, body: schemas.ExecRequest, session
 async def run_code(sandbox_id: SandboxId, body: schemas.RunCodeRequest, sessions: SessionsDep,
                    request: Request) -> dict[str, Any] | NDJSONResponse:
     spec = CellSpec(code=body.code, context=body.context, timeout_s=body.timeout_s)
-    if not body.stream:
-        return (await unless_client_leaves(request, sessions.run_code(sandbox_id, spec))).to_dict()
-    execution = await sessions.start_cell(sandbox_id, spec)
-
-    async def finish() -> dict[str, Any]:
-        return Sessions.cell_result(execution, await execution.raw_result()).to_dict()
-
-    return attached(_lines(execution), finish)
+    return await _answer(request, body.stream, lambda: sessions.run_code(sandbox_id, spec),
+                         lambda: sessions.start_cell(sandbox_id, spec), Sessions.cell_result)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/eval", response_model=schemas.CodeOutcome)

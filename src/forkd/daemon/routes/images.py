@@ -25,7 +25,8 @@ async def images(runtime: RuntimeDep) -> dict[str, Any]:
 async def build_image(body: schemas.ImageBuild, runtime: RuntimeDep) -> NDJSONResponse:
     spec = ImageSpec(name=body.name, packages=tuple(dict.fromkeys((*BASE_PACKAGES, *body.packages))),
                      mirror=body.mirror, source_dir=Path(body.source_dir) if body.source_dir else None,
-                     source_oci=Path(body.source_oci) if body.source_oci else None, disk_size_mib=body.disk_size_mib)
+                     source_oci=Path(body.source_oci) if body.source_oci else None, disk_size_mib=body.disk_size_mib,
+                     ca_certs=tuple(body.ca_certs))
     spec = runtime.confine_image_sources(spec)  # refused before the stream starts
 
     async def work(emit):  # type: ignore[no-untyped-def]
@@ -37,5 +38,5 @@ async def build_image(body: schemas.ImageBuild, runtime: RuntimeDep) -> NDJSONRe
 
 @router.delete("/v1/images/{name}")
 async def remove_image(name: str, runtime: RuntimeDep) -> dict[str, Any]:
-    runtime.remove_image(name)
+    await runtime.remove_image(name)
     return {"removed": name}

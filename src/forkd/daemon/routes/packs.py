@@ -34,8 +34,9 @@ async def unpack(body: schemas.PackUnpack, runtime: RuntimeDep) -> NDJSONRespons
     packs = runtime.packs
     manifest = await asyncio.to_thread(packs.inspect, Path(body.path))
     packs.plan(manifest, body.tag, body.force)
+    claim = packs.claim(manifest, body.tag)  # a tag another request holds is a 409 before streaming
     return detached(lambda emit: packs.unpack(Path(body.path), body.tag, body.force,
-                                              lambda line: emit({"progress": line})))
+                                              lambda line: emit({"progress": line}), claim))
 
 
 @router.post("/pull", response_class=NDJSONResponse, responses=NDJSON_ANSWER)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter
 
 from forkd.daemon import schemas
 from forkd.daemon.deps import RuntimeDep, SandboxId
+from forkd.daemon.ndjson import NDJSON, NDJSONResponse, detached
 from forkd.host.cgroups import Limits
 from forkd.host.netpolicy import NetRequest, allow_rule, egress_policy
 from forkd.runtime.isolation import SandboxOptions
-from forkd.runtime.sandboxes import ForkOptions
+from forkd.runtime.sandboxes import ForkOptions, ForkOutcome
 
 router = APIRouter()
 
@@ -25,14 +27,45 @@ def isolation_of(body: schemas.SandboxCreate) -> SandboxOptions:
                                         cpu_weight=body.cpu_weight, pids_max=body.pids_max))
 
 
-@router.post("/v1/sandboxes", status_code=201, response_model=schemas.ForkResult)
-async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, Any]:
-    options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata, isolation=isolation_of(body))
-    outcomes = await runtime.sandboxes.fork(body.snapshot_tag, body.n, options)
-    return {
-        "sandboxes": [o.sandbox for o in outcomes if o.sandbox is not None],
-        "errors": [o.error for o in outcomes if o.error is not None],
-    }
+MAYBE_FORK_STREAM: dict[int | str, dict[str, Any]] = {
+    201: {"model": schemas.ForkResult, "description": "every child's sandbox or error"},
+    200: {"content": {NDJSON: {"schema": {"type": "string", "description": (
+        "with \"stream\": true, one {\"child\": {index, sandbox | error, timings}} line per child as it "
+        "answers or fails, then {\"result\": ForkResult}")}}}, "description": "NDJSON, with \"stream\": true"}}
+
+
+def fork_answer(outcomes: list[ForkOutcome]) -> dict[str, Any]:
+    return {"sandboxes": [o.sandbox for o in outcomes if o.sandbox is not None],
+            "errors": [o.error for o in outcomes if o.error is not None]}
+
+
+def child_line(outcome: ForkOutcome) -> dict[str, Any]:
+    """One child of a streamed fork, as soon as it answered or failed."""
+    line: dict[str, Any] = {"index": outcome.index, "timings": outcome.timings}
+    if outcome.sandbox is not None:
+        line["sandbox"] = outcome.sandbox
+    else:
+        line["error"] = outcome.error
+    return line
+
+
+@router.post("/v1/sandboxes", status_code=201, response_model=None, responses=MAYBE_FORK_STREAM)
+async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, Any] | NDJSONResponse:
+    options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata,
+                          isolation=isolation_of(body), deadline_s=body.deadline_s)
+    if not body.stream:
+        return fork_answer(await runtime.sandboxes.fork(body.snapshot_tag, body.n, options))
+    # A tag that cannot be forked is an error status here, before any line is streamed.
+    children = await runtime.sandboxes.start_fork(body.snapshot_tag, body.n, options)
+
+    async def work(emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        outcomes = []
+        async for outcome in children:  # children finish starting even if the client left
+            outcomes.append(outcome)
+            emit({"child": child_line(outcome)})
+        return fork_answer(sorted(outcomes, key=lambda o: o.index))
+
+    return detached(work)
 
 
 @router.get("/v1/sandboxes", response_model=schemas.SandboxList)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -11,26 +10,23 @@ from forkd.daemon import schemas
 from forkd.daemon.deps import RuntimeDep
 from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, detached
 from forkd.runtime.snapshots import SnapshotRequest
-from forkd.store.usage import directory_usage
 
 router = APIRouter()
 
 
 @router.get("/v1/snapshots", response_model=schemas.SnapshotList)
 async def snapshots(runtime: RuntimeDep) -> dict[str, Any]:
-    records = runtime.registry.list_snapshots()
-    usage = await asyncio.to_thread(lambda: [directory_usage(s.path) for s in records])  # walks the store
-    return {"snapshots": [{**s.to_dict(), "disk": disk} for s, disk in zip(records, usage)]}
+    return {"snapshots": await runtime.store.listing()}  # walks the store on its own threads
 
 
 @router.post("/v1/snapshots", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
 async def create_snapshot(body: schemas.SnapshotCreate, runtime: RuntimeDep) -> NDJSONResponse:
     request = SnapshotRequest(tag=body.tag, image=body.image, memory_mib=body.memory_mib, vcpus=body.vcpus,
                               warm_modules=tuple(body.warm_modules), warmup_cmd=body.warmup_cmd)
-    runtime.snapshots.reserve(body.tag)  # a taken tag is a 409 before any streaming starts
+    claim = runtime.snapshots.claim(body.tag)  # a taken or claimed tag is a 409 before any streaming starts
 
     async def work(emit):  # type: ignore[no-untyped-def]
-        record = await runtime.create_snapshot(request, lambda line: emit({"progress": line}), reserved=True)
+        record = await runtime.create_snapshot(request, lambda line: emit({"progress": line}), claim=claim)
         return record.to_dict()
 
     return detached(work)
@@ -38,4 +34,4 @@ async def create_snapshot(body: schemas.SnapshotCreate, runtime: RuntimeDep) -> 
 
 @router.delete("/v1/snapshots/{tag}")
 async def remove_snapshot(tag: str, runtime: RuntimeDep, cascade: bool = False, force: bool = False) -> dict[str, Any]:
-    return {"removed": tag, "removed_tags": runtime.remove_snapshot(tag, cascade=cascade, force=force)}
+    return {"removed": tag, "removed_tags": await runtime.remove_snapshot(tag, cascade=cascade, force=force)}

@@ -1,5 +1,8 @@
 """Snapshot chains: each branch records its parent; a child of a branch needs every link below it.
 
+A link's parent is its registry record's ``parent_tag`` and nothing else (``meta.json`` does not
+hold it); the pack manifest carries it between hosts.
+
 A chain is walked from the snapshot down to its root (a baked snapshot, no parent). Its memory is
 the nearest ``full`` memory file on the way down with the ``diff`` layers above it laid over it; its
 disk is the qcow2 backing chain (each link's ``disk.qcow2`` names its parent's by relative path).
@@ -13,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forkd.runtime.registry import Registry, SnapshotRecord
-
-DISK_FILE, MEMORY_FILE, LAYER_FILE = "disk.qcow2", "memory", "memory.layer"
+from forkd.store.layout import DISK_FILE, LAYER_FILE, MEMORY_FILE, memory_layer_name
+from forkd.store.registry import Registry, SnapshotRecord
 
 
 class ChainBroken(LookupError):
@@ -26,11 +28,6 @@ class ChainBroken(LookupError):
 class ChainMemory:
     base: Path  # a full memory file
     layers: tuple[Path, ...]  # diff layers above it, base first
-
-
-def memory_layer_name(meta: dict[str, Any]) -> str:
-    """The file holding a snapshot's own memory: the whole of it, or only its changed pages."""
-    return LAYER_FILE if meta.get("memory_kind") == "diff" else MEMORY_FILE
 
 
 def parent_digests(parent: SnapshotRecord) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The daemon's record of snapshots and sandboxes, in SQLite.
+"""The daemon's record of snapshots, sandboxes, workspaces and address leases, in SQLite, and its schema.
 
 Every change is one transaction, so a crash leaves either the old or the new record, never half
 of one. Files on disk are published first (atomic rename) and registered second, so a registered
@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The unversioned shape (what forkd created before schema versions); MIGRATIONS bring it up to date.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
     tag        TEXT PRIMARY KEY,
@@ -52,6 +54,7 @@ CREATE TABLE IF NOT EXISTS net_leases (
 );
 """
 _SANDBOX_FIELDS = "id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, vmm_state"
+_SNAPSHOT_FIELDS = "tag, status, image, path, created_at, meta, parent_tag, error"
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
@@ -74,9 +77,25 @@ def _vmm_state_blob(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE sandboxes DROP COLUMN monitor_socket")
 
 
+def _snapshot_state_out_of_meta(db: sqlite3.Connection) -> None:
+    """3: a snapshot's ``meta`` is exactly its meta.json; what changes lives in columns. A failure's
+    message moves to ``error``; the parent link lives only in ``parent_tag`` (chains unpacked by
+    earlier releases had it only in meta, so ``rmi`` of their base did not see them)."""
+    db.execute("ALTER TABLE snapshots ADD COLUMN error TEXT")
+    db.execute("UPDATE snapshots SET parent_tag = json_extract(meta, '$.parent_tag') "
+               "WHERE parent_tag IS NULL AND json_extract(meta, '$.parent_tag') IS NOT NULL")
+    db.execute("UPDATE snapshots SET error = json_extract(meta, '$.error') WHERE json_extract(meta, '$.error') IS NOT NULL")
+    db.execute("UPDATE snapshots SET meta = json_remove(meta, '$.parent_tag', '$.error')")
+
+
+def _pools_table(db: sqlite3.Connection) -> None:
+    """4: how many ready VMMs to keep per snapshot (runtime/pool.py), as set through the API."""
+    db.execute("CREATE TABLE pools (tag TEXT PRIMARY KEY, size INTEGER NOT NULL)")
+
+
 #: Schema migrations, in order: step N brings ``PRAGMA user_version`` from N-1 to N in one
 #: transaction. A new database is created in the unversioned shape and migrated like any other.
-MIGRATIONS = (_add_columns, _vmm_state_blob)
+MIGRATIONS = (_add_columns, _vmm_state_blob, _snapshot_state_out_of_meta, _pools_table)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -84,20 +103,31 @@ class SchemaTooNew(RuntimeError):
     """state.db was written by a newer forkd; this one would misread it."""
 
 
-def migrate(db: sqlite3.Connection) -> None:
-    version = db.execute("PRAGMA user_version").fetchone()[0]
+def schema_version(db: sqlite3.Connection) -> int:
+    return db.execute("PRAGMA user_version").fetchone()[0]
+
+
+def migrate(db: sqlite3.Connection) -> list[int]:
+    """Apply the migrations ``db`` lacks, each in its own transaction, in order; returns those applied."""
+    version = schema_version(db)
     if version > SCHEMA_VERSION:
         raise SchemaTooNew(f"state.db has schema version {version}, this forkd knows up to {SCHEMA_VERSION}; "
                            "upgrade forkd or use another FORKD_HOME")
+    applied = []
     for number in range(version + 1, SCHEMA_VERSION + 1):
         db.execute("BEGIN IMMEDIATE")
         try:
+            if schema_version(db) >= number:  # another process migrated it meanwhile
+                db.execute("ROLLBACK")
+                continue
             MIGRATIONS[number - 1](db)
             db.execute(f"PRAGMA user_version = {number}")
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
+        applied.append(number)
+    return applied
 
 
 class LeasesExhausted(RuntimeError):
@@ -111,12 +141,16 @@ class SnapshotRecord:
     image: str
     path: Path
     created_at: float
-    meta: dict[str, Any] = field(default_factory=dict)
-    parent_tag: str | None = None  # the snapshot this one was branched from (its chain's next link)
+    meta: dict[str, Any] = field(default_factory=dict)  # exactly its meta.json: written once, never changed
+    parent_tag: str | None = None  # the snapshot this one was branched from: the one record of its parent
+    error: str | None = None  # why a ``failed`` snapshot failed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tag": self.tag, "status": self.status, "image": self.image, "path": str(self.path),
-                "created_at": self.created_at, "parent_tag": self.parent_tag, **self.meta}
+        described = {**self.meta, "tag": self.tag, "status": self.status, "image": self.image, "path": str(self.path),
+                     "created_at": self.created_at, "parent_tag": self.parent_tag}
+        if self.error is not None:
+            described["error"] = self.error
+        return described
 
 
 @dataclass
@@ -155,55 +189,89 @@ class SandboxRecord:
 
 
 class Registry:
-    """Thread-safe access to ``state.db``; the daemon holds one instance."""
+    """Access to ``state.db`` from any thread; the daemon holds one instance.
+
+    Each thread gets its own connection, and the database runs in WAL mode: readers never wait for
+    a writer, and no Python lock is shared between the event loop and worker threads. SQLite
+    serializes writers itself (each waits up to ``BUSY_TIMEOUT_S`` for the other).
+    """
+
+    BUSY_TIMEOUT_S = 30.0
 
     def __init__(self, db_path: Path) -> None:
         db_path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._path = db_path
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._guard = threading.Lock()  # only around the list of connections, never around a query
+        self._closed = False
+        db = self._db
         try:
-            self._db.executescript(SCHEMA)
-            migrate(self._db)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+            migrate(db)
         except BaseException:
-            self._db.close()
+            self.close()
             raise
-        self._lock = threading.Lock()
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            with self._guard:
+                if self._closed:
+                    raise sqlite3.ProgrammingError("the registry is closed")
+                db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None,
+                                     timeout=self.BUSY_TIMEOUT_S)
+                db.execute("PRAGMA synchronous=NORMAL")
+                self._connections.append(db)
+            self._local.db = db
+        return db
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        with self._guard:
+            self._closed = True
+            for db in self._connections:
+                db.close()
+            self._connections.clear()
 
     def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        with self._lock:
-            return self._db.execute(sql, params).fetchall()
+        return self._db.execute(sql, params).fetchall()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """``BEGIN IMMEDIATE`` … ``COMMIT`` on this thread's connection: all of it or none of it."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
 
     # snapshots
 
     def add_snapshot(self, record: SnapshotRecord) -> None:
         self._execute(_INSERT_SNAPSHOT, _snapshot_row(record))
 
-    def replace_snapshots(self, records: list[SnapshotRecord], remove: tuple[str, ...] = ()) -> None:
-        """Remove the ``remove`` tags and add ``records`` in one transaction: all of it or none of it."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                for tag in remove:
-                    self._db.execute("DELETE FROM snapshots WHERE tag = ?", (tag,))
-                for record in records:
-                    self._db.execute(_INSERT_SNAPSHOT, _snapshot_row(record))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+    def publish_snapshots(self, records: list[SnapshotRecord], remove: tuple[str, ...] = ()) -> None:
+        """In one transaction: remove the ``remove`` tags, then register ``records`` (each new, or
+        replacing its own ``writing`` record). A tag registered otherwise fails it all."""
+        with self._transaction() as db:
+            for tag in remove:
+                db.execute("DELETE FROM snapshots WHERE tag = ?", (tag,))
+            for record in records:
+                db.execute("DELETE FROM snapshots WHERE tag = ? AND status = 'writing'", (record.tag,))
+                db.execute(_INSERT_SNAPSHOT, _snapshot_row(record))
 
-    def update_snapshot(self, tag: str, *, status: str, meta: dict[str, Any] | None = None,
+    def update_snapshot(self, tag: str, *, status: str, error: str | None = None,
                         parent_tag: str | None = None) -> None:
-        """Set a snapshot's status, and its meta and parent link when given, in one statement."""
+        """Set a snapshot's status, and its error and parent link when given, in one statement."""
         sets, params = ["status = ?"], [status]
-        if meta is not None:
-            sets.append("meta = ?")
-            params.append(json.dumps(meta))
+        if error is not None:
+            sets.append("error = ?")
+            params.append(error)
         if parent_tag is not None:
             sets.append("parent_tag = ?")
             params.append(parent_tag)
@@ -214,11 +282,11 @@ class Registry:
                                             (tag,))]
 
     def get_snapshot(self, tag: str) -> SnapshotRecord | None:
-        rows = self._execute("SELECT tag, status, image, path, created_at, meta, parent_tag FROM snapshots WHERE tag = ?", (tag,))
+        rows = self._execute(f"SELECT {_SNAPSHOT_FIELDS} FROM snapshots WHERE tag = ?", (tag,))
         return _snapshot(rows[0]) if rows else None
 
     def list_snapshots(self) -> list[SnapshotRecord]:
-        rows = self._execute("SELECT tag, status, image, path, created_at, meta, parent_tag FROM snapshots ORDER BY created_at")
+        rows = self._execute(f"SELECT {_SNAPSHOT_FIELDS} FROM snapshots ORDER BY created_at")
         return [_snapshot(r) for r in rows]
 
     def remove_snapshot(self, tag: str) -> None:
@@ -227,28 +295,22 @@ class Registry:
     # sandboxes
 
     def add_sandbox(self, record: SandboxRecord) -> None:
+        """One insert with everything, VMM included: a fork writes each child's record once."""
         self._execute(
-            "INSERT INTO sandboxes (id, snapshot_tag, status, pid, run_dir, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO sandboxes ({_SANDBOX_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (record.id, record.snapshot_tag, record.status, record.pid, str(record.run_dir), record.created_at,
-             json.dumps(record.meta)),
+             json.dumps(record.meta), record.vmm_started,
+             None if record.vmm_state is None else json.dumps(record.vmm_state)),
         )
 
     def update_sandbox(self, sandbox_id: str, *, status: str | None = None, pid: int | None = None,
                        meta: dict[str, Any] | None = None) -> None:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                row = self._db.execute("SELECT status, pid, meta FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
-                if row is not None:
-                    merged = {**json.loads(row[2]), **(meta or {})}
-                    self._db.execute(
-                        "UPDATE sandboxes SET status = ?, pid = ?, meta = ? WHERE id = ?",
-                        (status or row[0], pid if pid is not None else row[1], json.dumps(merged), sandbox_id),
-                    )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            row = db.execute("SELECT status, pid, meta FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+            if row is not None:
+                merged = {**json.loads(row[2]), **(meta or {})}
+                db.execute("UPDATE sandboxes SET status = ?, pid = ?, meta = ? WHERE id = ?",
+                           (status or row[0], pid if pid is not None else row[1], json.dumps(merged), sandbox_id))
 
     def set_vmm(self, sandbox_id: str, pid: int, started: int | None, vmm_state: dict[str, Any]) -> None:
         """Record the VMM of a sandbox, everything a restarted daemon needs to find and reconnect it."""
@@ -270,6 +332,19 @@ class Registry:
     def remove_sandbox(self, sandbox_id: str) -> None:
         self._execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
 
+    # pools of ready VMMs
+
+    def pool_sizes(self) -> dict[str, int]:
+        return {tag: size for tag, size in self._execute("SELECT tag, size FROM pools")}
+
+    def set_pool_size(self, tag: str, size: int | None) -> None:
+        """Keep ``size`` ready VMMs of ``tag``; ``None`` forgets the tag's pool altogether."""
+        if size is None:
+            self._execute("DELETE FROM pools WHERE tag = ?", (tag,))
+        else:
+            self._execute("INSERT INTO pools (tag, size) VALUES (?, ?) ON CONFLICT(tag) DO UPDATE SET size = ?",
+                          (tag, size, size))
+
     # network address leases
 
     def lease_slot(self, sandbox_id: str, pool: str, capacity: int, taken: Collection[int] = ()) -> int:
@@ -277,20 +352,13 @@ class Registry:
 
         One immediate transaction: concurrent forks (and another daemon on the same db) never get one slot twice.
         """
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                held = {row[0] for row in self._db.execute("SELECT slot FROM net_leases WHERE pool = ?", (pool,))}
-                slot = next((i for i in range(capacity) if i not in held and i not in taken), None)
-                if slot is None:
-                    raise LeasesExhausted(f"all {capacity} address blocks of {pool} are in use; kill sandboxes "
-                                          f"or set a larger network.pool (FORKD_NET_POOL)")
-                self._db.execute("INSERT INTO net_leases (pool, slot, sandbox_id) VALUES (?, ?, ?)",
-                                 (pool, slot, sandbox_id))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            held = {row[0] for row in db.execute("SELECT slot FROM net_leases WHERE pool = ?", (pool,))}
+            slot = next((i for i in range(capacity) if i not in held and i not in taken), None)
+            if slot is None:
+                raise LeasesExhausted(f"all {capacity} address blocks of {pool} are in use; kill sandboxes "
+                                      f"or set a larger network.pool (FORKD_NET_POOL)")
+            db.execute("INSERT INTO net_leases (pool, slot, sandbox_id) VALUES (?, ?, ?)", (pool, slot, sandbox_id))
         return slot
 
     def release_slot(self, sandbox_id: str) -> None:
@@ -323,13 +391,12 @@ class Registry:
 
 
 
-_INSERT_SNAPSHOT = ("INSERT INTO snapshots (tag, status, image, path, created_at, meta, parent_tag) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)")
+_INSERT_SNAPSHOT = f"INSERT INTO snapshots ({_SNAPSHOT_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 
 
 def _snapshot_row(record: SnapshotRecord) -> tuple[Any, ...]:
     return (record.tag, record.status, record.image, str(record.path), record.created_at, json.dumps(record.meta),
-            record.parent_tag)
+            record.parent_tag, record.error)
 
 
 def _workspace(row: tuple[Any, ...]) -> WorkspaceRecord:
@@ -339,7 +406,7 @@ def _workspace(row: tuple[Any, ...]) -> WorkspaceRecord:
 
 def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:
     return SnapshotRecord(tag=row[0], status=row[1], image=row[2], path=Path(row[3]), created_at=row[4],
-                          meta=json.loads(row[5]), parent_tag=row[6])
+                          meta=json.loads(row[5]), parent_tag=row[6], error=row[7])
 
 
 def _sandbox(row: tuple[Any, ...]) -> SandboxRecord:

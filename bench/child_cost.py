@@ -1,0 +1,154 @@
+"""CPU and memory of one child under host-side variants, A/B side by side in one run.
+
+Each round restores one child per variant, interleaved (A, B, C, A, B, C, ...), through the QEMU
+backend directly (no daemon), from the same snapshot: reseed, a numpy eval, a shell command, then
+reads what the child cost. Figures that load on a shared machine distorts least: Private_Dirty by
+what holds it (TCG translation cache, guest RAM copied on write, QEMU heap, other), the VMM's CPU
+time (utime + stime from /proc, not wall time) and the TCG translation-buffer flush count from
+HMP ``info jit``. Variants: ``tb16`` (today), ``tb8``, ``tb32`` (TCG ``tb-size`` MiB), ``arena1``
+(``MALLOC_ARENA_MAX=1`` for QEMU), or ``snapshot=TAG`` to compare another snapshot (e.g. one baked
+with other guest settings).
+
+    FORKD_HOME=... .venv/bin/python bench/child_cost.py --tag quickstart --rounds 5 tb16 tb8 tb32 arena1
+
+Writes bench/results/child_cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient
+from spawn import smaps_breakdown  # bench/spawn.py, next to this script
+
+from forkd.config import paths_from_env
+from forkd.guest import protocol
+from forkd.runtime.agent_client import connect_when_answering
+from forkd.store.files import DigestCache
+from forkd.store.registry import Registry
+from forkd.store.snapshots import SnapshotStore
+from forkd.vmm.qemu import QemuVmm
+
+RESULTS = Path(__file__).with_name("results")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def private_dirty(pid: int, memory_file: str) -> dict[str, float]:
+    kinds = smaps_breakdown(pid, memory_file)
+    return {**kinds, "total": round(sum(kinds.values()), 2)}
+
+
+async def info_jit(monitor: Path) -> dict[str, int]:
+    client = QMPClient("bench")
+    await client.connect(str(monitor))
+    try:
+        text = await client.execute("human-monitor-command", {"command-line": "info jit"})
+    finally:
+        await client.disconnect()
+    found = {}
+    for key in ("TB flush count", "TB count", "TB invalidate count"):
+        match = re.search(rf"{key}\s+(\d+)", str(text))
+        if match:
+            found[key.lower().replace(" ", "_")] = int(match.group(1))
+    return found
+
+
+async def one_child(variant: str, snapshots: SnapshotStore, default_tag: str, scratch: Path,
+                    index: int) -> dict[str, Any]:
+    tag = variant.split("=", 1)[1] if variant.startswith("snapshot=") else default_tag
+    tb = int(variant[2:]) if variant.startswith("tb") else 16
+    env_before = os.environ.get("MALLOC_ARENA_MAX")
+    if variant == "arena1":
+        os.environ["MALLOC_ARENA_MAX"] = "1"  # inherited by the QEMU process started next
+    _, saved, spec = await asyncio.to_thread(snapshots.open, tag)
+    run_dir = scratch / f"c{index}"
+    run_dir.mkdir()
+    vmm = QemuVmm(tb_size_mib=tb)
+    started = time.monotonic()
+    try:
+        vm = await vmm.restore(f"c{index}", saved, spec, run_dir)
+    finally:
+        if env_before is None:
+            os.environ.pop("MALLOC_ARENA_MAX", None)
+        else:
+            os.environ["MALLOC_ARENA_MAX"] = env_before
+    try:
+        agent, _ = await connect_when_answering(vm.agent_socket, vm.process, 120, protocol.OP_RESEED, {
+            "entropy_b64": protocol.b64encode(os.urandom(64)), "time_ns": time.time_ns(),
+            "hostname": f"c{index}", "sandbox_id": f"c{index}"})
+        answered = time.monotonic() - started
+        try:
+            await agent.call(protocol.OP_EVAL, {"expr": "float(numpy.random.rand(256, 256).sum())"}, timeout=120)
+            await agent.call(protocol.OP_EXEC, {"shell": "true"}, timeout=120)
+        finally:
+            await agent.close()
+        return {"variant": variant, "answered_s": answered, "cpu_s": cpu_seconds(vm.pid),
+                "private_dirty_mib": private_dirty(vm.pid, str(saved.memory)), "jit": await info_jit(vm.monitor_socket)}
+    finally:
+        await vmm.kill(vm)
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    med = statistics.median
+    out: dict[str, Any] = {}
+    for variant in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == variant]
+        out[variant] = {
+            "cpu_s_p50": med(r["cpu_s"] for r in mine),
+            "answered_s_p50": med(r["answered_s"] for r in mine),
+            "private_dirty_mib_p50": {k: med(r["private_dirty_mib"][k] for r in mine)
+                                      for k in mine[0]["private_dirty_mib"]},
+            "tb_flush_count_max": max(r["jit"].get("tb_flush_count", -1) for r in mine),
+            "n": len(mine),
+        }
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    paths = paths_from_env()
+    registry = Registry(paths.db)
+    vmm = QemuVmm()
+    snapshots = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="forkd-child-cost-", dir="/var/tmp") as scratch:
+        index = 0
+        for round_ in range(args.rounds):
+            for variant in args.variants:
+                runs.append(await one_child(variant, snapshots, args.tag, Path(scratch), index))
+                index += 1
+                print(f"round {round_} {variant}: cpu {runs[-1]['cpu_s']:.2f} s, Private_Dirty "
+                      f"{runs[-1]['private_dirty_mib']['total']:.1f} MiB, jit {runs[-1]['jit']}", flush=True)
+    return {"tag": args.tag, "rounds": args.rounds, "summary": summarise(runs), "runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tag", default="quickstart")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="child_cost")
+    parser.add_argument("variants", nargs="*", default=["tb16", "tb8", "tb32", "arena1"])
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    report = asyncio.run(main_async(args))
+    report["load"] = [load_before, os.getloadavg()[0]]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({"load": report["load"], "summary": report["summary"]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Parallel pytest over a numpy/pandas/scikit-learn project: one child VM per test file, three ways.
+
+An evaluation harness runs a project's tests in isolation, many at once. Forking from a snapshot
+whose interpreter already imported numpy, pandas and sklearn makes each isolated run cost a fork.
+But a fresh ``python3 -m pytest`` in the child imports everything again; with ``warm=True`` the
+command is forked from the guest's warm interpreter instead, so the imports are already done.
+
+    serial  one child runs every file (the baseline)
+    fresh   one child per file, ``python3 -m pytest FILE`` started as a new process
+    warm    one child per file, the same command forked from the warm interpreter
+
+Make the snapshot once, then run:
+
+    forkd image build --name sci --package python3-pandas --package python3-sklearn
+    forkd snapshot create --tag sci --image sci --warm numpy --warm pandas --warm sklearn --warm pytest
+    FORKD_TEMPLATE=sci .venv/bin/python examples/pytest_warm_fanout.py --mode warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from forkd import CommandExitException, Sandbox
+
+PROJECT = Path(__file__).resolve().parent / "pytest_project"
+WORKDIR = "/work"
+MODES = ("serial", "fresh", "warm")
+_SUMMARY = re.compile(r"(\d+) (passed|failed|error|errors)")
+
+
+@dataclass
+class Run:
+    """One pytest run in one child: which files, its exit code and pytest's counts."""
+
+    files: list[str]
+    exit_code: int
+    passed: int
+    failed: int
+    seconds: float
+    summary: str
+
+
+def test_files() -> list[str]:
+    return sorted(p.name for p in PROJECT.glob("test_*.py"))
+
+
+def upload_project(sandbox: Sandbox) -> None:
+    sandbox.files.write_files([{"path": f"{WORKDIR}/{p.name}", "data": p.read_bytes()}
+                               for p in sorted(PROJECT.iterdir()) if p.suffix == ".py"])
+
+
+def run_pytest(files: list[str], warm: bool) -> Run:
+    """Fork a child, upload the project, run pytest on ``files`` (time counted from the fork)."""
+    started = time.monotonic()
+    with Sandbox.create(timeout=900) as sandbox:
+        upload_project(sandbox)
+        command = f"python3 -m pytest -q -p no:cacheprovider {' '.join(files)}"
+        try:
+            result = sandbox.commands.run(command, cwd=WORKDIR, timeout=600, warm=warm)
+            code, output = 0, result.stdout
+        except CommandExitException as failed:
+            code, output = failed.exit_code, failed.stdout + failed.stderr
+    counts = {kind: int(n) for n, kind in _SUMMARY.findall(output)}
+    lines = output.strip().splitlines()
+    return Run(files, code, counts.get("passed", 0), counts.get("failed", 0), time.monotonic() - started,
+               lines[-1] if lines else "(no output)")
+
+
+def run_mode(mode: str) -> tuple[float, list[Run]]:
+    """Wall time and runs of one way of running the whole project."""
+    started = time.monotonic()
+    if mode == "serial":
+        runs = [run_pytest(test_files(), warm=False)]
+    else:
+        files = test_files()
+        with ThreadPoolExecutor(len(files)) as pool:
+            runs = list(pool.map(lambda f: run_pytest([f], warm=mode == "warm"), files))
+    return time.monotonic() - started, runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=MODES, action="append", help="repeatable; default: all three")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per mode")
+    args = parser.parse_args()
+    for mode in args.mode or MODES:
+        wall, runs = run_mode(mode)
+        if args.json:
+            print(json.dumps({"mode": mode, "wall_s": wall, "runs": [asdict(r) for r in runs]}))
+            continue
+        passed, failed = sum(r.passed for r in runs), sum(r.failed for r in runs)
+        print(f"{mode}: {passed} passed, {failed} failed in {wall:.1f} s")
+        for run in runs:
+            print(f"  {' '.join(run.files)}: exit {run.exit_code}: {run.summary}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Pools of ready VMMs per hot snapshot: a fork that takes one only loads state, continues and reseeds.
+
+A member is a child's VMM started ahead of time for one snapshot with ``-incoming defer``: its run
+directory (``sandboxes/<id>``), disk overlay, cgroup and a fresh vmgenid are made, a diff chain's
+pages are laid into its RAM and its monitor is open; no guest code has run, so it is exactly as
+distinct as a child started on demand (the reseed that makes RNGs, clock and hostname its own
+comes after the fork takes it). Only forks with the default options (no network, no limits) can
+use a member: the network namespace and cgroup limits are made before a VMM starts.
+
+Members are refilled in the background once a fork is done with them, one VMM start at a time per
+snapshot, never on a caller's path. A member has no registry record: a daemon that dies leaves its
+run directory, which recovery reaps with the VMM in it like a child caught mid-restore; ``rmi``,
+daemon stop and a size lowered kill members at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forkd.config import Paths
+from forkd.runtime.isolation import Isolation, Prepared, SandboxOptions
+from forkd.store.errors import SnapshotError
+from forkd.store.registry import Registry
+from forkd.store.snapshots import SnapshotStore
+from forkd.vmm.base import MemoryStats, Vmm, VmHandle, VmmError
+
+MAX_POOL_SIZE = 32  # per snapshot; each idle member holds a QEMU process (docs/operations.md)
+FILL_RETRY_S = 30.0  # after a member failed to start, wait this long before trying again
+log = logging.getLogger("forkd.pool")
+
+# Frees a sandbox's files and host resources by id (SandboxService.release).
+Release = Callable[[str, Path], Awaitable[None]]
+NewId = Callable[[], str]
+
+
+@dataclass(eq=False)
+class Member:
+    """One ready VMM waiting for a fork."""
+
+    sandbox_id: str
+    vm: VmHandle
+    prepared: Prepared
+    ready_at: float
+
+    @property
+    def alive(self) -> bool:
+        return self.vm.process.returncode is None
+
+
+def usable_by(options: SandboxOptions) -> bool:
+    """Members are made with the default options; a child asking for more needs its own VMM."""
+    return options == SandboxOptions()
+
+
+class PoolService:
+    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotStore,
+                 isolation: Isolation, release: Release, new_id: NewId,
+                 configured: dict[str, int] | None = None) -> None:
+        self.paths = paths
+        self.registry = registry
+        self.vmm = vmm
+        self.snapshots = snapshots
+        self.isolation = isolation
+        self._release = release
+        self._new_id = new_id
+        self._configured = dict(configured or {})  # sizes from the daemon's config file
+        self._stored = registry.pool_sizes()  # sizes set through the API, written through to the registry
+        self._members: dict[str, list[Member]] = defaultdict(list)
+        self._starting: Counter[str] = Counter()
+        self._fillers: dict[str, asyncio.Task[None]] = {}
+        self._disposing: set[asyncio.Task[None]] = set()
+        self._generation: Counter[str] = Counter()  # bumped when a tag's pool is discarded
+        self._stopped = False
+
+    # sizes
+
+    def size(self, tag: str) -> int:
+        """The target size: set through the API (kept in the registry), else the config file's, else 0."""
+        stored = self._stored.get(tag)
+        return stored if stored is not None else self._configured.get(tag, 0)
+
+    async def set_size(self, tag: str, size: int) -> dict[str, Any]:
+        """Keep ``size`` members of ``tag`` ready from now on (0 empties it); returns the pool's state."""
+        if not 0 <= size <= MAX_POOL_SIZE:
+            raise ValueError(f"a pool holds 0 to {MAX_POOL_SIZE} members, not {size}")
+        await asyncio.to_thread(self.snapshots.open, tag)  # a tag that cannot fork gets no pool
+        await asyncio.to_thread(self.registry.set_pool_size, tag, size)
+        self._stored[tag] = size
+        for member in self._members[tag][size:]:
+            self._members[tag].remove(member)
+            self._dispose(member)
+        self.refill(tag)
+        return self.describe(tag)
+
+    def start(self) -> None:
+        """Fill every pool with a size (after recovery, so leftovers of a dead daemon are gone first)."""
+        for tag in {*self._configured, *self._stored}:
+            self.refill(tag)
+
+    # members
+
+    def take(self, tag: str, count: int, options: SandboxOptions) -> list[Member]:
+        """Up to ``count`` ready members of ``tag`` for a fork with ``options``; the caller owns them."""
+        if not usable_by(options):
+            return []
+        taken: list[Member] = []
+        members = self._members[tag]
+        while members and len(taken) < count:
+            member = members.pop(0)
+            if member.alive:
+                taken.append(member)
+            else:  # died while idle (OOM, killed from outside): release it and look further
+                self._dispose(member)
+        return taken
+
+    def give_back(self, tag: str, member: Member) -> None:
+        """A member taken for a child that then did not start (a limit, a deadline) waits again."""
+        if member.alive and not self._stopped and tag in self._members:
+            self._members[tag].insert(0, member)
+        else:
+            self._dispose(member)
+
+    def refill(self, tag: str) -> None:
+        """Start filling ``tag``'s pool in the background, unless that already runs or it is full."""
+        if self._stopped or (tag in self._fillers and not self._fillers[tag].done()):
+            return
+        if len(self._members[tag]) + self._starting[tag] >= self.size(tag):
+            return
+        self._fillers[tag] = asyncio.get_running_loop().create_task(self._fill(tag))
+
+    async def _fill(self, tag: str) -> None:
+        """Start members one at a time until the pool has its size: a refill takes one VMM start of CPU."""
+        generation = self._generation[tag]
+        while not self._stopped and generation == self._generation[tag] and \
+                len(self._members[tag]) + self._starting[tag] < self.size(tag):
+            try:
+                member = await self._start_member(tag)
+            except (SnapshotError, VmmError, OSError, RuntimeError) as exc:
+                log.warning("pool of %s: a member failed to start (%s); trying again in %.0f s", tag, exc,
+                            FILL_RETRY_S)
+                await asyncio.sleep(FILL_RETRY_S)
+                continue
+            if self._stopped or generation != self._generation[tag]:  # rmi or stop came meanwhile
+                self._dispose(member)
+                return
+            self._members[tag].append(member)
+
+    async def _start_member(self, tag: str) -> Member:
+        _, saved, spec = await asyncio.to_thread(self.snapshots.open, tag)
+        sandbox_id = self._new_id()
+        run_dir = self.paths.sandboxes / sandbox_id
+        self._starting[tag] += 1
+        try:
+            run_dir.mkdir(parents=True)
+            prepared = await asyncio.to_thread(self.isolation.prepare, sandbox_id, SandboxOptions())
+            try:
+                vm = await self.vmm.prepare_restore(sandbox_id, saved, spec, run_dir, prepared.setup())
+            finally:
+                prepared.close_tap()
+        except BaseException:
+            await self._release(sandbox_id, run_dir)
+            raise
+        finally:
+            self._starting[tag] -= 1
+        return Member(sandbox_id=sandbox_id, vm=vm, prepared=prepared, ready_at=time.time())
+
+    def _dispose(self, member: Member) -> None:
+        """Kill a member's VMM and release what it held, in the background."""
+        async def dispose() -> None:
+            with contextlib.suppress(VmmError, OSError):
+                await self.vmm.kill(member.vm)
+            await self._release(member.sandbox_id, member.vm.run_dir)
+
+        task = asyncio.get_running_loop().create_task(dispose())
+        self._disposing.add(task)
+        task.add_done_callback(self._disposing.discard)
+
+    def discard(self, tag: str) -> None:
+        """The snapshot is gone (``rmi``): kill its members, stop filling and forget its size."""
+        self._generation[tag] += 1
+        for member in self._members.pop(tag, []):
+            self._dispose(member)
+        self._configured.pop(tag, None)
+        if self._stored.pop(tag, None) is not None:
+            self.registry.set_pool_size(tag, None)
+
+    async def stop(self) -> None:
+        """Kill every member and wait until all are released (daemon stop)."""
+        self._stopped = True
+        for task in self._fillers.values():
+            task.cancel()
+        await asyncio.gather(*self._fillers.values(), return_exceptions=True)
+        for tag in list(self._members):
+            for member in self._members.pop(tag):
+                self._dispose(member)
+        await asyncio.gather(*list(self._disposing), return_exceptions=True)
+
+    # what operators see
+
+    def describe(self, tag: str) -> dict[str, Any]:
+        members = [m for m in self._members.get(tag, []) if m.alive]
+        stats = [s for m in members if (s := self._memory(m)) is not None]
+        return {"tag": tag, "size": self.size(tag), "ready": len(members), "starting": self._starting[tag],
+                "memory": {"rss_kib": sum(s.rss_kib for s in stats), "pss_kib": sum(s.pss_kib for s in stats),
+                           "private_dirty_kib": sum(s.private_dirty_kib for s in stats)},
+                "members": [m.sandbox_id for m in members]}
+
+    def list(self) -> list[dict[str, Any]]:
+        tags = {*self._configured, *self._stored, *(t for t, ms in self._members.items() if ms)}
+        return [self.describe(tag) for tag in sorted(tags)]
+
+    def _memory(self, member: Member) -> MemoryStats | None:
+        try:
+            return self.vmm.memory_stats(member.vm)
+        except VmmError:
+            return None

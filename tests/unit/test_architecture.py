@@ -1,0 +1,114 @@
+"""The layer rules of docs/architecture.md, checked against the code's own imports.
+
+Each room (a package under ``src/forkd``, or a top-level module) may import only the rooms its rule
+names; no two files may import each other in a loop. Imports under ``if TYPE_CHECKING:`` count too:
+a type a room needs is a dependency of that room.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+BASE = {"config", "validation", "errors", "hostpaths", "safetext"}  # small shared modules every room may use
+FACE = {"forkd"}  # the package itself: its version and public names
+
+#: room -> the rooms it may import (besides itself). Keep in step with docs/architecture.md.
+ALLOWED: dict[str, set[str]] = {
+    "guest": set(),  # runs inside the VM on the guest's Python: stdlib only
+    "config": set(),
+    "validation": set(),
+    "errors": set(),
+    "hostpaths": {"validation"},
+    "safetext": set(),
+    "store": {"guest", "vmm"} | BASE,
+    "vmm": {"guest"} | BASE,
+    "host": {"guest", "vmm"} | BASE,
+    "image": {"guest", "store", "host"} | BASE,
+    "packs": {"store", "vmm", "guest"} | BASE | FACE,
+    "runtime": {"vmm", "host", "store", "image", "packs", "guest"} | BASE,
+    "e2b": {"runtime", "vmm", "host", "store", "image", "guest"} | BASE | FACE,
+    "daemon": {"runtime", "e2b", "vmm", "host", "store", "image", "packs", "guest"} | BASE | FACE,
+    "sdk": {"guest"} | BASE,
+    # daemon: `forkd daemon` runs it; host: the preflight before any daemon exists; packs: `forkd index add`
+    # edits an index file on the client's own disk
+    "cli": {"sdk", "daemon", "host", "packs"} | BASE | FACE,
+    "mcp": {"sdk"} | BASE | FACE,
+    "forkd": {"sdk"} | BASE,
+    "__main__": {"cli"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def imports(path: Path) -> Iterator[str]:
+    """Every ``forkd`` module ``path`` imports, absolute or relative."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names if alias.name.split(".")[0] == "forkd")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "forkd":
+                yield target
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in (SRC / "forkd").rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in files.items():
+        targets = set()
+        for target in imports(path):
+            while target not in files and "." in target:  # `from forkd.x import name` names a module or a name
+                target = target.rpartition(".")[0]
+            if target != name:
+                targets.add(target)
+        edges[name] = targets
+    return edges
+
+
+def test_every_room_has_a_rule() -> None:
+    rooms = {room_of(name) for name in graph()}
+    assert rooms <= set(ALLOWED), f"rooms without a rule in this test and docs/architecture.md: {rooms - set(ALLOWED)}"
+
+
+def test_rooms_import_only_what_their_rule_allows() -> None:
+    broken = sorted(f"{name} -> {target}" for name, targets in graph().items() for target in targets
+                    if room_of(target) != room_of(name) and room_of(target) not in ALLOWED[room_of(name)])
+    assert broken == []
+
+
+def test_no_import_cycles() -> None:
+    edges = graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []

@@ -1,0 +1,151 @@
+"""Pool bookkeeping without VMs: fill to size, take, give back, trim, discard on rmi, stop; nothing leaks.
+
+The first tests use stand-ins for the VMM and snapshot store behind the calls the pool makes, the last the
+FakeVmm through the whole runtime; tests/vm/test_pool.py runs the real thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import pytest
+from test_runtime_fake_vmm import _runtime, run
+from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
+
+from forkd.config import Paths
+from forkd.host.netpolicy import NetRequest
+from forkd.runtime.isolation import Isolation, SandboxOptions
+from forkd.runtime.pool import PoolService
+from forkd.runtime.recovery import recover
+from forkd.store.registry import Registry
+from forkd.runtime.runtime import Runtime
+from forkd.vmm.base import MemoryStats, VmHandle
+from forkd.vmm.fake import FakeVmm
+
+
+class Process:
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    async def wait(self) -> int:
+        return self.returncode or 0
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+
+class StandInVmm:
+    def __init__(self) -> None:
+        self.pids = itertools.count(1000)
+        self.running: set[str] = set()
+
+    async def prepare_restore(self, name, saved, spec, run_dir, setup) -> VmHandle:
+        self.running.add(name)
+        return VmHandle(name=name, run_dir=run_dir, process=Process(next(self.pids)), agent_socket=run_dir / "a")
+
+    async def kill(self, vm: VmHandle) -> None:
+        vm.process.kill()
+        self.running.discard(vm.name)
+
+    def memory_stats(self, vm: VmHandle) -> MemoryStats:
+        return MemoryStats(rss_kib=10, pss_kib=8, private_dirty_kib=6, shared_clean_kib=0)
+
+
+class Snapshots:
+    def open(self, tag: str):
+        return None, "saved", "spec"
+
+
+@pytest.fixture
+def pool(tmp_path: Path):
+    paths = Paths(home=tmp_path, cache=tmp_path / "cache", socket=tmp_path / "forkd.sock")
+    paths.sandboxes.mkdir(parents=True)
+    registry = Registry(paths.db)
+    vmm = StandInVmm()
+    released: list[str] = []
+
+    async def release(sandbox_id: str, run_dir: Path) -> None:
+        released.append(sandbox_id)
+        run_dir.rmdir()
+
+    ids = (f"sb-{i:012d}" for i in itertools.count())
+    service = PoolService(paths, registry, vmm, Snapshots(), Isolation(registry, None, None, None),  # type: ignore[arg-type]
+                          release, lambda: next(ids), configured={"cfg": 1})
+    return service, vmm, released, registry
+
+
+async def settle(service: PoolService) -> None:
+    for _ in range(500):  # bounded: worker-thread hops take a moment
+        await asyncio.sleep(0.01)
+        if all(task.done() for task in service._fillers.values()) and not service._disposing:
+            return
+
+
+def test_fill_take_give_back_trim_discard_stop(pool) -> None:
+    service, vmm, released, registry = pool
+
+    async def run() -> None:
+        await service.set_size("hot", 3)
+        await settle(service)
+        assert service.describe("hot")["ready"] == 3 and len(vmm.running) == 3
+        assert service.describe("hot")["memory"]["private_dirty_kib"] == 18
+        assert service.take("hot", 2, SandboxOptions(net=NetRequest(mode="nat"))) == []  # options differ: none
+        taken = service.take("hot", 5, SandboxOptions())
+        assert len(taken) == 3 and service.describe("hot")["ready"] == 0
+        service.give_back("hot", taken.pop())  # its child did not start: it waits again
+        assert service.describe("hot")["ready"] == 1
+        service.refill("hot")
+        await settle(service)
+        assert service.describe("hot")["ready"] == 3
+        await service.set_size("hot", 1)  # lowered: the extra members die at once
+        await settle(service)
+        assert service.describe("hot")["ready"] == 1 and len(released) == 2
+        assert registry.pool_sizes() == {"hot": 1}
+        service.discard("hot")  # rmi
+        await settle(service)
+        assert service.describe("hot")["ready"] == 0 and "hot" not in registry.pool_sizes()
+        service.start()  # the config's pool
+        await settle(service)
+        assert [p["tag"] for p in service.list()] == ["cfg"]
+        await service.stop()
+        assert service.list()[0]["ready"] == 0 and vmm.running == {t.vm.name for t in taken}
+
+    asyncio.run(run())
+
+
+def test_sizes_are_bounded(pool) -> None:
+    service = pool[0]
+    with pytest.raises(ValueError):
+        asyncio.run(service.set_size("hot", 33))
+
+
+def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path: Path) -> None:
+    """On the FakeVmm (real processes, registry, guest protocol): pooled children, then recovery reaps members."""
+    async def scenario() -> None:
+        runtime = await _runtime(tmp_path, FakeVmm())
+        pool = runtime.sandboxes.pool
+        await pool.set_size("base", 2)
+        await settle(pool)
+        members = set(pool.describe("base")["members"])
+        assert len(members) == 2
+        children = [o async for o in await runtime.sandboxes.start_fork("base", 3)]  # one more than the pool
+        assert all(o.sandbox is not None for o in children), [o.error for o in children]
+        pooled = {o.sandbox["id"] for o in children if "pool" in o.timings}  # type: ignore[index]
+        assert pooled == members and sorted(o.index for o in children) == [0, 1, 2]
+        assert all([s for s in o.timings if s != "total"][-2:] == ["reseed", "recorded"] for o in children)
+        await settle(pool)
+        assert pool.describe("base")["ready"] == 2  # refilled once the batch was done
+        leftovers = set(pool.describe("base")["members"])
+        # The daemon dies (nothing stopped): a new one reaps the members (run directories without a record).
+        restarted = Runtime(runtime.paths, FakeVmm())
+        recovered = await recover(restarted.sandboxes, restarted.store)
+        assert leftovers <= set(recovered.reaped)
+        assert not any((runtime.paths.sandboxes / m).exists() for m in leftovers)
+        await runtime.sandboxes.kill_all()
+        restarted.registry.close()
+        runtime.registry.close()
+
+    run(scenario)
+
