@@ -33,6 +33,7 @@ from forkd.daemon.config import DaemonConfig, Server
 from forkd.e2b.app import E2BFront
 from forkd.e2b.keys import Credentials, KeyFileError
 from forkd.runtime.runtime import Runtime
+from forkd.safetext import visible
 from forkd.vmm.qemu import QemuVmm
 
 log = logging.getLogger("forkd.daemon")
@@ -257,11 +258,24 @@ def configure_logging(config: DaemonConfig) -> None:
         config.log_file.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.handlers.RotatingFileHandler(config.log_file, maxBytes=config.log_max_bytes,
                                                        backupCount=config.log_backups)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        handlers=[handler])
+    handler.setFormatter(VisibleFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
+class VisibleFormatter(logging.Formatter):
+    """Log lines whose guest-supplied parts (error messages, output) cannot forge lines or drive a terminal."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's naming
+        return visible(super().formatMessage(record))
+
+    def formatException(self, ei: Any) -> str:  # noqa: N802
+        return visible(super().formatException(ei), keep_newlines=True)
 
 
 def run(config: DaemonConfig) -> None:
+    # Everything the daemon writes is private to root, started by systemd (UMask=0077) or not:
+    # state.db holds sandbox environments, console logs hold guest output, RAM files guest memory.
+    os.umask(0o077)
     configure_logging(config)
     asyncio.run(serve(config))
     if config.sandboxes.keep_on_stop:

@@ -12,7 +12,7 @@ import os
 import secrets
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import httpx
@@ -312,10 +312,25 @@ class Controller:
 
     # files
 
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return b"".join(self.read_file_chunks(sandbox_id, path))
+    def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
+        """The whole file; with ``max_bytes``, refused (413 ``too_large``) as soon as it holds more.
 
-    def read_file_chunks(self, sandbox_id: str, path: str) -> Iterator[bytes]:
+        A guest decides what a path holds (a symlink to /dev/zero never ends), so a caller that
+        cannot hold any size passes ``max_bytes``; the download stops there.
+        """
+        data = bytearray()
+        chunks = self.read_file_chunks(sandbox_id, path)
+        try:
+            for chunk in chunks:
+                data += chunk
+                if max_bytes is not None and len(data) > max_bytes:
+                    raise ForkdError(413, "too_large", f"{path} holds more than {max_bytes} bytes; read it in "
+                                     "parts (e.g. exec 'head -c N') or raise the limit")
+        finally:
+            chunks.close()  # stops the download where it is
+        return bytes(data)
+
+    def read_file_chunks(self, sandbox_id: str, path: str) -> Generator[bytes, None, None]:
         """The file's bytes as they arrive (a large file is never held whole)."""
         try:
             with self._http.stream("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path},
