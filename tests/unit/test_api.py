@@ -113,3 +113,11 @@ def test_every_numeric_field_of_the_schema_has_both_bounds(api: TestClient) -> N
             for parameter in operation.get("parameters", []):
                 walk(parameter["schema"], f"{method} {path} {parameter['name']}")
     assert not unbounded, unbounded
+
+
+def test_a_sandbox_that_ended_mid_call_is_a_409(api: TestClient) -> None:
+    from forkd.daemon.errors import HANDLED_ERRORS, error_body
+    from forkd.runtime.sandboxes import SandboxEnded
+    assert any(issubclass(SandboxEnded, cls) for cls in HANDLED_ERRORS)
+    status, body = error_body(SandboxEnded("sandbox sb-x ended while the call ran"))
+    assert status == 409 and body["error"]["code"] == "sandbox_ended"

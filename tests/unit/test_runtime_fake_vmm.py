@@ -17,6 +17,7 @@ import pytest
 from forkd.config import Paths
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import Image
+from forkd.runtime import agent_client
 from forkd.runtime.recovery import recover
 from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.runtime import Runtime
@@ -98,6 +99,22 @@ def test_a_child_whose_kernel_rng_was_not_reseeded_fails_its_spawn(tmp_path: Pat
     assert [o.sandbox for o in outcomes] == [None, None]
     assert all("did not reseed its kernel RNG" in (o.error or "") for o in outcomes)
     assert live == [] and leftovers == []  # killed and released, nothing left behind
+
+
+def test_a_child_that_answers_its_reseed_slowly_is_still_spawned(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each attempt waits longer than the last, so an agent slower than the first attempt is answered."""
+    monkeypatch.setattr(agent_client, "FIRST_ATTEMPT_S", 0.1)
+
+    async def scenario() -> list[Any]:
+        runtime = await _runtime(tmp_path, FakeVmm(FakeBehaviour(reseed_delay_s=0.35)))
+        try:
+            return await runtime.sandboxes.fork("base", 1)
+        finally:
+            await runtime.stop()
+
+    [outcome] = run(scenario)
+    assert outcome.error is None and outcome.sandbox is not None
 
 
 def test_a_failed_restore_is_reported_and_cleaned_up(tmp_path: Path) -> None:

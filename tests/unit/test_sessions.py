@@ -17,6 +17,7 @@ import pytest
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient
 from forkd.runtime.options import OutputLimits
+from forkd.runtime.sandboxes import SandboxEnded
 from forkd.runtime.sessions import CellSpec, CommandSpec, Output, Sessions, Started
 
 CHUNK = b"x" * 4096
@@ -49,7 +50,10 @@ class ScriptedGuest:
                     return
                 send(protocol.event(req_id, protocol.EVENT_STDOUT, {"data_b64": protocol.b64encode(CHUNK)}))
                 self.sent_chunks += 1
-                await writer.drain()
+                try:
+                    await writer.drain()
+                except ConnectionError:
+                    return  # the host went away
             send(protocol.ok(req_id, {"exit_code": 0, "signal": None, "timed_out": False, "duration_s": 0.1}))
 
         while line := await reader.readline():
@@ -97,6 +101,11 @@ class _Sandboxes:
 
     def get(self, sandbox_id: str) -> _Live:
         return self.live
+
+    async def ended(self, sandbox_id: str, within_s: float = 5.0) -> bool:
+        return self.ended_flag
+
+    ended_flag = False
 
 
 async def _connected(guest: ScriptedGuest, limits: OutputLimits) -> tuple[Sessions, AgentClient, asyncio.Task[None]]:
@@ -193,3 +202,18 @@ def test_command_spec_needs_exactly_one_form() -> None:
     for bad in ({}, {"cmd": "ls", "argv": ["ls"]}):
         with pytest.raises(ValueError):
             CommandSpec(**bad)
+
+
+def test_a_call_cut_by_the_sandbox_ending_says_so() -> None:
+    async def main() -> None:
+        guest = ScriptedGuest(chunks=10_000, flow=True)
+        sessions, agent, serving = await _connected(guest, OutputLimits())
+        sessions.sandboxes.ended_flag = True  # type: ignore[attr-defined]
+        task = asyncio.create_task(sessions.exec("sb", CommandSpec(cmd="yes")))
+        await asyncio.sleep(0.2)
+        serving.cancel()
+        agent._writer.transport.abort()  # the VM went away mid-call
+        with pytest.raises(SandboxEnded, match="ended while the call ran"):
+            await task
+        await agent.close()
+    run(main())

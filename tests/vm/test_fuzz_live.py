@@ -11,11 +11,12 @@ from an image (minutes of boot each) and pack transfers (downloads, host paths) 
 from __future__ import annotations
 
 import contextlib
+import traceback
 from typing import Any
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -28,7 +29,7 @@ from forkd.sdk.controller import Controller, ForkdError
 pytestmark = pytest.mark.vm
 
 EXAMPLES_PER_OPERATION = 6
-CALL_TIMEOUT_S = 10  # commands, cells and evals the fuzzer starts in live sandboxes
+CALL_TIMEOUT_S = 30  # commands, cells and evals the fuzzer starts in live sandboxes (the host is loaded)
 EXCLUDED = (("POST", "/v1/images"), ("DELETE", "/v1/images/{name}"), ("POST", "/v1/snapshots"))
 WORKSPACE = "fuzzed"
 
@@ -72,11 +73,8 @@ def _aim(case: Any, live: Live, aim: int) -> None:
                 case.body["n"] = max(1, min(case.body["n"], 2))
             if case.path.endswith("/branch"):
                 case.body["wait"] = True  # a background branch would make the next one a (documented) 503
-    if isinstance(case.body, dict) and isinstance(case.body.get("timeout_s"), int | float) \
-            and case.path.startswith("/v1/sandboxes/{sandbox_id}/"):
-        case.body["timeout_s"] = min(case.body["timeout_s"], CALL_TIMEOUT_S)
-    if isinstance(case.body, dict) and case.path.endswith(("/exec", "/run_code", "/eval")) \
-            and "timeout_s" not in case.body:
+    if aim and isinstance(case.body, dict) and case.path.endswith(("/exec", "/run_code", "/eval")):
+        # Long enough that a slow guest is not a (documented) 504, short enough for the suite.
         case.body["timeout_s"] = CALL_TIMEOUT_S
 
 
@@ -101,8 +99,9 @@ def test_the_live_daemon_answers_every_generated_request_within_its_schema(
     try:
         for operation in operations:
             @given(case=operation.as_strategy(), aim=st.integers(0, 2))
+            # Generate only: shrinking would replay requests against sandboxes that have changed since.
             @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
-                      suppress_health_check=list(HealthCheck))
+                      phases=[Phase.generate], report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
             def fuzz(case: Any, aim: int) -> None:
                 _aim(case, live, aim)
                 response = case.call(base_url=url, headers=auth, timeout=300)
@@ -114,7 +113,8 @@ def test_the_live_daemon_answers_every_generated_request_within_its_schema(
             try:
                 fuzz()
             except Exception as exc:  # collect all, so one run shows every broken operation
-                failures.append(f"{operation.method.upper()} {operation.path}: {str(exc)[:1500]}")
+                failures.append(f"{operation.method.upper()} {operation.path}: "
+                                f"{''.join(traceback.format_exception(exc))[-2500:]}")
     finally:
         with contextlib.suppress(ForkdError):
             daemon.request("DELETE", f"/v1/workspaces/{WORKSPACE}")

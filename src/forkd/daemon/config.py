@@ -47,6 +47,10 @@ backups = 3                      # ... keeping this many old files (audit.jsonl.
 
 [pools]                          # ready VMMs kept per snapshot tag (default none); `forkd pool` changes them
 quickstart = 1
+
+[e2b]
+listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)  [FORKD_E2B_LISTEN]
+keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
 ```
 """
 
@@ -77,7 +81,8 @@ DEFAULT_CACHE = Path("/var/cache/forkd")
 # Environment variable → top-level key. FORKD_SOCKET defaults to HOME/forkd.sock when unset everywhere.
 ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socket", "FORKD_LISTEN": "listen",
             "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file", "FORKD_NET_POOL": "network.pool",
-            "FORKD_DNS": "network.dns", "FORKD_MAX_BRANCHES": "limits.max_branches"}
+            "FORKD_DNS": "network.dns", "FORKD_MAX_BRANCHES": "limits.max_branches",
+            "FORKD_E2B_LISTEN": "e2b.listen"}
 
 
 class ConfigError(ValueError):
@@ -129,6 +134,12 @@ class Audit:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class E2BSettings:
+    listen: str | None = Field(default=None, pattern=r"^[^\s:]+:\d{1,5}$")  # host:port; None: no E2B front
+    keys_file: Path | None = None  # None: HOME/e2b/api-keys
+
+
+@dataclass(frozen=True, config=_STRICT)
 class DaemonConfig:
     home: Path = DEFAULT_HOME
     cache: Path = DEFAULT_CACHE
@@ -149,6 +160,7 @@ class DaemonConfig:
     server: Server = field(default_factory=Server)
     audit: Audit = field(default_factory=Audit)
     pools: dict[str, Annotated[int, Field(ge=0, le=MAX_POOL_SIZE)]] = field(default_factory=dict)
+    e2b: E2BSettings = field(default_factory=E2BSettings)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

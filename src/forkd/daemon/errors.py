@@ -45,7 +45,8 @@ _KIND_OF_CLASS: list[tuple[type[BaseException], str]] = [
     (LookupError, "not_found"),
 ]
 # Registered per class (not for Exception, which Starlette re-raises after answering).
-HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError, PackError)
+HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError, PackError,
+                  SandboxEnded)
 
 
 class ClientGone(Exception):

@@ -381,12 +381,20 @@ class PythonRuntime:
         return {}
 
     def reseed(self, entropy: bytes) -> dict[str, Any]:
-        """Reseed the template and every context, each with its own stream derived from entropy."""
-        try:
-            result = self.template.request(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(
-                _derive(entropy, "template"))})
-        except TemplateGone:  # its replacement starts from os.urandom: distinct without a reseed
-            result = {"python_rng": False, "numpy_rng": False, "openssl_rng": False}
+        """Reseed the template and every context, each with its own stream derived from entropy.
+
+        A template that is not running holds no copied state: starting one just to reseed it would make
+        every child of a snapshot that warmed nothing pay an interpreter start before it answers. One
+        started later seeds itself from the (already reseeded) kernel pool, so that counts as reseeded.
+        """
+        if self.template.pid is None:
+            result = {"python_rng": True, "numpy_rng": False, "openssl_rng": False}
+        else:
+            try:
+                result = self.template.request(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(
+                    _derive(entropy, "template"))})
+            except TemplateGone:  # its replacement starts from os.urandom: distinct without a reseed
+                result = {"python_rng": False, "numpy_rng": False, "openssl_rng": False}
         with self._lock:
             contexts = list(self._contexts.values())
         reseeded = 0

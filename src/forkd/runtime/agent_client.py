@@ -239,15 +239,22 @@ class AgentClient:
             await self._writer.wait_closed()
 
 
+FIRST_ATTEMPT_S = 5.0
+
+
 async def connect_when_answering(vm: VmHandle, timeout: float, op: str = protocol.OP_PING,
                                  args: dict[str, Any] | None = None) -> tuple[AgentClient, dict[str, Any]]:
     """Connect and send ``op`` until the guest agent answers it; fail fast if the VMM exits.
 
     A booting or just-restored guest may not have its port open yet, and a connection made in
-    that window can be dropped, so a failed attempt is retried on a fresh connection.
+    that window can be dropped, so a failed attempt is retried on a fresh connection. Each attempt
+    waits twice as long as the one before (from ``FIRST_ATTEMPT_S``): an agent that is answering,
+    only slowly (a loaded host, a reseed that goes through the warm interpreter), is answered
+    instead of being asked again behind its own unanswered requests until the deadline.
     """
     deadline = time.monotonic() + timeout
     last_error = "no attempt"
+    attempt_s = FIRST_ATTEMPT_S
     while time.monotonic() < deadline:
         if vm.process.returncode is not None:
             raise AgentUnavailable(f"the VM exited with status {vm.process.returncode} before its agent answered")
@@ -258,7 +265,7 @@ async def connect_when_answering(vm: VmHandle, timeout: float, op: str = protoco
             last_error = exc.message
             continue
         try:
-            return client, await client.call(op, args, timeout=min(remaining, 5.0))
+            return client, await client.call(op, args, timeout=min(remaining, attempt_s))
         except AgentUnavailable as exc:
             last_error = exc.message
             await client.close()
@@ -268,5 +275,6 @@ async def connect_when_answering(vm: VmHandle, timeout: float, op: str = protoco
                 await client.close()
                 raise
             last_error = exc.message
+            attempt_s *= 2
             await client.close()
     raise AgentUnavailable(f"guest agent did not answer within {timeout:.0f} s ({last_error})")

@@ -412,6 +412,20 @@ class SandboxService:
             raise SandboxNotFound(f"no running sandbox {sandbox_id!r}; list them with `forkd ls`")
         return live
 
+    async def ended(self, sandbox_id: str, within_s: float = 5.0) -> bool:
+        """Whether the sandbox ended; its watcher, which notices the VMM's exit, gets ``within_s`` to see it.
+
+        For callers whose agent connection or VMM just failed: was that the sandbox ending (a timeout,
+        a kill) rather than a fault?
+        """
+        live = self._live.get(sandbox_id)
+        if live is None:
+            return True
+        if live.watcher is None:
+            return False
+        await asyncio.wait({live.watcher}, timeout=within_s)
+        return live.watcher.done()
+
     def lookup(self, sandbox_id: str) -> dict[str, Any]:
         """A running sandbox with its memory and cgroup figures, or the final record of an ended one."""
         if sandbox_id not in self._live and sandbox_id in self._ended:

@@ -21,13 +21,14 @@ import collections
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from forkd.guest import protocol
-from forkd.runtime.agent_client import AgentClient, AgentError
+from forkd.runtime.agent_client import AgentClient, AgentError, AgentUnavailable
 from forkd.runtime.options import OutputLimits
+from forkd.runtime.sandboxes import SandboxEnded
 
 log = logging.getLogger("forkd.sessions")
 
@@ -37,6 +38,8 @@ CONTROL_TIMEOUT_S = 10.0
 _ending: set[asyncio.Task[None]] = set()  # guest calls being ended after their caller left
 HOLD_FACTOR = 4  # a stream's queue may reach this many buffers before the connection's reader is held
 Stream = Literal["stdout", "stderr"]
+T = TypeVar("T")
+Explain = Callable[[AgentUnavailable], Awaitable[Exception]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,9 +145,12 @@ class _Running(Protocol):
 
 
 class SandboxLookup(Protocol):
-    """What sessions need of the sandbox service: a running sandbox (its agent, its default envs)."""
+    """What sessions need of the sandbox service: a running sandbox (its agent, its default envs), and
+    whether one ended (so a call cut by the sandbox's end says so rather than "agent unavailable")."""
 
     def get(self, sandbox_id: str) -> _Running: ...
+
+    async def ended(self, sandbox_id: str, within_s: float = 5.0) -> bool: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,8 +172,9 @@ class Execution:
     """
 
     def __init__(self, agent: AgentClient, op: str, args: dict[str, Any], timeout: float | None,
-                 output_limit: int | None, buffer_bytes: int) -> None:
+                 output_limit: int | None, buffer_bytes: int, explain: Explain | None = None) -> None:
         self._agent = agent
+        self._explain = explain
         self._op = op
         self._args = {**args, **({"output_limit": output_limit} if output_limit is not None else {})}
         self._timeout = timeout
@@ -287,6 +294,10 @@ class Execution:
         assert self._result is not None, "start() the execution first"
         try:
             return await self._result
+        except AgentUnavailable as exc:
+            if self._explain is None:
+                raise
+            raise await self._explain(exc) from None
         except AgentError as exc:
             if exc.code == protocol.ERR_TIMEOUT and self._req_id is not None:
                 await _end_in_guest(self._agent, self._req_id, self.pid)
@@ -373,6 +384,26 @@ class Sessions:
     def _agent(self, sandbox_id: str) -> AgentClient:
         return self.sandboxes.get(sandbox_id).agent
 
+    def _explainer(self, sandbox_id: str) -> Explain:
+        async def explain(exc: AgentUnavailable) -> Exception:
+            if await self.sandboxes.ended(sandbox_id):
+                return SandboxEnded(f"sandbox {sandbox_id} ended while the call ran (its timeout, or a kill); "
+                                    f"start a new one: {exc.message}")
+            return exc
+        return explain
+
+    async def _guarded(self, sandbox_id: str, work: Awaitable[T]) -> T:
+        """``work``, with an agent connection cut by the sandbox's end reported as :class:`SandboxEnded`."""
+        try:
+            return await work
+        except AgentUnavailable as exc:
+            raise await self._explainer(sandbox_id)(exc) from None
+
+    def _execution(self, sandbox_id: str, op: str, args: dict[str, Any], timeout_s: float | None,
+                   output_limit: int | None) -> Execution:
+        return Execution(self._agent(sandbox_id), op, args, _call_timeout(timeout_s), output_limit,
+                         self.limits.stream_buffer_bytes, self._explainer(sandbox_id))
+
     # -- commands and cells
 
     def _exec_args(self, sandbox_id: str, spec: CommandSpec) -> dict[str, Any]:
@@ -393,15 +424,15 @@ class Sessions:
 
     async def start_exec(self, sandbox_id: str, spec: CommandSpec) -> Execution:
         """Start a command and return it running: iterate its events, then ``command_result``."""
-        return await Execution(self._agent(sandbox_id), protocol.OP_EXEC,
-                               self._exec_args(sandbox_id, spec), _call_timeout(spec.timeout_s),
-                               self.limits.stream_bytes, self.limits.stream_buffer_bytes).start()
+        execution = self._execution(sandbox_id, protocol.OP_EXEC, self._exec_args(sandbox_id, spec), spec.timeout_s,
+                                    self.limits.stream_bytes)
+        return await self._guarded(sandbox_id, execution.start())
 
     async def start_cell(self, sandbox_id: str, spec: CellSpec) -> Execution:
         """Start a Python cell in a context and return it running."""
-        return await Execution(self._agent(sandbox_id), protocol.OP_RUN_CODE, self._cell_args(spec),
-                               _call_timeout(spec.timeout_s), self.limits.stream_bytes,
-                               self.limits.stream_buffer_bytes).start()
+        execution = self._execution(sandbox_id, protocol.OP_RUN_CODE, self._cell_args(spec), spec.timeout_s,
+                                    self.limits.stream_bytes)
+        return await self._guarded(sandbox_id, execution.start())
 
     @staticmethod
     def _cell_args(spec: CellSpec) -> dict[str, Any]:
@@ -412,20 +443,21 @@ class Sessions:
 
     async def exec(self, sandbox_id: str, spec: CommandSpec) -> CommandResult:
         """Run a command to its end; its output (up to the result budget) comes back in the result."""
-        execution = Execution(self._agent(sandbox_id), protocol.OP_EXEC, self._exec_args(sandbox_id, spec),
-                              _call_timeout(spec.timeout_s), self.limits.result_bytes, self.limits.stream_buffer_bytes)
-        raw, stdout, stderr = await self._collect(await execution.start())
+        execution = self._execution(sandbox_id, protocol.OP_EXEC, self._exec_args(sandbox_id, spec), spec.timeout_s,
+                                    self.limits.result_bytes)
+        raw, stdout, stderr = await self._guarded(sandbox_id, self._collect(execution))
         return _command_result(raw, stdout, stderr, execution.truncated)
 
     async def run_code(self, sandbox_id: str, spec: CellSpec) -> CodeResult:
         """Run a cell to its end; what it printed (up to the result budget) comes back in the result."""
-        execution = Execution(self._agent(sandbox_id), protocol.OP_RUN_CODE, self._cell_args(spec),
-                              _call_timeout(spec.timeout_s), self.limits.result_bytes, self.limits.stream_buffer_bytes)
-        raw, stdout, stderr = await self._collect(await execution.start())
+        execution = self._execution(sandbox_id, protocol.OP_RUN_CODE, self._cell_args(spec), spec.timeout_s,
+                                    self.limits.result_bytes)
+        raw, stdout, stderr = await self._guarded(sandbox_id, self._collect(execution))
         return _code_result(raw, stdout, stderr, execution.truncated)
 
     @staticmethod
     async def _collect(execution: Execution) -> tuple[dict[str, Any], str, str]:
+        await execution.start()
         printed: dict[str, list[str]] = {protocol.EVENT_STDOUT: [], protocol.EVENT_STDERR: []}
         async for event in execution:
             if isinstance(event, Output):
@@ -447,7 +479,9 @@ class Sessions:
     async def eval(self, sandbox_id: str, expr: str, context: str = "default",
                    timeout_s: float = 60.0) -> dict[str, Any]:
         """``{value, value_json, type, error}`` of one expression in a context."""
-        return await self._call(sandbox_id, protocol.OP_EVAL, {"expr": expr, "context": context}, timeout_s)
+        # The guest ends the expression at ``timeout_s`` and answers a timeout; the host waits a grace longer.
+        return await self._call(sandbox_id, protocol.OP_EVAL, {"expr": expr, "context": context, "timeout_s": timeout_s},
+                                _call_timeout(timeout_s))
 
     async def ping(self, sandbox_id: str) -> dict[str, Any]:
         return await self._call(sandbox_id, protocol.OP_PING, {}, 10.0)
@@ -486,7 +520,7 @@ class Sessions:
     async def read_file(self, sandbox_id: str, path: str) -> FileDownload:
         """The file's first chunk is read now (so a missing file fails here), the rest as iterated."""
         agent = self._agent(sandbox_id)
-        first = await agent.call(protocol.OP_FILES_READ, {"path": path, "offset": 0})
+        first = await self._guarded(sandbox_id, agent.call(protocol.OP_FILES_READ, {"path": path, "offset": 0}))
 
         async def chunks() -> AsyncIterator[bytes]:
             chunk, offset = first, 0
@@ -517,13 +551,16 @@ class Sessions:
             await agent.call(protocol.OP_FILES_WRITE, args)
             written += len(piece)
 
-        async for part in body:
-            buffer.extend(part)
-            while len(buffer) >= protocol.FILE_CHUNK_BYTES:
-                await send(bytes(buffer[:protocol.FILE_CHUNK_BYTES]))
-                del buffer[:protocol.FILE_CHUNK_BYTES]
-        if buffer or written == 0:
-            await send(bytes(buffer))
+        async def send_all() -> None:
+            async for part in body:
+                buffer.extend(part)
+                while len(buffer) >= protocol.FILE_CHUNK_BYTES:
+                    await send(bytes(buffer[:protocol.FILE_CHUNK_BYTES]))
+                    del buffer[:protocol.FILE_CHUNK_BYTES]
+            if buffer or written == 0:
+                await send(bytes(buffer))
+
+        await self._guarded(sandbox_id, send_all())
         return written
 
     async def list_files(self, sandbox_id: str, path: str) -> dict[str, Any]:

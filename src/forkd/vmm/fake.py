@@ -51,6 +51,7 @@ class FakeBehaviour:
     """What the fake guests do; tests flip these to drive failure paths."""
 
     kernel_rng_reseeded: bool = True  # the answer to ``reseed``
+    reseed_delay_s: float = 0.0  # how long the guest takes to answer ``reseed`` (a loaded host)
     fail_restore: str | None = None  # complete_restore raises VmmError with this message
     stalled: set[str] = field(default_factory=set)  # names whose "monitor" never answers: adopt times out
 
@@ -154,6 +155,8 @@ class FakeVmm:
             with contextlib.suppress(ConnectionError, protocol.ProtocolError):
                 while line := await reader.readline():
                     request = protocol.decode_frame(line)
+                    if request.get("op") == protocol.OP_RESEED:
+                        await asyncio.sleep(self.behaviour.reseed_delay_s)
                     writer.write(protocol.encode_frame(self._answer(vm, request)))
                     await writer.drain()
             writer.close()
