@@ -14,7 +14,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 from forkd.cli.branch import BRANCH_COMMANDS
-from forkd.cli.common import console, daemon, err_console, key_values, print_json, progress_printer, reports_errors
+from forkd.cli.common import (
+    console,
+    daemon,
+    describe_timings,
+    err_console,
+    key_values,
+    print_json,
+    progress_printer,
+    reports_errors,
+)
 from forkd.cli.daemon import daemon_command
 from forkd.cli.doctor import doctor
 from forkd.cli.isolation import describe_limits, describe_net, fork_options, isolation_options
@@ -211,12 +220,6 @@ def fork(tag: str, count: int, timeout_s: float | None, envs: tuple[str, ...], l
     console.print(f"{answered}/{count} children answering, {time.monotonic() - started:.2f} s in all")
     if failed:
         sys.exit(1)
-
-
-def describe_timings(timings: dict[str, float]) -> str:
-    """``queued 0.1 · isolation 2.3 · ... ms``: a child's spawn stages in the order they ran."""
-    stages = [f"{stage} {ms:.1f}" for stage, ms in timings.items() if stage != "total"]
-    return " · ".join(stages) + " ms" if stages else "(no stage timings)"
 
 
 @cli.command("ls")
