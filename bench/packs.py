@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from forkd.config import paths_from_env
 from forkd.sdk.autostart import ensure_daemon
 from forkd.sdk.controller import Controller, ForkdError
 from forkd.store.usage import directory_usage
@@ -54,9 +55,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tag", default="quickstart")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--work-dir", default="/var/tmp", help="where the pack file is written")
+    parser.add_argument("--work-dir", default=str(paths_from_env().home / "packs"),
+                        help="where the pack file is written: inside the daemon's packs_dir (default HOME/packs)")
     args = parser.parse_args()
     controller = ensure_daemon()
+    Path(args.work_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         source = controller.snapshot(args.tag)
     except ForkdError:

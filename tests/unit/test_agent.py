@@ -1199,3 +1199,45 @@ def test_a_dead_template_is_replaced_with_its_warm_up_replayed() -> None:
         assert client.result(protocol.OP_PING)["template_pid"] not in (None, old)
     finally:
         process.stop()
+def test_watch_reports_creates_writes_renames_and_removes_recursively(agent: AgentClient, tmp_path: Path) -> None:
+    watcher = agent.result(protocol.OP_WATCH_CREATE, {"path": str(tmp_path), "recursive": True})["id"]
+    try:
+        (tmp_path / "sub").mkdir()
+        (tmp_path / "a.txt").write_text("x")
+        (tmp_path / "a.txt").rename(tmp_path / "b.txt")
+        (tmp_path / "b.txt").unlink()
+        seen = agent.result(protocol.OP_WATCH_READ, {"id": watcher, "wait_s": 2})["events"]
+        (tmp_path / "sub" / "deep.txt").write_text("y")  # a directory created after the watch began
+        seen += agent.result(protocol.OP_WATCH_READ, {"id": watcher, "wait_s": 2})["events"]
+        kinds = {(event["name"], event["type"]) for event in seen}
+        assert {("sub", "create"), ("a.txt", "create"), ("a.txt", "write"), ("a.txt", "rename"),
+                ("b.txt", "create"), ("b.txt", "remove"), ("sub/deep.txt", "create")} <= kinds, seen
+        assert agent.result(protocol.OP_WATCH_READ, {"id": watcher})["events"] == []
+    finally:
+        assert agent.result(protocol.OP_WATCH_REMOVE, {"id": watcher}) == {}
+    assert agent.error(protocol.OP_WATCH_READ, {"id": watcher})["code"] == protocol.ERR_NOT_FOUND
+    assert agent.error(protocol.OP_WATCH_CREATE, {"path": str(tmp_path / "absent")})["code"] == protocol.ERR_NOT_FOUND
+
+
+def test_pty_session_has_a_terminal_takes_input_and_resizes(agent: AgentClient) -> None:
+    script = "stty size; read line; echo got:$line; stty size"
+    req = agent.start(protocol.OP_PTY_START, {"argv": ["/bin/sh", "-c", script], "rows": 30, "cols": 100})
+    _, started = agent.next_frame(req)
+    pid = started["data"]["pid"]
+    output = b""
+    while b"30 100" not in output:
+        output += unb64(agent.next_frame(req)[1]["data"]["data_b64"])
+    assert agent.result(protocol.OP_PTY_RESIZE, {"pid": pid, "rows": 12, "cols": 40}) == {}
+    assert agent.result(protocol.OP_PTY_INPUT, {"pid": pid, "data_b64": b64("hello\n")}) == {}
+    frames = [frame for _, frame in agent.collect(req)]
+    output += b"".join(unb64(f["data"]["data_b64"]) for f in frames[:-1])
+    assert frames[-1]["result"] == {"exit_code": 0, "signal": None}
+    assert b"got:hello" in output and b"12 40" in output, output
+    assert agent.error(protocol.OP_PTY_INPUT, {"pid": pid, "data_b64": b64("x")})["code"] == protocol.ERR_NOT_FOUND
+
+
+def test_pty_session_is_killed_by_signal(agent: AgentClient) -> None:
+    req = agent.start(protocol.OP_PTY_START, {"argv": ["sleep", "600"]})
+    pid = agent.next_frame(req)[1]["data"]["pid"]
+    assert agent.result(protocol.OP_PTY_KILL, {"pid": pid, "signal": 15}) == {}
+    assert agent.collect(req)[-1][1]["result"] == {"exit_code": 143, "signal": 15}

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-BASE = {"config", "validation", "errors"}  # small shared modules every room may use
+BASE = {"config", "validation", "errors", "hostpaths", "safetext"}  # small shared modules every room may use
 FACE = {"forkd"}  # the package itself: its version and public names
 
 #: room -> the rooms it may import (besides itself). Keep in step with docs/architecture.md.
@@ -21,6 +21,8 @@ ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "validation": set(),
     "errors": set(),
+    "hostpaths": {"validation"},
+    "safetext": set(),
     "store": {"guest", "vmm"} | BASE,
     "vmm": {"guest"} | BASE,
     "host": {"guest", "vmm"} | BASE,

@@ -61,3 +61,9 @@ def test_bad_runtime_values_are_refused_naming_the_key(env: dict[str, str], name
     with pytest.raises(ConfigError) as refused:
         load_config(None, env=env)
     assert names in str(refused.value)
+
+
+def test_limits_have_real_defaults_as_documented() -> None:
+    options = load_config(env={}).runtime_options
+    assert options.max_sandboxes == 500
+    assert options.max_concurrent_forks is None and options.restore_slots() >= 2  # 2 per host CPU

@@ -78,8 +78,9 @@ def server(work_dir: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def packed(daemon: Controller, snapshot_tag: str, work_dir: Path) -> dict:
-    result = daemon.pack(snapshot_tag, str(work_dir / "vmtest.tar.zst"))
+def packed(daemon: Controller, snapshot_tag: str, forkd_home: Path) -> dict:
+    # The daemon writes packs only in its packs directory (docs/security.md).
+    result = daemon.pack(snapshot_tag, str(forkd_home / "packs" / "vmtest.tar.zst"))
     print(f"\npacked {result['bytes'] / 2**20:.0f} MiB of files into {result['size'] / 2**20:.1f} MiB "
           f"in {result['seconds']:.1f} s", file=sys.stderr)
     return result
@@ -125,7 +126,8 @@ def test_unpack_into_a_clean_second_daemon_with_the_cli(packed: dict, daemon: Co
     env = vm_env_for(home)
     process, second = start_daemon(home, env)
     try:
-        cli = subprocess.run([sys.executable, "-m", "forkd", "unpack", packed["path"]], env=env,
+        copied = shutil.copyfile(packed["path"], home / "packs" / "vmtest.tar.zst")  # the second daemon's own
+        cli = subprocess.run([sys.executable, "-m", "forkd", "unpack", str(copied)], env=env,
                              capture_output=True, text=True, timeout=600)
         assert cli.returncode == 0, cli.stderr
         assert "snapshot vmtest ready" in cli.stdout

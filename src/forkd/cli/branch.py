@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from forkd.cli.common import console, daemon, describe_timings, print_json, reports_errors
+from forkd.safetext import for_rich
 
 
 @click.command("branch")
@@ -47,7 +48,7 @@ def snapshot_info(tag: str, as_json: bool) -> None:
     console.print(f"  size: {info['physical_bytes'] / 2**20:.1f} MiB own, "
                   f"{info['logical_bytes'] / 2**20:.1f} MiB with its chain")
     if "error" in info:
-        console.print(f"  error: {info['error']}")
+        console.print(f"  error: {for_rich(info['error'])}")
 
 
 @click.command("snapshot-compact")

@@ -17,6 +17,7 @@ import click
 from rich.console import Console
 
 from forkd.config import paths_from_env
+from forkd.safetext import for_rich
 from forkd.sdk.autostart import ensure_daemon
 from forkd.sdk.controller import Controller, ForkdError
 
@@ -32,7 +33,7 @@ def reports_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except ForkdError as exc:
-            err_console.print(f"[red]error:[/red] {exc.message}")
+            err_console.print(f"[red]error:[/red] {for_rich(exc.message)}")
             sys.exit(1)
     return wrapper  # type: ignore[return-value]
 
@@ -43,7 +44,7 @@ def daemon() -> Controller:
 
 def progress_printer(prefix: str = "") -> Callable[[str], None]:
     started = time.monotonic()
-    return lambda line: err_console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {prefix}{line}")
+    return lambda line: err_console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {prefix}{for_rich(line)}")
 
 
 def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str]:

@@ -22,16 +22,21 @@ import click
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), help="accelerator (default auto)")
 @click.option("--max-sandboxes", type=click.IntRange(min=1), help="limit on live + starting sandboxes")
 @click.option("--max-concurrent-forks", type=click.IntRange(min=1), help="restores running at once")
+@click.option("--e2b-listen", metavar="HOST:PORT", help="serve E2B's API for its SDKs here [FORKD_E2B_LISTEN]")
+@click.option("--e2b-keys-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="E2B API keys accepted there (default: HOME/e2b/api-keys, made on first start)")
 @click.option("--keep-sandboxes-on-stop/--kill-sandboxes-on-stop", default=None,
               help="leave VMMs running on stop for the next daemon to re-adopt (default: kill them)")
 def daemon_command(config_file: Path | None, home: Path | None, cache: Path | None, socket: Path | None,
                    listen: str | None, token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
                    log_file: Path | None, accel: str | None, max_sandboxes: int | None,
-                   max_concurrent_forks: int | None, keep_sandboxes_on_stop: bool | None) -> None:
+                   max_concurrent_forks: int | None, e2b_listen: str | None, e2b_keys_file: Path | None,
+                   keep_sandboxes_on_stop: bool | None) -> None:
     """Run the daemon in the foreground (the CLI starts one in the background when needed).
 
     It always serves its 0600 Unix socket; with --listen also TCP, where every route but /healthz
-    needs `Authorization: Bearer <token>`.
+    needs `Authorization: Bearer <token>`. With --e2b-listen it also serves E2B's API, so E2B's
+    own SDKs drive it (see docs/e2b.md).
     """
     from forkd.daemon.middleware.auth import TokenRejected
     from forkd.daemon.config import ConfigError, load_config
@@ -41,7 +46,8 @@ def daemon_command(config_file: Path | None, home: Path | None, cache: Path | No
             "home": home, "cache": cache, "socket": socket, "log_file": log_file, "accelerator": accel,
             "listen": listen, "token_file": token_file, "tls_cert": tls_cert, "tls_key": tls_key,
             "limits.max_sandboxes": max_sandboxes, "limits.max_concurrent_forks": max_concurrent_forks,
-            "sandboxes.keep_on_stop": keep_sandboxes_on_stop,
+            "sandboxes.keep_on_stop": keep_sandboxes_on_stop, "e2b.listen": e2b_listen,
+            "e2b.keys_file": e2b_keys_file,
         })
         run(config)
     except (ConfigError, DaemonAlreadyRunning, ListenerError, TokenRejected) as exc:

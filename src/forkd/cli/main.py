@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 import click
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
 from forkd.cli.branch import BRANCH_COMMANDS
-from forkd.cli.common import console, daemon, err_console, key_values, print_json, progress_printer, reports_errors
+from forkd.cli.common import (
+    console,
+    daemon,
+    describe_timings,
+    err_console,
+    key_values,
+    print_json,
+    progress_printer,
+    reports_errors,
+)
 from forkd.cli.daemon import daemon_command
 from forkd.cli.doctor import doctor
 from forkd.cli.isolation import describe_limits, describe_net, fork_options, isolation_options
 from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
 from forkd.cli.workspaces import workspace
+from forkd.safetext import for_rich
+
+CP_CHUNK_BYTES = 1 << 20
 
 
 @click.group()
@@ -201,18 +214,12 @@ def fork(tag: str, count: int, timeout_s: float | None, envs: tuple[str, ...], l
                     console.print("    " + describe_timings(child.get("timings") or {}))
             else:
                 failed += 1
-                err_console.print(f"[red]failed:[/red] {escape(str(child.get('error')))}")
+                err_console.print(f"[red]failed:[/red] {for_rich(child.get('error'))}")
                 if verbose:
                     err_console.print("    " + describe_timings(child.get("timings") or {}))
     console.print(f"{answered}/{count} children answering, {time.monotonic() - started:.2f} s in all")
     if failed:
         sys.exit(1)
-
-
-def describe_timings(timings: dict[str, float]) -> str:
-    """``queued 0.1 · isolation 2.3 · ... ms``: a child's spawn stages in the order they ran."""
-    stages = [f"{stage} {ms:.1f}" for stage, ms in timings.items() if stage != "total"]
-    return " · ".join(stages) + " ms" if stages else "(no stage timings)"
 
 
 @cli.command("ls")
@@ -344,20 +351,23 @@ def _print_python_result(result: dict[str, Any]) -> None:
 @click.argument("dst")
 @reports_errors
 def cp(src: str, dst: str) -> None:
-    """Copy a file into or out of a sandbox: `forkd cp local SB:/path` or `forkd cp SB:/path local`."""
+    """Copy a file into or out of a sandbox: `forkd cp local SB:/path` or `forkd cp SB:/path local`.
+
+    Both ways stream: memory use does not grow with the file (a guest file can be as large as it likes).
+    """
     controller = daemon()
     if ":" in src and src.startswith("sb-"):
         sandbox_id, path = src.split(":", 1)
-        data = controller.read_file(sandbox_id, path)
-        if dst == "-":
-            sys.stdout.buffer.write(data)
-        else:
-            with open(dst, "wb") as f:
-                f.write(data)
+        chunks = controller.read_file_chunks(sandbox_id, path)
+        first = next(chunks, b"")  # a missing file fails here, before dst is created
+        with open(dst, "wb") if dst != "-" else contextlib.nullcontext(sys.stdout.buffer) as out:
+            out.write(first)
+            for chunk in chunks:
+                out.write(chunk)
     elif ":" in dst and dst.startswith("sb-"):
         sandbox_id, path = dst.split(":", 1)
-        with open(src, "rb") if src != "-" else sys.stdin.buffer as f:
-            controller.write_file(sandbox_id, path, f.read())
+        with open(src, "rb") if src != "-" else contextlib.nullcontext(sys.stdin.buffer) as f:
+            controller.write_file(sandbox_id, path, iter(functools.partial(f.read, CP_CHUNK_BYTES), b""))
     else:
         raise click.UsageError("one side must be SANDBOX_ID:/path")
 
@@ -374,7 +384,7 @@ def files() -> None:
 def files_ls(sandbox_id: str, path: str) -> None:
     table = Table("name", "type", "size", "mode")
     for entry in daemon().list_files(sandbox_id, path):
-        table.add_row(entry["name"], entry["type"], str(entry["size"]), oct(entry["mode"] & 0o7777))
+        table.add_row(for_rich(entry["name"]), entry["type"], str(entry["size"]), oct(entry["mode"] & 0o7777))
     console.print(table)
 
 

@@ -31,7 +31,8 @@ def _report_unpacked(result: dict[str, Any]) -> None:
 
 @click.command("pack")
 @click.option("--tag", required=True, help="snapshot to pack (its ancestors come along)")
-@click.option("-o", "--output", required=True, help="pack file to write, e.g. py.tar.zst")
+@click.option("-o", "--output", required=True,
+              help="pack file to write, in the daemon's packs_dir (default $FORKD_HOME/packs)")
 @click.option("--force", is_flag=True, help="overwrite the output file")
 @reports_errors
 def pack(tag: str, output: str, force: bool) -> None:

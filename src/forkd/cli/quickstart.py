@@ -14,6 +14,7 @@ from rich.console import Console
 
 from forkd.config import paths_from_env
 from forkd.host import packages
+from forkd.safetext import for_rich
 from forkd.host.doctor import IP_FORWARD_CHECK, PACKAGE_CHECKS, enable_ip_forward, run_checks
 from forkd.sdk.autostart import ensure_daemon
 from forkd.sdk.controller import ForkdError
@@ -63,7 +64,7 @@ def quickstart(yes: bool, count: int, keep: bool) -> None:
         started = time.monotonic()
 
         def progress(line: str) -> None:
-            console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {line}")
+            console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {for_rich(line)}")
 
         controller.build_image(on_progress=progress, name="default")
         if not any(s["tag"] == QUICKSTART_TAG for s in controller.snapshots()):
@@ -74,9 +75,9 @@ def quickstart(yes: bool, count: int, keep: bool) -> None:
         for child in result["sandboxes"]:
             answer = controller.eval(child["id"], "(__import__('socket').gethostname(), numpy.random.rand())")
             console.print(f"  {child['id']}  first answer {child['seconds_to_answer'] * 1000:6.0f} ms   "
-                          f"eval → {answer['value']}")
+                          f"eval → {for_rich(answer['value'])}")
         for error in result["errors"]:
-            console.print(f"  [red]failed:[/red] {error}")
+            console.print(f"  [red]failed:[/red] {for_rich(error)}")
         console.print(f"[bold]{len(result['sandboxes'])}/{count} children answering in {total:.2f} s[/bold]")
         if not keep:
             for child in result["sandboxes"]:
@@ -84,7 +85,7 @@ def quickstart(yes: bool, count: int, keep: bool) -> None:
         else:
             console.print("children left running: `forkd ls`, `forkd exec ID -- CMD`, `forkd kill --all`")
     except ForkdError as exc:
-        console.print(f"[red]error:[/red] {exc.message}")
+        console.print(f"[red]error:[/red] {for_rich(exc.message)}")
         sys.exit(1)
     if result["errors"]:
         sys.exit(1)

@@ -18,10 +18,12 @@ log_max_bytes = 10485760         # rotate the log file at this size ...
 log_backups = 5                  # ... keeping this many old files
 accelerator = "auto"             # auto | kvm | tcg
 tcg_tb_size_mib = 16             # TCG translation buffer per VMM: 32 costs +14 MiB a child, ~35 % less CPU
+imports_dir = "/var/lib/forkd/imports"  # image sources API clients may name (default HOME/imports)
+packs_dir = "/var/lib/forkd/packs"      # pack files API clients may write and read (default HOME/packs)
 
-[limits]                         # unset: no limit
+[limits]
 max_sandboxes = 500              # live + starting children
-max_concurrent_forks = 16        # restores running at once; more queue
+max_concurrent_forks = 16        # restores running at once; more queue (default: 2 per host CPU)
 max_branches = 2                 # branches written at once; more answer 503  [FORKD_MAX_BRANCHES]
 
 [sandboxes]
@@ -47,6 +49,13 @@ backups = 3                      # ... keeping this many old files (audit.jsonl.
 
 [pools]                          # ready VMMs kept per snapshot tag (default none); `forkd pool` changes them
 quickstart = 1
+
+[e2b]
+listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)  [FORKD_E2B_LISTEN]
+keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
+
+[transfers]
+allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any
 ```
 """
 
@@ -65,6 +74,7 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic.dataclasses import dataclass
 
 from forkd.config import Paths
+from forkd.hostpaths import HostRoots
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
 from forkd.runtime.options import DEFAULT_MAX_BRANCHES, OutputLimits, RuntimeOptions
 from forkd.runtime.pool import MAX_POOL_SIZE
@@ -77,7 +87,11 @@ DEFAULT_CACHE = Path("/var/cache/forkd")
 # Environment variable → top-level key. FORKD_SOCKET defaults to HOME/forkd.sock when unset everywhere.
 ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socket", "FORKD_LISTEN": "listen",
             "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file", "FORKD_NET_POOL": "network.pool",
-            "FORKD_DNS": "network.dns", "FORKD_MAX_BRANCHES": "limits.max_branches"}
+            "FORKD_DNS": "network.dns", "FORKD_MAX_BRANCHES": "limits.max_branches",
+            "FORKD_E2B_LISTEN": "e2b.listen"}
+
+
+DEFAULT_MAX_SANDBOXES = 500
 
 
 class ConfigError(ValueError):
@@ -86,7 +100,9 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, config=_STRICT)
 class Limits:
-    max_sandboxes: int | None = Field(default=None, ge=1, le=1 << 20)
+    # A real default: a daemon nobody configured still refuses the 501st child instead of forking
+    # until the host runs out of memory. Restores at once default to what the CPUs serve (options.py).
+    max_sandboxes: int = Field(default=DEFAULT_MAX_SANDBOXES, ge=1, le=1 << 20)
     max_concurrent_forks: int | None = Field(default=None, ge=1, le=1 << 16)
     max_branches: int = Field(default=DEFAULT_MAX_BRANCHES, ge=1, le=1024)
 
@@ -129,6 +145,17 @@ class Audit:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class E2BSettings:
+    listen: str | None = Field(default=None, pattern=r"^[^\s:]+:\d{1,5}$")  # host:port; None: no E2B front
+    keys_file: Path | None = None  # None: HOME/e2b/api-keys
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Transfers:
+    allow_hosts: list[Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9*.-]+$")]] | None = None
+
+
+@dataclass(frozen=True, config=_STRICT)
 class DaemonConfig:
     home: Path = DEFAULT_HOME
     cache: Path = DEFAULT_CACHE
@@ -149,6 +176,10 @@ class DaemonConfig:
     server: Server = field(default_factory=Server)
     audit: Audit = field(default_factory=Audit)
     pools: dict[str, Annotated[int, Field(ge=0, le=MAX_POOL_SIZE)]] = field(default_factory=dict)
+    e2b: E2BSettings = field(default_factory=E2BSettings)
+    imports_dir: Path | None = None  # None: HOME/imports
+    packs_dir: Path | None = None  # None: HOME/packs
+    transfers: Transfers = field(default_factory=Transfers)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -168,7 +199,15 @@ class DaemonConfig:
                               output=OutputLimits(result_bytes=self.output.result_bytes,
                                                   stream_bytes=self.output.stream_bytes,
                                                   stream_buffer_bytes=self.output.stream_buffer_bytes),
-                              pool_sizes=dict(self.pools))
+                              pool_sizes=dict(self.pools),
+                              host_roots=self.host_roots,
+                              transfer_hosts=(None if self.transfers.allow_hosts is None
+                                              else tuple(self.transfers.allow_hosts)))
+
+    @property
+    def host_roots(self) -> HostRoots:
+        default = HostRoots.under(self.home)
+        return HostRoots(imports=self.imports_dir or default.imports, packs=self.packs_dir or default.packs)
 
 
 def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,

@@ -30,7 +30,10 @@ from forkd.daemon.middleware.audit import AuditLog, AuditMiddleware
 from forkd.daemon.middleware.auth import TokenAuth, check_token
 from forkd.daemon.middleware.body_limit import BodyLimit
 from forkd.daemon.config import DaemonConfig, Server
+from forkd.e2b.app import E2BFront
+from forkd.e2b.keys import Credentials, KeyFileError
 from forkd.runtime.runtime import Runtime
+from forkd.safetext import visible
 from forkd.vmm.qemu import QemuVmm
 
 log = logging.getLogger("forkd.daemon")
@@ -56,10 +59,7 @@ class TcpListener:
     def parse(cls, address: str, token: str | None, tls_cert: Path | None = None,
               tls_key: Path | None = None) -> TcpListener:
         """``HOST:PORT`` (``[v6]:PORT`` for IPv6) with a token fit for the network, and TLS files that load."""
-        host, sep, port = address.rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ListenerError(f"--listen wants HOST:PORT (e.g. 127.0.0.1:7070), not {address!r}")
+        host, port = parse_address(address, "--listen", 7070)
         if (tls_cert is None) != (tls_key is None):
             raise ListenerError("TLS needs both --tls-cert and --tls-key")
         if tls_cert is not None and tls_key is not None:
@@ -67,7 +67,7 @@ class TcpListener:
                 ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tls_cert, tls_key)
             except (OSError, ssl.SSLError) as exc:
                 raise ListenerError(f"cannot load the TLS certificate {tls_cert} / key {tls_key}: {exc}") from None
-        return cls(host=host, port=int(port), token=check_token(token), tls_cert=tls_cert, tls_key=tls_key)
+        return cls(host=host, port=port, token=check_token(token), tls_cert=tls_cert, tls_key=tls_key)
 
     @classmethod
     def from_config(cls, config: DaemonConfig) -> TcpListener | None:
@@ -86,9 +86,22 @@ class TcpListener:
 
     @property
     def loopback(self) -> bool:
-        with contextlib.suppress(ValueError):
-            return ipaddress.ip_address(self.host).is_loopback
-        return self.host == "localhost"
+        return is_loopback(self.host)
+
+
+def parse_address(address: str, flag: str, example_port: int) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as host and port."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ListenerError(f"{flag} wants HOST:PORT (e.g. 127.0.0.1:{example_port}), not {address!r}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    return host == "localhost"
 
 
 def bind_private_socket(path: Path) -> socket.socket:
@@ -115,15 +128,15 @@ def bind_private_socket(path: Path) -> socket.socket:
     return sock
 
 
-def bind_tcp(listener: TcpListener) -> socket.socket:
-    family = socket.AF_INET6 if ":" in listener.host else socket.AF_INET
+def bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((listener.host, listener.port))
+        sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ListenerError(f"cannot listen on {listener.host}:{listener.port}: {exc.strerror}") from None
+        raise ListenerError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.listen(128)
     return sock
 
@@ -183,12 +196,17 @@ def _server(app: object, lifespan: str, limits: Server, listener: TcpListener | 
 async def serve(config: DaemonConfig) -> None:
     paths = config.paths
     tcp = TcpListener.from_config(config)
+    e2b_address = parse_address(config.e2b.listen, "--e2b-listen", 3000) if config.e2b.listen else None
+    credentials = e2b_credentials(config) if e2b_address is not None else None
     sockets = [bind_private_socket(paths.socket)]
     try:
         if tcp is not None:
-            sockets.append(bind_tcp(tcp))
+            sockets.append(bind_tcp(tcp.host, tcp.port))
+        if e2b_address is not None:
+            sockets.append(bind_tcp(*e2b_address))
     except BaseException:
-        sockets[0].close()
+        for sock in sockets:
+            sock.close()
         paths.socket.unlink(missing_ok=True)
         raise
     vmm = QemuVmm(accelerator=config.accelerator, tb_size_mib=config.tcg_tb_size_mib)
@@ -202,6 +220,10 @@ async def serve(config: DaemonConfig) -> None:
         scheme = "https" if tcp.tls_cert else "http"
         log.info("listening on %s://%s:%d (bearer token required)%s", scheme, tcp.host, tcp.port,
                  "" if tcp.loopback or tcp.tls_cert else "; WARNING: no TLS on a non-loopback address")
+    if e2b_address is not None and credentials is not None:
+        servers.append(_server(AuditMiddleware(E2BFront(runtime, credentials), audit, "e2b"), "off", config.server))
+        log.info("E2B front on http://%s:%d (keys in %s)%s", *e2b_address, e2b_keys_file(config),
+                 "" if is_loopback(e2b_address[0]) else "; WARNING: no TLS on a non-loopback address")
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, audit.reopen)
     try:
         tasks = [asyncio.create_task(server.serve(sockets=[sock])) for server, sock in zip(servers, sockets)]
@@ -216,6 +238,19 @@ async def serve(config: DaemonConfig) -> None:
             paths.socket.unlink()
 
 
+def e2b_keys_file(config: DaemonConfig) -> Path:
+    return config.e2b.keys_file or config.paths.home / "e2b" / "api-keys"
+
+
+def e2b_credentials(config: DaemonConfig) -> Credentials:
+    """The E2B front's API keys (a key file with one new key is made if the default one is missing)."""
+    try:
+        return Credentials.load(e2b_keys_file(config), config.paths.home / "e2b" / "token-secret",
+                                create_keys=config.e2b.keys_file is None)
+    except (KeyFileError, OSError) as exc:
+        raise ListenerError(str(exc)) from None
+
+
 def configure_logging(config: DaemonConfig) -> None:
     """stderr by default (the journal under systemd); a size-rotated file when ``log_file`` is set."""
     handler: logging.Handler = logging.StreamHandler()
@@ -223,11 +258,24 @@ def configure_logging(config: DaemonConfig) -> None:
         config.log_file.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.handlers.RotatingFileHandler(config.log_file, maxBytes=config.log_max_bytes,
                                                        backupCount=config.log_backups)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        handlers=[handler])
+    handler.setFormatter(VisibleFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
+class VisibleFormatter(logging.Formatter):
+    """Log lines whose guest-supplied parts (error messages, output) cannot forge lines or drive a terminal."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's naming
+        return visible(super().formatMessage(record))
+
+    def formatException(self, ei: Any) -> str:  # noqa: N802
+        return visible(super().formatException(ei), keep_newlines=True)
 
 
 def run(config: DaemonConfig) -> None:
+    # Everything the daemon writes is private to root, started by systemd (UMask=0077) or not:
+    # state.db holds sandbox environments, console logs hold guest output, RAM files guest memory.
+    os.umask(0o077)
     configure_logging(config)
     asyncio.run(serve(config))
     if config.sandboxes.keep_on_stop:

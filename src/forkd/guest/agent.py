@@ -23,6 +23,8 @@ from .dispatch import Dispatcher, Handler, OpFamily, Request, inline
 from .files import FileOps
 from .interpreters import PythonRuntime
 from .processes import ProcessTable
+from .pty import PtyOps
+from .watch import WatchOps
 
 
 class AgentOps:
@@ -81,6 +83,8 @@ def op_families() -> list[OpFamily]:
         ProcessTable(python.template),
         python,
         FileOps(),
+        WatchOps(),
+        PtyOps(),
     ]
 
 

@@ -21,7 +21,6 @@ import io
 import itertools
 import json
 import linecache
-import os
 import signal
 import socket
 import sys

@@ -254,7 +254,9 @@ def _stream_output(req: Request, proc: _Process, timeout_s: float | None, stdin_
                         selector.unregister(fd)
                 reading = want_reading
             ready = selector.select(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if not ready and deadline is not None and time.monotonic() >= deadline:
+            # Checked whether or not anything was ready: a command that writes without pause keeps the
+            # selector busy forever, and must still end at its deadline.
+            if deadline is not None and time.monotonic() >= deadline:
                 if ended is not None:
                     break  # killed, and its descendants still hold the pipes after GRACE_S
                 ended = "timeout"

@@ -62,6 +62,13 @@ OP_CONTEXTS_CREATE = "contexts.create"
 OP_CONTEXTS_LIST = "contexts.list"
 OP_CONTEXTS_RESTART = "contexts.restart"
 OP_CONTEXTS_DELETE = "contexts.delete"
+OP_WATCH_CREATE = "watch.create"
+OP_WATCH_READ = "watch.read"
+OP_WATCH_REMOVE = "watch.remove"
+OP_PTY_START = "pty.start"
+OP_PTY_INPUT = "pty.input"
+OP_PTY_RESIZE = "pty.resize"
+OP_PTY_KILL = "pty.kill"
 
 # Control ops about another request in flight (``args: {"id": <its id>}``). An agent that does not
 # know them answers ``unknown_op``; the host then falls back (see runtime/agent_client.py).
@@ -94,6 +101,13 @@ ALL_OPS = frozenset(
         OP_FLOW_PAUSE,
         OP_FLOW_RESUME,
         OP_CANCEL,
+        OP_WATCH_CREATE,
+        OP_WATCH_READ,
+        OP_WATCH_REMOVE,
+        OP_PTY_START,
+        OP_PTY_INPUT,
+        OP_PTY_RESIZE,
+        OP_PTY_KILL,
     }
 )
 
@@ -101,6 +115,7 @@ ALL_OPS = frozenset(
 EVENT_STARTED = "started"  # exec: {"pid": int}
 EVENT_STDOUT = "stdout"  # exec: {"data_b64": str}; run_code: {"text": str}
 EVENT_STDERR = "stderr"  # same shapes as stdout
+EVENT_PTY = "pty"  # pty.start: {"data_b64": str}, what the program wrote to its terminal
 EVENT_RESULT = "result"  # run_code: one rich result (display() or the cell's value), E2B's Result keys
 
 #: The error name of a run_code/eval result whose interpreter process died (a signal, OOM kill).

@@ -7,9 +7,7 @@ created and closed, nothing on the host is changed.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -27,13 +27,15 @@ _PACKAGE_OF = {
     "zstd": "zstd",
 }
 _TAIL_LINES = 15
+# Guest trees get the modes a distribution expects, whatever the daemon's own (private) umask is.
+GUEST_UMASK = 0o022
 
 
 def run(cmd: Command, *, hint: str, cwd: Path | None = None) -> str:
     """Run ``cmd`` to completion and return its stdout; raise :class:`ToolError` with ``hint`` on failure."""
     argv = [str(a) for a in cmd]
     try:
-        done = subprocess.run(argv, cwd=cwd, check=True, capture_output=True, text=True)
+        done = subprocess.run(argv, cwd=cwd, check=True, capture_output=True, text=True, umask=GUEST_UMASK)
     except FileNotFoundError as exc:
         raise _missing(argv[0]) from exc
     except subprocess.CalledProcessError as exc:
@@ -46,7 +48,8 @@ def stream(cmd: Command, *, hint: str, on_line: Callable[[str], None]) -> None:
     argv = [str(a) for a in cmd]
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                umask=GUEST_UMASK)
     except FileNotFoundError as exc:
         raise _missing(argv[0]) from exc
     with proc:

@@ -56,8 +56,9 @@ def remove_entry(path: Path) -> None:
 
 def write_in_root(root: Path, path: str, content: bytes, mode: int = 0o644) -> None:
     """Write guest file ``path``, replacing what is there: a symlink in its place is replaced, not followed."""
-    parent = resolve_in_root(root, posixpath.dirname(path))
-    parent.mkdir(parents=True, exist_ok=True)
+    parent_path = posixpath.dirname(path)
+    ensure_dir_in_root(root, parent_path)
+    parent = resolve_in_root(root, parent_path)
     target = parent / posixpath.basename(path)
     remove_entry(target)
     target.write_bytes(content)
@@ -70,7 +71,10 @@ def ensure_dir_in_root(root: Path, path: str, mode: int = 0o755) -> None:
     if target.is_dir():
         return
     remove_entry(target)
-    target.mkdir(parents=True)
+    parent = posixpath.dirname(path.rstrip("/"))
+    if parent not in ("", "/"):
+        ensure_dir_in_root(root, parent)  # each missing ancestor 0755, whatever the process umask
+    target.mkdir()
     target.chmod(mode)
 
 

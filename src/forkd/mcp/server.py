@@ -41,6 +41,7 @@ GuestPath = Annotated[str, Field(min_length=1, max_length=4096, description="abs
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_WAIT_S = 3600.0
 MAX_READ_BYTES = 64 << 20
+MAX_SCAN_BYTES = 64 << 20  # how much of a file wait_for_text searches on each poll
 
 
 async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -72,6 +73,28 @@ def _encode(content: str, encoding: str) -> bytes:
         return base64.b64decode(content, validate=True)
     except ValueError:
         raise ToolError("content is not valid base64: send text with encoding='text'") from None
+
+
+def file_contains(controller: Controller, sandbox_id: str, path: str, marker: bytes, limit: int,
+                  deadline: float | None = None) -> bool:
+    """Whether the file's first ``limit`` bytes hold ``marker``, streamed: only one chunk and the end of
+    the one before are held, so a guest file that never ends costs nothing; the scan also stops at
+    ``deadline`` (``time.monotonic()``), so a huge file cannot hold the caller past its timeout."""
+    keep = len(marker) - 1  # a marker split across two chunks is still found
+    tail, seen = b"", 0
+    chunks = controller.read_file_chunks(sandbox_id, path)
+    try:
+        for chunk in chunks:
+            window = tail + chunk[: limit - seen]
+            if marker in window:
+                return True
+            seen += len(chunk)
+            if seen >= limit or (deadline is not None and time.monotonic() > deadline):
+                return False
+            tail = window[len(window) - keep:] if keep else b""
+    finally:
+        chunks.close()
+    return False
 
 
 def _check_size(path: str, size: int, max_bytes: int) -> None:
@@ -206,8 +229,8 @@ def build_server(controller: Controller) -> MCPServer:
         if entry["type"] == "dir":
             raise ToolError(f"{path} is a directory: list it with exec 'ls -la {path}'")
         _check_size(path, entry["size"], max_bytes)  # before reading, for regular files
-        data = await _call(controller.read_file, sandbox_id, path)
-        _check_size(path, len(data), max_bytes)  # symlinks and /proc files report another size
+        # Symlinks, devices and /proc files report another size: the read itself stops past max_bytes.
+        data = await _call(controller.read_file, sandbox_id, path, max_bytes)
         content, used = _decode(data, encoding)
         return FileContent(path=path, size=len(data), encoding=used, content=content)
 
@@ -250,7 +273,8 @@ def build_server(controller: Controller) -> MCPServer:
         interval_s: Annotated[float, Field(ge=0.05, le=60.0, description="seconds between reads")] = 0.5,
     ) -> WaitResult:
         """Poll a file in a sandbox until it contains some text (e.g. a log line a background job
-        prints when done), or until the timeout; a missing file counts as not yet."""
+        prints when done), or until the timeout; a missing file counts as not yet. Only the file's
+        first 64 MiB are searched, and a poll stops reading at the timeout."""
         await _call(controller.sandbox, sandbox_id)  # a wrong id fails now, not at the timeout
         started = time.monotonic()
         deadline = started + timeout_s
@@ -259,19 +283,20 @@ def build_server(controller: Controller) -> MCPServer:
         while True:
             polls += 1
             try:
-                data: bytes | None = await anyio.to_thread.run_sync(controller.read_file, sandbox_id, path)
+                found = await anyio.to_thread.run_sync(file_contains, controller, sandbox_id, path, marker,
+                                                       MAX_SCAN_BYTES, deadline)
+                exists = True
             except ForkdError as exc:
                 if exc.status != 404:
                     raise tool_error(exc) from None
-                data = None  # no such file yet
-            found = data is not None and marker in data
+                found, exists = False, False  # no such file yet
             now = time.monotonic()
             if found or now + interval_s > deadline:
                 break
             await anyio.sleep(interval_s)
-        if data is None:
+        if not exists:
             await _call(controller.sandbox, sandbox_id)  # the 404s were the sandbox going away, not the file
         return WaitResult(found=found, path=path, elapsed_s=round(now - started, 3), polls=polls,
-                          file_exists=data is not None)
+                          file_exists=exists)
 
     return server

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from forkd.packs.archive import read_manifest
 from forkd.packs.format import MAX_FILE_BYTES, PackError, Sha256, Tag, check_identity_fields, parse_versioned
-from forkd.packs.transfer import HTTP_TIMEOUT, local_path, shown
+from forkd.packs.transfer import UrlPolicy, fetch, local_path, read_limited, shown
 from forkd.store.files import sha256_file, write_json_atomic
 
 INDEX_FORMAT = "forkd-index"
@@ -63,7 +63,7 @@ def parse_index(raw: bytes, where: str) -> Index:
     return parse_versioned(raw, Index, INDEX_FORMAT, INDEX_VERSION, f"index {where}")
 
 
-async def load_index(location: str) -> tuple[Index, str]:
+async def load_index(location: str, policy: UrlPolicy = UrlPolicy()) -> tuple[Index, str]:
     """The index at ``location`` (path, file:// or http(s):// URL) and the base its relative URLs resolve against."""
     path = local_path(location)
     if path is not None:
@@ -75,15 +75,14 @@ async def load_index(location: str) -> tuple[Index, str]:
             raise PackError(f"cannot read index {path}: {exc.strerror}") from None
         return parse_index(raw, str(path)), path.resolve().as_uri()
     try:
-        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, follow_redirects=True) as client:
-            response = await client.get(location)
+        async with fetch(location, policy) as response:
+            if response.status_code != 200:
+                raise PackError(f"cannot fetch index {shown(location)}: HTTP {response.status_code}")
+            raw = await read_limited(response, MAX_INDEX_BYTES, f"index {shown(location)}")
+            base = str(response.url)
     except httpx.HTTPError as exc:
         raise PackError(f"cannot fetch index {shown(location)}: {exc}") from None
-    if response.status_code != 200:
-        raise PackError(f"cannot fetch index {shown(location)}: HTTP {response.status_code}")
-    if len(response.content) > MAX_INDEX_BYTES:
-        raise PackError(f"index {shown(location)} is larger than {MAX_INDEX_BYTES} bytes")
-    return parse_index(response.content, shown(location)), str(response.url)
+    return parse_index(raw, shown(location)), base
 
 
 def entry_url(entry: IndexEntry, base: str) -> str:

@@ -6,6 +6,10 @@ parent's digests, the machine identity, every disk's backing reference, the stor
 files); only then does the store publish the directories and register them, parent links
 included, in one registry transaction, root first. On any failure the build directory is removed,
 a replaced snapshot is put back, and nothing is registered.
+
+Host paths and URLs come from API clients: with ``roots`` every pack file read or written (and a
+pull's local file or index) must lie in the packs directory, and every network URL must pass the
+daemon's ``UrlPolicy``, index entries and redirects included.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forkd.hostpaths import HostRoots
 from forkd.packs import archive, transfer
 from forkd.packs.format import MAX_CHAIN_DEPTH, META_NAME, Manifest, PackError, layer_digest
 from forkd.packs.index import entry_url, load_index
@@ -53,11 +58,21 @@ class PullSource:
 
 
 class PackService:
-    def __init__(self, store: SnapshotStore, live_children: Callable[[str], int]) -> None:
+    def __init__(self, store: SnapshotStore, live_children: Callable[[str], int], roots: HostRoots | None = None,
+                 urls: transfer.UrlPolicy = transfer.UrlPolicy()) -> None:
         self.store = store
         self.registry = store.registry
         self.live_children = live_children
+        self.roots = roots  # None: any host path (in-process use only; the daemon always confines)
+        self.urls = urls
         self._lock = asyncio.Lock()  # one unpack at a time: two could plan against the same store
+
+    def pack_input(self, path: Path, what: str = "pack") -> Path:
+        """A pack file (or index) an API client named, confined to the packs directory."""
+        return path if self.roots is None else self.roots.pack_input(path, what)
+
+    def pack_output(self, path: Path) -> Path:
+        return path if self.roots is None else self.roots.pack_output(path)
 
     # packing ---------------------------------------------------------------------------------------
 
@@ -70,6 +85,9 @@ class PackService:
         return records
 
     async def pack(self, tag: str, output: Path, force: bool, progress: Progress) -> dict[str, Any]:
+        return await self._pack(tag, self.pack_output(output), force, progress)
+
+    async def _pack(self, tag: str, output: Path, force: bool, progress: Progress) -> dict[str, Any]:
         archive.check_output(output, force)
         chain = self.chain(tag)
         progress(f"packing {' → '.join(r.tag for r in chain)}")
@@ -126,6 +144,9 @@ class PackService:
         return plan
 
     def inspect(self, source: Path) -> Manifest:
+        return self._manifest(self.pack_input(source))
+
+    def _manifest(self, source: Path) -> Manifest:
         transfer.check_regular_file(source)
         try:
             return archive.read_manifest(source)
@@ -140,9 +161,13 @@ class PackService:
 
     async def unpack(self, source: Path, tag: str | None, force: bool, progress: Progress,
                      claim: Claim | None = None) -> dict[str, Any]:
-        """Unpack ``source``; ``claim`` when the caller already holds its tags (:meth:`claim`)."""
+        """Unpack ``source`` (in the packs directory); ``claim`` when the caller already holds its tags."""
+        return await self._unpack_file(self.pack_input(source), tag, force, progress, claim)
+
+    async def _unpack_file(self, source: Path, tag: str | None, force: bool, progress: Progress,
+                           claim: Claim | None = None) -> dict[str, Any]:
         if claim is None:
-            claim = self.claim(await asyncio.to_thread(self.inspect, source), tag)
+            claim = self.claim(await asyncio.to_thread(self._manifest, source), tag)
         with claim:
             async with self._lock:
                 work = self.store.build_dir("unpack")
@@ -220,18 +245,29 @@ class PackService:
         if index is None:
             if url is None:
                 raise PackError("give a pack URL, or --index and a pack name")
-            return PullSource(url=url, sha256=sha256, size=None, tag=tag)
+            return PullSource(url=self._source(url), sha256=sha256, size=None, tag=tag)
         if name is None:
             raise PackError("give the name of a pack in the index")
-        listed, base = await load_index(index)
+        listed, base = await load_index(self._source(index, "index"), self.urls)
         entry = listed.find(name)
         self.store.check_machine(MachineIdentity.from_dict(entry.identity), f"pack {name!r}", _REBUILD_HINT)
-        return PullSource(url=entry_url(entry, base), sha256=entry.sha256, size=entry.size, tag=tag or entry.tag)
+        return PullSource(url=self._source(entry_url(entry, base)), sha256=entry.sha256, size=entry.size,
+                          tag=tag or entry.tag)
+
+    def _source(self, url: str, what: str = "pack") -> str:
+        """A pull source as given, if it is an allowed http(s) URL or a file in the packs directory."""
+        local = transfer.local_path(url)
+        if local is None:
+            return self.urls.check(url)
+        checked = self.pack_input(local, what)
+        return url if checked == local else checked.as_uri()
 
     async def pull(self, source: PullSource, force: bool, progress: Progress) -> dict[str, Any]:
         if source.tag is not None:
             self.check_target(source.tag, force)  # before a long download, not after it
         local = transfer.local_path(source.url)
+        if local is not None:
+            local = self.pack_input(local)
         work = self.store.build_dir("pull")
         try:
             if source.sha256 is None:
@@ -243,21 +279,25 @@ class PackService:
             else:
                 progress(f"downloading {transfer.shown(source.url)}")
                 pack = work / "pack.tar.zst"
-                digest = await transfer.download(source.url, pack, source.sha256, source.size, progress)
+                digest = await transfer.download(source.url, pack, source.sha256, source.size, progress, self.urls)
             progress(f"pack SHA-256 {digest}" + (" matches the advertised digest" if source.sha256 else ""))
-            result = await self.unpack(pack, source.tag, force, progress)
+            result = await self._unpack_file(pack, source.tag, force, progress)
         finally:
             await remove_tree(work)
         return {**result, "pack_sha256": digest}
 
-    async def push(self, tag: str, url: str, progress: Progress) -> dict[str, Any]:
+    def check_push_url(self, url: str) -> None:
         if transfer.local_path(url) is not None:
             raise PackError("push uploads to an http(s) URL (e.g. a presigned PUT URL); use `forkd pack` for files")
+        self.urls.check(url)
+
+    async def push(self, tag: str, url: str, progress: Progress) -> dict[str, Any]:
+        self.check_push_url(url)
         work = self.store.build_dir("push")
         try:
-            packed = await self.pack(tag, work / f"{tag}.tar.zst", False, progress)
+            packed = await self._pack(tag, work / f"{tag}.tar.zst", False, progress)
             progress(f"uploading {packed['size'] / 2**20:.1f} MiB to {transfer.shown(url)}")
-            await transfer.upload(Path(packed["path"]), url, progress)
+            await transfer.upload(Path(packed["path"]), url, progress, self.urls)
         finally:
             await remove_tree(work)
         return {**packed, "path": None, "url": transfer.shown(url)}

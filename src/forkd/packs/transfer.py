@@ -4,16 +4,24 @@ A download never trusts the server's word: it stops as soon as it holds more byt
 advertised, and the whole file's SHA-256 must equal the advertised one before anything unpacks
 it. Presigned URLs carry credentials in their query string, so only the scheme, host and path of
 a URL are ever shown.
+
+Network URLs are http(s) only, to the hosts of the daemon's allow-list when it has one
+(``[transfers] allow_hosts``). A redirect is followed only to the same scheme and an allowed host,
+and each hop is checked like the first URL; an upload follows none. No body is read whole before
+its size is checked.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import hashlib
 import os
 import stat
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import SplitResult, unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
 
@@ -21,18 +29,81 @@ from forkd.packs.archive import CHUNK, Meter, Progress
 from forkd.packs.format import MAX_FILE_BYTES, PackError
 
 HTTP_TIMEOUT = httpx.Timeout(60.0, read=300.0)
-SCHEMES = ("http", "https", "file")
+NETWORK_SCHEMES = ("http", "https")
+MAX_REDIRECTS = 5
+ERROR_BODY_BYTES = 200  # of a failed upload's answer, shown to the user
+
+
+@dataclass(frozen=True)
+class UrlPolicy:
+    """Which network URLs the daemon fetches from or uploads to."""
+
+    allow_hosts: tuple[str, ...] | None = None  # host names or ``*.example.com`` patterns; None: any host
+
+    def check(self, url: str) -> str:
+        """``url`` if it is http(s) to an allowed host, else :class:`PackError` saying what is accepted."""
+        parts = _split(url)
+        if parts.scheme not in NETWORK_SCHEMES or not parts.hostname:
+            raise PackError(f"{shown(url)!r} is not an http(s) URL: the daemon fetches and uploads over http(s) only")
+        host = parts.hostname.lower()
+        if self.allow_hosts is not None and not any(fnmatch.fnmatchcase(host, p.lower()) for p in self.allow_hosts):
+            raise PackError(f"host {host!r} is not in the daemon's transfer allow-list ({', '.join(self.allow_hosts)}); "
+                            "add it to `[transfers] allow_hosts` in the daemon's config to use it")
+        return url
+
+
+@contextlib.asynccontextmanager
+async def fetch(url: str, policy: UrlPolicy) -> AsyncIterator[httpx.Response]:
+    """GET ``url`` as a stream, following redirects only where ``policy`` and the first URL's scheme allow."""
+    scheme = urlsplit(policy.check(url)).scheme
+    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, follow_redirects=False) as client:
+        for _ in range(MAX_REDIRECTS + 1):
+            response = await client.send(client.build_request("GET", url), stream=True)
+            try:
+                if not response.is_redirect:
+                    yield response
+                    return
+                target = urljoin(url, response.headers.get("location", ""))
+            finally:
+                await response.aclose()
+            if urlsplit(target).scheme != scheme:
+                raise PackError(f"{shown(url)} redirects to another scheme ({shown(target)!r}); refused")
+            url = policy.check(target)
+        raise PackError(f"{shown(url)} redirects more than {MAX_REDIRECTS} times; refused")
+
+
+async def read_limited(response: httpx.Response, limit: int, what: str) -> bytes:
+    """The body of ``response``, refused as soon as it is known to exceed ``limit`` bytes."""
+    announced = response.headers.get("content-length")
+    if announced is not None and announced.isdigit() and int(announced) > limit:
+        raise PackError(f"{what} is larger than {limit} bytes")
+    body = bytearray()
+    async for chunk in response.aiter_bytes(CHUNK):
+        body += chunk
+        if len(body) > limit:
+            raise PackError(f"{what} is larger than {limit} bytes")
+    return bytes(body)
+
+
+def _split(url: str) -> SplitResult:
+    try:
+        return urlsplit(url)
+    except ValueError as exc:  # an unbalanced IPv6 bracket, say
+        raise PackError(f"{shown(url)} is not a valid URL: {exc}") from None
 
 
 def shown(url: str) -> str:
     """``url`` without its query string and credentials (a presigned URL's signature stays private)."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(an invalid URL)"
     return urlunsplit((parts.scheme, parts.hostname or "", parts.path, "", "")) if parts.scheme else url
 
 
 def local_path(url: str) -> Path | None:
     """The file a ``file://`` URL or an absolute path names; ``None`` for a network URL."""
-    parts = urlsplit(url)
+    parts = _split(url)
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise PackError(f"file URL {url!r} names another host; use file:///absolute/path")
@@ -70,28 +141,28 @@ def check_advertised(path: Path, sha256: str | None, size: int | None, progress:
     return _compare(digest.hexdigest(), sha256, shown(str(path)))
 
 
-async def download(url: str, destination: Path, sha256: str | None, size: int | None, progress: Progress) -> str:
+async def download(url: str, destination: Path, sha256: str | None, size: int | None, progress: Progress,
+                   policy: UrlPolicy = UrlPolicy()) -> str:
     """Stream ``url`` into ``destination``; refuses more bytes than advertised or another digest."""
     limit = size if size is not None else MAX_FILE_BYTES
     digest = hashlib.sha256()
     received = 0
     try:
-        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, follow_redirects=True) as client:
-            async with client.stream("GET", url) as response:
-                if response.status_code != 200:
-                    raise PackError(f"downloading {shown(url)} failed: HTTP {response.status_code}")
-                announced = response.headers.get("content-length")
-                meter = Meter(progress, "downloaded", size or int(announced or 0))
-                with open(destination, "xb") as out:
-                    async for chunk in response.aiter_bytes(CHUNK):
-                        received += len(chunk)
-                        if received > limit:
-                            raise PackError(f"{shown(url)} sent more than the {limit} bytes advertised; refused")
-                        digest.update(chunk)
-                        out.write(chunk)
-                        meter.advance(len(chunk))
-                    out.flush()
-                    os.fsync(out.fileno())
+        async with fetch(url, policy) as response:
+            if response.status_code != 200:
+                raise PackError(f"downloading {shown(url)} failed: HTTP {response.status_code}")
+            announced = response.headers.get("content-length")
+            meter = Meter(progress, "downloaded", size or int(announced or 0))
+            with open(destination, "xb") as out:
+                async for chunk in response.aiter_bytes(CHUNK):
+                    received += len(chunk)
+                    if received > limit:
+                        raise PackError(f"{shown(url)} sent more than the {limit} bytes advertised; refused")
+                    digest.update(chunk)
+                    out.write(chunk)
+                    meter.advance(len(chunk))
+                out.flush()
+                os.fsync(out.fileno())
     except httpx.HTTPError as exc:
         raise PackError(f"downloading {shown(url)} failed: {type(exc).__name__}: {exc}") from None
     if size is not None and received != size:
@@ -100,8 +171,9 @@ async def download(url: str, destination: Path, sha256: str | None, size: int | 
     return _compare(digest.hexdigest(), sha256, shown(url))
 
 
-async def upload(path: Path, url: str, progress: Progress) -> int:
+async def upload(path: Path, url: str, progress: Progress, policy: UrlPolicy = UrlPolicy()) -> int:
     """PUT ``path`` to ``url`` (e.g. a presigned object-store URL) as one streamed body of known length."""
+    policy.check(url)
     size = path.stat().st_size
     meter = Meter(progress, "uploaded", size)
 
@@ -112,12 +184,22 @@ async def upload(path: Path, url: str, progress: Progress) -> int:
                 yield chunk
 
     try:
-        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client:
-            response = await client.put(url, content=body(), headers={"Content-Length": str(size)})
+        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, follow_redirects=False) as client:
+            request = client.build_request("PUT", url, content=body(), headers={"Content-Length": str(size)})
+            response = await client.send(request, stream=True)
+            try:
+                if not response.is_success:  # a redirect too: the body cannot be sent twice
+                    answer = bytearray()
+                    async for chunk in response.aiter_bytes(ERROR_BODY_BYTES):
+                        answer += chunk
+                        if len(answer) >= ERROR_BODY_BYTES:
+                            break
+                    text = answer[:ERROR_BODY_BYTES].decode("utf-8", errors="replace")
+                    raise PackError(f"uploading to {shown(url)} failed: HTTP {response.status_code} {text}")
+            finally:
+                await response.aclose()
     except httpx.HTTPError as exc:
         raise PackError(f"uploading to {shown(url)} failed: {type(exc).__name__}: {exc}") from None
-    if not response.is_success:
-        raise PackError(f"uploading to {shown(url)} failed: HTTP {response.status_code} {response.text[:200]}")
     progress(meter.line())
     return size
 

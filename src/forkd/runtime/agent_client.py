@@ -8,8 +8,9 @@ it completes (back-pressure for agents without ``flow.pause``: the guest's write
 Everything the guest sends is hostile. A frame that breaks the protocol (a line over the frame
 limit, JSON nested past what the parser survives, an id or payload of the wrong type) ends the
 connection: every pending call fails at once with the reason, and ``on_violation`` tells the
-owner, which kills the sandbox. Only a line that is not JSON at all is skipped: a restored guest
-may finish a line its parent began before the snapshot.
+owner, which kills the sandbox. Only the first line of a connection may be something else, and is
+skipped: a restored guest may finish a line its parent began before the snapshot, and a retried
+connection may start in the middle of a frame written for the one before.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ class AgentClient:
         return op in self._unsupported
 
     async def _read_loop(self) -> None:
+        first = True
         try:
             while True:
                 try:
@@ -184,12 +186,16 @@ class AgentClient:
                     self._fail_all("the agent closed the connection (VM stopped?)")
                     return
                 try:
-                    frame = _checked(protocol.decode_frame(line))
+                    frame = protocol.decode_frame(line)
                 except protocol.FrameTooDeep:
                     raise ProtocolViolation("a frame nested too deeply to parse") from None
-                except protocol.ProtocolError:
-                    continue  # a torn line from before a restore; the request it belonged to is gone
-                await self._route(frame)
+                except protocol.ProtocolError as exc:
+                    if first:
+                        first = False
+                        continue  # the torn end of a frame from before; the request it belonged to is gone
+                    raise ProtocolViolation(f"a line that is not a frame ({exc})") from None
+                first = False
+                await self._route(_checked(frame))
         except ProtocolViolation as exc:
             self._violated(str(exc))
         except (ConnectionError, OSError) as exc:

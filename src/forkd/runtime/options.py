@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from forkd.host.netpolicy import DEFAULT_POOL
+from forkd.hostpaths import HostRoots
 
 DEFAULT_MAX_BRANCHES = 2
 
@@ -45,6 +46,10 @@ class RuntimeOptions:
     net_pool: str = DEFAULT_POOL  # IPv4 network nat children's addresses come from
     dns: str | None = None  # resolver nat guests' DNS is relayed to; None: the host's own
     output: OutputLimits = field(default_factory=OutputLimits)
+    # Where API clients' host paths may point (image sources, pack files); None: anywhere (in-process
+    # use only; the daemon always sets them).
+    host_roots: HostRoots | None = None
+    transfer_hosts: tuple[str, ...] | None = None  # hosts pulls and pushes may reach; None: any http(s) host
     pool_sizes: dict[str, int] = field(default_factory=dict)  # ready VMMs kept per snapshot tag (runtime/pool.py)
 
     def restore_slots(self) -> int:

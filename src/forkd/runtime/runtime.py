@@ -6,6 +6,7 @@ The daemon is a thin HTTP layer over this; nothing else starts VMs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 from forkd.config import Paths
@@ -18,6 +19,7 @@ from forkd.image.builder import (
     remove_image,
 )
 from forkd.packs.service import PackService
+from forkd.packs.transfer import UrlPolicy
 from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
 from forkd.runtime.isolation import Isolation
@@ -48,7 +50,10 @@ class Runtime:
         self.metrics = Metrics()
         self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics,
                                         Isolation.from_options(self.registry, self.options), self.options)
-        self.packs = PackService(self.store, self.sandboxes.count_of)
+        if self.options.host_roots is not None:
+            self.options.host_roots.create()
+        self.packs = PackService(self.store, self.sandboxes.count_of, self.options.host_roots,
+                                 UrlPolicy(self.options.transfer_hosts))
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.metrics.watch_pools(self.sandboxes.pool.list)
@@ -80,7 +85,18 @@ class Runtime:
         await asyncio.gather(leave, self.snapshots.abort_all())
         self.registry.close()
 
+    def confine_image_sources(self, spec: ImageSpec) -> ImageSpec:
+        """``spec`` with its root tree or OCI tarball confined to the imports directory (when the daemon has one)."""
+        roots = self.options.host_roots
+        if roots is None:
+            return spec
+        return dataclasses.replace(
+            spec,
+            source_dir=spec.source_dir and roots.import_source(spec.source_dir, "source directory"),
+            source_oci=spec.source_oci and roots.import_source(spec.source_oci, "OCI tarball"))
+
     async def build_image(self, spec: ImageSpec, progress: Callable[[str], None], force: bool = False) -> Image:
+        spec = self.confine_image_sources(spec)
         async with self._image_lock:  # two builds would race on the same cache directories
             return await asyncio.to_thread(build_image, spec, self.paths, progress, force)
 

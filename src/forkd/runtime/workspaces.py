@@ -51,10 +51,14 @@ class WorkspaceService:
             info["state"] = "lost"
         return info
 
-    async def create(self, name: str, snapshot_tag: str) -> WorkspaceRecord:
+    @staticmethod
+    def _check_name(name: str) -> None:
         check_tag(name)
         if len(name) > MAX_NAME_CHARS:
             raise ValidationError(f"a workspace name has at most {MAX_NAME_CHARS} characters")
+
+    async def create(self, name: str, snapshot_tag: str) -> WorkspaceRecord:
+        self._check_name(name)
         async with self._locks[name]:
             if self.registry.get_workspace(name) is not None:
                 raise SnapshotConflict(f"workspace {name!r} exists; resume it or remove it with "
@@ -62,6 +66,19 @@ class WorkspaceService:
             sandbox_id = await self._start(name, snapshot_tag)
             record = WorkspaceRecord(name=name, state="running", sandbox_id=sandbox_id, snapshot_tag=snapshot_tag,
                                      created_at=time.time(), meta={"base_tag": snapshot_tag, "suspends": []})
+            self.registry.put_workspace(record)
+            return record
+
+    async def adopt(self, name: str, sandbox_id: str) -> WorkspaceRecord:
+        """Make a sandbox that is already running a workspace, so it can be suspended and resumed
+        (the E2B front pauses sandboxes this way)."""
+        self._check_name(name)
+        async with self._locks[name]:
+            if self.registry.get_workspace(name) is not None:
+                raise SnapshotConflict(f"workspace {name!r} exists")
+            tag = self.sandboxes.get(sandbox_id).record.snapshot_tag
+            record = WorkspaceRecord(name=name, state="running", sandbox_id=sandbox_id, snapshot_tag=tag,
+                                     created_at=time.time(), meta={"base_tag": tag, "suspends": []})
             self.registry.put_workspace(record)
             return record
 
@@ -77,6 +94,10 @@ class WorkspaceService:
                 raise SnapshotConflict(f"workspace {name!r} lost its sandbox {record.sandbox_id} (killed or timed "
                                        "out) before it was suspended; remove it and create it again") from None
             tag = f"ws-{name}-{len(record.meta['suspends']) + 1}"
+            live = self.sandboxes.get(record.sandbox_id or "")
+            # Labels and default environment carry over to the sandbox a resume starts.
+            record.meta["labels"] = {k: v for k, v in live.record.meta.get("metadata", {}).items() if k != "workspace"}
+            record.meta["envs"] = live.record.meta.get("envs", {})
             try:
                 snapshot = await self.branches.branch(record.sandbox_id, tag, mode="diff", wait=True)
             except (OSError, VmmError, AgentUnavailable, SnapshotError) as exc:
@@ -99,7 +120,8 @@ class WorkspaceService:
             record = self.get(name)
             if record.state != "suspended":
                 raise SnapshotConflict(f"workspace {name!r} is already running as {record.sandbox_id}")
-            record.sandbox_id = await self._start(name, record.snapshot_tag)
+            record.sandbox_id = await self._start(name, record.snapshot_tag, record.meta.get("labels", {}),
+                                                  record.meta.get("envs", {}))
             record.state = "running"
             self.registry.put_workspace(record)
             return record
@@ -117,8 +139,10 @@ class WorkspaceService:
             self.registry.remove_workspace(name)
             return removed
 
-    async def _start(self, name: str, snapshot_tag: str) -> str:
-        (outcome,) = await self.sandboxes.fork(snapshot_tag, 1, ForkOptions(metadata={"workspace": name}))
+    async def _start(self, name: str, snapshot_tag: str, labels: dict[str, str] | None = None,
+                     envs: dict[str, str] | None = None) -> str:
+        options = ForkOptions(metadata={**(labels or {}), "workspace": name}, envs=envs or {})
+        (outcome,) = await self.sandboxes.fork(snapshot_tag, 1, options)
         if outcome.sandbox is None:
             raise SnapshotError(f"the workspace's sandbox did not start: {outcome.error}")
         return outcome.sandbox["id"]

@@ -9,14 +9,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import httpx
 
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import DaemonUnreachable
-from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, read_file_call, truncated
+from forkd.sdk.operations import (
+    Call,
+    Operations,
+    StreamState,
+    append_bounded,
+    fork_call,
+    raise_for,
+    read_file_call,
+    truncated,
+)
 
 
 async def maybe_await(outcome: Any) -> Any:
@@ -120,10 +129,18 @@ class AsyncController(Operations):
             if "child" in line:
                 yield line["child"]
 
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return b"".join([chunk async for chunk in self.read_file_chunks(sandbox_id, path)])
+    async def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
+        """As ``Controller.read_file``: the whole file, refused past ``max_bytes``."""
+        data = bytearray()
+        chunks = self.read_file_chunks(sandbox_id, path)
+        try:
+            async for chunk in chunks:
+                append_bounded(data, chunk, max_bytes, path)
+        finally:
+            await chunks.aclose()  # stops the download where it is
+        return bytes(data)
 
-    async def read_file_chunks(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+    async def read_file_chunks(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
         """The file's bytes as they arrive (a large file is never held whole)."""
         call = read_file_call(sandbox_id, path)
         try:

@@ -9,14 +9,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import httpx
 
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import DaemonUnreachable, ForkdError
-from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, read_file_call, truncated
+from forkd.sdk.operations import (
+    Call,
+    Operations,
+    StreamState,
+    append_bounded,
+    fork_call,
+    raise_for,
+    read_file_call,
+    truncated,
+)
 
 __all__ = ["Controller", "DaemonUnreachable", "EventStream", "ForkdError"]
 
@@ -113,10 +122,18 @@ class Controller(Operations):
             if "child" in line:
                 yield line["child"]
 
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return b"".join(self.read_file_chunks(sandbox_id, path))
+    def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
+        """The whole file; with ``max_bytes``, refused (413 ``too_large``) as soon as it holds more."""
+        data = bytearray()
+        chunks = self.read_file_chunks(sandbox_id, path)
+        try:
+            for chunk in chunks:
+                append_bounded(data, chunk, max_bytes, path)
+        finally:
+            chunks.close()  # stops the download where it is
+        return bytes(data)
 
-    def read_file_chunks(self, sandbox_id: str, path: str) -> Iterator[bytes]:
+    def read_file_chunks(self, sandbox_id: str, path: str) -> Generator[bytes, None, None]:
         """The file's bytes as they arrive (a large file is never held whole)."""
         call = read_file_call(sandbox_id, path)
         try:

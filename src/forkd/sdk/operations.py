@@ -128,6 +128,18 @@ def read_file_call(sandbox_id: str, path: str) -> Call:
     return Call("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}, timeout=LONG_TIMEOUT_S)
 
 
+def append_bounded(data: bytearray, chunk: bytes, max_bytes: int | None, path: str) -> None:
+    """Add a downloaded chunk, refusing (413 ``too_large``) as soon as the file holds more than ``max_bytes``.
+
+    A guest decides what a path holds (a symlink to /dev/zero never ends), so a caller that cannot hold
+    any size passes ``max_bytes``; the download stops there.
+    """
+    data += chunk
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ForkdError(413, "too_large", f"{path} holds more than {max_bytes} bytes; read it in "
+                         "parts (e.g. exec 'head -c N') or raise the limit")
+
+
 def call_timeout(timeout_s: float | None) -> float:
     return LONG_TIMEOUT_S if timeout_s is None else timeout_s + 60.0
 

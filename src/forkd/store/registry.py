@@ -153,6 +153,9 @@ class SnapshotRecord:
         return described
 
 
+PRIVATE_SANDBOX_META = frozenset({"envs"})  # may hold secrets: used by the daemon, never returned
+
+
 @dataclass
 class WorkspaceRecord:
     name: str
@@ -163,11 +166,9 @@ class WorkspaceRecord:
     meta: dict[str, Any] = field(default_factory=dict)  # base tag, suspend snapshots, counts
 
     def to_dict(self) -> dict[str, Any]:
+        public = {k: v for k, v in self.meta.items() if k not in PRIVATE_SANDBOX_META}
         return {"name": self.name, "state": self.state, "sandbox_id": self.sandbox_id,
-                "snapshot_tag": self.snapshot_tag, "created_at": self.created_at, **self.meta}
-
-
-PRIVATE_SANDBOX_META = frozenset({"envs"})  # may hold secrets: used by the daemon, never returned
+                "snapshot_tag": self.snapshot_tag, "created_at": self.created_at, **public}
 
 
 @dataclass

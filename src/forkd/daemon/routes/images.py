@@ -27,6 +27,7 @@ async def build_image(body: schemas.ImageBuild, runtime: RuntimeDep) -> NDJSONRe
                      mirror=body.mirror, source_dir=Path(body.source_dir) if body.source_dir else None,
                      source_oci=Path(body.source_oci) if body.source_oci else None, disk_size_mib=body.disk_size_mib,
                      ca_certs=tuple(body.ca_certs))
+    spec = runtime.confine_image_sources(spec)  # refused before the stream starts
 
     async def work(emit):  # type: ignore[no-untyped-def]
         image = await runtime.build_image(spec, lambda line: emit({"progress": line}), force=body.force)

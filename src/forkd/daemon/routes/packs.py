@@ -24,9 +24,9 @@ router = APIRouter(prefix="/v1/packs", tags=["packs"])
 async def pack(body: schemas.PackCreate, runtime: RuntimeDep) -> NDJSONResponse:
     packs = runtime.packs
     packs.chain(body.tag)  # 404 for an unknown snapshot, before streaming
-    check_output(Path(body.path), body.force)
-    return detached(lambda emit: packs.pack(body.tag, Path(body.path), body.force,
-                                            lambda line: emit({"progress": line})))
+    output = packs.pack_output(Path(body.path))
+    check_output(output, body.force)
+    return detached(lambda emit: packs.pack(body.tag, output, body.force, lambda line: emit({"progress": line})))
 
 
 @router.post("/unpack", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
@@ -52,4 +52,5 @@ async def pull(body: schemas.PackPull, runtime: RuntimeDep) -> NDJSONResponse:
 async def push(body: schemas.PackPush, runtime: RuntimeDep) -> NDJSONResponse:
     packs = runtime.packs
     packs.chain(body.tag)
+    packs.check_push_url(body.url)
     return detached(lambda emit: packs.push(body.tag, body.url, lambda line: emit({"progress": line})))

@@ -1,0 +1,101 @@
+"""The E2B front: one ASGI app for E2B's control plane and for the traffic to its sandboxes.
+
+E2B's SDKs send everything for a sandbox to ``E2B_SANDBOX_URL`` with the ``E2b-Sandbox-Id`` and
+``E2b-Sandbox-Port`` headers (49983: envd, 49999: the code interpreter); without that variable they
+use a host name ``{port}-{sandboxID}.{domain}``, which is routed the same way. Everything else is
+the control plane (``E2B_API_URL``). The control plane needs ``X-API-KEY``; sandbox traffic needs
+the sandbox's ``X-Access-Token`` (see ``docs/e2b.md`` for the code interpreter's context routes).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from forkd.e2b.control import control_app
+from forkd.e2b.envd import Envd
+from forkd.e2b.errors import ConnectError, E2BError
+from forkd.e2b.interpreter import Interpreter
+from forkd.e2b.keys import Credentials
+from forkd.e2b.sandboxes import E2BSandboxes
+from forkd.runtime.runtime import Runtime
+
+ENVD_PORT = 49983
+INTERPRETER_PORT = 49999
+OPEN_CONTROL_PATHS = frozenset({"/health", "/openapi.json"})
+_HOST = re.compile(r"^(\d{1,5})-([A-Za-z0-9_-]{1,64})\.")
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def sandbox_target(scope: dict[str, Any]) -> tuple[str, str] | None:
+    """The (sandbox id, port) a request is for, from E2B's headers or its host name; None: control plane."""
+    sandbox_id, port = _header(scope, b"e2b-sandbox-id"), _header(scope, b"e2b-sandbox-port")
+    if sandbox_id is not None or port is not None:
+        return sandbox_id or "", port or ""
+    match = _HOST.match(_header(scope, b"host") or "")
+    return (match.group(2), match.group(1)) if match else None
+
+
+class E2BFront:
+    def __init__(self, runtime: Runtime, credentials: Credentials) -> None:
+        self.credentials = credentials
+        self.sandboxes = E2BSandboxes(runtime, credentials)
+        self.control = control_app(self.sandboxes)
+        self.envd = Envd(runtime.sessions)
+        self.interpreter = Interpreter()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return  # no lifespan or websockets here: the daemon's main app owns the runtime's life
+        target = sandbox_target(scope)
+        if target is None:
+            if scope["path"] in OPEN_CONTROL_PATHS or self.credentials.api_key_valid(_header(scope, b"x-api-key")):
+                await self.control(scope, receive, send)
+                return
+            response: Response = JSONResponse(
+                {"code": 401, "message": "Invalid API key: send X-API-KEY (E2B_API_KEY) with a key from the daemon's "
+                                         "E2B key file"}, status_code=401)
+        else:
+            response = await self._sandbox(Request(scope, receive), *target)
+        await response(scope, receive, send)
+
+    async def _sandbox(self, request: Request, sandbox_id: str, port: str) -> Response:
+        path = request.url.path
+        rpc_call = path.count("/") == 2 and "." in path.split("/")[1]
+        try:
+            if port not in (str(ENVD_PORT), str(INTERPRETER_PORT)):
+                raise E2BError(502, f"The sandbox {sandbox_id} is running but port {port or '(none)'} is not open: "
+                                    f"forkd serves envd ({ENVD_PORT}) and the code interpreter ({INTERPRETER_PORT})")
+            self._authorize(request, sandbox_id, port)
+            live = self.sandboxes.running(sandbox_id)
+        except E2BError as exc:
+            if rpc_call and exc.status == 401:
+                error = ConnectError("unauthenticated", exc.message)
+                return JSONResponse(error.body(), status_code=error.status)
+            return JSONResponse(exc.body(), status_code=exc.status)
+        if port == str(ENVD_PORT):
+            return await self.envd.handle(request, live)
+        return await self.interpreter.handle(request, live)
+
+    def _authorize(self, request: Request, sandbox_id: str, port: str) -> None:
+        """envd wants the token on everything but /health; the interpreter on /execute (the SDKs
+        send no token with their context calls, so a missing one is let through there, a wrong one never)."""
+        token = request.headers.get("x-access-token")
+        path = request.url.path
+        if port == str(ENVD_PORT) and path == "/health":
+            return
+        optional = port == str(INTERPRETER_PORT) and path.startswith("/contexts")
+        if token is None and optional:
+            return
+        if not self.credentials.access_token_valid(sandbox_id, token):
+            raise E2BError(401, f"{'wrong' if token else 'missing'} X-Access-Token for sandbox {sandbox_id}: use the "
+                                "envdAccessToken the API returned when the sandbox was created or connected")

@@ -1,0 +1,171 @@
+"""E2B's control plane (the API ``E2B_API_URL`` points at): sandboxes and templates.
+
+Paths, bodies and answers follow E2B's published OpenAPI document; every route but ``/health``
+needs ``X-API-KEY``. Request fields forkd has no use for (auto-pause, network, MCP, volumes) are
+accepted and ignored, so the SDKs can send what they always send.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from forkd import __version__
+from forkd.e2b.errors import CONTROL_ERRORS, E2BError, to_http
+from forkd.e2b.sandboxes import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, E2BSandboxes
+
+Timeout = Annotated[int, Field(ge=0, le=MAX_TIMEOUT_S, description="seconds from now")]
+Labels = Annotated[dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
+                   Field(max_length=64)]
+SandboxId = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")  # fields of E2B's schema that forkd ignores
+
+
+class NewSandbox(Loose):
+    templateID: str = Field(min_length=1, max_length=64, description="a forkd snapshot tag")
+    timeout: Timeout = DEFAULT_TIMEOUT_S
+    metadata: Labels | None = None
+    envVars: Labels | None = None
+
+
+class TimeoutRequest(Loose):
+    timeout: Timeout
+
+
+class ConnectRequest(Loose):
+    timeout: Timeout = DEFAULT_TIMEOUT_S
+
+
+class ForkRequest(Loose):
+    timeout: Timeout = DEFAULT_TIMEOUT_S
+    count: int = Field(default=1, ge=1, le=100)
+
+
+class ErrorModel(BaseModel):
+    code: int
+    message: str
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorModel} for status in (400, 401, 404, 409, 500)}
+
+
+def _metadata_query(raw: str | None) -> dict[str, str]:
+    """E2B's ``metadata`` filter: ``key=value&key2=value2`` with each part URL-encoded."""
+    if not raw:
+        return {}
+    pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=False, max_num_fields=64)
+    return {key: value for key, value in pairs}
+
+
+def control_router(sandboxes: E2BSandboxes) -> APIRouter:
+    router = APIRouter(responses=ERRORS)
+
+    @router.get("/health", status_code=200)
+    async def health() -> dict[str, Any]:
+        return {"ok": True, "forkd": __version__}
+
+    async def create(body: NewSandbox) -> JSONResponse:
+        created = await sandboxes.create(body.templateID, body.timeout, body.metadata or {}, body.envVars or {})
+        return JSONResponse(created, status_code=201)
+
+    router.post("/sandboxes", status_code=201)(create)
+    router.post("/v2/sandboxes", status_code=201)(create)
+
+    @router.get("/sandboxes")
+    async def list_v1(metadata: Annotated[str | None, Query(max_length=8192)] = None) -> list[dict[str, Any]]:
+        return sandboxes.list(_metadata_query(metadata), {"running"})
+
+    @router.get("/v2/sandboxes")
+    async def list_v2(response: Response, metadata: Annotated[str | None, Query(max_length=8192)] = None,
+                      state: Annotated[str | None, Query(max_length=64, pattern=r"^(running|paused)(,(running|paused))*$")] = None,
+                      nextToken: Annotated[str | None, Query(max_length=12, pattern=r"^[0-9]+$")] = None,
+                      limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+        states = set(state.split(",")) if state else {"running", "paused"}
+        found = sorted(sandboxes.list(_metadata_query(metadata), states), key=lambda s: s["startedAt"], reverse=True)
+        start = int(nextToken or 0)
+        page = found[start:start + limit]
+        if start + limit < len(found):
+            response.headers["X-Next-Token"] = str(start + limit)
+        response.headers["X-Total-Running"] = str(sum(1 for s in found if s["state"] == "running"))
+        return page
+
+    @router.get("/sandboxes/{sandboxID}")
+    async def get_sandbox(sandboxID: SandboxId) -> dict[str, Any]:
+        return sandboxes.describe(sandboxes.resolve(sandboxID), detail=True)
+
+    @router.delete("/sandboxes/{sandboxID}", status_code=204)
+    async def kill(sandboxID: SandboxId) -> Response:
+        await sandboxes.kill(sandboxID)
+        return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandboxID}/timeout", status_code=204)
+    async def set_timeout(sandboxID: SandboxId, body: TimeoutRequest) -> Response:
+        sandboxes.set_timeout(sandboxID, body.timeout)
+        return Response(status_code=204)
+
+    async def connect(sandboxID: SandboxId, body: ConnectRequest) -> JSONResponse:
+        status, answer = await sandboxes.connect(sandboxID, body.timeout)
+        return JSONResponse(answer, status_code=status)
+
+    router.post("/sandboxes/{sandboxID}/connect", status_code=200)(connect)
+    router.post("/v2/sandboxes/{sandboxID}/connect", status_code=200)(connect)
+
+    @router.post("/sandboxes/{sandboxID}/resume", status_code=201)
+    async def resume(sandboxID: SandboxId, body: ConnectRequest | None = None) -> JSONResponse:
+        if sandboxes.resolve(sandboxID).live is not None:
+            raise E2BError(409, f"sandbox {sandboxID} is already running")
+        status, answer = await sandboxes.connect(sandboxID, (body or ConnectRequest()).timeout)
+        return JSONResponse(answer, status_code=status)
+
+    @router.post("/sandboxes/{sandboxID}/pause", status_code=204)
+    async def pause(sandboxID: SandboxId) -> Response:
+        await sandboxes.pause(sandboxID)
+        return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandboxID}/fork", status_code=201)
+    async def fork(sandboxID: SandboxId, body: ForkRequest | None = None) -> JSONResponse:
+        body = body or ForkRequest()
+        return JSONResponse(await sandboxes.fork(sandboxID, body.count, body.timeout), status_code=201)
+
+    @router.get("/templates")
+    async def templates() -> list[dict[str, Any]]:
+        return sandboxes.templates()
+
+    return router
+
+
+def control_app(sandboxes: E2BSandboxes) -> FastAPI:
+    """The control plane as its own app (so it has its own OpenAPI document); auth sits in front of it."""
+    app = FastAPI(title="forkd E2B control plane", version=__version__, openapi_url="/openapi.json",
+                  docs_url=None, redoc_url=None)
+    app.include_router(control_router(sandboxes))
+
+    @app.exception_handler(E2BError)
+    async def _e2b(_: Request, exc: E2BError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"code": exc.status_code, "message": str(exc.detail)}, status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        return JSONResponse({"code": 400, "message": problems}, status_code=400)
+
+    async def _runtime(_: Request, exc: Exception) -> JSONResponse:
+        error = to_http(exc)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    for error_class in CONTROL_ERRORS:
+        app.add_exception_handler(error_class, _runtime)
+    return app

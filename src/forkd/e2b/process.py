@@ -1,0 +1,306 @@
+"""envd's ``process.Process`` service on the guest agent's exec and proc.* ops.
+
+A command started here outlives the request that started it (as in E2B, a client may disconnect
+and ``Connect`` again later): the agent call runs in a task owned by the sandbox's process table,
+which fans its events out to every attached stream. Each stream has a bounded queue; a client
+that stops reading is dropped, not buffered without end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal as signals
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from forkd.e2b.errors import ConnectError
+from forkd.e2b.rpc import Call, Message, Method
+from forkd.guest import protocol
+from forkd.runtime.agent_client import AgentError
+from forkd.runtime.sandboxes import LiveSandbox
+
+QUEUE_EVENTS = 4096  # per attached stream; at most 64 KiB of output each
+FINISHED_KEPT = 64
+_SIGNALS = {"SIGNAL_SIGKILL": signals.SIGKILL, "SIGNAL_SIGTERM": signals.SIGTERM}
+_END = object()
+
+
+@dataclass
+class _Process:
+    config: dict[str, Any]
+    tag: str | None
+    pty: bool = False  # started on a pseudo-terminal (the agent's pty.* ops address it)
+    pid: int | None = None
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    end: Message | None = None
+    failure: BaseException | None = None
+    streams: set[asyncio.Queue[Any]] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+
+    def publish(self, item: Any) -> None:
+        for queue in list(self.streams):
+            try:
+                queue.put_nowait(item)
+            except asyncio.QueueFull:  # a client that stopped reading loses its stream, not our memory
+                self.streams.discard(queue)
+                with contextlib.suppress(asyncio.QueueFull):
+                    queue.get_nowait()
+                    queue.put_nowait(ConnectError("resource_exhausted", "the client read the output too slowly"))
+
+    def attach(self) -> asyncio.Queue[Any]:
+        queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE_EVENTS)
+        if self.end is not None or self.failure is not None:
+            queue.put_nowait(_END)
+        else:
+            self.streams.add(queue)
+        return queue
+
+
+def _event(**event: Any) -> Message:
+    return {"event": event}
+
+
+def _end_event(result: dict[str, Any]) -> Message:
+    sig = result.get("signal")
+    if sig:
+        name = signals.Signals(sig).name.removeprefix("SIG").lower() if sig in signals.Signals._value2member_map_ else str(sig)
+        return _event(end={"exitCode": -1, "exited": False, "status": f"signal: {name}"})
+    code = int(result.get("exit_code", 0))
+    return _event(end={"exitCode": code, "exited": True, "status": f"exit status {code}"})
+
+
+class ProcessTable:
+    """The commands the E2B front started in one sandbox, by pid."""
+
+    def __init__(self) -> None:
+        self.processes: dict[int, _Process] = {}
+
+    def find(self, selector: Message) -> tuple[int, _Process | None]:
+        """The pid a ``ProcessSelector`` names (``pid`` or ``tag``), and our record of it if we started it."""
+        selector = selector or {}
+        if "tag" in selector:
+            for pid, process in self.processes.items():
+                if process.tag == selector["tag"] and process.end is None:
+                    return pid, process
+            raise ConnectError("not_found", f"no running process tagged {selector['tag']!r}")
+        pid = selector.get("pid")
+        if not isinstance(pid, int) or pid <= 0:
+            raise ConnectError("invalid_argument", "the process selector needs a pid or a tag")
+        return pid, self.processes.get(pid)
+
+    def forget_finished(self) -> None:
+        finished = [pid for pid, p in self.processes.items() if p.end is not None or p.failure is not None]
+        for pid in finished[:-FINISHED_KEPT]:
+            del self.processes[pid]
+
+
+class ProcessService:
+    """The RPC handlers; one process table per running sandbox (dropped with the sandbox)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, tuple[LiveSandbox, ProcessTable]] = {}
+
+    def table(self, live: LiveSandbox) -> ProcessTable:
+        """This sandbox's table; tables of sandboxes that ended are dropped on the way."""
+        for sandbox_id, (other, _) in list(self._tables.items()):
+            if other.watcher is not None and other.watcher.done():
+                del self._tables[sandbox_id]
+        known = self._tables.get(live.record.id)
+        if known is None or known[0] is not live:
+            known = self._tables[live.record.id] = (live, ProcessTable())
+        return known[1]
+
+    def methods(self) -> dict[str, Method]:
+        return {
+            "/process.Process/Start": Method("server_stream", self.start),
+            "/process.Process/Connect": Method("server_stream", self.connect),
+            "/process.Process/List": Method("unary", self.list),
+            "/process.Process/SendInput": Method("unary", self.send_input),
+            "/process.Process/StreamInput": Method("client_stream", self.stream_input),
+            "/process.Process/SendSignal": Method("unary", self.send_signal),
+            "/process.Process/CloseStdin": Method("unary", self.close_stdin),
+            "/process.Process/Update": Method("unary", self.update),
+        }
+
+    async def start(self, call: Call, message: Message) -> AsyncIterator[Message]:
+        config = message.get("process") or {}
+        cmd, args, envs = config.get("cmd"), config.get("args") or [], config.get("envs") or {}
+        if not isinstance(cmd, str) or not cmd:
+            raise ConnectError("invalid_argument", "process.cmd is required")
+        if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
+            raise ConnectError("invalid_argument", "process.args must be a list of strings")
+        if not (isinstance(envs, dict) and all(isinstance(v, str) for v in envs.values())):
+            raise ConnectError("invalid_argument", "process.envs must map names to strings")
+        pty = message.get("pty") if isinstance(message.get("pty"), dict) else None  # {} too: a default-size PTY
+        exec_args: dict[str, Any] = {"argv": [cmd, *args], "env": {**call.live.record.meta.get("envs", {}), **envs}}
+        if config.get("cwd"):
+            exec_args["cwd"] = config["cwd"]
+        if pty is not None:
+            exec_args.update(_size(pty))
+        elif message.get("stdin") is not True:  # E2B's default: no stdin, so readers see EOF at once
+            exec_args["stdin_b64"] = ""
+        process = _Process(config={"cmd": cmd, "args": args, "envs": envs, **({"cwd": config["cwd"]} if config.get("cwd") else {})},
+                           tag=message.get("tag") if isinstance(message.get("tag"), str) else None, pty=pty is not None)
+        queue = process.attach()
+        op = protocol.OP_PTY_START if pty is not None else protocol.OP_EXEC
+        process.task = asyncio.get_running_loop().create_task(self._run(call.live, process, op, exec_args))
+        return self._stream(process, queue, call)
+
+    async def _run(self, live: LiveSandbox, process: _Process, op: str, args: dict[str, Any]) -> None:
+        table = self.table(live)
+
+        def on_event(name: str, data: dict[str, Any]) -> None:
+            if name == protocol.EVENT_STARTED:
+                process.pid = int(data["pid"])
+                table.processes[process.pid] = process
+                process.started.set()
+                process.publish(_event(start={"pid": process.pid}))
+            elif name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR, protocol.EVENT_PTY):
+                process.publish(_event(data={name: data.get("data_b64", "")}))
+
+        try:
+            result = await live.agent.call(op, args, timeout=None, on_event=on_event)
+            process.end = _end_event(result)
+            process.publish(process.end)
+        except Exception as exc:  # reported to every attached stream
+            process.failure = exc
+            process.publish(exc)
+        finally:
+            process.started.set()
+            process.publish(_END)
+            process.streams.clear()
+            table.forget_finished()
+
+    async def _stream(self, process: _Process, queue: asyncio.Queue[Any], call: Call) -> AsyncIterator[Message]:
+        keepalive = _keepalive_seconds(call)
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), keepalive)
+                except asyncio.TimeoutError:
+                    yield _event(keepalive={})
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            process.streams.discard(queue)
+
+    async def connect(self, call: Call, message: Message) -> AsyncIterator[Message]:
+        pid, process = self.table(call.live).find(message.get("process") or {})
+        if process is None or process.end is not None or process.failure is not None:
+            raise ConnectError("not_found", f"process {pid} is not running or was not started through the E2B API")
+        queue = process.attach()
+        queue.put_nowait(_event(start={"pid": pid}))  # first, as envd sends it
+        return self._stream(process, queue, call)
+
+    async def list(self, call: Call, message: Message) -> Message:
+        table = self.table(call.live)
+        listed = await call.live.agent.call(protocol.OP_PROC_LIST, {})
+        out = []
+        for entry in listed.get("processes", []):
+            if not entry.get("running"):
+                continue
+            ours = table.processes.get(entry["pid"])
+            if ours is not None:
+                out.append({"pid": entry["pid"], "config": ours.config, **({"tag": ours.tag} if ours.tag else {})})
+            elif entry.get("argv"):
+                out.append({"pid": entry["pid"], "config": {"cmd": entry["argv"][0], "args": entry["argv"][1:]}})
+            else:
+                out.append({"pid": entry["pid"], "config": {"cmd": "/bin/sh", "args": ["-c", entry.get("shell", "")]}})
+        listed_pids = {entry["pid"] for entry in out}
+        out += [{"pid": pid, "config": p.config, **({"tag": p.tag} if p.tag else {})}
+                for pid, p in table.processes.items() if p.pty and p.end is None and p.failure is None
+                and pid not in listed_pids]
+        return {"processes": out}
+
+    async def _stdin(self, live: LiveSandbox, selector: Message, data_b64: str = "", eof: bool = False,
+                     pty: bool = False) -> None:
+        """Input for a process: its stdin pipe, or the terminal of a PTY session."""
+        pid, process = self.table(live).find(selector)
+        on_pty = process is not None and process.pty
+        if pty != on_pty:
+            raise ConnectError("invalid_argument", f"process {pid} {'has no' if pty else 'runs on a'} PTY: send "
+                                                   f"input.{'stdin' if pty else 'pty'} instead")
+        if on_pty:
+            if eof:
+                raise ConnectError("failed_precondition", "a PTY has no stdin to close; send Ctrl+D (0x04) instead")
+            await live.agent.call(protocol.OP_PTY_INPUT, {"pid": pid, "data_b64": data_b64})
+        else:
+            await live.agent.call(protocol.OP_PROC_STDIN, {"pid": pid, "data_b64": data_b64, "eof": eof})
+
+    @staticmethod
+    def _input(message: Message) -> tuple[str, bool]:
+        """The input's base64 bytes and whether they are for a PTY."""
+        given = message.get("input") or {}
+        pty = "pty" in given
+        data = given.get("pty" if pty else "stdin", "")
+        if not isinstance(data, str):
+            raise ConnectError("invalid_argument", "input data must be base64 bytes")
+        try:
+            protocol.b64decode(data)
+        except ValueError:
+            raise ConnectError("invalid_argument", "input data is not valid base64") from None
+        return data, pty
+
+    async def send_input(self, call: Call, message: Message) -> Message:
+        data, pty = self._input(message)
+        await self._stdin(call.live, message.get("process") or {}, data, pty=pty)
+        return {}
+
+    async def stream_input(self, call: Call, messages: AsyncIterator[Message]) -> Message:
+        selector: Message | None = None
+        async for message in messages:
+            if "start" in message:
+                selector = (message["start"] or {}).get("process") or {}
+            elif "data" in message:
+                if selector is None:
+                    raise ConnectError("failed_precondition", "StreamInput needs a start message before data")
+                data, pty = self._input(message["data"] or {})
+                await self._stdin(call.live, selector, data, pty=pty)
+        return {}
+
+    async def send_signal(self, call: Call, message: Message) -> Message:
+        pid, process = self.table(call.live).find(message.get("process") or {})
+        given = message.get("signal")
+        sig = _SIGNALS.get(given) if isinstance(given, str) else given
+        if sig not in (signals.SIGKILL, signals.SIGTERM):
+            raise ConnectError("invalid_argument", f"signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM, not {given!r}")
+        try:
+            op = protocol.OP_PTY_KILL if process is not None and process.pty else protocol.OP_PROC_KILL
+            await call.live.agent.call(op, {"pid": pid, "signal": int(sig)})
+        except AgentError as exc:
+            if exc.code == protocol.ERR_NOT_FOUND:
+                raise ConnectError("not_found", f"process {pid} not found") from None
+            raise
+        return {}
+
+    async def close_stdin(self, call: Call, message: Message) -> Message:
+        await self._stdin(call.live, message.get("process") or {}, eof=True)
+        return {}
+
+    async def update(self, call: Call, message: Message) -> Message:
+        pid, process = self.table(call.live).find(message.get("process") or {})
+        if process is None or not process.pty:
+            raise ConnectError("invalid_argument", f"process {pid} has no PTY to resize")
+        if message.get("pty"):
+            await call.live.agent.call(protocol.OP_PTY_RESIZE, {"pid": pid, **_size(message["pty"])})
+        return {}
+
+
+def _size(pty: Any) -> dict[str, int]:
+    """A PTY message's size as the agent's rows/cols (envd's defaults when absent)."""
+    size = (pty.get("size") if isinstance(pty, dict) else None) or {}
+    rows, cols = size.get("rows", 24), size.get("cols", 80)
+    if not all(isinstance(v, int) and 1 <= v <= 10_000 for v in (rows, cols)):
+        raise ConnectError("invalid_argument", "pty.size needs rows and cols between 1 and 10000")
+    return {"rows": rows, "cols": cols}
+
+
+def _keepalive_seconds(call: Call) -> float | None:
+    raw = call.request.headers.get("keepalive-ping-interval", "")
+    return float(raw) if raw.isdigit() and 0 < int(raw) <= 3600 else None

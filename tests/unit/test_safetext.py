@@ -1,0 +1,59 @@
+"""Text a guest controls reaches the CLI and the daemon's log shown, never interpreted."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+from click.testing import CliRunner
+
+from forkd.daemon.server import VisibleFormatter
+from forkd.safetext import for_rich, visible
+from forkd.sdk.controller import ForkdError
+
+HOSTILE = "[bold]loud[/bold] [/oops] \x1b[31mred\x1b[0m\nfake: second line"
+
+
+def test_control_characters_are_escaped_and_tabs_kept() -> None:
+    assert visible("a\x1b[2Jb\tc\nd\x9be\x7f") == "a\\x1b[2Jb\tc\\nd\\x9be\\x7f"
+    assert visible("one\ntwo", keep_newlines=True) == "one\ntwo"
+    assert for_rich("[bold]x[/bold]") == "\\[bold]x\\[/bold]"
+
+
+def test_cli_error_lines_show_a_guests_markup_and_escapes_literally(monkeypatch) -> None:
+    from forkd.cli import main
+
+    class Refusing:
+        def exec(self, *_: object, **__: object) -> dict:
+            raise ForkdError(400, "os_error", HOSTILE)
+
+    monkeypatch.setattr(main, "daemon", Refusing)
+    done = CliRunner().invoke(main.cli, ["exec", "sb-aaaaaaaaaaaa", "--", "true"])
+    assert done.exit_code == 1, done.output
+    assert "[bold]loud[/bold] [/oops] \\x1b[31mred\\x1b[0m\\nfake: second line" in done.output
+    assert "\x1b" not in done.output
+
+
+def test_progress_lines_from_a_guest_are_shown_literally(monkeypatch) -> None:
+    from forkd.cli import main
+
+    captured = io.StringIO()
+    monkeypatch.setattr(main.err_console, "file", captured)
+    main.progress_printer()(HOSTILE)
+    shown = captured.getvalue()
+    assert "[bold]loud[/bold] [/oops]" in shown and "\x1b[31m" not in shown
+
+
+def test_daemon_log_lines_cannot_be_forged_or_coloured() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(VisibleFormatter("%(levelname)s %(message)s"))
+    logger = logging.getLogger("forkd.test.safetext")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("sandbox x does not answer (%s)", HOSTILE)
+    finally:
+        logger.removeHandler(handler)
+    assert stream.getvalue() == ("WARNING sandbox x does not answer ([bold]loud[/bold] [/oops] \\x1b[31mred\\x1b[0m"
+                                 "\\nfake: second line)\n")

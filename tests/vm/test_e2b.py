@@ -1,0 +1,96 @@
+"""E2B's own SDKs drive forkd through its E2B front: the real ``e2b`` and ``e2b-code-interpreter``
+packages (Python; JavaScript under tests/e2b/js), pointed at the daemon only through E2B's
+environment variables, against real guests."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from forkd.sdk.controller import Controller
+
+pytestmark = pytest.mark.vm
+HERE = Path(__file__).resolve().parent.parent / "e2b"
+PYTHON_CHECKS = {"commands", "stdout_streams_before_the_end", "background_command_killed", "stdin", "non_zero_exit",
+                 "files", "watch", "pty", "second_client", "set_timeout", "list", "wrong_api_key", "unknown_sandbox", "run_code",
+                 "fork", "pause_resume", "kill"}
+JS_CHECKS = PYTHON_CHECKS
+
+
+@pytest.fixture(scope="module")
+def e2b_env(daemon: Controller, snapshot_tag: str, vm_env: dict[str, str], forkd_home: Path) -> dict[str, str]:
+    """E2B's variables, and nothing of forkd's, for a client process."""
+    keys = (forkd_home / "e2b" / "api-keys").read_text().split()
+    url = f"http://{vm_env['FORKD_E2B_LISTEN']}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FORKD_", "E2B_"))}
+    env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=next(k for k in keys if k.startswith("e2b_")),
+               E2B_TEST_TEMPLATE=snapshot_tag)
+    return env
+
+
+def run_checks(argv: list[str], env: dict[str, str], expected: set[str]) -> None:
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1500)
+    passed = set(re.findall(r"^ok (\S+)$", done.stdout, re.MULTILINE))
+    summary = "\n".join(re.findall(r"^(?:ok|FAIL) .*$", done.stdout, re.MULTILINE))
+    assert done.returncode == 0 and passed == expected, \
+        f"exit {done.returncode}; missing {sorted(expected - passed)}\n{summary}\n{done.stderr[-8000:]}"
+
+
+def test_python_sdk(e2b_env: dict[str, str]) -> None:
+    run_checks([sys.executable, str(HERE / "python" / "sdk_check.py")], e2b_env, PYTHON_CHECKS)
+
+
+def test_javascript_sdk(e2b_env: dict[str, str]) -> None:
+    """Node with the SDKs scripts/setup installed into tests/e2b/js (missing ones fail here, not skip)."""
+    run_checks(["node", str(HERE / "js" / "sdk_check.mjs")], e2b_env, JS_CHECKS)
+
+
+def test_bad_input_gets_e2b_errors_and_the_sandbox_carries_on(e2b_env: dict[str, str]) -> None:
+    """Raw requests, as a broken or hostile client would send them, against one real sandbox."""
+    url, key = e2b_env["E2B_API_URL"], e2b_env["E2B_API_KEY"]
+    with httpx.Client(base_url=url, timeout=120) as client:
+        created = client.post("/sandboxes", headers={"X-API-KEY": key},
+                              json={"templateID": e2b_env["E2B_TEST_TEMPLATE"], "timeout": 600})
+        assert created.status_code == 201, created.text
+        sandbox = created.json()
+        envd = {"E2b-Sandbox-Id": sandbox["sandboxID"], "E2b-Sandbox-Port": "49983",
+                "X-Access-Token": sandbox["envdAccessToken"]}
+        stream = {**envd, "Content-Type": "application/connect+json"}
+        try:
+            def end_error(answer: httpx.Response) -> dict[str, object]:
+                assert answer.status_code == 200 and answer.content[0] == 2, answer.content[:200]
+                return json.loads(answer.content[5:])["error"]
+
+            start = "/process.Process/Start"
+            assert end_error(client.post(start, headers=stream, content=b"\x00\x00\x00\x00\x10{}"))["code"] == \
+                "invalid_argument"  # the body ends inside the envelope
+            assert end_error(client.post(start, headers=stream, content=struct.pack(">BI", 0, 1 << 30)))["code"] == \
+                "resource_exhausted"  # a 1 GiB envelope is refused from its header
+            unknown = client.post("/process.Process/Fly", headers={**envd, "Content-Type": "application/json"}, json={})
+            assert unknown.status_code == 501 and unknown.json()["code"] == "unimplemented"
+            route = client.get("/nowhere", headers=envd)
+            assert route.status_code == 404 and route.json()["code"] == 404
+            wrong = client.post("/process.Process/List", headers={**envd, "X-Access-Token": "0" * 64},
+                                json={})
+            assert wrong.status_code == 401 and wrong.json()["code"] == "unauthenticated"
+            bad_key = client.get("/v2/sandboxes", headers={"X-API-KEY": "e2b_" + "1" * 40})
+            assert bad_key.status_code == 401 and bad_key.json()["code"] == 401
+            # The listener and the sandbox are unaffected.
+            listed = client.post("/process.Process/List", headers={**envd, "Content-Type": "application/json"},
+                                 json={})
+            assert listed.status_code == 200 and "processes" in listed.json()
+            message = json.dumps({"process": {"cmd": "/bin/echo", "args": ["still here"]}}).encode()
+            body = struct.pack(">BI", 0, len(message)) + message
+            ran = client.post(start, headers=stream, content=body)
+            assert ran.status_code == 200 and base64.b64encode(b"still here\n").decode() in ran.text
+        finally:
+            client.delete(f"/sandboxes/{sandbox['sandboxID']}", headers={"X-API-KEY": key})
