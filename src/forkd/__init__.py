@@ -19,6 +19,8 @@ _EXPORTS = {
     "CommandExitException": "forkd.sdk.models",
     "CommandResult": "forkd.sdk.models",
     "Execution": "forkd.sdk.models",
+    "ForkFailed": "forkd.sdk.models",
+    "ForkOutcome": "forkd.sdk.models",
     "ForkdError": "forkd.sdk.errors",
     "SandboxException": "forkd.sdk.errors",
     "NotFoundException": "forkd.sdk.errors",

@@ -20,7 +20,6 @@ from forkd.sdk.models import (
     Context,
     Execution,
     ExecutionError,
-    ForkFailed,
     ForkOutcome,
     Logs,
     OutputMessage,
@@ -186,10 +185,8 @@ class AsyncSandbox:
         tag = (await self.branch(mode="diff"))["tag"]
         outcome = ForkOutcome.from_children([child async for child in self._api.fork_iter(tag, count,
                                                                                           timeout_s=timeout)])
-        if outcome.failed or not outcome.children:
-            for child in outcome.started:
-                with contextlib.suppress(ForkdError):
-                    await self._api.kill(str(child.sandbox_id))
-            raise ForkFailed(outcome)
-        return [AsyncSandbox(str(child.sandbox_id), AsyncController(connection=self._api.connection))
-                for child in outcome.children]
+        for sandbox_id in outcome.to_kill():
+            with contextlib.suppress(ForkdError):
+                await self._api.kill(sandbox_id)
+        return [AsyncSandbox(sandbox_id, AsyncController(connection=self._api.connection))
+                for sandbox_id in outcome.sandbox_ids()]

@@ -247,6 +247,16 @@ class ForkOutcome:
     def failed(self) -> list[ChildOutcome]:
         return [child for child in self.children if child.error is not None]
 
+    def to_kill(self) -> list[str]:
+        """The children ``fork`` must kill before raising: all that started, if any child failed."""
+        return [str(child.sandbox_id) for child in self.started] if self.failed or not self.children else []
+
+    def sandbox_ids(self) -> list[str]:
+        """Every child's sandbox id; ``ForkFailed`` if any child failed (after ``to_kill`` were killed)."""
+        if self.failed or not self.children:
+            raise ForkFailed(self)
+        return [str(child.sandbox_id) for child in self.children]
+
 
 class ForkFailed(ForkdError):
     """Some children of a ``fork`` did not start (the ones that did were killed); ``outcome`` says which."""

@@ -27,7 +27,6 @@ from forkd.sdk.models import (
     Context,
     Execution,
     ExecutionError,
-    ForkFailed,
     ForkOutcome,
     Logs,
     OutputMessage,
@@ -237,12 +236,10 @@ class Sandbox:
         """
         tag = self.branch(mode="diff")["tag"]
         outcome = ForkOutcome.from_children(list(self._controller.fork_iter(tag, count, timeout_s=timeout)))
-        if outcome.failed or not outcome.children:
-            for child in outcome.started:
-                with contextlib.suppress(ForkdError):
-                    self._controller.kill(str(child.sandbox_id))
-            raise ForkFailed(outcome)
-        return [Sandbox._attach(str(child.sandbox_id), self._controller.connection) for child in outcome.children]
+        for sandbox_id in outcome.to_kill():
+            with contextlib.suppress(ForkdError):
+                self._controller.kill(sandbox_id)
+        return [Sandbox._attach(sandbox_id, self._controller.connection) for sandbox_id in outcome.sandbox_ids()]
 
 
 def _first_child(result: dict[str, Any]) -> str:
