@@ -99,7 +99,7 @@ def vm_env_for(home: Path) -> dict[str, str]:
     env["FORKD_TOKEN"] = secrets.token_hex(32)
     # nat guests' DNS relay goes to the "outside" namespace tests/vm/test_network.py makes, never off the host.
     env["FORKD_DNS"] = "192.168.250.2"
-    env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{_free_port()}"  # the E2B front (tests/vm/test_e2b.py)
+    env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{_free_port()}"  # the E2B front (tests/vm/test_e2b_clients.py)
     return env
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -18,16 +18,9 @@ import pytest
 from forkd.config import Paths
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentUnavailable
-from forkd.runtime.isolation import Isolation
-from forkd.runtime.metrics import Metrics
-from forkd.runtime.options import RuntimeOptions
-from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
-from forkd.runtime.snapshots import SnapshotService
-from forkd.store.snapshots import SnapshotStore
-from forkd.store.files import DigestCache
+from forkd.store.registry import Registry, SandboxRecord
 from forkd.vmm.base import VmHandle
-from forkd.vmm.qemu import QemuVmm
 
 pytestmark = pytest.mark.timeout(60)
 BOUND_S = 10.0  # far above how long failing takes; only bounds a hang
@@ -133,15 +126,12 @@ async def _stand_in_vmm() -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec("sleep", "300")
 
 
-def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_path: Path) -> None:
+def test_a_sandbox_whose_guest_breaks_the_protocol_is_killed_and_released(tmp_path: Path, qemu_sandbox_service: Callable[[Paths, Registry], SandboxService]) -> None:
     paths = Paths(home=tmp_path, cache=tmp_path / "cache", socket=tmp_path / "forkd.sock")
     for directory in (paths.sandboxes, paths.snapshots):
         directory.mkdir(parents=True)
     registry = Registry(paths.db)
-    vmm = QemuVmm()
-    store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
-    service = SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
-                             Isolation.from_options(registry, RuntimeOptions()))
+    service = qemu_sandbox_service(paths, registry)
     released: list[str] = []
     service.releasers.append(released.append)
     run_dir = paths.sandboxes / "sb-hostile000000"

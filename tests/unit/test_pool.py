@@ -1,7 +1,7 @@
 """Pool bookkeeping without VMs: fill to size, take, give back, trim, discard on rmi, stop; nothing leaks.
 
 The first tests use stand-ins for the VMM and snapshot store behind the calls the pool makes, the last the
-FakeVmm through the whole runtime; tests/vm/test_pool.py runs the real thing.
+FakeVmm through the whole runtime; tests/vm/test_pool_vm.py runs the real thing.
 """
 
 from __future__ import annotations

@@ -8,22 +8,16 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from forkd.config import Paths
-from forkd.runtime.isolation import Isolation
-from forkd.runtime.metrics import Metrics
-from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
-from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
-from forkd.runtime.snapshots import SnapshotService
-from forkd.store.snapshots import SnapshotStore
-from forkd.store.files import DigestCache
-from forkd.vmm.qemu import QemuVmm
+from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 
 
-def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path) -> None:
+def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path, qemu_sandbox_service: Callable[[Paths, Registry], SandboxService]) -> None:
     paths = Paths(home=tmp_path, cache=tmp_path / "cache", socket=tmp_path / "forkd.sock")
     for directory in (paths.sandboxes, paths.snapshots):
         directory.mkdir(parents=True)
@@ -42,10 +36,7 @@ def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path) -> None:
         (paths.snapshots / name).mkdir()
     registry.add_snapshot(SnapshotRecord("kept", "ready", "default", paths.snapshots / "kept", 1.0))
 
-    vmm = QemuVmm()
-    store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
-    service = SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
-                             Isolation.from_options(registry, RuntimeOptions()))
+    service = qemu_sandbox_service(paths, registry)
     released: list[str] = []
     service.releasers.append(released.append)
 
@@ -53,7 +44,7 @@ def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path) -> None:
         raise OSError("this resource cannot be freed")
 
     service.releasers.insert(0, broken)  # one failing releaser does not stop the others
-    result = asyncio.run(recover(service, store))
+    result = asyncio.run(recover(service, service.snapshots.store))
 
     assert result.adopted == []
     assert sorted(result.reaped) == ["sb-norecord0000", "sb-recorded0000"]
