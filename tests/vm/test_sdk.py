@@ -147,6 +147,18 @@ def test_timeout_is_enforced_and_renewable(sdk_env: None) -> None:
         short.close()
 
 
+def test_fork_children_carry_the_parent_state(sbx: Sandbox) -> None:
+    sbx.run_code("forked_marker = 41")
+    children = sbx.fork(2)
+    try:
+        assert len({child.sandbox_id for child in children}) == 2
+        assert [child.eval("forked_marker + 1") for child in children] == [42, 42]
+    finally:
+        for child in children:
+            child.kill()
+            child.close()
+
+
 def test_async_sandbox(sdk_env: None) -> None:
     async def scenario() -> None:
         chunks: list[str] = []
@@ -166,6 +178,10 @@ def test_async_sandbox(sdk_env: None) -> None:
             assert await sandbox.eval("counter") == 1
             results = await asyncio.gather(*(sandbox.commands.run(f"echo {i}") for i in range(3)))
             assert [r.stdout for r in results] == ["0\n", "1\n", "2\n"]
+            async with (await sandbox.fork(1))[0] as child:
+                assert await child.eval("counter") == 1 and child.sandbox_id != sandbox.sandbox_id
+                chunks_read = [chunk async for chunk in await child.files.read("/tmp/x.bin", format="stream")]
+                assert b"".join(chunks_read) == b"\x00\xff"
             sandbox_id = sandbox.sandbox_id
         assert sandbox_id not in [s.sandbox_id for s in await AsyncSandbox.list()]
 

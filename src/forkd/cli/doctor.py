@@ -6,7 +6,6 @@ It never starts a daemon: "no daemon" and "token rejected" are findings, not som
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import click
@@ -15,6 +14,7 @@ from rich.markup import escape
 
 from forkd.config import paths_from_env
 from forkd.host.doctor import Check, run_checks
+from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
 
 console = Console(highlight=False)
@@ -23,9 +23,10 @@ COLOUR = {"ok": "green", "warn": "yellow", "fail": "red"}
 
 def daemon_checks() -> list[Check]:
     """The daemon's own checks plus whether it is reachable and accepts our token; local checks otherwise."""
-    remote = bool(os.environ.get("FORKD_URL"))
+    connection = ConnectionConfig.from_env(request_timeout=60)
+    remote = connection.socket != str(paths_from_env().socket)
     try:
-        with Controller(timeout=60) as controller:
+        with Controller(connection=connection) as controller:
             version = controller.version()
             checks = [Check(**c) for c in controller.doctor()]
             checks.append(Check("daemon", "ok", f"reachable at {controller.url}, forkd {version['forkd']}, "
@@ -39,7 +40,7 @@ def daemon_checks() -> list[Check]:
                        "if it crashed, see its log under FORKD_HOME")
     except ForkdError as exc:
         if exc.status in (401, 403):
-            token = "FORKD_TOKEN" in os.environ
+            token = connection.token is not None
             daemon = Check("daemon", "fail", "token rejected" if token else "the daemon requires a token",
                            "set FORKD_TOKEN to the daemon's token (its token_file)" if token else
                            "export FORKD_TOKEN with the token from the daemon's token_file")

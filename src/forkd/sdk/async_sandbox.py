@@ -1,186 +1,119 @@
-"""``forkd.AsyncSandbox``: the same interface as ``Sandbox`` for asyncio code (E2B's ``AsyncSandbox``).
+"""``forkd.AsyncSandbox``: ``Sandbox``'s interface for asyncio code (E2B's ``AsyncSandbox``), on ``httpx.AsyncClient``.
 
-Each call runs the synchronous client in a worker thread, so the event loop never blocks and the
-two interfaces cannot drift apart. Callbacks may be plain functions or coroutine functions; both
-run on the caller's event loop.
+Every call is a coroutine on ``AsyncController``; nothing runs in worker threads and nothing blocks the
+event loop. Callbacks may be plain functions or coroutine functions. The answers are read by the same
+functions ``Sandbox`` uses, so the two interfaces cannot drift apart.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
+import contextlib
 from collections.abc import Callable
 from typing import Any, Literal
 
-from forkd.sdk.commands import CommandHandle
+from forkd.sdk.async_controller import AsyncController, maybe_await
+from forkd.sdk.commands import AsyncCommands
+from forkd.sdk.connection import ConnectionConfig
+from forkd.sdk.errors import ForkdError, NotFoundException
+from forkd.sdk.filesystem import AsyncFilesystem
 from forkd.sdk.models import (
-    CommandResult,
     Context,
-    EntryInfo,
     Execution,
-    ProcessInfo,
+    ExecutionError,
+    ForkOutcome,
+    Logs,
+    OutputMessage,
+    Result,
     SandboxInfo,
-    WriteInfo,
 )
-from forkd.sdk.sandbox import DEFAULT_SANDBOX_TIMEOUT_S, Sandbox
-
-
-def _on_loop(callback: Callable[..., Any] | None, loop: asyncio.AbstractEventLoop) -> Callable[..., Any] | None:
-    """A callback the worker thread can call: it runs on ``loop`` and the thread waits for it."""
-    if callback is None:
-        return None
-
-    def call(*args: Any) -> None:
-        async def run() -> None:
-            outcome = callback(*args)
-            if inspect.isawaitable(outcome):
-                await outcome
-
-        asyncio.run_coroutine_threadsafe(run(), loop).result()
-
-    return call
-
-
-async def _off_loop(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return await asyncio.to_thread(function, *args, **kwargs)
-
-
-def _bridged(kwargs: dict[str, Any]) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
-    return {k: _on_loop(v, loop) if k.startswith("on_") else v for k, v in kwargs.items()}
-
-
-class AsyncCommandHandle:
-    def __init__(self, handle: CommandHandle) -> None:
-        self._handle = handle
-        self.pid = handle.pid
-
-    async def wait(self, on_stdout: Callable[[str], Any] | None = None,
-                   on_stderr: Callable[[str], Any] | None = None) -> CommandResult:
-        return await _off_loop(self._handle.wait, **_bridged({"on_stdout": on_stdout, "on_stderr": on_stderr}))
-
-    async def kill(self) -> bool:
-        return await _off_loop(self._handle.kill)
-
-    async def send_stdin(self, data: str) -> None:
-        await _off_loop(self._handle.send_stdin, data)
-
-    async def disconnect(self) -> None:
-        await _off_loop(self._handle.disconnect)
-
-
-class AsyncCommands:
-    def __init__(self, sandbox: Sandbox) -> None:
-        self._commands = sandbox.commands
-
-    async def run(self, cmd: str, background: bool | None = None, **kwargs: Any) -> CommandResult | AsyncCommandHandle:
-        """As ``Sandbox.commands.run``; callbacks may be coroutine functions."""
-        outcome = await _off_loop(self._commands.run, cmd, background, **_bridged(kwargs))
-        return AsyncCommandHandle(outcome) if isinstance(outcome, CommandHandle) else outcome
-
-    async def kill(self, pid: int) -> bool:
-        return await _off_loop(self._commands.kill, pid)
-
-    async def send_stdin(self, pid: int, data: str) -> None:
-        await _off_loop(self._commands.send_stdin, pid, data)
-
-    async def list(self) -> list[ProcessInfo]:
-        return await _off_loop(self._commands.list)
-
-
-class AsyncFilesystem:
-    def __init__(self, sandbox: Sandbox) -> None:
-        self._files = sandbox.files
-
-    async def read(self, path: str, format: Literal["text", "bytes"] = "text") -> str | bytearray:
-        return await _off_loop(self._files.read, path, format)
-
-    async def write(self, path: str, data: Any) -> WriteInfo | list[WriteInfo]:
-        return await _off_loop(self._files.write, path, data)
-
-    async def write_files(self, files: list[Any]) -> list[WriteInfo]:
-        return await _off_loop(self._files.write_files, files)
-
-    async def list(self, path: str, depth: int = 1) -> list[EntryInfo]:
-        return await _off_loop(self._files.list, path, depth)
-
-    async def exists(self, path: str) -> bool:
-        return await _off_loop(self._files.exists, path)
-
-    async def get_info(self, path: str) -> EntryInfo:
-        return await _off_loop(self._files.get_info, path)
-
-    async def remove(self, path: str) -> None:
-        await _off_loop(self._files.remove, path)
-
-    async def rename(self, old_path: str, new_path: str) -> EntryInfo:
-        return await _off_loop(self._files.rename, old_path, new_path)
-
-    async def make_dir(self, path: str) -> bool:
-        return await _off_loop(self._files.make_dir, path)
+from forkd.sdk.sandbox import (
+    DEFAULT_SANDBOX_TIMEOUT_S,
+    _branch_tag,
+    _cell,
+    _check_python,
+    _context_name,
+    _execution,
+    _first_child,
+    _output_message,
+    _value,
+    default_template,
+)
 
 
 class AsyncSandbox:
-    """``await AsyncSandbox.create()``; then ``await sandbox.commands.run(...)`` and so on."""
+    """``sbx = await AsyncSandbox.create()``; then ``await sbx.commands.run(...)`` and so on."""
 
-    def __init__(self, sandbox: Sandbox) -> None:
-        self._sync = sandbox
-        self.sandbox_id = sandbox.sandbox_id
-        self.commands = AsyncCommands(sandbox)
-        self.files = AsyncFilesystem(sandbox)
+    def __init__(self, sandbox_id: str, api: AsyncController) -> None:
+        """A handle on sandbox ``sandbox_id`` through ``api`` (use ``create`` or ``connect`` to get one)."""
+        self.sandbox_id = sandbox_id
+        self._api = api
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFilesystem(self)
+
+    @property
+    def api(self) -> AsyncController:
+        """The REST client this sandbox talks through."""
+        return self._api
+
+    # lifecycle
 
     @classmethod
     async def create(cls, template: str | None = None, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S,
-                     **kwargs: Any) -> AsyncSandbox:
-        return cls(await _off_loop(Sandbox.create, template, timeout, **kwargs))
+                     metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
+                     url: str | None = None, token: str | None = None, connection: ConnectionConfig | None = None,
+                     **_: Any) -> AsyncSandbox:
+        """Fork a new sandbox, as ``Sandbox.create``."""
+        api = AsyncController(url=url, token=token, connection=connection)
+        try:
+            result = await api.fork(template or default_template(), 1, timeout_s=timeout, envs=envs,
+                                    metadata=metadata)
+            return cls(_first_child(result), api)
+        except BaseException:
+            await api.close()
+            raise
 
     @classmethod
-    async def connect(cls, sandbox_id: str, **kwargs: Any) -> AsyncSandbox:
-        return cls(await _off_loop(Sandbox.connect, sandbox_id, **kwargs))
+    async def connect(cls, sandbox_id: str, url: str | None = None, token: str | None = None,
+                      connection: ConnectionConfig | None = None, **_: Any) -> AsyncSandbox:
+        """Attach to a running sandbox (``NotFoundException`` if there is none with that id)."""
+        api = AsyncController(url=url, token=token, connection=connection)
+        try:
+            await api.sandbox(sandbox_id)
+        except BaseException:
+            await api.close()
+            raise
+        return cls(sandbox_id, api)
 
     @classmethod
-    async def list(cls, **kwargs: Any) -> list[SandboxInfo]:
-        return await _off_loop(Sandbox.list, **kwargs)
+    async def list(cls, url: str | None = None, token: str | None = None, connection: ConnectionConfig | None = None,
+                   **_: Any) -> list[SandboxInfo]:
+        async with AsyncController(url=url, token=token, connection=connection) as api:
+            return [SandboxInfo.from_daemon(s) for s in await api.sandboxes()]
 
     async def kill(self) -> bool:
-        return await _off_loop(self._sync.kill)
+        """Stop the sandbox and free everything it held; ``False`` if it was not running."""
+        try:
+            await self._api.kill(self.sandbox_id)
+        except NotFoundException:
+            return False
+        return True
 
     async def set_timeout(self, timeout: float) -> None:
-        await _off_loop(self._sync.set_timeout, timeout)
+        await self._api.set_timeout(self.sandbox_id, timeout)
 
     async def get_info(self) -> SandboxInfo:
-        return await _off_loop(self._sync.get_info)
+        return SandboxInfo.from_daemon(await self._api.sandbox(self.sandbox_id))
 
     async def is_running(self) -> bool:
-        return await _off_loop(self._sync.is_running)
-
-    async def run_code(self, code: str, **kwargs: Any) -> Execution:
-        return await _off_loop(self._sync.run_code, code, **_bridged(kwargs))
-
-    async def create_code_context(self, cwd: str | None = None, language: str | None = None) -> Context:
-        return await _off_loop(self._sync.create_code_context, cwd, language)
-
-    async def list_code_contexts(self) -> list[Context]:
-        return await _off_loop(self._sync.list_code_contexts)
-
-    async def restart_code_context(self, context: Context | str) -> None:
-        await _off_loop(self._sync.restart_code_context, context)
-
-    async def remove_code_context(self, context: Context | str) -> None:
-        await _off_loop(self._sync.remove_code_context, context)
-
-    async def eval(self, expr: str, context: Any = None) -> Any:
-        return await _off_loop(self._sync.eval, expr, context)
-
-    async def branch(self, tag: str | None = None, mode: Literal["full", "diff", "live"] = "diff",
-                     wait: bool = True) -> dict[str, Any]:
-        return await _off_loop(self._sync.branch, tag, mode, wait)
-
-    async def fork(self, count: int = 1, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S) -> list[AsyncSandbox]:
-        return [AsyncSandbox(child) for child in await _off_loop(self._sync.fork, count, timeout)]
+        try:
+            await self._api.ping(self.sandbox_id)
+        except NotFoundException:
+            return False
+        return True
 
     async def close(self) -> None:
-        await _off_loop(self._sync.close)
+        """Close the connection to the daemon (the sandbox keeps running)."""
+        await self._api.close()
 
     async def __aenter__(self) -> AsyncSandbox:
         return self
@@ -190,3 +123,70 @@ class AsyncSandbox:
             await self.kill()
         finally:
             await self.close()
+
+    # code
+
+    async def run_code(self, code: str, language: str | None = None, context: Any = None,
+                       on_stdout: Callable[[OutputMessage], Any] | None = None,
+                       on_stderr: Callable[[OutputMessage], Any] | None = None,
+                       on_result: Callable[[Result], Any] | None = None,
+                       on_error: Callable[[ExecutionError], Any] | None = None,
+                       envs: dict[str, str] | None = None, timeout: float | None = None,
+                       request_timeout: float | None = None) -> Execution:
+        """As ``Sandbox.run_code``; the callbacks may be coroutine functions."""
+        del request_timeout
+        _check_python(language)
+        logs = Logs()
+
+        async def on_event(event: dict[str, Any]) -> None:
+            if (output := _output_message(event, logs)) is not None:
+                callback = on_stderr if output.error else on_stdout
+                if callback is not None:
+                    await maybe_await(callback(output))
+
+        outcome = await self._api.run_code(self.sandbox_id, _cell(code, envs), context=_context_name(context),
+                                           timeout_s=timeout, on_event=on_event)
+        execution = _execution(outcome, logs)
+        for result in execution.results:
+            if on_result is not None:
+                await maybe_await(on_result(result))
+        if execution.error is not None and on_error is not None:
+            await maybe_await(on_error(execution.error))
+        return execution
+
+    async def create_code_context(self, cwd: str | None = None, language: str | None = None,
+                                  request_timeout: float | None = None) -> Context:
+        del request_timeout
+        _check_python(language)
+        return Context.from_agent(await self._api.create_context(self.sandbox_id, cwd=cwd))
+
+    async def list_code_contexts(self) -> list[Context]:
+        return [Context.from_agent(c) for c in await self._api.contexts(self.sandbox_id)]
+
+    async def restart_code_context(self, context: Context | str) -> None:
+        await self._api.restart_context(self.sandbox_id, _context_name(context))
+
+    async def remove_code_context(self, context: Context | str) -> None:
+        await self._api.remove_context(self.sandbox_id, _context_name(context))
+
+    async def eval(self, expr: str, context: Any = None) -> Any:
+        """The value of one Python expression, as ``Sandbox.eval``."""
+        return _value(await self._api.eval(self.sandbox_id, expr, context=_context_name(context)))
+
+    # forking
+
+    async def branch(self, tag: str | None = None, mode: Literal["full", "diff", "live"] = "diff",
+                     wait: bool = True) -> dict[str, Any]:
+        return await self._api.branch(self.sandbox_id, tag=tag or _branch_tag(self.sandbox_id), mode=mode,
+                                      wait=wait)
+
+    async def fork(self, count: int = 1, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S) -> list[AsyncSandbox]:
+        """As ``Sandbox.fork``: all ``count`` children, or ``ForkFailed`` (the started ones killed)."""
+        tag = (await self.branch(mode="diff"))["tag"]
+        outcome = ForkOutcome.from_children([child async for child in self._api.fork_iter(tag, count,
+                                                                                          timeout_s=timeout)])
+        for sandbox_id in outcome.to_kill():
+            with contextlib.suppress(ForkdError):
+                await self._api.kill(sandbox_id)
+        return [AsyncSandbox(sandbox_id, AsyncController(connection=self._api.connection))
+                for sandbox_id in outcome.sandbox_ids()]

@@ -11,6 +11,7 @@ import sys
 import time
 
 from forkd.config import Paths, paths_from_env
+from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller, DaemonUnreachable
 
 START_TIMEOUT_S = 30.0
@@ -23,16 +24,17 @@ def _log_tail(paths: Paths, limit: int = 1500) -> str:
         return "(no daemon log)"
 
 
-def ensure_daemon(paths: Paths | None = None) -> Controller:
-    """A controller for the daemon, starting a local one when ``FORKD_URL`` names none and none runs."""
+def ensure_daemon(paths: Paths | None = None, connection: ConnectionConfig | None = None) -> Controller:
+    """A controller for ``connection``'s daemon, starting it when it is this host's local daemon and none runs."""
     paths = paths or paths_from_env()
-    controller = Controller()
+    controller = Controller(connection=connection)
     try:
         controller.health()
         return controller
     except DaemonUnreachable:
-        if os.environ.get("FORKD_URL"):
-            raise  # a remote daemon is the user's to start
+        if controller.connection.socket != str(paths.socket):
+            controller.close()
+            raise  # a daemon elsewhere is the user's to start
     paths.home.mkdir(parents=True, exist_ok=True)
     with open(paths.daemon_log, "ab") as log:
         subprocess.Popen([sys.executable, "-m", "forkd", "daemon"], stdin=subprocess.DEVNULL, stdout=log,

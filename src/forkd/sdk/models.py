@@ -205,3 +205,64 @@ class CodeError(ForkdError):
     def __init__(self, error: ExecutionError) -> None:
         super().__init__(0, "code_error", f"{error.name}: {error.value}")
         self.error = error
+
+
+@dataclass
+class ChildOutcome:
+    """One child of a fork: its ``sandbox`` (the daemon's record) or the ``error`` that stopped it, and
+    ``timings`` (seconds per spawn stage) either way. ``index`` is its place in the request (0-based)."""
+
+    index: int
+    sandbox: dict[str, Any] | None = None
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sandbox_id(self) -> str | None:
+        return None if self.sandbox is None else str(self.sandbox["id"])
+
+    @classmethod
+    def from_daemon(cls, child: dict[str, Any]) -> ChildOutcome:
+        """A ``{"index", "sandbox" | "error", "timings"}`` line of a streamed fork."""
+        return cls(index=int(child["index"]), sandbox=child.get("sandbox"),
+                   error=None if child.get("sandbox") is not None else str(child.get("error") or "failed"),
+                   timings=dict(child.get("timings") or {}))
+
+
+@dataclass
+class ForkOutcome:
+    """Every child of one fork request, in request order; a failed child does not fail the others."""
+
+    children: list[ChildOutcome]
+
+    @classmethod
+    def from_children(cls, children: list[dict[str, Any]]) -> ForkOutcome:
+        return cls(sorted(map(ChildOutcome.from_daemon, children), key=lambda child: child.index))
+
+    @property
+    def started(self) -> list[ChildOutcome]:
+        return [child for child in self.children if child.error is None]
+
+    @property
+    def failed(self) -> list[ChildOutcome]:
+        return [child for child in self.children if child.error is not None]
+
+    def to_kill(self) -> list[str]:
+        """The children ``fork`` must kill before raising: all that started, if any child failed."""
+        return [str(child.sandbox_id) for child in self.started] if self.failed or not self.children else []
+
+    def sandbox_ids(self) -> list[str]:
+        """Every child's sandbox id; ``ForkFailed`` if any child failed (after ``to_kill`` were killed)."""
+        if self.failed or not self.children:
+            raise ForkFailed(self)
+        return [str(child.sandbox_id) for child in self.children]
+
+
+class ForkFailed(ForkdError):
+    """Some children of a ``fork`` did not start (the ones that did were killed); ``outcome`` says which."""
+
+    def __init__(self, outcome: ForkOutcome) -> None:
+        failed = outcome.failed
+        detail = "; ".join(f"child {child.index}: {child.error}" for child in failed) or "no child started"
+        super().__init__(500, "fork_failed", f"{len(failed)} of {len(outcome.children)} children failed: {detail}")
+        self.outcome = outcome

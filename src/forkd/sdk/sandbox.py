@@ -3,11 +3,13 @@
 Where E2B and forkd mean the same thing the names, parameters and return types are E2B's
 (``Sandbox.create``, ``commands.run``, ``files.write``, ``run_code`` → ``Execution``); forkd adds
 ``eval``, ``branch`` and ``fork``. Everything goes through the daemon's REST API (``Controller``):
-``FORKD_URL`` and ``FORKD_TOKEN`` pick the daemon, ``FORKD_TEMPLATE`` the default snapshot.
+a ``ConnectionConfig`` (default: ``FORKD_URL``, ``FORKD_TOKEN``, ``FORKD_CA_CERT``) picks the daemon,
+``FORKD_TEMPLATE`` the default snapshot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from forkd.sdk.commands import Commands
+from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import ForkdError, InvalidArgumentException, NotFoundException
 from forkd.sdk.filesystem import Filesystem
@@ -24,6 +27,7 @@ from forkd.sdk.models import (
     Context,
     Execution,
     ExecutionError,
+    ForkOutcome,
     Logs,
     OutputMessage,
     Result,
@@ -64,26 +68,27 @@ class Sandbox:
 
     def __init__(self, template: str | None = None, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S,
                  metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
-                 url: str | None = None, token: str | None = None, **_: Any) -> None:
+                 url: str | None = None, token: str | None = None, connection: ConnectionConfig | None = None,
+                 **_: Any) -> None:
         """Fork a sandbox from snapshot ``template`` (default ``$FORKD_TEMPLATE`` or ``quickstart``).
 
         ``Sandbox(...)`` is E2B v1's spelling of ``Sandbox.create(...)``; both work. The daemon kills
         the sandbox ``timeout`` seconds after it starts (``set_timeout`` renews; None = never).
+        ``connection`` picks the daemon (default: the environment's); ``url``/``token`` override it.
         Unknown E2B keyword arguments (``api_key``, ``secure``…) are accepted and ignored.
         """
-        controller = Controller(url=url, token=token)
+        controller = Controller(url=url, token=token, connection=connection)
         try:
             result = controller.fork(template or default_template(), 1, timeout_s=timeout, envs=envs,
                                      metadata=metadata)
-            self._bind(_first_child(result), controller, token)
+            self._bind(_first_child(result), controller)
         except BaseException:
             controller.close()
             raise
 
-    def _bind(self, sandbox_id: str, controller: Controller, token: str | None) -> None:
+    def _bind(self, sandbox_id: str, controller: Controller) -> None:
         self.sandbox_id = sandbox_id
         self._controller = controller
-        self._token = token
         self.commands = Commands(self)
         self.files = Filesystem(self)
 
@@ -97,14 +102,16 @@ class Sandbox:
     @classmethod
     def create(cls, template: str | None = None, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S,
                metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
-               url: str | None = None, token: str | None = None, **kwargs: Any) -> Sandbox:
+               url: str | None = None, token: str | None = None, connection: ConnectionConfig | None = None,
+               **kwargs: Any) -> Sandbox:
         """Fork a new sandbox (see the class); E2B v2's way to make one."""
-        return cls(template, timeout, metadata, envs, url, token, **kwargs)
+        return cls(template, timeout, metadata, envs, url, token, connection, **kwargs)
 
     @classmethod
-    def connect(cls, sandbox_id: str, url: str | None = None, token: str | None = None, **_: Any) -> Sandbox:
+    def connect(cls, sandbox_id: str, url: str | None = None, token: str | None = None,
+                connection: ConnectionConfig | None = None, **_: Any) -> Sandbox:
         """Attach to a running sandbox (``NotFoundException`` if there is none with that id)."""
-        sandbox = cls._attach(sandbox_id, url, token)
+        sandbox = cls._attach(sandbox_id, ConnectionConfig.resolve(connection, url, token))
         try:
             sandbox._controller.sandbox(sandbox_id)
         except BaseException:
@@ -113,15 +120,16 @@ class Sandbox:
         return sandbox
 
     @classmethod
-    def _attach(cls, sandbox_id: str, url: str | None = None, token: str | None = None) -> Sandbox:
+    def _attach(cls, sandbox_id: str, connection: ConnectionConfig | None = None) -> Sandbox:
         """A handle on a sandbox by id, without asking the daemon anything."""
         sandbox = cls.__new__(cls)
-        sandbox._bind(sandbox_id, Controller(url=url, token=token), token)
+        sandbox._bind(sandbox_id, Controller(connection=connection))
         return sandbox
 
     @classmethod
-    def list(cls, url: str | None = None, token: str | None = None, **_: Any) -> list[SandboxInfo]:
-        with Controller(url=url, token=token) as controller:
+    def list(cls, url: str | None = None, token: str | None = None, connection: ConnectionConfig | None = None,
+             **_: Any) -> list[SandboxInfo]:
+        with Controller(url=url, token=token, connection=connection) as controller:
             return [SandboxInfo.from_daemon(s) for s in controller.sandboxes()]
 
     @class_or_instance
@@ -173,23 +181,16 @@ class Sandbox:
                  request_timeout: float | None = None) -> Execution:
         """Run a Python cell in a persistent context (state survives between calls), Jupyter-style."""
         del request_timeout
-        if language not in (None, "python", "py"):
-            raise InvalidArgumentException(400, "invalid_request", f"forkd runs Python cells, not {language!r}")
-        if envs:
-            code = f"import os as _forkd_os\n_forkd_os.environ.update({dict(envs)!r})\n" + code
+        _check_python(language)
         logs = Logs()
 
         def on_event(event: dict[str, Any]) -> None:
-            name = event.get("event")
-            if name not in ("stdout", "stderr"):
-                return
-            message = OutputMessage(line=event.get("data", ""), timestamp=time.time_ns(), error=name == "stderr")
-            getattr(logs, name).append(message.line)
-            callback = on_stdout if name == "stdout" else on_stderr
-            if callback is not None:
-                callback(message)
+            if (output := _output_message(event, logs)) is not None:
+                callback = on_stderr if output.error else on_stdout
+                if callback is not None:
+                    callback(output)
 
-        outcome = self._controller.run_code(self.sandbox_id, code, context=_context_name(context),
+        outcome = self._controller.run_code(self.sandbox_id, _cell(code, envs), context=_context_name(context),
                                             timeout_s=timeout, on_event=on_event)
         execution = _execution(outcome, logs)
         for result in execution.results:
@@ -203,8 +204,7 @@ class Sandbox:
                             request_timeout: float | None = None) -> Context:
         """A new context: its own interpreter process, forked from the snapshot's warm one."""
         del request_timeout
-        if language not in (None, "python", "py"):
-            raise InvalidArgumentException(400, "invalid_request", f"forkd runs Python cells, not {language!r}")
+        _check_python(language)
         return Context.from_agent(self._controller.create_context(self.sandbox_id, cwd=cwd))
 
     def list_code_contexts(self) -> list[Context]:
@@ -219,10 +219,7 @@ class Sandbox:
 
     def eval(self, expr: str, context: Any = None) -> Any:
         """The value of one Python expression (JSON-able values as themselves, others as their repr)."""
-        outcome = self._controller.eval(self.sandbox_id, expr, context=_context_name(context))
-        if outcome.get("error"):
-            raise CodeError(ExecutionError.from_agent(outcome["error"]))
-        return outcome["value_json"] if outcome.get("value_json") is not None else outcome.get("value")
+        return _value(self._controller.eval(self.sandbox_id, expr, context=_context_name(context)))
 
     # forking
 
@@ -233,16 +230,16 @@ class Sandbox:
                                        wait=wait)
 
     def fork(self, count: int = 1, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S) -> list[Sandbox]:
-        """``count`` new sandboxes in this one's exact current state (a BRANCH, then forks of it)."""
+        """``count`` new sandboxes in this one's exact current state (a BRANCH, then forks of it).
+
+        If any child fails the others are killed and ``ForkFailed`` says which failed and why.
+        """
         tag = self.branch(mode="diff")["tag"]
-        result = self._controller.fork(tag, count, timeout_s=timeout)
-        children = [Sandbox._attach(child["id"], self._controller.url, self._token) for child in result["sandboxes"]]
-        if result["errors"]:
-            for child in children:
-                child.kill()
-                child.close()
-            raise ForkdError(500, "fork_failed", "; ".join(result["errors"]))
-        return children
+        outcome = ForkOutcome.from_children(list(self._controller.fork_iter(tag, count, timeout_s=timeout)))
+        for sandbox_id in outcome.to_kill():
+            with contextlib.suppress(ForkdError):
+                self._controller.kill(sandbox_id)
+        return [Sandbox._attach(sandbox_id, self._controller.connection) for sandbox_id in outcome.sandbox_ids()]
 
 
 def _first_child(result: dict[str, Any]) -> str:
@@ -256,6 +253,35 @@ def _context_name(context: Any) -> str:
     if context is None:
         return "default"
     return str(getattr(context, "id", context))
+
+
+def _check_python(language: str | None) -> None:
+    if language not in (None, "python", "py"):
+        raise InvalidArgumentException(400, "invalid_request", f"forkd runs Python cells, not {language!r}")
+
+
+def _cell(code: str, envs: dict[str, str] | None) -> str:
+    """E2B's per-cell ``envs``, set in the interpreter before the cell runs."""
+    if not envs:
+        return code
+    return f"import os as _forkd_os\n_forkd_os.environ.update({dict(envs)!r})\n" + code
+
+
+def _output_message(event: dict[str, Any], logs: Logs) -> OutputMessage | None:
+    """A cell's output event as an ``OutputMessage``, kept in ``logs``; None for other events."""
+    name = event.get("event")
+    if name not in ("stdout", "stderr"):
+        return None
+    message = OutputMessage(line=event.get("data", ""), timestamp=time.time_ns(), error=name == "stderr")
+    getattr(logs, name).append(message.line)
+    return message
+
+
+def _value(outcome: dict[str, Any]) -> Any:
+    """An ``eval`` answer's value; raises ``CodeError`` if the expression raised."""
+    if outcome.get("error"):
+        raise CodeError(ExecutionError.from_agent(outcome["error"]))
+    return outcome["value_json"] if outcome.get("value_json") is not None else outcome.get("value")
 
 
 def _branch_tag(sandbox_id: str) -> str:

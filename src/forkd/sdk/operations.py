@@ -1,0 +1,406 @@
+"""Every REST operation written once, for the sync ``Controller`` and the async ``AsyncController``.
+
+Each method turns its arguments into a ``Call`` (method, path, query, body, timeout, which field of the
+answer to return) and hands it to the client's ``_send``/``_stream``/``_open_stream``: the sync client
+answers with the value, the async one with an awaitable of it. So paths, bodies and answer parsing live
+here and nowhere else; the clients only move bytes. NDJSON line decoding and error answers are here too.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from forkd.errors import KINDS, kind_of
+from forkd.sdk.errors import ForkdError, error_for
+
+LONG_TIMEOUT_S = 3600.0
+FORK_OPTIONS = ("timeout_s", "envs", "metadata", "net", "egress", "memory_limit_mib", "cpu_quota", "cpu_weight",
+                "pids_max", "deadline_s")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request and how to read its answer (``key``: the answer's field to return; ``void``: return None)."""
+
+    method: str
+    path: str
+    params: dict[str, Any] | None = None
+    json: Any = None
+    content: Any = None
+    timeout: float | None = None  # None: the connection's request timeout
+    key: str | None = None
+    void: bool = False
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for ``httpx.Client.request``/``stream`` (and the async ones)."""
+        found = {"params": self.params, "json": self.json, "content": self.content, "timeout": self.timeout}
+        return {name: value for name, value in found.items() if value is not None}
+
+    def streamed(self) -> Call:
+        """The same request asking for NDJSON (``"stream": true``), with a long timeout."""
+        return Call(self.method, self.path, self.params, {**(self.json or {}), "stream": True}, self.content,
+                    LONG_TIMEOUT_S, self.key, self.void)
+
+    def parse(self, answer: Any) -> Any:
+        if self.void:
+            return None
+        return answer if self.key is None else answer[self.key]
+
+
+def raise_for(response: httpx.Response) -> None:
+    """Raise the SDK exception for an error answer (its body must have been read)."""
+    if response.is_success:
+        return
+    try:
+        err = response.json().get("error", {})
+        code, message = err.get("code", "error"), err.get("message", response.text)
+    except (ValueError, AttributeError):
+        code, message = "error", response.text
+    raise error_for(response.status_code, code, message)
+
+
+def decode_line(text: str) -> tuple[str, Any]:
+    """One NDJSON line: ``("event", line)``, ``("result", value)`` or ``("skip", None)``; raises an error line."""
+    if not text.strip():
+        return "skip", None
+    line = json.loads(text)
+    if "error" in line:
+        err = line["error"]
+        code = str(err.get("code", "error"))
+        raise error_for(kind_of(code).status, code, err.get("message", ""))
+    if "result" in line:
+        return "result", line["result"]
+    return "event", line
+
+
+class StreamState:
+    """What an NDJSON answer has said so far: ``result`` once its last line came (then ``done``)."""
+
+    def __init__(self) -> None:
+        self.result: Any = None
+        self.done = False
+
+    def take(self, text: str) -> dict[str, Any] | None:
+        """The event on this line; None for a blank line or the result line."""
+        kind, value = decode_line(text)
+        if kind == "result":
+            self.done, self.result = True, value
+        return value if kind == "event" else None
+
+
+def truncated() -> ForkdError:
+    return ForkdError(500, "truncated", f"the daemon closed the stream without a result; "
+                                        f"{KINDS['truncated'].next_step}")
+
+
+def progress(on_progress: Callable[[str], Any] | None) -> Callable[[dict[str, Any]], Any] | None:
+    if on_progress is None:
+        return None
+    return lambda line: on_progress(str(line.get("progress", line)))
+
+
+def fork_call(tag: str, n: int, options: dict[str, Any]) -> Call:
+    unknown = set(options) - {*FORK_OPTIONS, "self", "tag", "n"}
+    if unknown:
+        raise TypeError(f"unknown fork options: {', '.join(sorted(unknown))}")
+    body = {"snapshot_tag": tag, "n": n, **{k: options[k] for k in FORK_OPTIONS if options.get(k) is not None}}
+    return Call("POST", "/v1/sandboxes", json=body, timeout=LONG_TIMEOUT_S)
+
+
+def exec_call(sandbox_id: str, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None,
+              stdin: str | None, timeout_s: float | None, user: str | None, warm: bool = False) -> Call:
+    body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
+    body.update({"env": env or {}, "timeout_s": timeout_s})
+    if warm:
+        body["warm"] = True
+    optional = {"cwd": cwd, "stdin": stdin, "user": user}
+    body.update({key: value for key, value in optional.items() if value is not None})
+    return Call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=call_timeout(timeout_s))
+
+
+def read_file_call(sandbox_id: str, path: str) -> Call:
+    return Call("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}, timeout=LONG_TIMEOUT_S)
+
+
+def append_bounded(data: bytearray, chunk: bytes, max_bytes: int | None, path: str) -> None:
+    """Add a downloaded chunk, refusing (413 ``too_large``) as soon as the file holds more than ``max_bytes``.
+
+    A guest decides what a path holds (a symlink to /dev/zero never ends), so a caller that cannot hold
+    any size passes ``max_bytes``; the download stops there.
+    """
+    data += chunk
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ForkdError(413, "too_large", f"{path} holds more than {max_bytes} bytes; read it in "
+                         "parts (e.g. exec 'head -c N') or raise the limit")
+
+
+def call_timeout(timeout_s: float | None) -> float:
+    return LONG_TIMEOUT_S if timeout_s is None else timeout_s + 60.0
+
+
+class Operations:
+    """The REST API as methods; a subclass supplies the transport (sync: values, async: awaitables)."""
+
+    def _send(self, call: Call) -> Any:
+        raise NotImplementedError
+
+    def _stream(self, call: Call, on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
+        """Send ``call`` answered with NDJSON; pass every line to ``on_line``; answer the ``result``."""
+        raise NotImplementedError
+
+    def _open_stream(self, call: Call) -> Any:
+        """Send ``call`` answered with NDJSON and answer the open stream of its events."""
+        raise NotImplementedError
+
+    def _send_or_stream(self, call: Call, on_event: Callable[[dict[str, Any]], Any] | None) -> Any:
+        return self._send(call) if on_event is None else self._stream(call.streamed(), on_event)
+
+    # daemon
+
+    def health(self) -> Any:
+        return self._send(Call("GET", "/healthz"))
+
+    def version(self) -> Any:
+        return self._send(Call("GET", "/v1/version"))
+
+    def doctor(self) -> Any:
+        """``[{"name", "status", "detail", "fix"}]``: the daemon host's checks."""
+        return self._send(Call("GET", "/v1/doctor", key="checks"))
+
+    # images
+
+    def images(self) -> Any:
+        return self._send(Call("GET", "/v1/images", key="images"))
+
+    def build_image(self, on_progress: Callable[[str], Any] | None = None, **spec: Any) -> Any:
+        return self._stream(Call("POST", "/v1/images", json=spec, timeout=LONG_TIMEOUT_S), progress(on_progress))
+
+    def remove_image(self, name: str) -> Any:
+        return self._send(Call("DELETE", f"/v1/images/{name}", void=True))
+
+    # snapshots
+
+    def snapshots(self) -> Any:
+        return self._send(Call("GET", "/v1/snapshots", key="snapshots"))
+
+    def snapshot(self, tag: str) -> Any:
+        return self._send(Call("GET", f"/v1/snapshots/{tag}"))
+
+    def create_snapshot(self, tag: str, on_progress: Callable[[str], Any] | None = None, **options: Any) -> Any:
+        return self._stream(Call("POST", "/v1/snapshots", json={"tag": tag, **options}, timeout=LONG_TIMEOUT_S),
+                            progress(on_progress))
+
+    def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> Any:
+        """The tags removed (``cascade`` removes the snapshots branched from ``tag`` too)."""
+        return self._send(Call("DELETE", f"/v1/snapshots/{tag}", params={"cascade": cascade, "force": force},
+                               key="removed_tags"))
+
+    def compact(self, from_tag: str, to_tag: str) -> Any:
+        """Flatten ``from_tag``'s chain into the standalone snapshot ``to_tag``."""
+        return self._send(Call("POST", "/v1/snapshots/compact", json={"from_tag": from_tag, "to_tag": to_tag},
+                               timeout=LONG_TIMEOUT_S))
+
+    def snapshot_diff(self, base_tag: str, tag: str, cmd: str, timeout_s: float = 600.0) -> Any:
+        """Run ``cmd`` in a child of ``base_tag`` and save what it changed as the diff snapshot ``tag``."""
+        return self._send(Call("POST", "/v1/snapshots/diff", json={"base_tag": base_tag, "tag": tag, "cmd": cmd,
+                                                                   "timeout_s": timeout_s},
+                               timeout=call_timeout(timeout_s)))
+
+    # sandboxes
+
+    def fork(self, tag: str, n: int = 1, *, timeout_s: float | None = None, envs: dict[str, str] | None = None,
+             metadata: dict[str, str] | None = None, net: str | None = None, egress: dict[str, Any] | None = None,
+             memory_limit_mib: int | None = None, cpu_quota: float | None = None, cpu_weight: int | None = None,
+             pids_max: int | None = None, deadline_s: float | None = None) -> Any:
+        """``{"sandboxes": [...], "errors": [...]}``: a failed child does not fail the others.
+
+        ``timeout_s``: the daemon kills each child that long after it answered (renew with ``set_timeout``);
+        ``envs``: default environment of every command; ``metadata``: labels kept with the sandbox.
+        ``net`` is ``"none"`` (default) or ``"nat"``; ``egress`` e.g. ``{"default": "deny", "allow":
+        [{"cidr": "203.0.113.0/24", "ports": [443]}]}``; the limits apply to each child's VMM.
+        ``deadline_s``: wait no longer for the children; one not answering by then is dropped, reported in errors.
+        """
+        return self._send(fork_call(tag, n, locals()))
+
+    def set_timeout(self, sandbox_id: str, timeout_s: float) -> Any:
+        """Kill the sandbox ``timeout_s`` from now; answers the deadline (Unix time)."""
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/timeout", json={"timeout_s": timeout_s},
+                               key="end_at"))
+
+    def sandboxes(self) -> Any:
+        return self._send(Call("GET", "/v1/sandboxes", key="sandboxes"))
+
+    def sandbox(self, sandbox_id: str) -> Any:
+        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}"))
+
+    def kill(self, sandbox_id: str) -> Any:
+        return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}", void=True))
+
+    def ping(self, sandbox_id: str) -> Any:
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/ping"))
+
+    # pools of ready VMMs
+
+    def pools(self) -> Any:
+        """Every snapshot's pool: size, ready members and their memory."""
+        return self._send(Call("GET", "/v1/pools", key="pools"))
+
+    def set_pool_size(self, tag: str, size: int) -> Any:
+        """Keep ``size`` ready VMMs of ``tag`` (0: none); filled in the background."""
+        return self._send(Call("PUT", f"/v1/pools/{tag}", json={"size": size}))
+
+    # commands and code
+
+    def exec(self, sandbox_id: str, cmd: str | list[str], *, env: dict[str, str] | None = None,
+             cwd: str | None = None, stdin: str | None = None, timeout_s: float | None = 60.0,
+             user: str | None = None, on_event: Callable[[dict[str, Any]], Any] | None = None,
+             warm: bool = False) -> Any:
+        """Run a command; with ``on_event`` output is streamed as it arrives and the result has no stdout/stderr.
+
+        ``warm=True`` runs a ``python3 ...`` command line as a fork of the snapshot's warm interpreter.
+        """
+        return self._send_or_stream(exec_call(sandbox_id, cmd, env, cwd, stdin, timeout_s, user, warm), on_event)
+
+    def start_exec(self, sandbox_id: str, cmd: str | list[str], *, env: dict[str, str] | None = None,
+                   cwd: str | None = None, stdin: str | None = None, timeout_s: float | None = 60.0,
+                   user: str | None = None, warm: bool = False) -> Any:
+        """Start a command and answer its open event stream (``started`` with the pid comes first).
+
+        ``stdin=None`` keeps the command's stdin open for ``send_stdin``.
+        """
+        return self._open_stream(exec_call(sandbox_id, cmd, env, cwd, stdin, timeout_s, user, warm).streamed())
+
+    def processes(self, sandbox_id: str) -> Any:
+        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/processes", key="processes"))
+
+    def signal_process(self, sandbox_id: str, pid: int, signal: int = 9) -> Any:
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal",
+                               json={"signal": signal}, void=True))
+
+    def send_stdin(self, sandbox_id: str, pid: int, data: str, eof: bool = False) -> Any:
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin",
+                               json={"data": data, "eof": eof}, void=True))
+
+    def eval(self, sandbox_id: str, expr: str, context: str = "default") -> Any:
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/eval", json={"expr": expr, "context": context}))
+
+    def run_code(self, sandbox_id: str, code: str, context: str = "default", timeout_s: float | None = None,
+                 on_event: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+        """Run a cell; with ``on_event`` its output is streamed and the result has no stdout/stderr."""
+        body: dict[str, Any] = {"code": code, "context": context}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return self._send_or_stream(Call("POST", f"/v1/sandboxes/{sandbox_id}/run_code", json=body,
+                                         timeout=call_timeout(timeout_s)), on_event)
+
+    def create_context(self, sandbox_id: str, *, context_id: str | None = None, cwd: str | None = None,
+                       language: str = "python") -> Any:
+        body = {"id": context_id, "cwd": cwd, "language": language}
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/contexts",
+                               json={k: v for k, v in body.items() if v is not None}))
+
+    def contexts(self, sandbox_id: str) -> Any:
+        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/contexts", key="contexts"))
+
+    def restart_context(self, sandbox_id: str, context_id: str) -> Any:
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}/restart"))
+
+    def remove_context(self, sandbox_id: str, context_id: str) -> Any:
+        return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}", void=True))
+
+    # files
+
+    def write_file(self, sandbox_id: str, path: str, data: Any, mode: int | None = None) -> Any:
+        """``data``: bytes, or an iterator (async client: also an async iterator) of byte pieces, streamed."""
+        params: dict[str, Any] = {"path": path}
+        if mode is not None:
+            params["mode"] = mode
+        return self._send(Call("PUT", f"/v1/sandboxes/{sandbox_id}/files", params=params, content=data,
+                               timeout=LONG_TIMEOUT_S))
+
+    def list_files(self, sandbox_id: str, path: str) -> Any:
+        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/files/list", params={"path": path},
+                               key="entries"))
+
+    def stat(self, sandbox_id: str, path: str) -> Any:
+        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/files/stat", params={"path": path}))
+
+    def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> Any:
+        return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}/files",
+                               params={"path": path, "recursive": recursive}, void=True))
+
+    def make_dir(self, sandbox_id: str, path: str) -> Any:
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/files/mkdir", json={"path": path}, void=True))
+
+    def rename(self, sandbox_id: str, src: str, dst: str) -> Any:
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/files/rename", json={"src": src, "dst": dst},
+                               void=True))
+
+    # packs
+
+    def pack(self, tag: str, path: str, force: bool = False, on_progress: Callable[[str], Any] | None = None) -> Any:
+        """Write snapshot ``tag`` and its ancestors to ``path`` (a path on the daemon's host)."""
+        return self._stream(Call("POST", "/v1/packs", json={"tag": tag, "path": path, "force": force},
+                                 timeout=LONG_TIMEOUT_S), progress(on_progress))
+
+    def unpack(self, path: str, tag: str | None = None, force: bool = False,
+               on_progress: Callable[[str], Any] | None = None) -> Any:
+        body: dict[str, Any] = {"path": path, "force": force}
+        if tag is not None:
+            body["tag"] = tag
+        return self._stream(Call("POST", "/v1/packs/unpack", json=body, timeout=LONG_TIMEOUT_S),
+                            progress(on_progress))
+
+    def pull(self, url: str | None = None, *, index: str | None = None, name: str | None = None,
+             sha256: str | None = None, tag: str | None = None, force: bool = False,
+             on_progress: Callable[[str], Any] | None = None) -> Any:
+        """Download a pack (from ``url``, or pack ``name`` of ``index``), verify it and unpack it."""
+        body = {key: value for key, value in (("url", url), ("index", index), ("name", name), ("sha256", sha256),
+                                              ("tag", tag)) if value is not None}
+        return self._stream(Call("POST", "/v1/packs/pull", json={**body, "force": force}, timeout=LONG_TIMEOUT_S),
+                            progress(on_progress))
+
+    def push(self, tag: str, url: str, on_progress: Callable[[str], Any] | None = None) -> Any:
+        """Pack ``tag`` and upload it with one HTTP PUT to ``url`` (e.g. a presigned object-store URL)."""
+        return self._stream(Call("POST", "/v1/packs/push", json={"tag": tag, "url": url}, timeout=LONG_TIMEOUT_S),
+                            progress(on_progress))
+
+    # branch
+
+    def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "diff", wait: bool = True) -> Any:
+        """Save a running sandbox as snapshot ``tag`` (it keeps running); ``wait=False`` answers it ``writing``.
+
+        Without a tag one is made from the sandbox id.
+        """
+        tag = tag or f"{sandbox_id}-{secrets.token_hex(4)}"
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/branch",
+                               json={"tag": tag, "mode": mode, "wait": wait}, timeout=LONG_TIMEOUT_S))
+
+    # workspaces
+
+    def create_workspace(self, name: str, snapshot_tag: str) -> Any:
+        return self._send(Call("POST", "/v1/workspaces", json={"name": name, "snapshot_tag": snapshot_tag},
+                               timeout=LONG_TIMEOUT_S))
+
+    def workspaces(self) -> Any:
+        return self._send(Call("GET", "/v1/workspaces", key="workspaces"))
+
+    def workspace(self, name: str) -> Any:
+        return self._send(Call("GET", f"/v1/workspaces/{name}"))
+
+    def suspend_workspace(self, name: str) -> Any:
+        """Save the workspace as its next diff layer and stop its sandbox (its memory is freed)."""
+        return self._send(Call("POST", f"/v1/workspaces/{name}/suspend", timeout=LONG_TIMEOUT_S))
+
+    def resume_workspace(self, name: str) -> Any:
+        return self._send(Call("POST", f"/v1/workspaces/{name}/resume", timeout=LONG_TIMEOUT_S))
+
+    def remove_workspace(self, name: str) -> Any:
+        return self._send(Call("DELETE", f"/v1/workspaces/{name}", timeout=LONG_TIMEOUT_S, key="removed_tags"))
+
