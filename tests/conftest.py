@@ -20,13 +20,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from forkd.config import paths_from_env
+from forkd.config import Paths, paths_from_env
+from forkd.runtime.isolation import Isolation
+from forkd.runtime.metrics import Metrics
+from forkd.runtime.options import RuntimeOptions
+from forkd.runtime.sandboxes import SandboxService
+from forkd.runtime.snapshots import SnapshotService
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
+from forkd.store.files import DigestCache
+from forkd.store.registry import Registry
+from forkd.store.snapshots import SnapshotStore
+from forkd.vmm.qemu import QemuVmm
 
 VM_SNAPSHOT = "vmtest"
 TESTS_ENV = "FORKD_TESTS"  # "unit": leave the VM tests out on purpose
@@ -258,3 +267,16 @@ def workloads_snapshot(daemon: Controller, workloads_image: str) -> str:
     daemon.create_snapshot(WORKLOADS_SNAPSHOT, on_progress=_progress, image=workloads_image, memory_mib=1024,
                            warm_modules=["numpy", "pandas", "sklearn", "scipy.linalg", "pytest"], warmup_cmd=warmup)
     return WORKLOADS_SNAPSHOT
+
+
+@pytest.fixture
+def qemu_sandbox_service() -> Callable[[Paths, Registry], SandboxService]:
+    """A factory: the real SandboxService over ``paths`` and ``registry``, with the QEMU backend (never started)."""
+
+    def make(paths: Paths, registry: Registry) -> SandboxService:
+        vmm = QemuVmm()
+        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+        return SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
+                              Isolation.from_options(registry, RuntimeOptions()))
+
+    return make
