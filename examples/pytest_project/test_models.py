@@ -8,7 +8,8 @@ from sklearn.preprocessing import StandardScaler
 
 
 def test_kmeans_finds_blobs():
-    points, labels = make_blobs(n_samples=300, centers=3, random_state=0)
+    points, labels = make_blobs(n_samples=300, centers=[(-10, -10), (0, 10), (10, -10)], cluster_std=1.0,
+                                random_state=0)
     found = KMeans(n_clusters=3, n_init=5, random_state=0).fit_predict(points)
     # Each true blob maps onto one found cluster.
     assert all(len(set(found[labels == blob])) == 1 for blob in range(3))
