@@ -170,7 +170,7 @@ def test_pull_refuses_a_mismatching_advertised_hash(daemon: Controller, server: 
 
 
 def test_a_branched_chain_unpacked_in_a_clean_daemon_forks_with_its_state_and_pins_its_base(
-        daemon: Controller, snapshot_tag: str, work_dir: Path) -> None:
+        daemon: Controller, snapshot_tag: str, forkd_home: Path) -> None:
     tag = "vmtest-chain"
     source = daemon.fork(snapshot_tag, 1)["sandboxes"][0]["id"]
     try:
@@ -182,9 +182,9 @@ def test_a_branched_chain_unpacked_in_a_clean_daemon_forks_with_its_state_and_pi
     home = Path(tempfile.mkdtemp(prefix="forkd-test-3-", dir="/var/tmp"))
     process, clean = start_daemon(home, vm_env_for(home))
     try:
-        packed = daemon.pack(tag, str(work_dir / "chain.tar.zst"))
+        packed = daemon.pack(tag, str(forkd_home / "packs" / "chain.tar.zst"))  # packs live in the packs dirs
         assert [s["tag"] for s in packed["chain"]] == [snapshot_tag, tag]
-        result = clean.unpack(packed["path"])
+        result = clean.unpack(str(shutil.copyfile(packed["path"], home / "packs" / "chain.tar.zst")))
         assert result["unpacked"] == [snapshot_tag, tag] and result["parent_tag"] == snapshot_tag
         forked = clean.fork(tag, 1)
         assert forked["errors"] == []
