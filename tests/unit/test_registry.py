@@ -1,4 +1,5 @@
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,21 @@ def test_address_leases_are_unique_under_concurrency_and_persist(tmp_path: Path)
     assert reopened.lease_slot("sb-again", "p", 64) == 7
     with pytest.raises(LeasesExhausted):
         reopened.lease_slot("sb-full", "small", 0)
+
+
+def test_connections_of_ended_threads_are_closed(tmp_path: Path) -> None:
+    """Each thread has its own connection; a long-running daemon must not keep those of threads
+    that ended (each holds the database and its log open)."""
+    registry = Registry(tmp_path / "state.db")
+
+    def open_files() -> int:
+        return sum(1 for fd in Path("/proc/self/fd").iterdir() if str(fd.resolve(strict=False)).startswith(str(tmp_path)))
+
+    baseline = open_files()
+    for _ in range(5):
+        worker = threading.Thread(target=registry.list_snapshots)
+        worker.start()
+        worker.join()
+    assert open_files() <= baseline + 2  # each new connection closed those of the threads before
+    registry.close()
+    assert open_files() == 0

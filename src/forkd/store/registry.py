@@ -203,8 +203,8 @@ class Registry:
         db_path.parent.mkdir(parents=True, exist_ok=True)
         self._path = db_path
         self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
-        self._guard = threading.Lock()  # only around the list of connections, never around a query
+        self._connections: dict[threading.Thread, sqlite3.Connection] = {}
+        self._guard = threading.Lock()  # only around the table of connections, never around a query
         self._closed = False
         db = self._db
         try:
@@ -222,19 +222,26 @@ class Registry:
             with self._guard:
                 if self._closed:
                     raise sqlite3.ProgrammingError("the registry is closed")
+                self._close_connections_of_ended_threads()
                 db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None,
                                      timeout=self.BUSY_TIMEOUT_S)
                 db.execute("PRAGMA synchronous=NORMAL")
-                self._connections.append(db)
+                self._connections[threading.current_thread()] = db
             self._local.db = db
         return db
 
     def close(self) -> None:
         with self._guard:
             self._closed = True
-            for db in self._connections:
+            for db in self._connections.values():
                 db.close()
             self._connections.clear()
+
+    def _close_connections_of_ended_threads(self) -> None:
+        """A thread that ended cannot use its connection again: close it, so short-lived threads
+        cannot pile up open database files in a long-running daemon."""
+        for thread in [thread for thread in self._connections if not thread.is_alive()]:
+            self._connections.pop(thread).close()
 
     def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         return self._db.execute(sql, params).fetchall()
