@@ -112,3 +112,41 @@ def test_no_import_cycles() -> None:
         if node not in state:
             visit(node, [node])
     assert cycles == []
+
+
+def registry_writes() -> set[str]:
+    """The Registry's methods that write: every public one but the readers."""
+    from forkd.store.registry import Registry
+
+    readers = ("get_", "list_", "snapshot_children", "pool_sizes", "leases", "close")
+    return {name for name in vars(Registry) if not name.startswith(("_", *readers))}
+
+
+def test_no_registry_write_runs_on_the_event_loop() -> None:
+    """A write waits for SQLite's lock (up to its busy timeout) and may checkpoint the log: inside a
+    coroutine it goes through a thread (``asyncio.to_thread(registry.x, ...)``), never a direct call."""
+    writes = registry_writes() | {"register_writing", "mark_failed"}  # SnapshotStore's own writes
+    assert {"add_sandbox", "set_end_at", "publish_snapshots"} <= writes
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if isinstance(function, ast.AsyncFunctionDef):
+                offenders += [f"{path.relative_to(SRC)}:{call.lineno} {ast.unparse(call.func)}"
+                              for call in direct_calls(function) if call.func.attr in writes]
+    assert offenders == []
+
+
+def direct_calls(function: ast.AsyncFunctionDef) -> Iterator[ast.Call]:
+    """Method calls made in ``function``'s own body and not awaited (a coroutine method is not a
+    blocking one), leaving out functions and lambdas defined inside it."""
+    pending: list[ast.AST] = list(function.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Await) and isinstance(node.value, ast.Call):
+            pending.extend(ast.iter_child_nodes(node.value))  # its arguments may still call
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            yield node
+        pending.extend(ast.iter_child_nodes(node))

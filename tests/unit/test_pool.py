@@ -103,7 +103,7 @@ def test_fill_take_give_back_trim_discard_stop(pool) -> None:
         await settle(service)
         assert service.describe("hot")["ready"] == 1 and len(released) == 2
         assert registry.pool_sizes() == {"hot": 1}
-        service.discard("hot")  # rmi
+        await service.discard("hot")  # rmi
         await settle(service)
         assert service.describe("hot")["ready"] == 0 and "hot" not in registry.pool_sizes()
         service.start()  # the config's pool

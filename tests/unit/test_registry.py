@@ -36,16 +36,37 @@ def test_duplicate_tags_are_refused(tmp_path: Path) -> None:
         registry.add_snapshot(record)
 
 
-def test_sandbox_updates_merge_meta(tmp_path: Path) -> None:
+def test_what_changes_while_a_sandbox_runs_lives_outside_its_meta(tmp_path: Path) -> None:
     registry = Registry(tmp_path / "state.db")
-    registry.add_sandbox(SandboxRecord("sb-aaaaaaaaaaaa", "base", "starting", None, tmp_path, 2.0, {"hostname": "h"}))
-    registry.update_sandbox("sb-aaaaaaaaaaaa", status="running", pid=42, meta={"seconds_to_answer": 0.5})
+    registry.add_sandbox(SandboxRecord("sb-aaaaaaaaaaaa", "base", "running", 42, tmp_path, 2.0, {"hostname": "h"},
+                                       end_at=10.0))
+    registry.set_end_at("sb-aaaaaaaaaaaa", 20.0)
+    registry.set_branch_head("sb-aaaaaaaaaaaa", "base-b1")
+    registry.set_readopted("sb-aaaaaaaaaaaa", 30.0)
     record = registry.get_sandbox("sb-aaaaaaaaaaaa")
-    assert record is not None
-    assert (record.status, record.pid, record.meta) == ("running", 42, {"hostname": "h", "seconds_to_answer": 0.5})
-    registry.update_sandbox("sb-missing00000", status="running")  # a vanished record is not an error
+    assert record is not None and record.meta == {"hostname": "h"}
+    assert (record.end_at, record.branch_head, record.head, record.readopted_at) == (20.0, "base-b1", "base-b1", 30.0)
+    assert record.to_dict()["end_at"] == 20.0 and record.to_dict()["readopted_at"] == 30.0
+    registry.set_end_at("sb-missing00000", 1.0)  # a vanished record is not an error
     registry.remove_sandbox("sb-aaaaaaaaaaaa")
     assert registry.list_sandboxes() == []
+
+
+def test_running_state_moves_out_of_sandbox_meta(tmp_path: Path) -> None:
+    """A schema-4 database kept the deadline, the BRANCH head and re-adoption time in meta."""
+    registry = Registry(tmp_path / "state.db")
+    registry.close()
+    db = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    db.execute("PRAGMA user_version = 4")
+    for column in ("end_at", "branch_head", "readopted_at"):
+        db.execute(f"ALTER TABLE sandboxes DROP COLUMN {column}")
+    db.execute("INSERT INTO sandboxes (id, snapshot_tag, status, pid, run_dir, created_at, meta) VALUES "
+               "('sb-aaaaaaaaaaaa', 'base', 'running', 1, '/r', 1.0, "
+               "'{\"hostname\": \"h\", \"end_at\": 5.0, \"branch_head\": \"b1\", \"readopted_at\": 3.0}')")
+    db.close()
+    record = Registry(tmp_path / "state.db").get_sandbox("sb-aaaaaaaaaaaa")
+    assert record is not None and record.meta == {"hostname": "h"}
+    assert (record.end_at, record.branch_head, record.readopted_at) == (5.0, "b1", 3.0)
 
 
 def test_an_older_database_gains_the_readoption_columns(tmp_path: Path) -> None:

@@ -109,7 +109,7 @@ def control_router(sandboxes: E2BSandboxes) -> APIRouter:
 
     @router.post("/sandboxes/{sandboxID}/timeout", status_code=204)
     async def set_timeout(sandboxID: SandboxId, body: TimeoutRequest) -> Response:
-        sandboxes.set_timeout(sandboxID, body.timeout)
+        await sandboxes.set_timeout(sandboxID, body.timeout)
         return Response(status_code=204)
 
     async def connect(sandboxID: SandboxId, body: ConnectRequest) -> JSONResponse:

@@ -113,7 +113,7 @@ class E2BSandboxes:
         """E2B's ``ListedSandbox`` (``SandboxDetail`` with ``detail``)."""
         if resolved.live is not None:
             record = resolved.live.record
-            started, end_at = record.created_at, record.meta.get("end_at")
+            started, end_at = record.created_at, record.end_at
             template, labels, state = record.snapshot_tag, self._labels(record.meta), "running"
         else:
             workspace = resolved.workspace
@@ -158,14 +158,14 @@ class E2BSandboxes:
         described = [self.describe(r) for r in found]
         return [d for d in described if all(d["metadata"].get(k) == v for k, v in metadata.items())]
 
-    def set_timeout(self, e2b_id: str, timeout_s: int, extend_only: bool = False) -> None:
+    async def set_timeout(self, e2b_id: str, timeout_s: int, extend_only: bool = False) -> None:
         live = self.resolve(e2b_id).live
         if live is None:
             raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
-        current = live.record.meta.get("end_at")
+        current = live.record.end_at
         if extend_only and current is not None and current >= time.time() + timeout_s:
             return
-        self.runtime.sandboxes.set_timeout(live.record.id, timeout_s)
+        await self.runtime.sandboxes.set_timeout(live.record.id, timeout_s)
 
     async def connect(self, e2b_id: str, timeout_s: int) -> tuple[int, dict[str, Any]]:
         """Resume a paused sandbox (201) or extend a running one's deadline (200)."""
@@ -174,7 +174,7 @@ class E2BSandboxes:
         if resolved.live is None:
             await self.runtime.workspaces.resume(e2b_id)
             status = 201
-        self.set_timeout(e2b_id, timeout_s, extend_only=status == 200)
+        await self.set_timeout(e2b_id, timeout_s, extend_only=status == 200)
         return status, self.created(e2b_id, self.describe(self.resolve(e2b_id))["templateID"])
 
     async def kill(self, e2b_id: str) -> None:

@@ -91,13 +91,13 @@ class BranchService:
             claim.release()
             raise
         tag = claim.tags[0]
-        parent_tag = live.record.meta.get("branch_head", live.record.snapshot_tag)
+        parent_tag = live.record.head
         parent = self.registry.get_snapshot(parent_tag)
         record = SnapshotRecord(tag=tag, status="writing", image=parent.image if parent else "",
                                 path=self.paths.snapshots / tag, created_at=time.time(),
                                 meta={"mode": mode, "source_sandbox": sandbox_id}, parent_tag=parent_tag)
         try:
-            self.store.register_writing(claim, record)
+            await asyncio.to_thread(self.store.register_writing, claim, record)
         except BaseException:
             claim.release()
             raise
@@ -126,8 +126,9 @@ class BranchService:
                 if source.broken:
                     raise SnapshotConflict(f"sandbox {live.record.id} cannot be branched again: {source.broken}")
                 # The head may have moved while this branch waited for the one before it.
-                record.parent_tag = live.record.meta.get("branch_head", live.record.snapshot_tag)
-                self.registry.update_snapshot(record.tag, status="writing", parent_tag=record.parent_tag)
+                record.parent_tag = live.record.head
+                await asyncio.to_thread(self.registry.update_snapshot, record.tag, status="writing",
+                                        parent_tag=record.parent_tag)
                 parent = self.registry.get_snapshot(record.parent_tag)
                 if parent is None or parent.status != "ready":
                     raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} is not ready")
@@ -137,7 +138,8 @@ class BranchService:
                 capture = await branching_of(self.vmm).capture(
                     live.vm, parent.meta["identity"]["memory_mib"] << 20, top, build_dir / STATE_FILE,
                     live=mode == "live", mark=timings.mark)
-                self.registry.set_vmm_state(live.record.id, live.vm.state)  # a restarted daemon adopts the new top
+                # A restarted daemon adopts the new top.
+                await asyncio.to_thread(self.registry.set_vmm_state, live.record.id, live.vm.state)
                 meta = await self._assemble(build_dir, parent, memory, capture, mode, timings)
                 meta["pause_ms"] = round(capture.pause_s * 1000, 2)
                 meta["timings"] = timings.as_ms()  # meta.json keeps them up to `sealed`
@@ -147,12 +149,12 @@ class BranchService:
                 # The answer (not meta.json, written before) also says what publishing took.
                 record.meta = {**record.meta, "timings": timings.as_ms(), "total_seconds": round(timings.total, 3)}
                 timings.observe(self.metrics.branch_stage_seconds, mode)
-                live.record.meta["branch_head"] = record.tag
-                self.registry.update_sandbox(live.record.id, meta={"branch_head": record.tag})
+                live.record.branch_head = record.tag
+                await asyncio.to_thread(self.registry.set_branch_head, live.record.id, record.tag)
         except BaseException as exc:
             if live.vm.state != backend_state:  # the source writes a new disk top: its old one is in no snapshot
                 source.broken = f"its branch to {record.tag!r} failed after its disk was switched ({exc})"
-            self.store.mark_failed(record.tag, str(exc) or type(exc).__name__)
+            await asyncio.to_thread(self.store.mark_failed, record.tag, str(exc) or type(exc).__name__)
             raise
         finally:
             claim.release()

@@ -183,14 +183,14 @@ class PoolService:
         self._disposing.add(task)
         task.add_done_callback(self._disposing.discard)
 
-    def discard(self, tag: str) -> None:
+    async def discard(self, tag: str) -> None:
         """The snapshot is gone (``rmi``): kill its members, stop filling and forget its size."""
         self._generation[tag] += 1
         for member in self._members.pop(tag, []):
             self._dispose(member)
         self._configured.pop(tag, None)
         if self._stored.pop(tag, None) is not None:
-            self.registry.set_pool_size(tag, None)
+            await asyncio.to_thread(self.registry.set_pool_size, tag, None)
 
     async def stop(self) -> None:
         """Kill every member and wait until all are released (daemon stop)."""

@@ -84,8 +84,8 @@ async def _recover_one(sandboxes: SandboxService, record: SandboxRecord, refs: l
                     process.kill()
                 await asyncio.wait_for(process.wait(), KILL_TIMEOUT_S)
             else:
-                record.meta["readopted_at"] = time.time()
-                sandboxes.registry.update_sandbox(record.id, meta={"readopted_at": record.meta["readopted_at"]})
+                record.readopted_at = time.time()
+                await asyncio.to_thread(sandboxes.registry.set_readopted, record.id, record.readopted_at)
                 sandboxes.watch(record, vm, agent)
                 return True
     await _kill_all(refs, f"{record.run_dir}/")

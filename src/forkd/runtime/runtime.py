@@ -122,5 +122,5 @@ class Runtime:
         """Remove snapshots (refused while children of them start or run) and kill their pools' members."""
         removed = await self.store.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)
         for gone in removed:
-            self.sandboxes.pool.discard(gone)
+            await self.sandboxes.pool.discard(gone)
         return removed

@@ -292,12 +292,12 @@ class SandboxService:
         """Everything about a child that just answered, in the one record written for it."""
         answered = round(timings.total, 4)
         meta = {"hostname": sandbox_id, "envs": options.envs, "metadata": options.metadata,
-                "end_at": None if options.timeout_s is None else round(time.time() + options.timeout_s, 3),
                 "seconds_to_answer": answered, "timings": timings.as_ms(),
                 **sandbox_meta(options.isolation, prepared.lease)}
         return SandboxRecord(id=sandbox_id, snapshot_tag=tag, status="running", pid=vm.pid, run_dir=vm.run_dir,
                              created_at=time.time(), meta=meta, vmm_started=start_time(vm.pid),
-                             vmm_state=vm.state)
+                             vmm_state=vm.state,
+                             end_at=None if options.timeout_s is None else round(time.time() + options.timeout_s, 3))
 
     def watch(self, record: SandboxRecord, vm: VmHandle, agent: AgentClient,
               isolation: Prepared | None = None) -> LiveSandbox:
@@ -362,15 +362,12 @@ class SandboxService:
         await remove_tree(run_dir)  # a child's overlay can hold gigabytes: deleted off the loop
         await asyncio.to_thread(self.registry.remove_sandbox, sandbox_id)
 
-    def _update_meta(self, live: LiveSandbox, **meta: Any) -> None:
-        live.record.meta.update(meta)
-        self.registry.update_sandbox(live.record.id, meta=meta)
-
-    def set_timeout(self, sandbox_id: str, timeout_s: float) -> float:
+    async def set_timeout(self, sandbox_id: str, timeout_s: float) -> float:
         """Kill the sandbox ``timeout_s`` from now (replacing any earlier deadline); returns the deadline."""
-        end_at = round(time.time() + timeout_s, 3)
-        self._update_meta(self.get(sandbox_id), end_at=end_at)
-        return end_at
+        live = self.get(sandbox_id)
+        live.record.end_at = round(time.time() + timeout_s, 3)  # the expiry sweep sees it at once
+        await asyncio.to_thread(self.registry.set_end_at, sandbox_id, live.record.end_at)  # a restart keeps it
+        return live.record.end_at
 
     async def expire(self, now: float | None = None) -> list[str]:
         """Kill every sandbox whose deadline has passed; returns their ids.
@@ -379,7 +376,7 @@ class SandboxService:
         """
         now = time.time() if now is None else now
         expired = [s.record.id for s in self.live()
-                   if s.record.meta.get("end_at") is not None and s.record.meta["end_at"] <= now and not s.killing]
+                   if s.record.end_at is not None and s.record.end_at <= now and not s.killing]
         for sandbox_id in expired:
             log.info("sandbox %s reached its timeout: killing it", sandbox_id)
             try:

@@ -66,7 +66,7 @@ class WorkspaceService:
             sandbox_id = await self._start(name, snapshot_tag)
             record = WorkspaceRecord(name=name, state="running", sandbox_id=sandbox_id, snapshot_tag=snapshot_tag,
                                      created_at=time.time(), meta={"base_tag": snapshot_tag, "suspends": []})
-            self.registry.put_workspace(record)
+            await asyncio.to_thread(self.registry.put_workspace, record)
             return record
 
     async def adopt(self, name: str, sandbox_id: str) -> WorkspaceRecord:
@@ -79,7 +79,7 @@ class WorkspaceService:
             tag = self.sandboxes.get(sandbox_id).record.snapshot_tag
             record = WorkspaceRecord(name=name, state="running", sandbox_id=sandbox_id, snapshot_tag=tag,
                                      created_at=time.time(), meta={"base_tag": tag, "suspends": []})
-            self.registry.put_workspace(record)
+            await asyncio.to_thread(self.registry.put_workspace, record)
             return record
 
     async def suspend(self, name: str) -> WorkspaceRecord:
@@ -111,7 +111,7 @@ class WorkspaceService:
             record.meta["suspends"].append(tag)
             record.meta["last_pause_ms"] = snapshot.meta.get("pause_ms")
             record.state, record.sandbox_id, record.snapshot_tag = "suspended", None, tag
-            self.registry.put_workspace(record)
+            await asyncio.to_thread(self.registry.put_workspace, record)
             return record
 
     async def resume(self, name: str) -> WorkspaceRecord:
@@ -123,7 +123,7 @@ class WorkspaceService:
             record.sandbox_id = await self._start(name, record.snapshot_tag, record.meta.get("labels", {}),
                                                   record.meta.get("envs", {}))
             record.state = "running"
-            self.registry.put_workspace(record)
+            await asyncio.to_thread(self.registry.put_workspace, record)
             return record
 
     async def remove(self, name: str) -> list[str]:
@@ -136,7 +136,7 @@ class WorkspaceService:
                 except SandboxNotFound:
                     pass  # it ended already
             removed = await self._remove_snapshot(record.meta["suspends"][0], cascade=True) if record.meta["suspends"] else []
-            self.registry.remove_workspace(name)
+            await asyncio.to_thread(self.registry.remove_workspace, name)
             return removed
 
     async def _start(self, name: str, snapshot_tag: str, labels: dict[str, str] | None = None,

@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS net_leases (
     PRIMARY KEY (pool, slot)
 );
 """
-_SANDBOX_FIELDS = "id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, vmm_state"
+_SANDBOX_FIELDS = ("id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, vmm_state, end_at, "
+                   "branch_head, readopted_at")
 _SNAPSHOT_FIELDS = "tag, status, image, path, created_at, meta, parent_tag, error"
 
 
@@ -93,9 +94,18 @@ def _pools_table(db: sqlite3.Connection) -> None:
     db.execute("CREATE TABLE pools (tag TEXT PRIMARY KEY, size INTEGER NOT NULL)")
 
 
+def _sandbox_state_out_of_meta(db: sqlite3.Connection) -> None:
+    """5: a sandbox's ``meta`` is written once, when it answers; what changes while it runs lives in
+    columns: its deadline, the snapshot its next BRANCH chains onto, when a restarted daemon re-adopted it."""
+    for name, sql_type in (("end_at", "REAL"), ("branch_head", "TEXT"), ("readopted_at", "REAL")):
+        db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {sql_type}")
+        db.execute(f"UPDATE sandboxes SET {name} = json_extract(meta, '$.{name}')")
+    db.execute("UPDATE sandboxes SET meta = json_remove(meta, '$.end_at', '$.branch_head', '$.readopted_at')")
+
+
 #: Schema migrations, in order: step N brings ``PRAGMA user_version`` from N-1 to N in one
 #: transaction. A new database is created in the unversioned shape and migrated like any other.
-MIGRATIONS = (_add_columns, _vmm_state_blob, _snapshot_state_out_of_meta, _pools_table)
+MIGRATIONS = (_add_columns, _vmm_state_blob, _snapshot_state_out_of_meta, _pools_table, _sandbox_state_out_of_meta)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -182,11 +192,22 @@ class SandboxRecord:
     meta: dict[str, Any] = field(default_factory=dict)
     vmm_started: int | None = None  # clock ticks after boot, from /proc/PID/stat
     vmm_state: dict[str, Any] | None = None  # the backend's own VmHandle.state, for re-adoption
+    end_at: float | None = None  # when the daemon kills it (its timeout); None: never
+    branch_head: str | None = None  # the snapshot its last BRANCH wrote: the next one chains onto it
+    readopted_at: float | None = None  # when a restarted daemon found it running and took it back
+
+    @property
+    def head(self) -> str:
+        """The snapshot the sandbox's memory and disk now derive from: what a BRANCH chains onto."""
+        return self.branch_head or self.snapshot_tag
 
     def to_dict(self) -> dict[str, Any]:
         public = {k: v for k, v in self.meta.items() if k not in PRIVATE_SANDBOX_META}
-        return {"id": self.id, "snapshot_tag": self.snapshot_tag, "status": self.status, "pid": self.pid,
-                "created_at": self.created_at, **public}
+        described = {"id": self.id, "snapshot_tag": self.snapshot_tag, "status": self.status, "pid": self.pid,
+                     "created_at": self.created_at, "end_at": self.end_at, **public}
+        if self.readopted_at is not None:
+            described["readopted_at"] = self.readopted_at
+        return described
 
 
 class Registry:
@@ -305,25 +326,26 @@ class Registry:
     def add_sandbox(self, record: SandboxRecord) -> None:
         """One insert with everything, VMM included: a fork writes each child's record once."""
         self._execute(
-            f"INSERT INTO sandboxes ({_SANDBOX_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO sandboxes ({_SANDBOX_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (record.id, record.snapshot_tag, record.status, record.pid, str(record.run_dir), record.created_at,
              json.dumps(record.meta), record.vmm_started,
-             None if record.vmm_state is None else json.dumps(record.vmm_state)),
+             None if record.vmm_state is None else json.dumps(record.vmm_state), record.end_at, record.branch_head,
+             record.readopted_at),
         )
 
-    def update_sandbox(self, sandbox_id: str, *, status: str | None = None, pid: int | None = None,
-                       meta: dict[str, Any] | None = None) -> None:
-        with self._transaction() as db:
-            row = db.execute("SELECT status, pid, meta FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
-            if row is not None:
-                merged = {**json.loads(row[2]), **(meta or {})}
-                db.execute("UPDATE sandboxes SET status = ?, pid = ?, meta = ? WHERE id = ?",
-                           (status or row[0], pid if pid is not None else row[1], json.dumps(merged), sandbox_id))
+    def set_end_at(self, sandbox_id: str, end_at: float | None) -> None:
+        self._execute("UPDATE sandboxes SET end_at = ? WHERE id = ?", (end_at, sandbox_id))
 
     def set_vmm(self, sandbox_id: str, pid: int, started: int | None, vmm_state: dict[str, Any]) -> None:
         """Record the VMM of a sandbox, everything a restarted daemon needs to find and reconnect it."""
         self._execute("UPDATE sandboxes SET pid = ?, vmm_started = ?, vmm_state = ? WHERE id = ?",
                       (pid, started, json.dumps(vmm_state), sandbox_id))
+
+    def set_branch_head(self, sandbox_id: str, tag: str) -> None:
+        self._execute("UPDATE sandboxes SET branch_head = ? WHERE id = ?", (tag, sandbox_id))
+
+    def set_readopted(self, sandbox_id: str, at: float) -> None:
+        self._execute("UPDATE sandboxes SET readopted_at = ? WHERE id = ?", (at, sandbox_id))
 
     def set_vmm_state(self, sandbox_id: str, vmm_state: dict[str, Any]) -> None:
         """The backend's state of a running VMM changed (a BRANCH moved its disk to a new overlay)."""
@@ -420,4 +442,5 @@ def _snapshot(row: tuple[Any, ...]) -> SnapshotRecord:
 def _sandbox(row: tuple[Any, ...]) -> SandboxRecord:
     return SandboxRecord(id=row[0], snapshot_tag=row[1], status=row[2], pid=row[3], run_dir=Path(row[4]),
                          created_at=row[5], meta=json.loads(row[6]), vmm_started=row[7],
-                         vmm_state=json.loads(row[8]) if row[8] else None)
+                         vmm_state=json.loads(row[8]) if row[8] else None, end_at=row[9], branch_head=row[10],
+                         readopted_at=row[11])

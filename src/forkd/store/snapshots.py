@@ -319,15 +319,20 @@ class SnapshotStore:
                 busy.append(f"{victim!r} (being {doing})")
         if busy:
             raise SnapshotConflict(f"snapshots in use: {', '.join(busy)}; kill the sandboxes or wait, then remove again")
-        with self.claim(doomed, "removed", existing_ok=True):
+        with self.claim(doomed, "removed", existing_ok=True):  # taken before any wait: no fork starts now
             trash = self.build_dir("remove")
-            for victim in doomed:  # deepest first: a crash in between never leaves a child without its parent
-                path = self.registry.get_snapshot(victim).path  # type: ignore[union-attr]
-                self.registry.remove_snapshot(victim)
-                if path.exists():
-                    os.rename(path, trash / victim)  # gone from its name at once; deleted below
+            await blocking(self._unregister, doomed, trash)
         await remove_tree(trash)
         return doomed
+
+    def _unregister(self, doomed: list[str], trash: Path) -> None:
+        """Drop the records and move the directories into ``trash``, deepest first: a crash in
+        between never leaves a child without its parent."""
+        for victim in doomed:
+            path = self.registry.get_snapshot(victim).path  # type: ignore[union-attr]
+            self.registry.remove_snapshot(victim)
+            if path.exists():
+                os.rename(path, trash / victim)  # gone from its name at once; deleted afterwards
 
     # recovery --------------------------------------------------------------------------------------
 

@@ -86,7 +86,7 @@ async def kill_sandbox(sandbox_id: SandboxId, runtime: RuntimeDep) -> dict[str, 
 
 @router.post("/v1/sandboxes/{sandbox_id}/timeout")
 async def set_timeout(sandbox_id: SandboxId, body: schemas.TimeoutBody, runtime: RuntimeDep) -> dict[str, Any]:
-    return {"id": sandbox_id, "end_at": runtime.sandboxes.set_timeout(sandbox_id, body.timeout_s)}
+    return {"id": sandbox_id, "end_at": await runtime.sandboxes.set_timeout(sandbox_id, body.timeout_s)}
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/ping")
