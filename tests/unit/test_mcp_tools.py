@@ -3,10 +3,13 @@ argument checks never reach the daemon, and the daemon is really absent for the 
 
 from __future__ import annotations
 
+import base64
+import json
+
 import anyio
 import pytest
 from mcp import Client
-from mcp_types import CallToolResult, Tool
+from mcp_types import CallToolResult, ImageContent, TextContent, Tool
 
 from forkd.mcp.errors import readable
 from forkd.mcp.server import build_server
@@ -112,3 +115,35 @@ def test_error_messages_name_the_next_step() -> None:
     assert "does not offer" in readable(ForkdError(404, "no_route", "no route"))
     missing_route = readable(ForkdError(404, "error", '{"detail":"Not Found"}'))
     assert "does not offer" in missing_route and "upgrade forkd" in missing_route
+
+
+class _CellAnswers:
+    """Stands in for the Controller behind build_server: answers run_code as the daemon does."""
+
+    PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n-not-a-real-image").decode()
+
+    def run_code(self, sandbox_id: str, code: str, context: str, timeout_s: float | None) -> dict:
+        return {"value": "<Figure>", "value_json": None, "error": None, "stdout": "drawn\n", "stderr": "",
+                "truncated": False, "results": [
+                    {"png": self.PNG, "text": "<Figure size 640x480 with 1 Axes>", "is_main_result": False,
+                     "chart": {"type": "bar", "title": "t", "elements": []}},
+                    {"html": "<table><tr><td>1</td></tr></table>", "markdown": "| 1 |", "json": {"a": 1},
+                     "text": "Table", "is_main_result": True}]}
+
+
+def test_run_code_returns_rich_results_as_image_and_text_content() -> None:
+    async def call() -> CallToolResult:
+        async with Client(build_server(_CellAnswers())) as client:  # type: ignore[arg-type]
+            return await client.call_tool("run_code", {"sandbox_id": "sb-000000000000", "code": "plot()"})
+
+    result = anyio.run(call)
+    assert not result.is_error, _text(result)
+    images = [b for b in result.content if isinstance(b, ImageContent)]
+    assert [(i.mime_type, i.data) for i in images] == [("image/png", _CellAnswers.PNG)]
+    texts = [b.text for b in result.content if isinstance(b, TextContent)]
+    assert json.loads(texts[0])["stdout"] == "drawn\n"  # the structured result first, for text-only clients
+    assert texts[1:] == ["<table><tr><td>1</td></tr></table>", "| 1 |", '{\n  "a": 1\n}']
+    structured = result.structured_content
+    assert structured["stdout"] == "drawn\n"
+    assert [r["formats"] for r in structured["results"]] == [["chart", "png", "text"], ["html", "json", "markdown", "text"]]
+    assert structured["results"][0]["chart"]["type"] == "bar" and structured["results"][1]["is_main_result"]

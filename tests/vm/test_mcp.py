@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -18,7 +19,7 @@ import httpx
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
-from mcp_types import CallToolResult
+from mcp_types import CallToolResult, ImageContent
 
 from forkd.sdk.controller import Controller, ForkdError
 
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.vm
 
 SERVER = [sys.executable, "-m", "forkd.mcp"]  # what the forkd-mcp console script runs
 READ_TIMEOUT_S = 300.0
+#: A cell showing a PNG rich result without matplotlib (the shared snapshot's image has none).
+CHART_CELL = (Path(__file__).resolve().parent.parent / "e2b" / "chart_cell.py").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +86,13 @@ def test_stdio_session_drives_a_sandbox(daemon: Controller, snapshot_tag: str, s
                 failed = await _ok(client, "run_code", sandbox_id=sandbox_id, code="1 / 0")
                 assert failed["error"]["name"] == "ZeroDivisionError"
                 assert (await _ok(client, "eval", sandbox_id=sandbox_id, expr="x"))["type"] == "int"
+                chart = await client.call_tool("run_code", {"sandbox_id": sandbox_id, "code": CHART_CELL})
+                assert not chart.is_error and chart.structured_content["results"][0]["formats"] == ["png", "text"]
+                (image,) = [block for block in chart.content if isinstance(block, ImageContent)]
+                assert image.mime_type == "image/png" and base64.b64decode(image.data).startswith(b"\x89PNG")
+                html = await client.call_tool("run_code", {"sandbox_id": sandbox_id, "code": (
+                    "class T:\n    def _repr_html_(self): return '<b>bold</b>'\nT()")})
+                assert "<b>bold</b>" in [getattr(block, "text", None) for block in html.content]
 
                 await _ok(client, "write_file", sandbox_id=sandbox_id, path="/root/new/notes.txt", content="héllo\n",
                           mode="600")

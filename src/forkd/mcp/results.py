@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import pydantic_core
+from mcp_types import ContentBlock, ImageContent, TextContent
 from pydantic import BaseModel, Field
 
 
@@ -29,6 +31,14 @@ class PythonError(BaseModel):
     traceback: str
 
 
+class RichResult(BaseModel):
+    formats: list[str] = Field(description="the formats this result came in (png, html, markdown, json, ...); "
+                                           "images and the html/markdown/json text follow as content blocks")
+    text: str | None = Field(None, description="the plain-text form, e.g. repr() of the object")
+    chart: dict[str, Any] | None = Field(None, description="data extracted from a matplotlib chart (E2B's shape)")
+    is_main_result: bool = Field(False, description="the cell's last value, not a display() call")
+
+
 class CodeResult(BaseModel):
     value: str | None = Field(description="repr() of the last expression; null if none or None")
     value_json: Any = Field(None, description="the value itself when it is JSON-serialisable, else null")
@@ -36,6 +46,8 @@ class CodeResult(BaseModel):
     error: PythonError | None = Field(None, description="the exception the code raised, if any")
     stdout: str = ""
     stderr: str = ""
+    results: list[RichResult] = Field(default_factory=list, description=(
+        "run_code only: rich results (display() calls, matplotlib figures, the value's _repr_*_ forms)"))
 
 
 class FileContent(BaseModel):
@@ -56,3 +68,33 @@ class WaitResult(BaseModel):
     elapsed_s: float
     polls: int = Field(description="how many times the file was read")
     file_exists: bool = Field(description="the file existed at the last poll")
+
+
+#: Rich result formats returned as image blocks (base64 data) and as text blocks, in this order.
+IMAGE_FORMATS = {"png": "image/png", "jpeg": "image/jpeg"}
+TEXT_FORMATS = ("html", "markdown", "svg", "latex", "json")
+
+
+def code_content(answer: dict[str, Any]) -> tuple[CodeResult, list[ContentBlock]]:
+    """A run_code answer as the tool's structured result and its content blocks.
+
+    The first block is the structured result as JSON text (what a client without structured output
+    reads); each rich result then adds its images as image blocks and its html/markdown/json forms
+    as text blocks, so a model sees a chart instead of ``<Figure size 640x480 with 1 Axes>``.
+    """
+    rich = [r for r in answer.get("results") or [] if isinstance(r, dict)]
+    result = CodeResult(**{k: v for k, v in answer.items() if k != "results"}, results=[
+        RichResult(formats=sorted(k for k in r if k not in {"is_main_result", "extra"}), text=r.get("text"),
+                   chart=r.get("chart") if isinstance(r.get("chart"), dict) else None,
+                   is_main_result=bool(r.get("is_main_result"))) for r in rich])
+    blocks: list[ContentBlock] = [TextContent(text=result.model_dump_json(indent=2))]
+    for r in rich:
+        blocks += [ImageContent(data=r[key], mime_type=mime) for key, mime in IMAGE_FORMATS.items()
+                   if isinstance(r.get(key), str)]
+        for key in TEXT_FORMATS:
+            value = r.get(key)
+            if isinstance(value, str):
+                blocks.append(TextContent(text=value))
+            elif value is not None:
+                blocks.append(TextContent(text=pydantic_core.to_json(value, indent=2).decode()))
+    return result, blocks

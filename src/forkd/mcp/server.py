@@ -18,12 +18,20 @@ import anyio.from_thread
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp_types import ToolAnnotations
+from mcp_types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
 from forkd import __version__
 from forkd.mcp.errors import tool_error
-from forkd.mcp.results import CodeResult, ExecResult, FileContent, FileWritten, SpawnResult, WaitResult
+from forkd.mcp.results import (
+    CodeResult,
+    ExecResult,
+    FileContent,
+    FileWritten,
+    SpawnResult,
+    WaitResult,
+    code_content,
+)
 from forkd.sdk.controller import Controller, ForkdError
 
 T = TypeVar("T")
@@ -201,10 +209,12 @@ def build_server(controller: Controller) -> MCPServer:
         context: ContextName = "default",
         timeout_s: Annotated[float | None, Field(gt=0, le=MAX_TIMEOUT_S, description=(
             "seconds before a TimeoutError is raised in the code; null: no limit"))] = None,
-    ) -> CodeResult:
+    ) -> Annotated[CallToolResult, CodeResult]:
         """Run Python in a sandbox like a notebook cell: variables persist in the context between calls;
-        an exception is returned in 'error', not raised."""
-        return CodeResult(**await _call(controller.run_code, sandbox_id, code, context, timeout_s))
+        an exception is returned in 'error', not raised. Charts (matplotlib figures, PNG results) come
+        back as images, HTML/Markdown/JSON results as text."""
+        result, blocks = code_content(await _call(controller.run_code, sandbox_id, code, context, timeout_s))
+        return CallToolResult(content=blocks, structured_content=result.model_dump(mode="json"))
 
     @server.tool(name="eval")
     async def eval_expr(
