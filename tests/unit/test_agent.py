@@ -1177,6 +1177,8 @@ def test_matplotlib_figures_come_back_as_png(agent: AgentClient) -> None:
     pngs = [r for r in result["results"] if "png" in r]
     assert len(pngs) == 2 and all(unb64(r["png"]).startswith(b"\x89PNG") for r in pngs)
     assert pngs[-1]["is_main_result"] is True
+    assert pngs[0]["chart"]["type"] == "line" and pngs[0]["chart"]["elements"][0]["points"][2] == [2.0, 3.0]
+    assert "chart" not in pngs[1]  # a figure without Axes holds no data
 
 
 def test_a_dead_template_is_replaced_with_its_warm_up_replayed() -> None:

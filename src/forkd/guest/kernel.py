@@ -9,7 +9,8 @@ socket close and answers ``InterpreterCrashed``.
 
 Rich results follow E2B's code interpreter: every ``display(obj)`` and the cell's last value
 become results with keys among ``text, html, markdown, svg, png, jpeg, pdf, latex, json,
-javascript, extra`` plus ``is_main_result``; matplotlib figures shown in a cell come back as PNG.
+javascript, extra`` plus ``is_main_result``; matplotlib figures shown in a cell come back as PNG,
+with their data as E2B's ``chart`` (:mod:`charts`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import threading
 import traceback
 from typing import Any
 
-from . import protocol, reseed
+from . import charts, protocol, reseed
 
 #: Largest text chunk carried by one output event.
 OUTPUT_CHUNK_CHARS = 64 * 1024
@@ -199,8 +200,18 @@ def _is_figure(obj: Any) -> bool:
 def formats_of(obj: Any) -> dict[str, Any]:
     """Every representation ``obj`` offers, by E2B result key; a failing ``_repr_*_`` is skipped."""
     found: dict[str, Any] = {}
+    dropped: list[str] = []
     if _is_figure(obj):
-        found["png"] = _figure_png(obj)
+        found["png"] = _figure_png(obj)  # first: drawing lays out the tick labels the chart reads
+        chart = None
+        try:
+            chart = charts.chart_of(obj)
+        except charts.TooLarge:
+            dropped.append("chart")
+        except Exception:  # a figure this code cannot read is still shown as an image
+            pass
+        if chart is not None:
+            found["chart"] = chart
     bundle = getattr(obj, "_repr_mimebundle_", None)
     if callable(bundle) and not isinstance(obj, type):
         try:
@@ -227,8 +238,8 @@ def formats_of(obj: Any) -> dict[str, Any]:
     oversized = [key for key, value in found.items() if len(json.dumps(value)) > FORMAT_MAX_BYTES]
     for key in oversized:
         del found[key]
-    if oversized:
-        found["extra"] = {"dropped_formats": oversized, "format_max_bytes": FORMAT_MAX_BYTES}
+    if oversized or dropped:
+        found["extra"] = {"dropped_formats": dropped + oversized, "format_max_bytes": FORMAT_MAX_BYTES}
     return found
 
 
