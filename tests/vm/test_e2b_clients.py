@@ -22,18 +22,20 @@ pytestmark = pytest.mark.vm
 HERE = Path(__file__).resolve().parent.parent / "e2b"
 PYTHON_CHECKS = {"commands", "stdout_streams_before_the_end", "background_command_killed", "stdin", "non_zero_exit",
                  "files", "watch", "pty", "second_client", "set_timeout", "list", "wrong_api_key", "unknown_sandbox", "run_code",
-                 "fork", "pause_resume", "kill"}
+                 "charts", "fork", "pause_resume", "kill"}
 JS_CHECKS = PYTHON_CHECKS
 
 
 @pytest.fixture(scope="module")
-def e2b_env(daemon: Controller, snapshot_tag: str, vm_env: dict[str, str], forkd_home: Path) -> dict[str, str]:
-    """E2B's variables, and nothing of forkd's, for a client process."""
+def e2b_env(daemon: Controller, snapshot_tag: str, workloads_snapshot: str, vm_env: dict[str, str],
+            forkd_home: Path) -> dict[str, str]:
+    """E2B's variables, and nothing of forkd's, for a client process (charts need the workloads
+    snapshot's matplotlib)."""
     keys = (forkd_home / "e2b" / "api-keys").read_text().split()
     url = f"http://{vm_env['FORKD_E2B_LISTEN']}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FORKD_", "E2B_"))}
     env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=next(k for k in keys if k.startswith("e2b_")),
-               E2B_TEST_TEMPLATE=snapshot_tag)
+               E2B_TEST_TEMPLATE=snapshot_tag, E2B_TEST_CHART_TEMPLATE=workloads_snapshot)
     return env
 
 

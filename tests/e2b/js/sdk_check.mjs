@@ -1,7 +1,8 @@
 // Drive forkd with E2B's unmodified JavaScript SDKs (`e2b`, `@e2b/code-interpreter`) under Node.
 //
 // Pointed at forkd only through the environment: E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY, and
-// E2B_TEST_TEMPLATE (the forkd snapshot to start sandboxes from). Prints `ok NAME` per check that
+// E2B_TEST_TEMPLATE (the forkd snapshot to start sandboxes from), E2B_TEST_CHART_TEMPLATE (one whose
+// image has matplotlib, for the `charts` check). Prints `ok NAME` per check that
 // passed, `FAIL NAME: why` per check that did not, and exits non-zero if any failed.
 import { randomBytes } from 'node:crypto'
 import { readFileSync } from 'node:fs'
@@ -11,6 +12,7 @@ import { Sandbox as CodeSandbox } from '@e2b/code-interpreter'
 
 const TEMPLATE = process.env.E2B_TEST_TEMPLATE
 const CHART_CELL = readFileSync(new URL('../chart_cell.py', import.meta.url), 'utf8')
+const MATPLOTLIB_CELL = readFileSync(new URL('../matplotlib_cell.py', import.meta.url), 'utf8')
 const failures = []
 
 async function check(name, body) {
@@ -191,6 +193,22 @@ await check('run_code', async () => {
     assert.equal(chart.error, undefined)
     assert.equal(chart.results.length, 1)
     assert.ok(Buffer.from(chart.results[0].png, 'base64').subarray(0, 4).equals(Buffer.from('\x89PNG', 'latin1')))
+  } finally {
+    await code.kill()
+  }
+})
+
+await check('charts', async () => {
+  const code = await CodeSandbox.create(process.env.E2B_TEST_CHART_TEMPLATE, { timeoutMs: 600_000 })
+  try {
+    const execution = await code.runCode(MATPLOTLIB_CELL, { timeoutMs: 600_000 })
+    assert.equal(execution.error, undefined)
+    const [line, scatter, bar, pie] = execution.results.map((result) => result.chart)
+    assert.deepEqual([line.type, line.title, line.x_unit], ['line', 'Line', 'd'])
+    assert.deepEqual(line.elements.map((e) => [e.label, e.points]), [['growth', [[1, 2], [2, 4], [3, 8]]]])
+    assert.deepEqual([scatter.type, scatter.elements[0].points], ['scatter', [[1, 3], [2, 4]]])
+    assert.deepEqual(bar.elements.map((e) => [e.label, e.group, e.value]), [['apples', 'stock', 3], ['pears', 'stock', 5]])
+    assert.deepEqual(pie.elements.map((e) => [e.label, Math.round(e.angle)]), [['left', 90], ['right', 270]])
   } finally {
     await code.kill()
   }

@@ -1,7 +1,8 @@
 """Drive forkd with E2B's unmodified Python SDKs (``e2b``, ``e2b-code-interpreter``).
 
 Pointed at forkd only through the environment: E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY, and
-E2B_TEST_TEMPLATE (the forkd snapshot to start sandboxes from). Prints ``ok NAME`` per check that
+E2B_TEST_TEMPLATE (the forkd snapshot to start sandboxes from), E2B_TEST_CHART_TEMPLATE (one whose
+image has matplotlib, for the ``charts`` check). Prints ``ok NAME`` per check that
 passed, ``FAIL NAME: why`` per check that did not, and exits non-zero if any failed. Check names
 given as arguments run only those (the sandbox is still created, and killed only by ``kill``).
 """
@@ -26,10 +27,12 @@ from e2b import (
     SandboxQuery,
     SandboxState,
 )
+from e2b_code_interpreter.charts import ChartType
 from e2b_code_interpreter import Sandbox as CodeSandbox
 
 TEMPLATE = os.environ["E2B_TEST_TEMPLATE"]
 CHART_CELL = (Path(__file__).resolve().parent.parent / "chart_cell.py").read_text()
+MATPLOTLIB_CELL = (Path(__file__).resolve().parent.parent / "matplotlib_cell.py").read_text()
 BIG = 20 << 20
 failures: list[str] = []
 
@@ -195,6 +198,23 @@ def main() -> int:
         finally:
             code.kill()
 
+    def charts() -> None:
+        code = CodeSandbox.create(template=os.environ["E2B_TEST_CHART_TEMPLATE"], timeout=600)
+        try:
+            execution = code.run_code(MATPLOTLIB_CELL, timeout=600)
+            assert execution.error is None, execution.error
+            line, scatter, bar, pie = (result.chart for result in execution.results)
+            assert all(base64.b64decode(r.png).startswith(b"\x89PNG") for r in execution.results)
+            assert (line.type, line.title, line.x_unit) == (ChartType.LINE, "Line", "d"), line.to_dict()
+            assert [(e.label, e.points) for e in line.elements] == [("growth", [(1, 2), (2, 4), (3, 8)])]
+            assert scatter.type == ChartType.SCATTER and scatter.elements[0].points == [(1, 3), (2, 4)]
+            assert bar.type == ChartType.BAR, bar.to_dict()
+            assert [(e.label, e.group, e.value) for e in bar.elements] == [("apples", "stock", 3), ("pears", "stock", 5)]
+            assert pie.type == ChartType.PIE
+            assert [(e.label, round(e.angle)) for e in pie.elements] == [("left", 90), ("right", 270)]
+        finally:
+            code.kill()
+
     def fork() -> None:
         sbx.commands.run("echo before-fork > /tmp/state")
         children = sbx.fork(count=2, timeout=300)
@@ -225,7 +245,7 @@ def main() -> int:
                        ("background_command_killed", background_command_killed), ("stdin", stdin),
                        ("non_zero_exit", non_zero_exit), ("files", files), ("watch", watch), ("pty", pty), ("second_client", second_client),
                        ("set_timeout", set_timeout), ("list", listing), ("wrong_api_key", wrong_api_key),
-                       ("unknown_sandbox", unknown_sandbox), ("run_code", run_code), ("fork", fork),
+                       ("unknown_sandbox", unknown_sandbox), ("run_code", run_code), ("charts", charts), ("fork", fork),
                        ("pause_resume", pause_resume), ("kill", kill)]:
         if len(sys.argv) == 1 or name in sys.argv[1:]:  # names on the command line: only those checks
             check(name, body)
