@@ -39,6 +39,11 @@ class Paths:
         return self.cache / "downloads"
 
     @property
+    def uploads(self) -> Path:
+        """Where uploads wait for their guest (anonymous files: runtime/spool.py)."""
+        return self.home / "uploads"
+
+    @property
     def daemon_log(self) -> Path:
         return self.home / "daemon.log"
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from forkd.guest import protocol
-from forkd.runtime.agent_client import AgentClient
+from forkd.runtime.agent_client import AgentClient, AgentError
 from forkd.runtime.options import OutputLimits
 from forkd.runtime.sandboxes import SandboxEnded
-from forkd.runtime.sessions import CellSpec, CommandSpec, Output, Sessions, Started
+from forkd.runtime.sessions import WRITE_CHUNK_BYTES, CellSpec, CommandSpec, Output, Sessions, Started
 
 CHUNK = b"x" * 4096
 
@@ -33,6 +33,8 @@ class ScriptedGuest:
     paused: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     sent_chunks: int = 0
+    writes_held: asyncio.Event | None = None  # files.write is answered only once this is set
+    write_error: str | None = None  # files.write fails with this error code
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         resume = asyncio.Event()
@@ -76,6 +78,11 @@ class ScriptedGuest:
             elif op == protocol.OP_EXEC:
                 task = asyncio.create_task(run_exec(req_id, args))
                 tasks.add(task)
+            elif op == protocol.OP_FILES_WRITE and self.write_error is not None:
+                send(protocol.error(req_id, self.write_error, "no such directory"))
+            elif op == protocol.OP_FILES_WRITE and self.writes_held is not None:
+                await self.writes_held.wait()
+                send(protocol.ok(req_id, {"op": op}))
             elif op == protocol.OP_RUN_CODE:
                 send(protocol.event(req_id, protocol.EVENT_STDOUT, {"text": "é" * 3000}))
                 send(protocol.ok(req_id, {"value": "1", "value_json": 1, "error": None}))
@@ -112,7 +119,7 @@ async def _connected(guest: ScriptedGuest, limits: OutputLimits) -> tuple[Sessio
     host_sock, guest_sock = socket.socketpair()
     reader, writer = await asyncio.open_connection(sock=host_sock)
     agent = AgentClient(reader, writer)
-    g_reader, g_writer = await asyncio.open_connection(sock=guest_sock)
+    g_reader, g_writer = await asyncio.open_connection(sock=guest_sock, limit=2 * protocol.MAX_FRAME_BYTES)
     serving = asyncio.create_task(guest.serve(g_reader, g_writer))
     return Sessions(_Sandboxes(agent), limits), agent, serving
 
@@ -216,4 +223,69 @@ def test_a_call_cut_by_the_sandbox_ending_says_so() -> None:
         with pytest.raises(SandboxEnded, match="ended while the call ran"):
             await task
         await agent.close()
+    run(main())
+
+
+def _upload(pulled: list[int], pieces: int, size: int) -> Any:
+    async def body() -> Any:
+        for index in range(pieces):
+            pulled.append(index)
+            yield bytes([index]) * size
+    return body()
+
+
+def test_an_upload_is_read_whole_while_the_guest_is_still_writing(tmp_path: Any) -> None:
+    """A slow guest must not stop the daemon reading the client's body (its TCP window would stay shut,
+    and E2B's Python SDK gives up after 30 s of that)."""
+    async def main() -> None:
+        guest = ScriptedGuest(writes_held=asyncio.Event())
+        sessions, _, _ = await _connected(guest, OutputLimits())
+        sessions.spool_dir = tmp_path
+        pulled: list[int] = []
+        size = WRITE_CHUNK_BYTES // 2 + 1  # pieces straddle chunk boundaries
+        writing = asyncio.create_task(sessions.write_file("sb-1", "/big", _upload(pulled, 7, size)))
+        while len(pulled) < 7 or not any(op == protocol.OP_FILES_WRITE for op, _ in guest.seen):
+            await asyncio.sleep(0.01)  # bounded by run(): before the spool this waited for the guest forever
+        assert not writing.done()
+        guest.writes_held.set()  # type: ignore[union-attr]
+        assert await writing == 7 * size
+        writes = [args for op, args in guest.seen if op == protocol.OP_FILES_WRITE]
+        assert [(w["offset"], w["truncate"]) for w in writes] == [
+            (0, True), (WRITE_CHUNK_BYTES, False), (2 * WRITE_CHUNK_BYTES, False), (3 * WRITE_CHUNK_BYTES, False)]
+        data = b"".join(protocol.b64decode(w["data_b64"]) for w in writes)
+        assert data == b"".join(bytes([index]) * size for index in range(7))
+        assert list(tmp_path.iterdir()) == []  # spooled chunks are anonymous files
+
+    run(main())
+
+
+def test_an_empty_upload_creates_the_file_and_a_broken_body_fails_the_write() -> None:
+    async def main() -> None:
+        guest = ScriptedGuest()
+        sessions, _, _ = await _connected(guest, OutputLimits())
+        assert await sessions.write_file("sb-1", "/empty", _upload([], 0, 1)) == 0
+        (write,) = [args for op, args in guest.seen if op == protocol.OP_FILES_WRITE]
+        assert (write["data_b64"], write["truncate"]) == ("", True)
+
+        async def broken() -> Any:
+            yield b"x" * (WRITE_CHUNK_BYTES + 1)
+            raise ConnectionResetError("client went away")
+
+        with pytest.raises(ConnectionResetError, match="client went away"):
+            await sessions.write_file("sb-1", "/broken", broken())
+
+    run(main())
+
+
+def test_a_failed_guest_write_ends_the_upload_and_stops_reading_the_body() -> None:
+    async def main() -> None:
+        guest = ScriptedGuest(write_error=protocol.ERR_NOT_FOUND)
+        sessions, _, _ = await _connected(guest, OutputLimits())
+        pulled: list[int] = []
+        body = _upload(pulled, 10_000, WRITE_CHUNK_BYTES)  # 40 GiB if it were all read
+        with pytest.raises(AgentError) as failed:
+            await sessions.write_file("sb-1", "/no/such/dir/file", body)
+        assert failed.value.code == protocol.ERR_NOT_FOUND
+        assert len(pulled) < 10_000
+
     run(main())

@@ -39,7 +39,7 @@ from forkd.vmm.base import Vmm
 
 class Runtime:
     def __init__(self, paths: Paths, vmm: Vmm, options: RuntimeOptions | None = None) -> None:
-        for directory in (paths.home, paths.snapshots, paths.sandboxes):
+        for directory in (paths.home, paths.snapshots, paths.sandboxes, paths.uploads):
             directory.mkdir(parents=True, exist_ok=True)
         self.paths = paths
         self.vmm = vmm
@@ -60,7 +60,7 @@ class Runtime:
         self.compaction = CompactService(self.store, vmm)
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.options.max_concurrent_branches,
                                       self.metrics)
-        self.sessions = Sessions(self.sandboxes, self.options.output)
+        self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.branches, self.remove_snapshot)
         self._image_lock = asyncio.Lock()
         self._deadline_keeper: asyncio.Task[None] | None = None

@@ -23,18 +23,22 @@ import logging
 import signal
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, AgentUnavailable
 from forkd.runtime.options import OutputLimits
 from forkd.runtime.sandboxes import SandboxEnded
+from forkd.runtime.spool import Spool
 
 log = logging.getLogger("forkd.sessions")
 
 MAX_TIMEOUT_S = 24 * 3600  # longest a command, cell or eval may be given
 CALL_GRACE_S = 30.0  # the host waits this much longer than the guest's own timeout
 CONTROL_TIMEOUT_S = 10.0
+WRITE_CHUNK_BYTES = protocol.FILE_CHUNK_BYTES  # one files.write call
+WRITE_CHUNK_TIMEOUT_S = 60.0  # for one chunk to be written in the guest
 _ending: set[asyncio.Task[None]] = set()  # guest calls being ended after their caller left
 HOLD_FACTOR = 4  # a stream's queue may reach this many buffers before the connection's reader is held
 Stream = Literal["stdout", "stderr"]
@@ -377,9 +381,11 @@ def _code_result(raw: dict[str, Any], stdout: str, stderr: str, truncated: bool)
 
 
 class Sessions:
-    def __init__(self, sandboxes: SandboxLookup, limits: OutputLimits | None = None) -> None:
+    def __init__(self, sandboxes: SandboxLookup, limits: OutputLimits | None = None,
+                 spool_dir: Path | None = None) -> None:
         self.sandboxes = sandboxes
         self.limits = limits or OutputLimits()
+        self.spool_dir = spool_dir  # where uploads wait for their guest (None: the system's temp dir)
 
     def _agent(self, sandbox_id: str) -> AgentClient:
         return self.sandboxes.get(sandbox_id).agent
@@ -537,31 +543,49 @@ class Sessions:
 
     async def write_file(self, sandbox_id: str, path: str, body: AsyncIterable[bytes],
                          mode: int | None = None) -> int:
-        """Write ``body`` to ``path`` in chunks as it arrives (never more than one chunk held); its size."""
+        """Write ``body`` to ``path`` in chunks as it arrives; its size.
+
+        The body is read at the client's speed into a :class:`Spool` while the guest is fed from it
+        at its own, so a slow guest makes an upload slower but never leaves the client's TCP window
+        shut (some clients abort after 30 s of that: see runtime/spool.py).
+        """
         agent = self._agent(sandbox_id)
-        buffer = bytearray()
-        written = 0
+        spool = Spool(self.spool_dir, WRITE_CHUNK_BYTES)
 
-        async def send(piece: bytes) -> None:
-            nonlocal written
-            args: dict[str, Any] = {"path": path, "data_b64": protocol.b64encode(piece), "offset": written,
-                                    "truncate": written == 0}
-            if mode is not None:
-                args["mode"] = mode
-            await agent.call(protocol.OP_FILES_WRITE, args)
-            written += len(piece)
+        async def receive() -> None:
+            buffer, spooled = bytearray(), 0
+            try:
+                async for part in body:
+                    buffer.extend(part)
+                    while len(buffer) >= WRITE_CHUNK_BYTES:
+                        await spool.put(bytes(buffer[:WRITE_CHUNK_BYTES]))
+                        del buffer[:WRITE_CHUNK_BYTES]
+                        spooled += 1
+                if buffer or not spooled:  # an empty body still creates (or truncates) the file
+                    await spool.put(bytes(buffer))
+            except Exception as exc:  # a broken body (client gone, bad encoding) ends the write with its error
+                spool.fail(exc)
+                return
+            await spool.close()
 
-        async def send_all() -> None:
-            async for part in body:
-                buffer.extend(part)
-                while len(buffer) >= protocol.FILE_CHUNK_BYTES:
-                    await send(bytes(buffer[:protocol.FILE_CHUNK_BYTES]))
-                    del buffer[:protocol.FILE_CHUNK_BYTES]
-            if buffer or written == 0:
-                await send(bytes(buffer))
+        async def send_all() -> int:
+            written = 0
+            while (piece := await spool.get()) is not None:
+                args: dict[str, Any] = {"path": path, "data_b64": protocol.b64encode(piece), "offset": written,
+                                        "truncate": written == 0}
+                if mode is not None:
+                    args["mode"] = mode
+                await agent.call(protocol.OP_FILES_WRITE, args, timeout=WRITE_CHUNK_TIMEOUT_S)
+                written += len(piece)
+            return written
 
-        await self._guarded(sandbox_id, send_all())
-        return written
+        receiving = asyncio.get_running_loop().create_task(receive())
+        try:
+            return await self._guarded(sandbox_id, send_all())
+        finally:
+            receiving.cancel()
+            await asyncio.gather(receiving, return_exceptions=True)
+            spool.discard()
 
     async def list_files(self, sandbox_id: str, path: str) -> dict[str, Any]:
         return await self._call(sandbox_id, protocol.OP_FILES_LIST, {"path": path})
