@@ -10,10 +10,14 @@ import asyncio
 import json
 import socket
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import uvicorn
+from starlette.requests import Request
 
+from forkd.e2b.envd import Envd
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError
 from forkd.runtime.options import OutputLimits
@@ -287,5 +291,49 @@ def test_a_failed_guest_write_ends_the_upload_and_stops_reading_the_body() -> No
             await sessions.write_file("sb-1", "/no/such/dir/file", body)
         assert failed.value.code == protocol.ERR_NOT_FOUND
         assert len(pulled) < 10_000
+
+    run(main())
+
+
+def test_an_e2b_upload_over_tcp_survives_a_client_that_gives_up_on_a_shut_window(tmp_path: Any) -> None:
+    """The E2B files route on a real socket, with a client whose kernel aborts after 2 s of a shut TCP
+    window (E2B's Python SDK sets 30 s): it sends its whole multipart body while the guest writes nothing."""
+    async def main() -> None:
+        guest = ScriptedGuest(writes_held=asyncio.Event())
+        sessions, _, _ = await _connected(guest, OutputLimits())
+        sessions.spool_dir = tmp_path
+        envd, live = Envd(sessions), SimpleNamespace(record=SimpleNamespace(id="sb-1"))  # what the route reads
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                await (await envd.handle(Request(scope, receive), live))(scope, receive, send)  # type: ignore[arg-type]
+
+        listener = socket.create_server(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        serving = asyncio.create_task(server.serve(sockets=[listener]))
+        data = bytes(range(256)) * (16 << 12)  # 16 MiB: more than the socket buffers hold
+        boundary = "forkdtest"
+        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/big\"\r\n"
+                f"Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+        head = (f"POST /files?path=/big HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n").encode()
+
+        def client() -> socket.socket:
+            sock = socket.create_connection(listener.getsockname(), timeout=25)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 2000)
+            sock.sendall(head + body)  # before the spool: ETIMEDOUT, the window stayed shut for the guest
+            return sock
+
+        try:
+            sock = await asyncio.to_thread(client)
+            with sock:
+                guest.writes_held.set()  # type: ignore[union-attr]
+                answer = await asyncio.to_thread(sock.recv, 65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            writes = [args for op, args in guest.seen if op == protocol.OP_FILES_WRITE]
+            assert b"".join(protocol.b64decode(w["data_b64"]) for w in writes) == data
+        finally:
+            server.should_exit = True
+            await serving
 
     run(main())
