@@ -333,6 +333,7 @@ def test_an_e2b_upload_over_tcp_survives_a_client_that_gives_up_on_a_shut_window
             writes = [args for op, args in guest.seen if op == protocol.OP_FILES_WRITE]
             assert b"".join(protocol.b64decode(w["data_b64"]) for w in writes) == data
         finally:
+            guest.writes_held.set()  # type: ignore[union-attr]
             server.should_exit = True
             await serving
 
