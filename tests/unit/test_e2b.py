@@ -9,6 +9,7 @@ import json
 import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import schemathesis
@@ -20,6 +21,7 @@ from forkd.e2b import connect
 from forkd.e2b.app import E2BFront, sandbox_target
 from forkd.e2b.errors import ConnectError
 from forkd.e2b.keys import Credentials, KeyFileError, load_api_keys
+from forkd.e2b.process import ProcessService, _Process
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.qemu import QemuVmm
 
@@ -150,3 +152,20 @@ def test_control_plane_fuzzed_has_no_server_errors(front: E2BFront) -> None:
                 f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:500]}"
 
         fuzz()
+
+
+def test_a_slow_process_start_is_still_the_first_message_of_its_stream() -> None:
+    """E2B's SDKs read the first message of a Start stream as the start event; a loaded guest can take
+    longer than a keepalive interval to start the process."""
+    async def main() -> None:
+        process = _Process(config={}, tag=None)
+        call = SimpleNamespace(request=SimpleNamespace(headers={"keepalive-ping-interval": "1"}))
+        stream = ProcessService()._stream(process, process.attach(), call)  # type: ignore[arg-type]
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(1.5)  # a keepalive interval passes before the guest reports the start
+        process.publish({"event": {"start": {"pid": 7}}})
+        assert await asyncio.wait_for(first, 10) == {"event": {"start": {"pid": 7}}}
+        assert await asyncio.wait_for(anext(stream), 10) == {"event": {"keepalive": {}}}  # from now on
+        await stream.aclose()
+
+    asyncio.run(main())

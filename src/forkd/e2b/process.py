@@ -174,11 +174,13 @@ class ProcessService:
             table.forget_finished()
 
     async def _stream(self, process: _Process, queue: asyncio.Queue[Any], call: Call) -> AsyncIterator[Message]:
-        keepalive = _keepalive_seconds(call)
+        """The process's events; keepalives only once the first (``start``) went out: the SDKs
+        take the first message of a stream as the start event (a slow guest delays it)."""
+        keepalive, started = _keepalive_seconds(call), False
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), keepalive)
+                    item = await asyncio.wait_for(queue.get(), keepalive if started else None)
                 except asyncio.TimeoutError:
                     yield _event(keepalive={})
                     continue
@@ -186,6 +188,7 @@ class ProcessService:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                started = True
                 yield item
         finally:
             process.streams.discard(queue)
