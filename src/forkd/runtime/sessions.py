@@ -38,7 +38,9 @@ MAX_TIMEOUT_S = 24 * 3600  # longest a command, cell or eval may be given
 CALL_GRACE_S = 30.0  # the host waits this much longer than the guest's own timeout
 CONTROL_TIMEOUT_S = 10.0
 WRITE_CHUNK_BYTES = protocol.FILE_CHUNK_BYTES  # one files.write call
-WRITE_CHUNK_TIMEOUT_S = 60.0  # for one chunk to be written in the guest
+# For one chunk to be written once the guest has read it: minutes, since a TCG guest on a loaded host
+# is starved for that long (an agent that dies closes its connection and fails the write at once).
+WRITE_CHUNK_TIMEOUT_S = 300.0
 _ending: set[asyncio.Task[None]] = set()  # guest calls being ended after their caller left
 HOLD_FACTOR = 4  # a stream's queue may reach this many buffers before the connection's reader is held
 Stream = Literal["stdout", "stderr"]
