@@ -1170,6 +1170,14 @@ def test_rich_results_from_display_and_the_last_value(agent: AgentClient) -> Non
     assert kinds == [protocol.EVENT_RESULT, protocol.EVENT_STDOUT, protocol.EVENT_RESULT]
 
 
+def test_plt_show_in_the_cell_that_imports_pyplot_shows_each_figure(agent: AgentClient) -> None:
+    pytest.importorskip("matplotlib")
+    code = ("import matplotlib.pyplot as plt\nplt.plot([1, 2], [3, 4])\nplt.show()\n"
+            "plt.bar(['a', 'b'], [1, 2])\nplt.show()")
+    _, result = run_code(agent, code, context="first-import")
+    assert [r["chart"]["type"] for r in result["results"]] == ["line", "bar"]
+
+
 def test_matplotlib_figures_come_back_as_png(agent: AgentClient) -> None:
     pytest.importorskip("matplotlib")
     code = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()\nfig = plt.figure()\nfig"

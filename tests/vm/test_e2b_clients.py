@@ -8,13 +8,16 @@ import base64
 import json
 import os
 import re
+import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+from conftest import vmm_processes_under
 
 from forkd.sdk.controller import Controller
 
@@ -96,3 +99,45 @@ def test_bad_input_gets_e2b_errors_and_the_sandbox_carries_on(e2b_env: dict[str,
             assert ran.status_code == 200 and base64.b64encode(b"still here\n").decode() in ran.text
         finally:
             client.delete(f"/sandboxes/{sandbox['sandboxID']}", headers={"X-API-KEY": key})
+
+
+STALLED_UPLOAD = """
+import os, sys
+from e2b import Sandbox
+sbx = Sandbox.create(template=os.environ["E2B_TEST_TEMPLATE"], timeout=900)
+print(sbx.sandbox_id, flush=True)
+sys.stdin.readline()  # the test has stopped the sandbox's VMM
+data = os.urandom(20 << 20)
+try:
+    sbx.files.write("/tmp/big.bin", data, request_timeout=900)
+    print("written", flush=True)
+    assert sbx.files.read("/tmp/big.bin", format="bytes", request_timeout=900) == data
+    print("ok", flush=True)
+finally:
+    sbx.kill()
+"""
+
+
+def test_python_sdk_upload_outlasts_a_starved_guest(e2b_env: dict[str, str], forkd_home: Path) -> None:
+    """The Python SDK's transport gives up on a connection whose TCP window stays shut for 30 s; the
+    guest being stopped for longer than that in the middle of an upload makes it slower, not failed."""
+    client = subprocess.Popen([sys.executable, "-c", STALLED_UPLOAD], env=e2b_env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        sandbox_id = client.stdout.readline().strip()  # type: ignore[union-attr]
+        assert sandbox_id.startswith("sb-"), client.communicate(timeout=60)
+        (vmm,) = [pid for pid in vmm_processes_under(forkd_home)
+                  if sandbox_id.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(vmm, signal.SIGSTOP)
+        try:
+            client.stdin.write("go\n")  # type: ignore[union-attr]
+            client.stdin.flush()  # type: ignore[union-attr]
+            time.sleep(45)  # the upload starts against a guest that reads nothing
+        finally:
+            os.kill(vmm, signal.SIGCONT)
+        out, err = client.communicate(timeout=900)
+        assert client.returncode == 0 and out.split() == ["written", "ok"], f"{out}\n{err[-4000:]}"
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()

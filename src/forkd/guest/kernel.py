@@ -278,6 +278,30 @@ def _hook_matplotlib() -> None:
         pyplot.show = _show_figures
 
 
+class _PyplotFinder:
+    """Hooks ``pyplot.show`` the moment pyplot is imported, so ``plt.show()`` in the cell that
+    imports it shows its figures too (hooking between cells only catches later cells)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "matplotlib.pyplot":
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                load = spec.loader.exec_module
+
+                def exec_module(module: Any) -> None:
+                    load(module)
+                    module.show = _show_figures
+
+                spec.loader.exec_module = exec_module  # this spec's own loader
+                return spec
+        return None
+
+
 def _flush_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -467,6 +491,8 @@ def install_streams(namespace: dict[str, Any]) -> None:
     sys.stdout = _OutputStream(protocol.EVENT_STDOUT, sys.__stdout__)
     sys.stderr = _OutputStream(protocol.EVENT_STDERR, sys.__stderr__)
     namespace.setdefault("display", display)
+    if not any(isinstance(finder, _PyplotFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PyplotFinder())
 
 
 def main_namespace() -> dict[str, Any]:
