@@ -291,15 +291,17 @@ class _PyplotFinder:
                 continue
             spec = find(fullname, path, target)
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                load = spec.loader.exec_module
-
-                def exec_module(module: Any) -> None:
-                    load(module)
-                    module.show = _show_figures
-
-                spec.loader.exec_module = exec_module  # this spec's own loader
+                spec.loader.exec_module = _then_hook(spec.loader.exec_module)  # this spec's own loader
                 return spec
         return None
+
+
+def _then_hook(exec_module: Any) -> Any:
+    def exec_then_hook(module: Any) -> None:
+        exec_module(module)
+        module.show = _show_figures
+
+    return exec_then_hook
 
 
 def _flush_streams() -> None:
