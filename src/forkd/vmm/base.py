@@ -226,6 +226,14 @@ class Vmm(Protocol):
         (marking ``state_loaded`` and ``cont``, or the backend's own stages, through ``on_stage``)."""
         ...
 
+    async def pause(self, vm: VmHandle) -> None:
+        """Stop the guest's vCPUs (the VMM keeps its memory, devices and translations) until :meth:`resume`."""
+        ...
+
+    async def resume(self, vm: VmHandle) -> None:
+        """Let a guest stopped by :meth:`pause` run again."""
+        ...
+
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
         """Take over a VMM a previous daemon started, from the ``VmHandle.state`` it persisted;
         raise :class:`VmmError` unless it is running (and answers within a bounded time)."""

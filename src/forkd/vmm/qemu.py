@@ -191,6 +191,21 @@ class QemuVmm:
         with open(state, "rb+") as written:
             os.fsync(written.fileno())
 
+    async def pause(self, vm: VmHandle) -> None:
+        await self._run_state(vm, "stop")
+
+    async def resume(self, vm: VmHandle) -> None:
+        await self._run_state(vm, "cont")
+
+    @staticmethod
+    async def _run_state(vm: VmHandle, command: str) -> None:
+        """``stop`` or ``cont`` over QMP: vCPUs halt or run; memory, devices and TCG's translations stay."""
+        try:
+            async with monitor(vm) as qmp:
+                await qmp.execute(command)
+        except QMPError as exc:
+            raise VmmError(f"{command} of {vm.name} failed: {exc}") from None
+
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
         if not isinstance(state.get(MONITOR_KEY), str) or not isinstance(state.get(DISK_KEY), str):
             raise VmmError(f"the record of {name} lacks its QEMU monitor socket or disk")
