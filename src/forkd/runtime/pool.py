@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter, defaultdict
@@ -170,7 +171,10 @@ class PoolService:
             run_dir.mkdir(parents=True)
             prepared = await asyncio.to_thread(self.isolation.prepare, sandbox_id, SandboxOptions())
             try:
-                vm = await self.vmm.prepare_restore(sandbox_id, saved, spec, run_dir, prepared.setup())
+                setup = prepared.setup()
+                if self.warm:
+                    setup = dataclasses.replace(setup, translation_cache_mib=warmup.TRANSLATION_CACHE_MIB)
+                vm = await self.vmm.prepare_restore(sandbox_id, saved, spec, run_dir, setup)
             finally:
                 prepared.close_tap()
             agent = await warmup.warm(self.vmm, vm, saved, sandbox_id) if self.warm else None

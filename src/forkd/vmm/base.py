@@ -96,11 +96,15 @@ class ChildSetup:
     ``on_spawn`` runs with the VMM's pid before any guest state is loaded (e.g. joins a cgroup).
     ``on_stage`` is told the name of each stage of starting the VMM as it ends (``exec``,
     ``qmp_greeting``, ...), so the runtime can say where a spawn's time went.
+    ``translation_cache_mib`` asks a backend that translates guest code (QEMU's TCG) for at least
+    this much cache, so code translated ahead of time (a warm pool member's) is not flushed by the
+    child's first calls; None: the backend's default. Backends without one ignore it.
     """
 
     tap_fd: int | None = None
     on_spawn: Callable[[int], None] | None = None
     on_stage: Callable[[str], None] | None = None
+    translation_cache_mib: int | None = None
 
 
 def no_stage_marks(stage: str) -> None:

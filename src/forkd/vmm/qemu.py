@@ -136,7 +136,8 @@ class QemuVmm:
         disk = run_dir / "disk.qcow2"
         await asyncio.to_thread(shutil.copyfile, await self._child_overlay_template(saved.disk), disk)
         mark("overlay")
-        argv = self.machine.argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd)
+        argv = self.machine.argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd,
+                                 tb_size_mib=setup.translation_cache_mib)
         if saved.state_format == DEVICE_STATE:  # written by a BRANCH: devices only, no configuration section
             argv += DEVICE_STATE_ARGS
         # -S: the guest runs only on complete_restore's `cont`, whatever run state the saved state holds.

@@ -282,15 +282,18 @@ class QemuMachine:
         return machine_type(self.binary)
 
     def argv(self, spec: BootSpec, run_dir: Path, disk: Path, memory: Path, share: bool,
-             tap_fd: int | None = None, boot: bool | None = None) -> list[str]:
+             tap_fd: int | None = None, boot: bool | None = None, tb_size_mib: int | None = None) -> list[str]:
         """The machine; parent and children must agree on every device for state to load.
 
         Only a parent (``share=True``) is given the kernel: a child's kernel is already in the RAM
         it maps, and QEMU would otherwise keep a private ~14 MB copy of vmlinuz and initrd per child.
+        ``tb_size_mib`` raises TCG's translation buffer for this VMM above the configured size (the
+        buffer is not part of the saved state, so it may differ between a parent and its children).
         """
         with_kernel = share if boot is None else boot
         kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if with_kernel else []
-        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={self.tb_size_mib}"
+        tb_size = max(self.tb_size_mib, tb_size_mib or 0)
+        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={tb_size}"
         netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
         return [
             self.binary,
