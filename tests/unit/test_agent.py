@@ -652,7 +652,7 @@ def test_reseed_python_and_numpy_rngs_follow_the_entropy(unprivileged_agent: Age
     draws(unprivileged_agent)  # the default context exists before the reseeds
     entropy = os.urandom(32)
     first = reseed(unprivileged_agent, entropy)
-    assert first["numpy_rng"] is True and first["python_rng"] is True
+    assert first["python_rng"] is True and first["contexts_reseeded"] == 1
     same = draws(unprivileged_agent)
     reseed(unprivileged_agent, entropy)
     assert draws(unprivileged_agent) == same
@@ -661,11 +661,24 @@ def test_reseed_python_and_numpy_rngs_follow_the_entropy(unprivileged_agent: Age
     assert different[0] != same[0] and different[1] != same[1]
 
 
+def test_the_template_is_reseeded_before_its_next_warm_up(unprivileged_agent: AgentClient) -> None:
+    """Its forks seed themselves; code run in the template itself sees the reseed's entropy."""
+    unprivileged_agent.result(protocol.OP_WARM, {"modules": [], "code": "import random"})
+    entropy = os.urandom(32)
+    for name in ("a", "b"):
+        assert reseed(unprivileged_agent, entropy)["template_rng"] == "before_next_warm"
+        unprivileged_agent.result(protocol.OP_WARM, {"modules": [], "code": f"{name} = random.random()"})
+    reseed(unprivileged_agent, os.urandom(32))
+    unprivileged_agent.result(protocol.OP_WARM, {"modules": [], "code": "c = random.random()"})
+    unprivileged_agent.result(protocol.OP_CONTEXTS_CREATE, {"id": "after"})  # forked after the warm-ups
+    assert unprivileged_agent.result(protocol.OP_EVAL, {"expr": "[a == b, a == c]", "context": "after"})[
+        "value_json"] == [True, False]
+
+
 def test_reseed_with_privileges(contained_agent: AgentClient) -> None:
     result = reseed(contained_agent, os.urandom(64), hostname="forked-7")
     assert result["kernel_rng"] is True and result["hostname"] is True
     assert result["clock"] is False and result["skipped"] == ["clock"]
-    assert result["numpy_rng"] is False  # numpy was never imported into this agent
     assert contained_agent.result(protocol.OP_PING)["hostname"] == "forked-7"
 
 
