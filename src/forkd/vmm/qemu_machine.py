@@ -199,22 +199,6 @@ class Monitor:
             finally:
                 exited.cancel()
 
-    async def wait_for_migration(self, doing: str, timeout_s: float = MIGRATION_TIMEOUT_S) -> None:
-        """Poll until an outgoing or incoming migration completes (both take milliseconds here)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            info = await self.execute("query-migrate")
-            status = info.get("status")
-            if status == "completed":
-                return
-            if status in {"failed", "cancelled"}:
-                raise VmmError(f"{doing} {self.vm.name} failed: {info.get('error-desc', status)}")
-            if time.monotonic() > deadline:
-                await kill(self.vm)
-                raise MonitorStalled(f"{doing} {self.vm.name} did not finish in {timeout_s:.0f} s; "
-                                     "the VMM has been killed")
-            await asyncio.sleep(0.002)
-
 
 async def kill(vm: VmHandle) -> None:
     if vm.process.returncode is None:
