@@ -65,6 +65,7 @@ class FakeVmm:
         self.branching = FakeBranching(self)
         self.reseeds: list[str] = []  # sandbox ids whose agent answered a reseed, in order
         self.requests: list[tuple[str, str]] = []  # (VM name, op) of every request its agent answered
+        self.evals: list[str] = []  # expressions the agents were asked to evaluate, in order
         self._agents: dict[str, asyncio.AbstractServer] = {}  # by run dir
         self._running: dict[str, asyncio.Event] = {}  # by run dir: cleared while paused, so the agent waits
 
@@ -206,7 +207,10 @@ class FakeVmm:
             return {"id": req_id, "ok": True, "result": {"imported": args.get("modules", []), "seconds": 0.0}}
         if op in (protocol.OP_CONTEXTS_CREATE, protocol.OP_CONTEXTS_DELETE):
             return {"id": req_id, "ok": True, "result": {"id": args.get("id")}}
-        if op in (protocol.OP_EVAL, protocol.OP_RUN_CODE):
+        if op == protocol.OP_EVAL:
+            self.evals.append(str(args.get("expr")))
+            return {"id": req_id, "ok": True, "result": {"value": "None", "value_json": None}}
+        if op == protocol.OP_RUN_CODE:
             return {"id": req_id, "ok": True, "result": {"value": None, "value_json": None, "error": None}}
         if op == protocol.OP_EXEC:
             return {"id": req_id, "ok": True, "result": {"exit_code": 0, "signal": None, "timed_out": False,
