@@ -27,10 +27,10 @@ from forkd.vmm.base import SavedVm, Vmm, VmHandle
 
 WARMUP_TIMEOUT_S = 120.0  # a member warms while forks and other members compete for the CPUs
 # TCG's translation buffer of a warm member. Restore, reseed, eval and a cell translate ~28 MiB of
-# guest code on the quickstart snapshot: the default 16 MiB buffer was flushed 4 times during the
-# warm-up and 3 more in the child's first calls, which so found nothing translated. With 32 MiB and
-# more there was no flush after the state load; the buffer's pages count only once written, so 64
-# costs what 32 does and leaves room for the child's own code.
+# guest code on the quickstart snapshot: a 16 MiB buffer was flushed 4 times during the warm-up and
+# 3 more in the child's first calls, which so found nothing translated; 32 MiB held the warm-up with
+# little to spare. The buffer's pages count only once written, so 64 costs what 32 does and leaves
+# the child's own code room before a flush throws the warm-up away.
 TRANSLATION_CACHE_MIB = 64
 SCRATCH_PREFIX = "forkd-warmup-"
 # What the first cells of a child typically run: array creation, arithmetic, a reduction, a
