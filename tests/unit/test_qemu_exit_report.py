@@ -54,6 +54,15 @@ def test_a_guest_that_reset_itself_is_reported_with_its_last_console_lines(tmp_p
     assert "early boot line 0 " not in message and f"early boot line {40 - REPORT_LINES + len(PANIC)}" in message
 
 
+def test_a_panic_headline_is_quoted_above_its_call_trace(tmp_path: Path) -> None:
+    trace = [f"[    9.5{i:05d}]  frame_{i}+0x1a/0x30" for i in range(30)]
+    log = "qemu-system-x86_64: warning: hub 0 is not connected to host network\n"
+    vm = asyncio.run(_ended_vm(tmp_path, "exit0", vmm_log=log, console="\n".join([PANIC[0], *trace]) + "\n"))
+    message = _failure(vm)
+    assert f"{PANIC[0]} | ... | {trace[-REPORT_LINES]}" in message and trace[-REPORT_LINES - 1] not in message
+    assert "hub 0" not in message  # the inert NIC's warning is not news
+
+
 def test_a_signalled_qemu_names_the_signal_and_its_sender(tmp_path: Path) -> None:
     log = "qemu-system-x86_64: terminating on signal 15 from pid 4242 (pkill)\n"
     vm = asyncio.run(_ended_vm(tmp_path, "exit0", vmm_log=log, console="forkd-init: started agent, pid 90\n"))

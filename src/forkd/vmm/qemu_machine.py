@@ -70,6 +70,11 @@ _SHUTDOWN_REQUESTED = re.compile(rf"{SHUTDOWN_TRACE} reason=(\d+)")
 _SIGNALLED = re.compile(r"terminating on signal (\d+)(?: from pid (\d+)(?: \(([^)]*)\))?)?")
 #: How much of a log an exit report quotes: the last lines, each clipped, of the file's last bytes.
 REPORT_LINES, REPORT_LINE_CHARS, REPORT_READ_BYTES = 12, 240, 16 * 1024
+#: Guest kernel lines that say why it died, quoted even when a call trace pushed them up.
+_KERNEL_HEADLINE = re.compile(r"Kernel panic - not syncing|BUG: |Oops|general protection fault|double fault|"
+                              r"soft lockup|self-detected stall|Attempted to kill init|Out of memory")
+#: What QEMU always says about the inert NIC a parent is booted with (``_INERT_NETDEV``): not news.
+_INERT_HUB_WARNING = "is not connected to host network"
 
 
 #: The guest CPU under TCG: a named, versioned model (its CPUID never moves with a QEMU release,
@@ -298,10 +303,17 @@ def tail(path: Path, limit: int = 800) -> str:
     return text.strip()[-limit:] or "(empty log)"
 
 
-def last_lines(path: Path, count: int = REPORT_LINES) -> list[str]:
-    """The last ``count`` non-blank lines of a log, control characters made visible, each clipped."""
+def log_lines(path: Path) -> list[str]:
+    """The non-blank lines at the end of a log, control characters made visible, each clipped."""
     lines = [line.strip() for line in (_read_end(path, REPORT_READ_BYTES) or "").splitlines()]
-    return [visible(line)[:REPORT_LINE_CHARS] for line in lines if line][-count:]
+    return [visible(line)[:REPORT_LINE_CHARS] for line in lines if line]
+
+
+def console_excerpt(lines: list[str]) -> list[str]:
+    """The console's last lines, after the kernel's last headlines (a panic's reason, an oops) above them."""
+    last = lines[-REPORT_LINES:]
+    headlines = [line for line in lines[:-REPORT_LINES] if _KERNEL_HEADLINE.search(line)][-3:]
+    return [*headlines, "...", *last] if headlines else last
 
 
 def shutdown_cause(vmm_log: list[str]) -> str | None:
@@ -336,14 +348,14 @@ class QemuVm(VmHandle):
     """A QEMU VM, which reports its own end from QEMU's log and the guest's serial console."""
 
     def exit_report(self) -> str:
-        vmm_log = last_lines(self.run_dir / VMM_LOG)
+        vmm_log = [line for line in log_lines(self.run_dir / VMM_LOG) if _INERT_HUB_WARNING not in line]
         parts = []
         if (cause := shutdown_cause(vmm_log)) is not None:
             parts.append(cause)
         else:
             parts.append(status_cause(self.process.returncode) or "")
             parts.append("QEMU's log ends: " + " | ".join(vmm_log[-3:]) if vmm_log else "")
-        console = last_lines(self.run_dir / CONSOLE_LOG)
+        console = console_excerpt(log_lines(self.run_dir / CONSOLE_LOG))
         parts.append("the guest console ends: " + " | ".join(console) if console else "the guest console is empty")
         return "; ".join(part for part in parts if part)
 
