@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qemu.qmp import QMPClient
 from spawn import smaps_breakdown  # bench/spawn.py, next to this script
 
 from forkd.config import paths_from_env
@@ -36,7 +35,9 @@ from forkd.runtime.agent_client import connect_when_answering
 from forkd.store.files import DigestCache
 from forkd.store.registry import Registry
 from forkd.store.snapshots import SnapshotStore
+from forkd.vmm.base import VmHandle, restore
 from forkd.vmm.qemu import QemuVmm
+from forkd.vmm.qemu_machine import monitor
 
 RESULTS = Path(__file__).with_name("results")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -52,13 +53,9 @@ def private_dirty(pid: int, memory_file: str) -> dict[str, float]:
     return {**kinds, "total": round(sum(kinds.values()), 2)}
 
 
-async def info_jit(monitor: Path) -> dict[str, int]:
-    client = QMPClient("bench")
-    await client.connect(str(monitor))
-    try:
-        text = await client.execute("human-monitor-command", {"command-line": "info jit"})
-    finally:
-        await client.disconnect()
+async def info_jit(vm: VmHandle) -> dict[str, int]:
+    async with monitor(vm) as qmp:
+        text = await qmp.execute("human-monitor-command", {"command-line": "info jit"})
     found = {}
     for key in ("TB flush count", "TB count", "TB invalidate count"):
         match = re.search(rf"{key}\s+(\d+)", str(text))
@@ -80,14 +77,14 @@ async def one_child(variant: str, snapshots: SnapshotStore, default_tag: str, sc
     vmm = QemuVmm(tb_size_mib=tb)
     started = time.monotonic()
     try:
-        vm = await vmm.restore(f"c{index}", saved, spec, run_dir)
+        vm = await restore(vmm, f"c{index}", saved, spec, run_dir)
     finally:
         if env_before is None:
             os.environ.pop("MALLOC_ARENA_MAX", None)
         else:
             os.environ["MALLOC_ARENA_MAX"] = env_before
     try:
-        agent, _ = await connect_when_answering(vm.agent_socket, vm.process, 120, protocol.OP_RESEED, {
+        agent, _ = await connect_when_answering(vm, 120, protocol.OP_RESEED, {
             "entropy_b64": protocol.b64encode(os.urandom(64)), "time_ns": time.time_ns(),
             "hostname": f"c{index}", "sandbox_id": f"c{index}"})
         answered = time.monotonic() - started
@@ -97,7 +94,7 @@ async def one_child(variant: str, snapshots: SnapshotStore, default_tag: str, sc
         finally:
             await agent.close()
         return {"variant": variant, "answered_s": answered, "cpu_s": cpu_seconds(vm.pid),
-                "private_dirty_mib": private_dirty(vm.pid, str(saved.memory)), "jit": await info_jit(vm.monitor_socket)}
+                "private_dirty_mib": private_dirty(vm.pid, str(saved.memory)), "jit": await info_jit(vm)}
     finally:
         await vmm.kill(vm)
 

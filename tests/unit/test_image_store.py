@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,26 @@ def test_failed_build_keeps_the_old_image_and_leaves_nothing_behind(paths: Paths
     assert (paths.images / "default" / ROOTFS_FILE).read_text() == "old"
     assert sorted(p.name for p in paths.images.iterdir()) == [".lock.default", "default"]
     assert lines[0] == "finding the Debian mirror..."
+
+
+def test_package_scripts_can_enter_the_root_tree_under_a_private_umask(paths: Paths, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon runs with umask 077; a root tree made 0700 let no package script running as
+    another user (PostgreSQL's initdb as ``postgres``) start, so the image had no database cluster."""
+    from forkd.image import builder
+
+    modes: list[int] = []
+
+    def fill(spec: ImageSpec, mirror: object, paths: Paths, root: Path, progress: object) -> None:
+        modes.append(root.stat().st_mode & 0o777)
+        raise ToolError("stop here")
+
+    monkeypatch.setattr(builder, "_make_root_tree", fill)
+    old = os.umask(0o077)
+    try:
+        with pytest.raises(ToolError):
+            builder._make_rootfs(ImageSpec(), None, None, paths, tmp_path / "root", tmp_path / "rootfs.ext4",
+                                 lambda line: None)
+    finally:
+        os.umask(old)
+    assert modes == [0o755]

@@ -66,6 +66,19 @@ async def _runtime(tmp_path: Path, vmm: FakeVmm, tag: str | None = "base") -> Ru
     return runtime
 
 
+def test_a_warmed_snapshot_is_saved_with_its_default_context_forked(tmp_path: Path) -> None:
+    """A child's first cell must not fork its context from the template first (a fork of the whole
+    warm interpreter, hundreds of milliseconds under TCG): the parent does it before the save."""
+    vmm = FakeVmm()
+
+    async def run() -> None:
+        runtime = await _runtime(tmp_path, vmm)
+        await runtime.stop()
+
+    asyncio.run(run())
+    assert vmm.evals == ["None"]
+
+
 def test_fork_spawns_distinct_reseeded_children(tmp_path: Path) -> None:
     async def scenario() -> tuple[list[Any], list[str], list[Any]]:
         vmm = FakeVmm()

@@ -156,6 +156,9 @@ def _make_rootfs(spec: ImageSpec, mirror: Mirror, agent: AgentPayload, paths: Pa
                  progress: Progress) -> int:
     """Build the root tree in ``root`` and write it to the ext4 ``image``; return the image's size in MiB."""
     root.mkdir()
+    # The guest's "/" from the start, whatever the daemon's private umask: package scripts that run
+    # as another user during the install (PostgreSQL's initdb as postgres) must be able to enter it.
+    root.chmod(0o755)
     _make_root_tree(spec, mirror, paths, root, progress)
     with _step(progress, "installing the forkd agent"):
         finish_root(root, agent)

@@ -23,7 +23,8 @@ from forkd.image.errors import SourceError
 from forkd.image.tree import ensure_dir_in_root, tree_usage_bytes, write_in_root
 
 #: Bump when the debootstrap invocation changes, so cached trees made the old way are not reused.
-DEBOOTSTRAP_FORMAT = 1
+#: 2: the root is 0755 while packages install (under 0700 their scripts running as other users failed).
+DEBOOTSTRAP_FORMAT = 2
 HEADROOM_MIB = 512
 _MIB = 1024 * 1024
 _TAR_OPTIONS = ("--numeric-owner", "--xattrs", "--xattrs-include=*")

@@ -13,6 +13,7 @@ from forkd.image.agent import AgentPayload, current_agent
 from forkd.image.apt import MIRROR_SCHEMES
 from forkd.image.certs import CA_PACKAGE, ca_cert_digests, check_ca_certs
 from forkd.image.errors import SourceError
+from forkd.image.rootfs import DEBOOTSTRAP_FORMAT
 from forkd.image.tree import tree_fingerprint
 from forkd.store.files import sha256_file
 from forkd.validation import ValidationError, check_range, check_tag
@@ -90,7 +91,7 @@ class ImageSpec:
             if not self.source_oci.is_file():
                 raise SourceError(f"OCI tarball {self.source_oci} does not exist")
             return {"oci": sha256_file(self.source_oci)}
-        return {"debootstrap": sorted(set(self.root_packages))}
+        return {"debootstrap": sorted(set(self.root_packages)), "format": DEBOOTSTRAP_FORMAT}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, as recorded in the image manifest."""

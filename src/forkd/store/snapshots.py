@@ -217,7 +217,7 @@ class SnapshotStore:
     def get(self, tag: str) -> SnapshotRecord:
         record = self.registry.get_snapshot(check_tag(tag))
         if record is None:
-            raise LookupError(f"no snapshot {tag!r}; see `forkd snapshot ls`")
+            raise LookupError(f"no snapshot {tag!r}; list them with `forkd snapshots`")
         return record
 
     def chain(self, tag: str) -> list[SnapshotRecord]:

@@ -64,6 +64,7 @@ class FakeVmm:
         self.behaviour = behaviour or FakeBehaviour()
         self.branching = FakeBranching(self)
         self.reseeds: list[str] = []  # sandbox ids whose agent answered a reseed, in order
+        self.evals: list[str] = []  # expressions the agents were asked to evaluate, in order
         self._agents: dict[str, asyncio.AbstractServer] = {}  # by run dir
 
     def capabilities(self) -> Capabilities:
@@ -177,6 +178,9 @@ class FakeVmm:
                                                          "skipped": [] if reseeded else ["kernel_rng"]}}
         if op == protocol.OP_WARM:
             return {"id": req_id, "ok": True, "result": {"imported": args.get("modules", []), "seconds": 0.0}}
+        if op == protocol.OP_EVAL:
+            self.evals.append(str(args.get("expr")))
+            return {"id": req_id, "ok": True, "result": {"value": "None", "value_json": None}}
         if op == protocol.OP_EXEC:
             return {"id": req_id, "ok": True, "result": {"exit_code": 0, "signal": None, "timed_out": False,
                                                          "duration_s": 0.0}}

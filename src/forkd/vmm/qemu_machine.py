@@ -33,11 +33,12 @@ MACHINE_ALIAS = "q35"
 STARTUP_TIMEOUT_S = 20.0
 QMP_TIMEOUT_S = 30.0  # one monitor command; QEMU answers in milliseconds unless it is stalled
 MIGRATION_TIMEOUT_S = 120.0
-# TCG translation buffer per VMM. Measured per child (reseed + numpy eval + one command, bench/child_cost.py,
-# docs/benchmarks.md): 8 MiB → 12 buffer flushes and ~2x the CPU of 16 MiB (4 flushes); 32 MiB → 1
-# flush and ~35 % less CPU than 16, but +14 MiB Private_Dirty per child. The default favours memory;
-# `tcg_tb_size_mib` in the daemon's config trades it for CPU.
-TCG_TB_SIZE_MIB = 16
+# TCG translation buffer per VMM. Measured per child at idle (reseed + numpy eval + one command,
+# bench/child_cost.py, docs/benchmarks.md): a child's code needs ~31 MiB of translations, so 16 MiB
+# flushes 5 times and retranslates (1.19 CPU-s per child) where 32 MiB flushes once (0.67 CPU-s),
+# for +17 MiB Private_Dirty per child; 48 and 64 MiB fill no further. On 2 cores CPU is what limits
+# a fan-out, so the default favours it; `tcg_tb_size_mib` in the daemon's config trades it back.
+TCG_TB_SIZE_MIB = 32
 NIC_ID = "nic0"
 #: An inert NIC backend: a hub with this one port, so frames go nowhere. Backends are not
 #: migrated, so a parent baked on it can restore onto a tap. The tap is opened without vnet headers,
@@ -224,22 +225,6 @@ class Monitor:
                         raise VmmError(f"{doing} {self.vm.name} failed: {info.get('error-desc', status)}")
             finally:
                 exited.cancel()
-
-    async def wait_for_migration(self, doing: str, timeout_s: float = MIGRATION_TIMEOUT_S) -> None:
-        """Poll until an outgoing or incoming migration completes (both take milliseconds here)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            info = await self.execute("query-migrate")
-            status = info.get("status")
-            if status == "completed":
-                return
-            if status in {"failed", "cancelled"}:
-                raise VmmError(f"{doing} {self.vm.name} failed: {info.get('error-desc', status)}")
-            if time.monotonic() > deadline:
-                await kill(self.vm)
-                raise MonitorStalled(f"{doing} {self.vm.name} did not finish in {timeout_s:.0f} s; "
-                                     "the VMM has been killed")
-            await asyncio.sleep(0.002)
 
 
 async def kill(vm: VmHandle) -> None:
