@@ -1199,6 +1199,23 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def test_a_template_whose_agent_died_before_it_started_exits_at_once() -> None:
+    """The race die_with closes: the agent was gone before the template could ask to die with it."""
+    ours, theirs = socket.socketpair()
+    with ours:
+        try:
+            template = subprocess.Popen([sys.executable, "-m", "forkd.guest.template", str(theirs.fileno()),
+                                         str(os.getpid() + 1_000_000)], pass_fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+        try:
+            assert template.wait(timeout=FRAME_TIMEOUT_S) == 0  # it never served, though its socket is open
+        finally:
+            if template.poll() is None:
+                template.kill()
+                template.wait()
+
+
 def test_the_template_and_its_contexts_die_with_the_agent() -> None:
     """Even busy ones: a warm-up that never returns, a cell that never ends."""
     process = AgentProcess()
