@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from forkd.runtime.agent_client import AgentUnavailable, connect_when_answering
-from forkd.vmm.qemu_machine import CONSOLE_LOG, REPORT_LINE_CHARS, REPORT_LINES, VMM_LOG, QemuVm
+from forkd.vmm.qemu_machine import (
+    CONSOLE_LOG,
+    REPORT_LINE_CHARS,
+    REPORT_LINES,
+    VMM_LOG,
+    QemuVm,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
