@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import itertools
 import os
 import pwd
@@ -121,7 +122,13 @@ class AgentProcess:
                 [*(prefix or []), sys.executable, "-m", "forkd.guest.agent", "--transport", f"unix:{path}"],
                 env={**os.environ, **(env or {})},
             )
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # it never connected: it must not outlive the test either
+                self.proc.kill()
+                self.proc.wait()
+                shutil.rmtree(self._dir, ignore_errors=True)
+                raise
         self.client = AgentClient(conn)
 
     def stop(self) -> int:
@@ -185,7 +192,11 @@ def text_of(events: list[dict[str, Any]], name: str) -> str:
 
 
 def test_dispatch_table_covers_every_protocol_op() -> None:
-    assert set(agent_module.Dispatcher(agent_module.op_families()).handlers) == protocol.ALL_OPS
+    dispatcher = agent_module.Dispatcher(agent_module.op_families())  # starts a warm template, here
+    try:
+        assert set(dispatcher.handlers) == protocol.ALL_OPS
+    finally:
+        dispatcher.shutdown()
 
 
 @pytest.mark.parametrize("op", sorted(protocol.ALL_OPS))
@@ -1190,6 +1201,58 @@ def test_matplotlib_figures_come_back_as_png(agent: AgentClient) -> None:
     pngs = [r for r in result["results"] if "png" in r]
     assert len(pngs) == 2 and all(unb64(r["png"]).startswith(b"\x89PNG") for r in pngs)
     assert pngs[-1]["is_main_result"] is True
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (whoever inherited it may not reap at once)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_template_whose_agent_died_before_it_started_exits_at_once() -> None:
+    """The race die_with closes: the agent was gone before the template could ask to die with it."""
+    ours, theirs = socket.socketpair()
+    with ours:
+        try:
+            template = subprocess.Popen([sys.executable, "-m", "forkd.guest.template", str(theirs.fileno()),
+                                         str(os.getpid() + 1_000_000)], pass_fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+        try:
+            assert template.wait(timeout=FRAME_TIMEOUT_S) == 0  # it never served, though its socket is open
+        finally:
+            if template.poll() is None:
+                template.kill()
+                template.wait()
+
+
+def test_the_template_and_its_contexts_die_with_the_agent() -> None:
+    """Even busy ones: a warm-up that never returns, a cell that never ends."""
+    process = AgentProcess()
+    pids: list[int] = []
+    try:
+        client = process.client
+        context_pid = client.result(protocol.OP_CONTEXTS_CREATE, {"id": "busy"})["pid"]
+        pids = [client.result(protocol.OP_PING)["template_pid"], context_pid]
+        forever = "import time\nprint('busy', flush=True)\nwhile True: time.sleep(1)"
+        cell = client.start(protocol.OP_RUN_CODE, {"code": forever, "context": "busy"})
+        warm = client.start(protocol.OP_WARM, {"modules": [], "code": forever})
+        for req_id in (cell, warm):  # both processes are inside their endless code
+            while client.next_frame(req_id)[1].get("event") != protocol.EVENT_STDOUT:
+                pass
+        process.proc.kill()
+        deadline = time.monotonic() + 10
+        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in pids if not _gone(pid)] == [], "outlived their agent"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.stop()
 
 
 def test_a_dead_template_is_replaced_with_its_warm_up_replayed() -> None:

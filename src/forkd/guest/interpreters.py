@@ -217,7 +217,7 @@ class TemplateProcess:
         flags = ["-S"] if sys.flags.no_site else []
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, *flags, "-m", f"{__package__}.template", str(theirs.fileno())],
+                [sys.executable, *flags, "-m", f"{__package__}.template", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         finally:

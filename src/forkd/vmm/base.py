@@ -137,6 +137,11 @@ class VmHandle:
         while the VMM has not opened it yet)."""
         return await asyncio.open_unix_connection(str(self.agent_socket), limit=limit)
 
+    def exit_report(self) -> str:
+        """Why the VMM ended, from what it and the guest said last, for an error about a VM that ended
+        on its own; ``""`` when the backend cannot tell. Reads files: call it off the event loop."""
+        return ""
+
 
 class PageLayer(Protocol):
     """A diff layer of guest RAM pages (the store's format, ``forkd.store.layers``), as a backend reads it:

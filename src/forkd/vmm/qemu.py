@@ -46,6 +46,7 @@ from forkd.vmm.qemu_machine import (
     QEMU_BINARY,
     TCG_TB_SIZE_MIB,
     QemuMachine,
+    QemuVm,
     cpu_model,
     create_overlay,
     kill,
@@ -210,8 +211,8 @@ class QemuVmm:
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
         if not isinstance(state.get(MONITOR_KEY), str) or not isinstance(state.get(DISK_KEY), str):
             raise VmmError(f"the record of {name} lacks its QEMU monitor socket or disk")
-        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
-                      state={k: state[k] for k in (MONITOR_KEY, DISK_KEY, MEMORY_KEY) if k in state})
+        vm = QemuVm(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+                    state={k: state[k] for k in (MONITOR_KEY, DISK_KEY, MEMORY_KEY) if k in state})
         try:
             async with monitor(vm, wait_s=ADOPT_MONITOR_TIMEOUT_S, timeout_s=ADOPT_MONITOR_TIMEOUT_S) as qmp:
                 status = (await qmp.execute("query-status")).get("status")
