@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import itertools
 import os
 import pwd
@@ -121,7 +122,13 @@ class AgentProcess:
                 [*(prefix or []), sys.executable, "-m", "forkd.guest.agent", "--transport", f"unix:{path}"],
                 env={**os.environ, **(env or {})},
             )
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # it never connected: it must not outlive the test either
+                self.proc.kill()
+                self.proc.wait()
+                shutil.rmtree(self._dir, ignore_errors=True)
+                raise
         self.client = AgentClient(conn)
 
     def stop(self) -> int:
@@ -185,7 +192,11 @@ def text_of(events: list[dict[str, Any]], name: str) -> str:
 
 
 def test_dispatch_table_covers_every_protocol_op() -> None:
-    assert set(agent_module.Dispatcher(agent_module.op_families()).handlers) == protocol.ALL_OPS
+    dispatcher = agent_module.Dispatcher(agent_module.op_families())  # starts a warm template, here
+    try:
+        assert set(dispatcher.handlers) == protocol.ALL_OPS
+    finally:
+        dispatcher.shutdown()
 
 
 @pytest.mark.parametrize("op", sorted(protocol.ALL_OPS))
@@ -652,7 +663,7 @@ def test_reseed_python_and_numpy_rngs_follow_the_entropy(unprivileged_agent: Age
     draws(unprivileged_agent)  # the default context exists before the reseeds
     entropy = os.urandom(32)
     first = reseed(unprivileged_agent, entropy)
-    assert first["numpy_rng"] is True and first["python_rng"] is True
+    assert first["python_rng"] is True and first["contexts_reseeded"] == 1
     same = draws(unprivileged_agent)
     reseed(unprivileged_agent, entropy)
     assert draws(unprivileged_agent) == same
@@ -661,11 +672,24 @@ def test_reseed_python_and_numpy_rngs_follow_the_entropy(unprivileged_agent: Age
     assert different[0] != same[0] and different[1] != same[1]
 
 
+def test_the_template_is_reseeded_before_its_next_warm_up(unprivileged_agent: AgentClient) -> None:
+    """Its forks seed themselves; code run in the template itself sees the reseed's entropy."""
+    unprivileged_agent.result(protocol.OP_WARM, {"modules": [], "code": "import random"})
+    entropy = os.urandom(32)
+    for name in ("a", "b"):
+        assert reseed(unprivileged_agent, entropy)["template_rng"] == "before_next_warm"
+        unprivileged_agent.result(protocol.OP_WARM, {"modules": [], "code": f"{name} = random.random()"})
+    reseed(unprivileged_agent, os.urandom(32))
+    unprivileged_agent.result(protocol.OP_WARM, {"modules": [], "code": "c = random.random()"})
+    unprivileged_agent.result(protocol.OP_CONTEXTS_CREATE, {"id": "after"})  # forked after the warm-ups
+    assert unprivileged_agent.result(protocol.OP_EVAL, {"expr": "[a == b, a == c]", "context": "after"})[
+        "value_json"] == [True, False]
+
+
 def test_reseed_with_privileges(contained_agent: AgentClient) -> None:
     result = reseed(contained_agent, os.urandom(64), hostname="forked-7")
     assert result["kernel_rng"] is True and result["hostname"] is True
     assert result["clock"] is False and result["skipped"] == ["clock"]
-    assert result["numpy_rng"] is False  # numpy was never imported into this agent
     assert contained_agent.result(protocol.OP_PING)["hostname"] == "forked-7"
 
 
@@ -1187,6 +1211,58 @@ def test_matplotlib_figures_come_back_as_png(agent: AgentClient) -> None:
     assert pngs[-1]["is_main_result"] is True
     assert pngs[0]["chart"]["type"] == "line" and pngs[0]["chart"]["elements"][0]["points"][2] == [2.0, 3.0]
     assert "chart" not in pngs[1]  # a figure without Axes holds no data
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (whoever inherited it may not reap at once)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_template_whose_agent_died_before_it_started_exits_at_once() -> None:
+    """The race die_with closes: the agent was gone before the template could ask to die with it."""
+    ours, theirs = socket.socketpair()
+    with ours:
+        try:
+            template = subprocess.Popen([sys.executable, "-m", "forkd.guest.template", str(theirs.fileno()),
+                                         str(os.getpid() + 1_000_000)], pass_fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+        try:
+            assert template.wait(timeout=FRAME_TIMEOUT_S) == 0  # it never served, though its socket is open
+        finally:
+            if template.poll() is None:
+                template.kill()
+                template.wait()
+
+
+def test_the_template_and_its_contexts_die_with_the_agent() -> None:
+    """Even busy ones: a warm-up that never returns, a cell that never ends."""
+    process = AgentProcess()
+    pids: list[int] = []
+    try:
+        client = process.client
+        context_pid = client.result(protocol.OP_CONTEXTS_CREATE, {"id": "busy"})["pid"]
+        pids = [client.result(protocol.OP_PING)["template_pid"], context_pid]
+        forever = "import time\nprint('busy', flush=True)\nwhile True: time.sleep(1)"
+        cell = client.start(protocol.OP_RUN_CODE, {"code": forever, "context": "busy"})
+        warm = client.start(protocol.OP_WARM, {"modules": [], "code": forever})
+        for req_id in (cell, warm):  # both processes are inside their endless code
+            while client.next_frame(req_id)[1].get("event") != protocol.EVENT_STDOUT:
+                pass
+        process.proc.kill()
+        deadline = time.monotonic() + 10
+        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in pids if not _gone(pid)] == [], "outlived their agent"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.stop()
 
 
 def test_a_dead_template_is_replaced_with_its_warm_up_replayed() -> None:

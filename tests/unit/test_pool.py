@@ -1,7 +1,8 @@
 """Pool bookkeeping without VMs: fill to size, take, give back, trim, discard on rmi, stop; nothing leaks.
 
-The first tests use stand-ins for the VMM and snapshot store behind the calls the pool makes, the last the
-FakeVmm through the whole runtime; tests/vm/test_pool_vm.py runs the real thing.
+The first tests use stand-ins for the VMM and snapshot store behind the calls the pool makes (cold
+members), the last the FakeVmm through the whole runtime, warm and cold; tests/vm/test_pool_vm.py runs
+the real thing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: ag
 
 from forkd.config import Paths
 from forkd.host.netpolicy import NetRequest
+from forkd.guest import protocol
 from forkd.runtime.isolation import Isolation, SandboxOptions
+from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.pool import PoolService
 from forkd.runtime.recovery import recover
 from forkd.store.registry import Registry
@@ -72,7 +75,7 @@ def pool(tmp_path: Path):
 
     ids = (f"sb-{i:012d}" for i in itertools.count())
     service = PoolService(paths, registry, vmm, Snapshots(), Isolation(registry, None, None, None),  # type: ignore[arg-type]
-                          release, lambda: next(ids), configured={"cfg": 1})
+                          release, lambda: next(ids), configured={"cfg": 1}, warm=False)
     return service, vmm, released, registry
 
 
@@ -121,20 +124,36 @@ def test_sizes_are_bounded(pool) -> None:
         asyncio.run(service.set_size("hot", 33))
 
 
-def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("warm", [True, False])
+def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path: Path, warm: bool) -> None:
     """On the FakeVmm (real processes, registry, guest protocol): pooled children, then recovery reaps members."""
     async def scenario() -> None:
-        runtime = await _runtime(tmp_path, FakeVmm())
+        vmm = FakeVmm()
+        runtime = await _runtime(tmp_path, vmm, options=RuntimeOptions(warm_pools=warm))
         pool = runtime.sandboxes.pool
         await pool.set_size("base", 2)
         await settle(pool)
         members = set(pool.describe("base")["members"])
-        assert len(members) == 2
+        assert len(members) == 2 and pool.describe("base")["warm"] is warm
+        idle = [m.vm for m in pool._members["base"]]
+        if warm:  # state loaded, the first calls run (a scratch context, created and deleted), then stopped
+            assert all(vmm.paused(vm) for vm in idle)
+            for member in members:
+                ops = [op for name, op in vmm.requests if name == member]
+                assert ops == [protocol.OP_RESEED, protocol.OP_PING, protocol.OP_CONTEXTS_CREATE, protocol.OP_EVAL,
+                               protocol.OP_RUN_CODE, protocol.OP_CONTEXTS_DELETE, protocol.OP_PING]
+        else:  # no guest code has run
+            assert not any(name in members for name, _ in vmm.requests)
         children = [o async for o in await runtime.sandboxes.start_fork("base", 3)]  # one more than the pool
         assert all(o.sandbox is not None for o in children), [o.error for o in children]
         pooled = {o.sandbox["id"] for o in children if "pool" in o.timings}  # type: ignore[index]
         assert pooled == members and sorted(o.index for o in children) == [0, 1, 2]
         assert all([s for s in o.timings if s != "total"][-2:] == ["reseed", "recorded"] for o in children)
+        for child in children:  # every child, pooled or not, answered its own reseed last
+            assert [op for name, op in vmm.requests if name == child.sandbox["id"]][-1] == protocol.OP_RESEED  # type: ignore[index]
+        pooled_stages = [s for o in children if o.sandbox["id"] in members for s in o.timings]  # type: ignore[index]
+        assert ("state_loaded" in pooled_stages) is not warm  # a warm member's state was loaded before the fork
+        assert not any(vmm.paused(vm) for vm in idle)
         await settle(pool)
         assert pool.describe("base")["ready"] == 2  # refilled once the batch was done
         leftovers = set(pool.describe("base")["members"])

@@ -18,6 +18,7 @@ from forkd.config import Paths
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import Image
 from forkd.runtime import agent_client
+from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
 from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.runtime import Runtime
@@ -58,12 +59,26 @@ def _image(tmp_path: Path) -> Image:
                  disk_size_mib=1, spec={}, inputs={})
 
 
-async def _runtime(tmp_path: Path, vmm: FakeVmm, tag: str | None = "base") -> Runtime:
-    runtime = Runtime(_paths(tmp_path), vmm)
+async def _runtime(tmp_path: Path, vmm: FakeVmm, tag: str | None = "base",
+                   options: RuntimeOptions | None = None) -> Runtime:
+    runtime = Runtime(_paths(tmp_path), vmm, options)
     if tag is not None:
         await runtime.snapshots.create(SnapshotRequest(tag=tag, memory_mib=1, warm_modules=("numpy",)),
                                        _image(tmp_path), lambda _line: None)
     return runtime
+
+
+def test_a_warmed_snapshot_is_saved_with_its_default_context_forked(tmp_path: Path) -> None:
+    """A child's first cell must not fork its context from the template first (a fork of the whole
+    warm interpreter, hundreds of milliseconds under TCG): the parent does it before the save."""
+    vmm = FakeVmm()
+
+    async def run() -> None:
+        runtime = await _runtime(tmp_path, vmm)
+        await runtime.stop()
+
+    asyncio.run(run())
+    assert vmm.evals == ["None"]
 
 
 def test_fork_spawns_distinct_reseeded_children(tmp_path: Path) -> None:

@@ -1,6 +1,10 @@
 """Pools of ready VMMs on real guests: children as distinct as on-demand ones, refill, rmi, daemon SIGKILL;
 and admission: a batch bigger than the restore slots queues and every child answers.
 
+Pools are warm by default: each member has loaded its state, answered a throwaway reseed, a ping and
+cells in a scratch context, and waits stopped, so these tests cover warm members (the cold ones,
+``warm_pools = false``, only skip that; tests/unit/test_pool.py runs both on the FakeVmm).
+
 These tests run their own daemon (one of them SIGKILLs it) on their own FORKD_HOME.
 """
 
@@ -51,7 +55,7 @@ def fill(client: Controller, tag: str, size: int) -> dict[str, Any]:
 def test_pool_children_are_distinct_private_and_refilled(daemon: Daemon, pool_home: Path) -> None:
     client = daemon.controller
     pool = fill(client, TAG, 2)
-    assert pool["memory"]["private_dirty_kib"] > 0 and len(pool["members"]) == 2
+    assert pool["warm"] is True and pool["memory"]["private_dirty_kib"] > 0 and len(pool["members"]) == 2
     assert len(vmm_processes_under(pool_home)) == 2  # the members' VMMs, nothing else runs yet
     result = client.fork(TAG, 3)  # one more than the pool: it takes the pool, then starts one itself
     assert result["errors"] == []
@@ -59,8 +63,20 @@ def test_pool_children_are_distinct_private_and_refilled(daemon: Daemon, pool_ho
     pooled = [c["id"] for c in children if "pool" in c["timings"]]
     assert sorted(pooled) == sorted(pool["members"])
     assert [c for c in children if c["id"] not in pooled][0]["timings"].get("exec") is not None
+    on_demand = [c["id"] for c in children if c["id"] not in pooled][0]
+    for child_id in pooled:
+        timings = next(c for c in children if c["id"] == child_id)["timings"]
+        assert "state_loaded" not in timings and "cont" in timings  # warm: loaded before the fork, only continued
+        # The warm-up left nothing a user sees: the contexts are the snapshot's (its scratch one is gone),
+        # no process.
+        assert [c["id"] for c in client.contexts(child_id)] == [c["id"] for c in client.contexts(on_demand)]
+        assert client.processes(child_id) == []
     seen = []
     for child in children:
+        # Each child's kernel CRNG was reseeded by its own VMM's vmgenid when its state loaded (a warm
+        # member's before its warm-up ran), then by the reseed with the host's entropy.
+        vmgenid = client.exec(child["id"], "dmesg | grep -c 'crng reseeded due to virtual machine fork'")
+        assert int(vmgenid["stdout"]) >= 1, vmgenid
         client.run_code(child["id"], "import os, random, socket")
         answer = client.eval(child["id"], PROBE)
         assert answer.get("error") is None, answer

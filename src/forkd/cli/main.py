@@ -250,10 +250,11 @@ def list_pools(as_json: bool) -> None:
     if as_json:
         print_json(items)
         return
-    table = Table(Column("snapshot", no_wrap=True), "size", "ready", "starting", "Private_Dirty", "PSS")
+    table = Table(Column("snapshot", no_wrap=True), "size", "ready", "starting", "warm", "Private_Dirty", "PSS")
     for pool in items:
         memory = pool["memory"]
         table.add_row(pool["tag"], str(pool["size"]), str(pool["ready"]), str(pool["starting"]),
+                      "yes" if pool.get("warm") else "no",
                       f"{memory['private_dirty_kib'] / 1024:.1f} MiB", f"{memory['pss_kib'] / 1024:.1f} MiB")
     console.print(table)
 

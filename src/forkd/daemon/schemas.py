@@ -313,6 +313,7 @@ class Pool(Open):
     size: int = Field(ge=0, le=MAX_POOL_SIZE, description="ready VMMs kept for the snapshot")
     ready: int = Field(ge=0, le=MAX_POOL_SIZE, description="members ready now")
     starting: int = Field(ge=0, le=MAX_POOL_SIZE, description="members being started")
+    warm: bool = Field(description="members run a fork's first calls, then wait stopped (config warm_pools)")
     memory: MemoryUse = Field(description="sum over the ready members' VMM processes")
     members: list[str]
 

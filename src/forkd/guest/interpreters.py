@@ -130,6 +130,7 @@ class TemplateProcess:
         self.warm_log: list[dict[str, Any]] = []  # replayed into a replacement template
         self.warm_modules: list[str] = []
         self.restarts = -1
+        self._reseed_before_warm: bytes | None = None  # see reseed_before_warm
 
     @property
     def pid(self) -> int | None:
@@ -143,7 +144,20 @@ class TemplateProcess:
                 on_event: Any = None) -> dict[str, Any]:
         with self._lock:
             self._ensure()
+            if op == protocol.OP_WARM and self._reseed_before_warm is not None:
+                entropy, self._reseed_before_warm = self._reseed_before_warm, None
+                self._request(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(entropy)}, None, None)
             return self._request(op, args, fds, on_event)
+
+    def reseed_before_warm(self, entropy: bytes) -> None:
+        """Reseed the template's own generators before it next runs code of its own (``warm``).
+
+        Only a warm-up runs code in the template; everything else it does is fork, and every fork
+        reseeds its generators from the kernel as it starts (``template._become_child``), after the
+        agent's reseed has reseeded the kernel. So a restored VM's reseed need not wait for a round
+        trip through the template, whose first run under TCG costs a child's reseed ~100 ms.
+        """
+        self._reseed_before_warm = entropy
 
     def fork(self, args: dict[str, Any], fds: list[int]) -> int:
         return int(self.request("fork", args, fds)["pid"])
@@ -203,7 +217,7 @@ class TemplateProcess:
         flags = ["-S"] if sys.flags.no_site else []
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, *flags, "-m", f"{__package__}.template", str(theirs.fileno())],
+                [sys.executable, *flags, "-m", f"{__package__}.template", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         finally:
@@ -381,20 +395,14 @@ class PythonRuntime:
         return {}
 
     def reseed(self, entropy: bytes) -> dict[str, Any]:
-        """Reseed the template and every context, each with its own stream derived from entropy.
+        """Reseed every context now and the template before its next warm-up, each with its own
+        stream derived from entropy.
 
-        A template that is not running holds no copied state: starting one just to reseed it would make
-        every child of a snapshot that warmed nothing pay an interpreter start before it answers. One
-        started later seeds itself from the (already reseeded) kernel pool, so that counts as reseeded.
+        The template's forks seed themselves from the (already reseeded) kernel pool as they start,
+        and so does a template started later; only code run in the template itself (``warm``) would
+        see its copied generators (:meth:`TemplateProcess.reseed_before_warm`).
         """
-        if self.template.pid is None:
-            result = {"python_rng": True, "numpy_rng": False, "openssl_rng": False}
-        else:
-            try:
-                result = self.template.request(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(
-                    _derive(entropy, "template"))})
-            except TemplateGone:  # its replacement starts from os.urandom: distinct without a reseed
-                result = {"python_rng": False, "numpy_rng": False, "openssl_rng": False}
+        self.template.reseed_before_warm(_derive(entropy, "template"))
         with self._lock:
             contexts = list(self._contexts.values())
         reseeded = 0
@@ -407,7 +415,8 @@ class PythonRuntime:
                     context.lock.release()
             else:
                 context.pending_entropy = derived  # busy: applied before its next cell
-        return {**result, "contexts_reseeded": reseeded, "contexts_pending": len(contexts) - reseeded}
+        return {"python_rng": True, "template_rng": "before_next_warm", "contexts_reseeded": reseeded,
+                "contexts_pending": len(contexts) - reseeded}
 
     # ---- contexts ------------------------------------------------------------------------------
 

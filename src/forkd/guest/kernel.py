@@ -22,6 +22,8 @@ import io
 import itertools
 import json
 import linecache
+import os
+import select
 import signal
 import socket
 import sys
@@ -86,6 +88,22 @@ class Connection:
             )
         with self._lock:
             self._sock.sendall(data)
+
+    def exit_on_hangup(self) -> None:
+        """End this process the moment the agent's end closes, even in the middle of a cell.
+
+        Between cells :meth:`receive` sees the hang-up and the context returns; a cell that never
+        ends (a loop, a long sleep) would otherwise leave an orphan running after its agent died
+        or was restarted. A thread, so only for contexts: the template must not start threads.
+        """
+        def watch() -> None:
+            poller = select.poll()
+            poller.register(self._sock, select.POLLRDHUP)  # POLLHUP and POLLERR always count
+            while not poller.poll():
+                pass
+            os._exit(0)
+
+        threading.Thread(target=watch, name="hangup-watch", daemon=True).start()
 
     def receive(self) -> dict[str, Any] | None:
         """The next request frame, or None once the agent hung up."""
@@ -408,6 +426,7 @@ class Kernel:
 
     def serve(self, conn: Connection) -> None:
         """Answer requests until the agent hangs up (the context is deleted or the agent went)."""
+        conn.exit_on_hangup()
         self._interrupts = Interrupts()
         while (frame := conn.receive()) is not None:
             req_id, op, args = protocol.parse_request(frame)

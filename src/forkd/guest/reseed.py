@@ -1,7 +1,9 @@
 """reseed: make a VM restored from a shared snapshot distinct from its siblings.
 
 The kernel RNG, the clock and the hostname are the agent's to set; the generators a warm
-interpreter holds are reseeded by the interpreter that holds them (:func:`reseed_interpreter`).
+interpreter holds are reseeded by the interpreter that holds them (:func:`reseed_interpreter`):
+each context at the reseed, each fork of the template as it starts, the template itself before
+its next warm-up.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The warm template: a pristine interpreter that imports the warm modules once and forks the rest.
 
-Stdlib only; started by the agent as ``python3 -m forkd_guest.template FD`` with FD one end of a
-Unix socket pair. The template runs no user code except the warm-up, starts no threads, and
+Stdlib only; started by the agent as ``python3 -m forkd_guest.template FD AGENT_PID`` with FD one
+end of a Unix socket pair. It dies with the agent (:func:`die_with`), even in the middle of a
+warm-up that never returns, so a restarted agent never finds the old one's template still running.
+The template runs no user code except the warm-up, starts no threads, and
 serves one request at a time, so ``os.fork()`` in it is safe. Every run_code context
 (:mod:`kernel`) and every warm command (:mod:`warmexec`) is a fork of it, so each starts with the
 modules the warm-up imported. The template is their parent: it reaps them and reports each exit
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import ctypes
 import faulthandler
 import gc
 import importlib
@@ -39,6 +42,7 @@ from .channel import drain
 EVENT_EXIT = "exit"
 OP_FORK = "fork"
 MAX_FDS_PER_REQUEST = 3
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class Template:
@@ -183,8 +187,26 @@ class _WarmFailed(Exception):
         self.details = details
 
 
+def die_with(parent_pid: int) -> None:
+    """SIGKILL this process when ``parent_pid`` (the agent) dies; exit now if it already has.
+
+    Only the agent's end of the socket closing would end the template otherwise, and a template
+    busy in its warm-up never reads it. The kernel sends the signal when the *thread* that forked
+    the template ends: the agent starts it from its main thread or a worker, both of which live as
+    long as the agent. A parent that died before the prctl is seen as a changed parent pid.
+    Forks of the template do not inherit the setting: contexts outlive a template that crashed.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    die_with(int(args[1]))
     sock = socket.socket(fileno=int(args[0]))
     Template(sock).serve()
     return 0

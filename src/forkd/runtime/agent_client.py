@@ -263,7 +263,9 @@ async def connect_when_answering(vm: VmHandle, timeout: float, op: str = protoco
     attempt_s = FIRST_ATTEMPT_S
     while time.monotonic() < deadline:
         if vm.process.returncode is not None:
-            raise AgentUnavailable(f"the VM exited with status {vm.process.returncode} before its agent answered")
+            report = await asyncio.to_thread(vm.exit_report)
+            raise AgentUnavailable(f"the VM exited with status {vm.process.returncode} before its agent answered"
+                                   + (f": {report}" if report else ""))
         remaining = max(0.1, deadline - time.monotonic())
         try:
             client = await AgentClient.connect(vm, timeout=remaining)

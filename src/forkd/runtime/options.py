@@ -51,6 +51,10 @@ class RuntimeOptions:
     host_roots: HostRoots | None = None
     transfer_hosts: tuple[str, ...] | None = None  # hosts pulls and pushes may reach; None: any http(s) host
     pool_sizes: dict[str, int] = field(default_factory=dict)  # ready VMMs kept per snapshot tag (runtime/pool.py)
+    # Pool members load their state, run a fork's first calls and wait stopped (runtime/warmup.py):
+    # a pooled child then skips the translation of that guest code, at the cost of the member's
+    # larger footprint (docs/operations.md). False: members wait before their state is loaded.
+    warm_pools: bool = True
 
     def restore_slots(self) -> int:
         """Children restored at once: the configured bound, else what this host's CPUs can serve."""

@@ -1,22 +1,26 @@
-"""Pools of ready VMMs per hot snapshot: a fork that takes one only loads state, continues and reseeds.
+"""Pools of ready VMMs per hot snapshot: a fork that takes one only continues it and reseeds it.
 
 A member is a child's VMM started ahead of time for one snapshot with ``-incoming defer``: its run
 directory (``sandboxes/<id>``), disk overlay, cgroup and a fresh vmgenid are made, a diff chain's
-pages are laid into its RAM and its monitor is open; no guest code has run, so it is exactly as
-distinct as a child started on demand (the reseed that makes RNGs, clock and hostname its own
-comes after the fork takes it). Only forks with the default options (no network, no limits) can
+pages are laid into its RAM and its monitor is open. A *warm* member (the default) goes further:
+it loads its state, runs a fork's first calls in the guest and is stopped (``runtime/warmup.py``),
+so the guest code those calls run is already translated when a child needs it; a fork that takes
+it continues it and reseeds it. A *cold* member (``warm_pools = false``) has run no guest code and
+a fork loads its state first. Either way the reseed that makes RNGs, clock and hostname the child's
+own comes after the fork takes it. Only forks with the default options (no network, no limits) can
 use a member: the network namespace and cgroup limits are made before a VMM starts.
 
 Members are refilled in the background once a fork is done with them, one VMM start at a time per
 snapshot, never on a caller's path. A member has no registry record: a daemon that dies leaves its
-run directory, which recovery reaps with the VMM in it like a child caught mid-restore; ``rmi``,
-daemon stop and a size lowered kill members at once.
+run directory, which recovery reaps with the VMM in it (running, stopped or half-warmed) like a
+child caught mid-restore; ``rmi``, daemon stop and a size lowered kill members at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter, defaultdict
@@ -26,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from forkd.config import Paths
+from forkd.runtime import warmup
+from forkd.runtime.agent_client import AgentClient
 from forkd.runtime.isolation import Isolation, Prepared, SandboxOptions
 from forkd.store.errors import SnapshotError
 from forkd.store.registry import Registry
@@ -49,6 +55,7 @@ class Member:
     vm: VmHandle
     prepared: Prepared
     ready_at: float
+    agent: AgentClient | None = None  # a warm member's open agent connection; its guest is stopped
 
     @property
     def alive(self) -> bool:
@@ -63,7 +70,7 @@ def usable_by(options: SandboxOptions) -> bool:
 class PoolService:
     def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, snapshots: SnapshotStore,
                  isolation: Isolation, release: Release, new_id: NewId,
-                 configured: dict[str, int] | None = None) -> None:
+                 configured: dict[str, int] | None = None, warm: bool = True) -> None:
         self.paths = paths
         self.registry = registry
         self.vmm = vmm
@@ -71,6 +78,7 @@ class PoolService:
         self.isolation = isolation
         self._release = release
         self._new_id = new_id
+        self.warm = warm  # members run a fork's first calls, then wait stopped (runtime/warmup.py)
         self._configured = dict(configured or {})  # sizes from the daemon's config file
         self._stored = registry.pool_sizes()  # sizes set through the API, written through to the registry
         self._members: dict[str, list[Member]] = defaultdict(list)
@@ -158,23 +166,33 @@ class PoolService:
         sandbox_id = self._new_id()
         run_dir = self.paths.sandboxes / sandbox_id
         self._starting[tag] += 1
+        vm: VmHandle | None = None
         try:
             run_dir.mkdir(parents=True)
             prepared = await asyncio.to_thread(self.isolation.prepare, sandbox_id, SandboxOptions())
             try:
-                vm = await self.vmm.prepare_restore(sandbox_id, saved, spec, run_dir, prepared.setup())
+                setup = prepared.setup()
+                if self.warm:
+                    setup = dataclasses.replace(setup, translation_cache_mib=warmup.TRANSLATION_CACHE_MIB)
+                vm = await self.vmm.prepare_restore(sandbox_id, saved, spec, run_dir, setup)
             finally:
                 prepared.close_tap()
+            agent = await warmup.warm(self.vmm, vm, saved, sandbox_id) if self.warm else None
         except BaseException:
+            if vm is not None:
+                with contextlib.suppress(VmmError, OSError):
+                    await self.vmm.kill(vm)
             await self._release(sandbox_id, run_dir)
             raise
         finally:
             self._starting[tag] -= 1
-        return Member(sandbox_id=sandbox_id, vm=vm, prepared=prepared, ready_at=time.time())
+        return Member(sandbox_id=sandbox_id, vm=vm, prepared=prepared, ready_at=time.time(), agent=agent)
 
     def _dispose(self, member: Member) -> None:
         """Kill a member's VMM and release what it held, in the background."""
         async def dispose() -> None:
+            if member.agent is not None:
+                await member.agent.close()
             with contextlib.suppress(VmmError, OSError):
                 await self.vmm.kill(member.vm)
             await self._release(member.sandbox_id, member.vm.run_dir)
@@ -208,7 +226,8 @@ class PoolService:
     def describe(self, tag: str) -> dict[str, Any]:
         members = [m for m in self._members.get(tag, []) if m.alive]
         stats = [s for m in members if (s := self._memory(m)) is not None]
-        return {"tag": tag, "size": self.size(tag), "ready": len(members), "starting": self._starting[tag],
+        return {"tag": tag, "size": self.size(tag), "warm": self.warm, "ready": len(members),
+                "starting": self._starting[tag],
                 "memory": {"rss_kib": sum(s.rss_kib for s in stats), "pss_kib": sum(s.pss_kib for s in stats),
                            "private_dirty_kib": sum(s.private_dirty_kib for s in stats)},
                 "members": [m.sandbox_id for m in members]}

@@ -12,7 +12,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import os
 import secrets
 import string
 import time
@@ -33,6 +32,7 @@ from forkd.store.io import remove_tree
 from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.snapshots import SnapshotService
 from forkd.runtime.timings import Timings
+from forkd.runtime.warmup import reseed_args
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
 from forkd.vmm.process import start_time
 
@@ -136,7 +136,7 @@ class SandboxService:
         self._restore_slots = asyncio.Semaphore(self.options.restore_slots())
         self._batches: set[asyncio.Future[Any]] = set()
         self.pool = PoolService(paths, registry, vmm, snapshots.store, isolation, self.release, new_sandbox_id,
-                                self.options.pool_sizes)
+                                self.options.pool_sizes, warm=self.options.warm_pools)
 
     async def fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> list[ForkOutcome]:
         """Restore ``count`` children of snapshot ``tag``; per-child outcome, in request order."""
@@ -236,6 +236,7 @@ class SandboxService:
         prepared: Prepared | None = None
         if member is not None:
             sandbox_id, run_dir, prepared, vm = member.sandbox_id, member.vm.run_dir, member.prepared, member.vm
+            agent = member.agent  # a warm member: state loaded, first calls run, guest stopped
             timings.mark("pool")
         else:
             sandbox_id = new_sandbox_id()
@@ -250,8 +251,15 @@ class SandboxService:
                                                         dataclasses.replace(prepared.setup(), on_stage=timings.mark))
                 finally:
                     prepared.close_tap()
-            await self.vmm.complete_restore(vm, saved, timings.mark)
-            agent = await self._reseed(vm, sandbox_id, min(RESTORE_ANSWER_TIMEOUT_S, _remaining(deadline)))
+            answer_s = min(RESTORE_ANSWER_TIMEOUT_S, _remaining(deadline))
+            if agent is None:
+                await self.vmm.complete_restore(vm, saved, timings.mark)
+                agent = await self._reseed(vm, sandbox_id, answer_s)
+            else:
+                await self.vmm.resume(vm)
+                timings.mark("cont")
+                await self._check_reseeded(agent, sandbox_id, await agent.call(
+                    protocol.OP_RESEED, reseed_args(sandbox_id), timeout=answer_s))
             timings.mark("reseed")
             assert prepared is not None
             record = self._running_record(sandbox_id, tag, vm, options, prepared, timings)
@@ -275,16 +283,15 @@ class SandboxService:
 
         ``timeout_s`` counts from this child's own restore, not from the request.
         """
-        agent, reseeded = await connect_when_answering(vm, timeout_s, protocol.OP_RESEED, {
-            "entropy_b64": protocol.b64encode(os.urandom(64)),
-            "time_ns": time.time_ns(),
-            "hostname": sandbox_id,
-            "sandbox_id": sandbox_id,
-        })
+        agent, reseeded = await connect_when_answering(vm, timeout_s, protocol.OP_RESEED, reseed_args(sandbox_id))
+        await SandboxService._check_reseeded(agent, sandbox_id, reseeded)
+        return agent
+
+    @staticmethod
+    async def _check_reseeded(agent: AgentClient, sandbox_id: str, reseeded: dict[str, Any]) -> None:
         if reseeded.get("kernel_rng") is not True:
             await agent.close()
             raise ReseedFailed(sandbox_id, reseeded)
-        return agent
 
     @staticmethod
     def _running_record(sandbox_id: str, tag: str, vm: VmHandle, options: ForkOptions, prepared: Prepared,

@@ -96,11 +96,15 @@ class ChildSetup:
     ``on_spawn`` runs with the VMM's pid before any guest state is loaded (e.g. joins a cgroup).
     ``on_stage`` is told the name of each stage of starting the VMM as it ends (``exec``,
     ``qmp_greeting``, ...), so the runtime can say where a spawn's time went.
+    ``translation_cache_mib`` asks a backend that translates guest code (QEMU's TCG) for at least
+    this much cache, so code translated ahead of time (a warm pool member's) is not flushed by the
+    child's first calls; None: the backend's default. Backends without one ignore it.
     """
 
     tap_fd: int | None = None
     on_spawn: Callable[[int], None] | None = None
     on_stage: Callable[[str], None] | None = None
+    translation_cache_mib: int | None = None
 
 
 def no_stage_marks(stage: str) -> None:
@@ -132,6 +136,11 @@ class VmHandle:
         """A fresh byte stream to the guest agent (raises ``FileNotFoundError``/``ConnectionRefusedError``
         while the VMM has not opened it yet)."""
         return await asyncio.open_unix_connection(str(self.agent_socket), limit=limit)
+
+    def exit_report(self) -> str:
+        """Why the VMM ended, from what it and the guest said last, for an error about a VM that ended
+        on its own; ``""`` when the backend cannot tell. Reads files: call it off the event loop."""
+        return ""
 
 
 class PageLayer(Protocol):
@@ -224,6 +233,14 @@ class Vmm(Protocol):
                                on_stage: Callable[[str], None] = no_stage_marks) -> None:
         """Load ``saved``'s layers and device state into a prepared VMM and let the guest run
         (marking ``state_loaded`` and ``cont``, or the backend's own stages, through ``on_stage``)."""
+        ...
+
+    async def pause(self, vm: VmHandle) -> None:
+        """Stop the guest's vCPUs (the VMM keeps its memory, devices and translations) until :meth:`resume`."""
+        ...
+
+    async def resume(self, vm: VmHandle) -> None:
+        """Let a guest stopped by :meth:`pause` run again."""
         ...
 
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:

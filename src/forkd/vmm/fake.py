@@ -64,7 +64,10 @@ class FakeVmm:
         self.behaviour = behaviour or FakeBehaviour()
         self.branching = FakeBranching(self)
         self.reseeds: list[str] = []  # sandbox ids whose agent answered a reseed, in order
+        self.requests: list[tuple[str, str]] = []  # (VM name, op) of every request its agent answered
+        self.evals: list[str] = []  # expressions the agents were asked to evaluate, in order
         self._agents: dict[str, asyncio.AbstractServer] = {}  # by run dir
+        self._running: dict[str, asyncio.Event] = {}  # by run dir: cleared while paused, so the agent waits
 
     def capabilities(self) -> Capabilities:
         return Capabilities(kind=self.kind, version="1", accelerator="none", accelerator_reason="no VM at all",
@@ -121,6 +124,29 @@ class FakeVmm:
         await self._serve_agent(vm)
         on_stage("cont")
 
+    async def pause(self, vm: VmHandle) -> None:
+        self._alive(vm)
+        self._gate(vm).clear()
+
+    async def resume(self, vm: VmHandle) -> None:
+        self._alive(vm)
+        self._gate(vm).set()
+
+    def paused(self, vm: VmHandle) -> bool:
+        return not self._gate(vm).is_set()
+
+    @staticmethod
+    def _alive(vm: VmHandle) -> None:
+        if vm.process.returncode is not None:
+            raise VmmError(f"the fake VMM of {vm.name} has exited")
+
+    def _gate(self, vm: VmHandle) -> asyncio.Event:
+        gate = self._running.get(str(vm.run_dir))
+        if gate is None:
+            gate = self._running[str(vm.run_dir)] = asyncio.Event()
+            gate.set()
+        return gate
+
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
         vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
                       state=dict(state))
@@ -155,6 +181,7 @@ class FakeVmm:
             with contextlib.suppress(ConnectionError, protocol.ProtocolError):
                 while line := await reader.readline():
                     request = protocol.decode_frame(line)
+                    await self._gate(vm).wait()  # a paused guest answers nothing until it runs again
                     if request.get("op") == protocol.OP_RESEED:
                         await asyncio.sleep(self.behaviour.reseed_delay_s)
                     writer.write(protocol.encode_frame(self._answer(vm, request)))
@@ -168,6 +195,7 @@ class FakeVmm:
 
     def _answer(self, vm: VmHandle, request: dict[str, Any]) -> dict[str, Any]:
         op, args, req_id = request.get("op"), request.get("args") or {}, request.get("id")
+        self.requests.append((vm.name, str(op)))
         if op == protocol.OP_PING:
             return {"id": req_id, "ok": True, "result": {"agent_version": AGENT_VERSION, "sandbox_id": vm.name}}
         if op == protocol.OP_RESEED:
@@ -177,6 +205,13 @@ class FakeVmm:
                                                          "skipped": [] if reseeded else ["kernel_rng"]}}
         if op == protocol.OP_WARM:
             return {"id": req_id, "ok": True, "result": {"imported": args.get("modules", []), "seconds": 0.0}}
+        if op in (protocol.OP_CONTEXTS_CREATE, protocol.OP_CONTEXTS_DELETE):
+            return {"id": req_id, "ok": True, "result": {"id": args.get("id")}}
+        if op == protocol.OP_EVAL:
+            self.evals.append(str(args.get("expr")))
+            return {"id": req_id, "ok": True, "result": {"value": "None", "value_json": None}}
+        if op == protocol.OP_RUN_CODE:
+            return {"id": req_id, "ok": True, "result": {"value": None, "value_json": None, "error": None}}
         if op == protocol.OP_EXEC:
             return {"id": req_id, "ok": True, "result": {"exit_code": 0, "signal": None, "timed_out": False,
                                                          "duration_s": 0.0}}
@@ -188,6 +223,7 @@ class FakeVmm:
         await self._stop_agent(vm)
 
     async def _stop_agent(self, vm: VmHandle) -> None:
+        self._running.pop(str(vm.run_dir), None)
         server = self._agents.pop(str(vm.run_dir), None)
         if server is not None:
             server.close()

@@ -46,6 +46,7 @@ from forkd.vmm.qemu_machine import (
     QEMU_BINARY,
     TCG_TB_SIZE_MIB,
     QemuMachine,
+    QemuVm,
     cpu_model,
     create_overlay,
     kill,
@@ -136,7 +137,8 @@ class QemuVmm:
         disk = run_dir / "disk.qcow2"
         await asyncio.to_thread(shutil.copyfile, await self._child_overlay_template(saved.disk), disk)
         mark("overlay")
-        argv = self.machine.argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd)
+        argv = self.machine.argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd,
+                                 tb_size_mib=setup.translation_cache_mib)
         if saved.state_format == DEVICE_STATE:  # written by a BRANCH: devices only, no configuration section
             argv += DEVICE_STATE_ARGS
         # -S: the guest runs only on complete_restore's `cont`, whatever run state the saved state holds.
@@ -191,11 +193,26 @@ class QemuVmm:
         with open(state, "rb+") as written:
             os.fsync(written.fileno())
 
+    async def pause(self, vm: VmHandle) -> None:
+        await self._run_state(vm, "stop")
+
+    async def resume(self, vm: VmHandle) -> None:
+        await self._run_state(vm, "cont")
+
+    @staticmethod
+    async def _run_state(vm: VmHandle, command: str) -> None:
+        """``stop`` or ``cont`` over QMP: vCPUs halt or run; memory, devices and TCG's translations stay."""
+        try:
+            async with monitor(vm) as qmp:
+                await qmp.execute(command)
+        except QMPError as exc:
+            raise VmmError(f"{command} of {vm.name} failed: {exc}") from None
+
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
         if not isinstance(state.get(MONITOR_KEY), str) or not isinstance(state.get(DISK_KEY), str):
             raise VmmError(f"the record of {name} lacks its QEMU monitor socket or disk")
-        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
-                      state={k: state[k] for k in (MONITOR_KEY, DISK_KEY, MEMORY_KEY) if k in state})
+        vm = QemuVm(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+                    state={k: state[k] for k in (MONITOR_KEY, DISK_KEY, MEMORY_KEY) if k in state})
         try:
             async with monitor(vm, wait_s=ADOPT_MONITOR_TIMEOUT_S, timeout_s=ADOPT_MONITOR_TIMEOUT_S) as qmp:
                 status = (await qmp.execute("query-status")).get("status")

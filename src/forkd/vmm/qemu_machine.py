@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -23,6 +25,7 @@ from qemu.qmp import EventListener, QMPClient, QMPError
 
 from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
+from forkd.safetext import visible
 from forkd.vmm.base import BootSpec, VmHandle, VmmError, no_stage_marks
 
 QEMU_BINARY = "qemu-system-x86_64"
@@ -30,11 +33,12 @@ MACHINE_ALIAS = "q35"
 STARTUP_TIMEOUT_S = 20.0
 QMP_TIMEOUT_S = 30.0  # one monitor command; QEMU answers in milliseconds unless it is stalled
 MIGRATION_TIMEOUT_S = 120.0
-# TCG translation buffer per VMM. Measured per child (reseed + numpy eval + one command, bench/child_cost.py,
-# docs/benchmarks.md): 8 MiB → 12 buffer flushes and ~2x the CPU of 16 MiB (4 flushes); 32 MiB → 1
-# flush and ~35 % less CPU than 16, but +14 MiB Private_Dirty per child. The default favours memory;
-# `tcg_tb_size_mib` in the daemon's config trades it for CPU.
-TCG_TB_SIZE_MIB = 16
+# TCG translation buffer per VMM. Measured per child at idle (reseed + numpy eval + one command,
+# bench/child_cost.py, docs/benchmarks.md): a child's code needs ~31 MiB of translations, so 16 MiB
+# flushes 5 times and retranslates (1.19 CPU-s per child) where 32 MiB flushes once (0.67 CPU-s),
+# for +17 MiB Private_Dirty per child; 48 and 64 MiB fill no further. On 2 cores CPU is what limits
+# a fan-out, so the default favours it; `tcg_tb_size_mib` in the daemon's config trades it back.
+TCG_TB_SIZE_MIB = 32
 NIC_ID = "nic0"
 #: An inert NIC backend: a hub with this one port, so frames go nowhere. Backends are not
 #: migrated, so a parent baked on it can restore onto a tap. The tap is opened without vnet headers,
@@ -48,6 +52,30 @@ SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=de
 #: its bounding, inheritable and ambient sets, and no_new_privs stops it regaining any (docs/security.md).
 CONFINE = ("setpriv", "--no-new-privs", "--bounding-set=-all,+dac_override", "--inh-caps=-all",
            "--ambient-caps=-all", "--")
+
+
+#: In a VM's run directory: QEMU's own stdout and stderr, and the guest's serial console.
+VMM_LOG, CONSOLE_LOG = "qemu.log", "console.log"
+#: Traced into the VMM log, so an exit says who asked for it: a guest poweroff or a monitor ``quit``
+#: (both exit 0, as a guest reset does under -no-reboot, which this trace does not see).
+SHUTDOWN_TRACE = "qemu_system_shutdown_request"
+#: QEMU's ShutdownCause numbers (qapi/run-state.json) that reach that trace.
+_SHUTDOWN_CAUSES = {
+    1: "QEMU stopped on an error of its own",
+    2: "QEMU was told to quit over its monitor",
+    5: "QEMU's user interface was closed",
+    6: "the guest powered itself off (an initramfs failure powers off; see the console)",
+    8: "the guest reported a panic",
+}
+_SHUTDOWN_REQUESTED = re.compile(rf"{SHUTDOWN_TRACE} reason=(\d+)")
+_SIGNALLED = re.compile(r"terminating on signal (\d+)(?: from pid (\d+)(?: \(([^)]*)\))?)?")
+#: How much of a log an exit report quotes: the last lines, each clipped, of the file's last bytes.
+REPORT_LINES, REPORT_LINE_CHARS, REPORT_READ_BYTES = 12, 240, 16 * 1024
+#: Guest kernel lines that say why it died, quoted even when a call trace pushed them up.
+_KERNEL_HEADLINE = re.compile(r"Kernel panic - not syncing|BUG: |Oops|general protection fault|double fault|"
+                              r"soft lockup|self-detected stall|Attempted to kill init|Out of memory")
+#: What QEMU always says about the inert NIC a parent is booted with (``_INERT_NETDEV``): not news.
+_INERT_HUB_WARNING = "is not connected to host network"
 
 
 #: The guest CPU under TCG: a named, versioned model (its CPUID never moves with a QEMU release,
@@ -198,22 +226,6 @@ class Monitor:
             finally:
                 exited.cancel()
 
-    async def wait_for_migration(self, doing: str, timeout_s: float = MIGRATION_TIMEOUT_S) -> None:
-        """Poll until an outgoing or incoming migration completes (both take milliseconds here)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            info = await self.execute("query-migrate")
-            status = info.get("status")
-            if status == "completed":
-                return
-            if status in {"failed", "cancelled"}:
-                raise VmmError(f"{doing} {self.vm.name} failed: {info.get('error-desc', status)}")
-            if time.monotonic() > deadline:
-                await kill(self.vm)
-                raise MonitorStalled(f"{doing} {self.vm.name} did not finish in {timeout_s:.0f} s; "
-                                     "the VMM has been killed")
-            await asyncio.sleep(0.002)
-
 
 async def kill(vm: VmHandle) -> None:
     if vm.process.returncode is None:
@@ -257,12 +269,80 @@ async def _abandon(client: QMPClient) -> None:
         await asyncio.wait_for(client.disconnect(), timeout=2.0)
 
 
-def tail(path: Path, limit: int = 800) -> str:
+def _read_end(path: Path, nbytes: int) -> str | None:
+    """The last ``nbytes`` of a file, decoded; None if it cannot be read. Never the whole file: a
+    guest can make its console log huge."""
     try:
-        text = path.read_text(errors="replace").strip()
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - nbytes))
+            return f.read().decode(errors="replace")
     except OSError:
+        return None
+
+
+def tail(path: Path, limit: int = 800) -> str:
+    """The end of a log, for an error message."""
+    text = _read_end(path, limit * 4)  # enough bytes for ``limit`` characters of any UTF-8
+    if text is None:
         return "(no log)"
-    return text[-limit:] or "(empty log)"
+    return text.strip()[-limit:] or "(empty log)"
+
+
+def log_lines(path: Path) -> list[str]:
+    """The non-blank lines at the end of a log, control characters made visible, each clipped."""
+    lines = [line.strip() for line in (_read_end(path, REPORT_READ_BYTES) or "").splitlines()]
+    return [visible(line)[:REPORT_LINE_CHARS] for line in lines if line]
+
+
+def console_excerpt(lines: list[str]) -> list[str]:
+    """The console's last lines, after the kernel's last headlines (a panic's reason, an oops) above them."""
+    last = lines[-REPORT_LINES:]
+    headlines = [line for line in lines[:-REPORT_LINES] if _KERNEL_HEADLINE.search(line)][-3:]
+    return [*headlines, "...", *last] if headlines else last
+
+
+def shutdown_cause(vmm_log: list[str]) -> str | None:
+    """Who asked QEMU to stop, if its log says: a signal (QEMU names the sender) or a traced request."""
+    for line in reversed(vmm_log):
+        if match := _SIGNALLED.search(line):
+            sender = f" from pid {match[2]}" + (f" ({match[3]})" if match[3] else "") if match[2] else ""
+            return f"QEMU was sent {_signal_name(int(match[1]))}{sender} and shut down"
+        if match := _SHUTDOWN_REQUESTED.search(line):
+            return _SHUTDOWN_CAUSES.get(int(match[1]), f"QEMU shut down (cause {match[1]})")
+    return None
+
+
+def status_cause(status: int | None) -> str | None:
+    """What an exit status alone says about a QEMU that ended without logging why."""
+    if status is not None and status < 0:
+        return f"QEMU was killed by {_signal_name(-status)}"
+    if status == 0:
+        return ("the guest reset itself: a kernel panic (panic=-1 reboots at once), a triple fault or a "
+                "reboot, which -no-reboot turns into an exit")
+    return None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class QemuVm(VmHandle):
+    """A QEMU VM, which reports its own end from QEMU's log and the guest's serial console."""
+
+    def exit_report(self) -> str:
+        vmm_log = [line for line in log_lines(self.run_dir / VMM_LOG) if _INERT_HUB_WARNING not in line]
+        parts = []
+        if (cause := shutdown_cause(vmm_log)) is not None:
+            parts.append(cause)
+        else:
+            parts.append(status_cause(self.process.returncode) or "")
+            parts.append("QEMU's log ends: " + " | ".join(vmm_log[-3:]) if vmm_log else "")
+        console = console_excerpt(log_lines(self.run_dir / CONSOLE_LOG))
+        parts.append("the guest console ends: " + " | ".join(console) if console else "the guest console is empty")
+        return "; ".join(part for part in parts if part)
 
 
 class QemuMachine:
@@ -282,20 +362,24 @@ class QemuMachine:
         return machine_type(self.binary)
 
     def argv(self, spec: BootSpec, run_dir: Path, disk: Path, memory: Path, share: bool,
-             tap_fd: int | None = None, boot: bool | None = None) -> list[str]:
+             tap_fd: int | None = None, boot: bool | None = None, tb_size_mib: int | None = None) -> list[str]:
         """The machine; parent and children must agree on every device for state to load.
 
         Only a parent (``share=True``) is given the kernel: a child's kernel is already in the RAM
         it maps, and QEMU would otherwise keep a private ~14 MB copy of vmlinuz and initrd per child.
+        ``tb_size_mib`` raises TCG's translation buffer for this VMM above the configured size (the
+        buffer is not part of the saved state, so it may differ between a parent and its children).
         """
         with_kernel = share if boot is None else boot
         kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if with_kernel else []
-        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={self.tb_size_mib}"
+        tb_size = max(self.tb_size_mib, tb_size_mib or 0)
+        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={tb_size}"
         netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
         return [
             self.binary,
             "-nodefaults", "-no-user-config", "-nographic", "-display", "none",
             "-no-reboot",  # a guest panic (panic=-1) ends the VMM, so it is noticed, not rebooted
+            "-trace", SHUTDOWN_TRACE,
             "-sandbox", SECCOMP,
             "-machine", f"{self.machine},memory-backend=ram",
             "-accel", accel,
@@ -314,7 +398,7 @@ class QemuMachine:
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},id=agentport",
             # A new generation id on every restore tells the guest kernel to reseed its RNG.
             "-device", f"vmgenid,guid={uuid.uuid4()},id=vmgenid",
-            "-chardev", f"file,id=console,path={run_dir / 'console.log'}",
+            "-chardev", f"file,id=console,path={run_dir / CONSOLE_LOG}",
             "-serial", "chardev:console",
             "-qmp", f"unix:{run_dir / 'qmp.sock'},server=on,wait=off",
         ]
@@ -327,7 +411,7 @@ class QemuMachine:
 
         Marks ``exec`` (process started and set up) and ``qmp_greeting`` (the monitor answered).
         """
-        log_path = run_dir / "qemu.log"
+        log_path = run_dir / VMM_LOG
         command = [*CONFINE, *argv] if self.confine else argv
         with open(log_path, "ab") as log:
             try:
@@ -337,8 +421,8 @@ class QemuMachine:
                 )
             except OSError as exc:
                 raise VmmError(f"cannot start {self.binary}: {exc}; install QEMU with `bash scripts/setup`") from None
-        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
-                      state={MONITOR_KEY: str(run_dir / "qmp.sock"), DISK_KEY: str(disk)})
+        vm = QemuVm(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+                    state={MONITOR_KEY: str(run_dir / "qmp.sock"), DISK_KEY: str(disk)})
         if on_spawn is not None:
             try:
                 on_spawn(process.pid)
