@@ -43,9 +43,12 @@ class StandInVmm:
     def __init__(self) -> None:
         self.pids = itertools.count(1000)
         self.running: set[str] = set()
+        self.gate: asyncio.Event | None = None  # when set, VMM starts wait for it
 
     async def prepare_restore(self, name, saved, spec, run_dir, setup) -> VmHandle:
         self.running.add(name)
+        if self.gate is not None:
+            await self.gate.wait()
         return VmHandle(name=name, run_dir=run_dir, process=Process(next(self.pids)), agent_socket=run_dir / "a")
 
     async def kill(self, vm: VmHandle) -> None:
@@ -84,6 +87,25 @@ async def settle(service: PoolService) -> None:
         await asyncio.sleep(0.01)
         if all(task.done() for task in service._fillers.values()) and not service._disposing:
             return
+
+
+def test_a_member_that_finishes_starting_after_the_size_was_lowered_is_not_kept(pool) -> None:
+    """A warm member takes a second or more to start; a pool emptied meanwhile must stay empty."""
+    service, vmm, released, _ = pool
+
+    async def run() -> None:
+        vmm.gate = asyncio.Event()
+        await service.set_size("hot", 1)
+        for _ in range(500):  # bounded: until the member's VMM start is under way
+            if service.describe("hot")["starting"] == 1 and vmm.running:
+                break
+            await asyncio.sleep(0.01)
+        await service.set_size("hot", 0)
+        vmm.gate.set()
+        await settle(service)
+        assert service.describe("hot")["ready"] == 0 and vmm.running == set() and len(released) == 1
+
+    asyncio.run(run())
 
 
 def test_fill_take_give_back_trim_discard_stop(pool) -> None:

@@ -156,8 +156,8 @@ class PoolService:
                             FILL_RETRY_S)
                 await asyncio.sleep(FILL_RETRY_S)
                 continue
-            if self._stopped or generation != self._generation[tag]:  # rmi or stop came meanwhile
-                self._dispose(member)
+            if self._stopped or generation != self._generation[tag] or len(self._members[tag]) >= self.size(tag):
+                self._dispose(member)  # rmi, stop or a smaller size came while it started
                 return
             self._members[tag].append(member)
 
