@@ -3,7 +3,7 @@
 1. pytest over examples/pytest_project (numpy, pandas, scipy, sklearn tests) three ways: serial in one
    child; one child per test file with a fresh ``python3 -m pytest``; one child per file with the same
    command forked from the guest's warm interpreter (``warm=True``). Wall time from the first fork to
-   the last result.
+   the last result; the three ways interleaved over ``--pytest-rounds`` rounds, medians compared.
 2. The warm import saving: ``python3 -c 'import sklearn'`` in one live child, fresh vs warm, interleaved.
 3. The fork-per-test PostgreSQL fixture: fork → the first query answered, per child.
 
@@ -93,6 +93,8 @@ def postgres_first_query(repeats: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pytest-rounds", type=int, default=3,
+                        help="rounds of the three pytest ways, interleaved (each round takes ~4 minutes here)")
     args = parser.parse_args()
     api = ensure_daemon()
     os.environ.setdefault("FORKD_URL", api.url)
@@ -100,14 +102,18 @@ def main() -> None:
     ensure_snapshot(api)
     load_before = os.getloadavg()
 
-    fanout: dict[str, Any] = {}
-    for mode in pytest_warm_fanout.MODES:
-        wall, runs = pytest_warm_fanout.run_mode(mode)
-        fanout[mode] = {"wall_s": round(wall, 2), "passed": sum(r.passed for r in runs),
-                        "failed": sum(r.failed for r in runs),
-                        "runs": [{"files": r.files, "exit_code": r.exit_code, "seconds": round(r.seconds, 2)}
-                                 for r in runs]}
-        print(f"pytest {mode:6s}: {wall:6.1f} s, {fanout[mode]['passed']} passed, {fanout[mode]['failed']} failed")
+    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in pytest_warm_fanout.MODES}
+    for round_ in range(args.pytest_rounds):  # interleaved: noise lands on every way
+        for mode in pytest_warm_fanout.MODES:
+            wall, runs = pytest_warm_fanout.run_mode(mode)
+            rounds[mode].append({"wall_s": round(wall, 2), "passed": sum(r.passed for r in runs),
+                                 "failed": sum(r.failed for r in runs),
+                                 "runs": [{"files": r.files, "exit_code": r.exit_code, "seconds": round(r.seconds, 2)}
+                                          for r in runs]})
+            print(f"round {round_} pytest {mode:6s}: {wall:6.1f} s, {rounds[mode][-1]['passed']} passed, "
+                  f"{rounds[mode][-1]['failed']} failed", flush=True)
+    fanout = {mode: {"wall_s": statistics.median(r["wall_s"] for r in done), "rounds": done}
+              for mode, done in rounds.items()}
     imports = import_saving(args.repeats)
     print(f"import sklearn: fresh {imports['fresh']['p50_s']} s, warm {imports['warm']['p50_s']} s")
     postgres = postgres_first_query(args.repeats)
