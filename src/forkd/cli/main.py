@@ -265,7 +265,8 @@ def list_pools(as_json: bool) -> None:
               help="ready VMMs to keep for the snapshot (0: none)")
 @reports_errors
 def pool(tag: str, size: int) -> None:
-    """Keep SIZE VMMs of a snapshot started and waiting, so a fork only loads state and runs."""
+    """Keep SIZE VMMs of a snapshot ready (warm by default: state loaded, a fork's first calls run,
+    stopped), so a fork only continues and reseeds one."""
     state = daemon().set_pool_size(tag, size)
     console.print(f"pool of {state['tag']}: size {state['size']}, {state['ready']} ready, "
                   f"{state['starting']} starting (filled in the background; `forkd ls --pool`)")
