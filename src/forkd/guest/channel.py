@@ -17,9 +17,6 @@ from typing import Any
 
 from . import protocol
 
-#: Largest read from the host (and largest output chunk an op sends in one event).
-READ_CHUNK_BYTES = 64 * 1024
-
 #: A virtio-serial port reads as EOF while no host is connected; this is how often we look again.
 EOF_RETRY_S = 0.005
 
@@ -97,7 +94,7 @@ class Channel:
 
     def _read(self) -> bytes:
         try:
-            return os.read(self._read_fd, READ_CHUNK_BYTES)
+            return os.read(self._read_fd, protocol.READ_CHUNK_BYTES)
         except OSError as exc:
             if not self._reconnects:
                 return b""

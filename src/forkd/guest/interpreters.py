@@ -94,7 +94,7 @@ class FrameSocket:
                 ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
                 if not ready:
                     raise TimeoutError
-            chunk = self.sock.recv(1 << 20)
+            chunk = self.sock.recv(protocol.READ_CHUNK_BYTES)
             if not chunk:
                 return None
             self._buf += chunk
@@ -497,20 +497,30 @@ class PythonRuntime:
 
     def _exchange(self, req: Request, op: str, args: dict[str, Any], context: Context,
                   timeout_s: float | None) -> dict[str, Any]:
-        """Send one cell and relay its frames until the answer, a crash, the deadline or a cancel."""
+        """Send one cell and relay its frames until the answer, a crash, the deadline or a cancel.
+
+        The cell's deadline is enforced from here: SIGINT when it passes (the context raises
+        TimeoutError, as it knows the deadline too), a kill if the cell is still running GRACE_S
+        later. A cancel is SIGINT at once, a kill GRACE_S later.
+        """
         control = req.control()
         control.on_cancel(lambda: _interrupt(context.pid))
-        cell_id = next(context.ids)
-        context.link.send(protocol.request(cell_id, op, args))
-        hard_deadline = None if timeout_s is None else time.monotonic() + timeout_s + GRACE_S
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        context.link.send(protocol.request(next(context.ids), op, {**args, "deadline": deadline}))
+        wake_at = deadline  # then: when a cell that ignored its interrupt is killed
+        interrupted = False
         cancel_deadline: float | None = None
         while True:
             if control.cancelled and cancel_deadline is None:
                 cancel_deadline = time.monotonic() + GRACE_S
-            deadlines = [d for d in (hard_deadline, cancel_deadline) if d is not None]
-            wait = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+            wakes = [d for d in (wake_at, cancel_deadline) if d is not None]
+            wait = None if not wakes else max(0.0, min(wakes) - time.monotonic())
             if not _wait_readable(context.link, control, wait):
-                if deadlines and time.monotonic() >= min(deadlines):
+                now = time.monotonic()
+                if wake_at is not None and now >= wake_at and not interrupted:
+                    _interrupt(context.pid)
+                    interrupted, wake_at = True, wake_at + GRACE_S
+                elif wakes and now >= min(wakes):
                     self._kill(context)
                     self._replace(context)
                     raise AgentError(protocol.ERR_TIMEOUT, f"the cell did not stop {GRACE_S} s after its "

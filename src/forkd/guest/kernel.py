@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -108,7 +109,7 @@ class Connection:
     def receive(self) -> dict[str, Any] | None:
         """The next request frame, or None once the agent hung up."""
         while (end := self._buf.find(b"\n")) < 0:
-            chunk = self._sock.recv(1 << 20)
+            chunk = self._sock.recv(protocol.READ_CHUNK_BYTES)
             if not chunk:
                 return None
             self._buf += chunk
@@ -347,9 +348,13 @@ def describe_exception(exc: BaseException) -> dict[str, str]:
     }
 
 
+#: Made once: json.dumps with an argument builds a new encoder per call (costly under TCG).
+_STRICT_JSON = json.JSONEncoder(allow_nan=False)
+
+
 def _json_or_none(value: Any) -> Any:
     try:
-        encoded = json.dumps(value, allow_nan=False)
+        encoded = _STRICT_JSON.encode(value)
     except (TypeError, ValueError, RecursionError):
         return None
     return value if len(encoded) <= VALUE_JSON_MAX_BYTES else None
@@ -371,48 +376,44 @@ def _failure_result(exc: BaseException) -> dict[str, Any]:
 class Interrupts:
     """Deadlines and cancels as SIGINT on the main thread, raised only while user code runs.
 
-    The deadline timer and the agent's ``cancel`` both deliver SIGINT; the handler raises
-    TimeoutError for the former, KeyboardInterrupt for the latter, and nothing between cells.
+    The agent delivers SIGINT both when a cell's deadline passes and for a ``cancel``. The deadline
+    comes with the cell on CLOCK_MONOTONIC, which every process of the guest shares, so the handler
+    tells them apart by the clock: TimeoutError past it, KeyboardInterrupt before, nothing between
+    cells. No timer thread per cell: starting one costs a TCG guest several milliseconds.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()  # the handler may run on the main thread while it holds it
         self._in_cell = False
-        self._timed_out = False
-        self._timer: threading.Timer | None = None
         self._timeout_s: float | None = None
-        self._main = threading.main_thread().ident
+        self._deadline: float | None = None
         signal.signal(signal.SIGINT, self._on_sigint)
 
-    def enter(self, timeout_s: float | None) -> None:
-        with self._lock:
-            self._in_cell, self._timed_out, self._timeout_s = True, False, timeout_s
-            if timeout_s is not None:
-                self._timer = threading.Timer(timeout_s, self._expire)
-                self._timer.daemon = True
-                self._timer.start()
+    def enter(self, timeout_s: float | None, deadline: float | None) -> None:
+        """Start a cell (on the main thread, as the handler runs: no lock needed).
+
+        An interrupt for a deadline that passed before the cell started was ignored; the clock
+        says so here, and the cell ends at once.
+        """
+        self._timeout_s, self._deadline = timeout_s, deadline
+        self._in_cell = True
+        if self._expired():
+            raise self._timed_out()
 
     def leave(self) -> None:
-        with self._lock:
-            self._in_cell = False
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-    def _expire(self) -> None:
-        with self._lock:
-            if self._in_cell and self._main is not None:
-                self._timed_out = True
-                signal.pthread_kill(self._main, signal.SIGINT)
+        self._in_cell = False
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        with self._lock:
-            if not self._in_cell:
-                return
-            timed_out = self._timed_out
-        if timed_out:
-            raise TimeoutError(f"cell exceeded its {self._timeout_s} s timeout")
+        if not self._in_cell:
+            return
+        if self._expired():
+            raise self._timed_out()
         raise KeyboardInterrupt
+
+    def _expired(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _timed_out(self) -> TimeoutError:
+        return TimeoutError(f"cell exceeded its {self._timeout_s} s timeout")
 
 
 class Kernel:
@@ -442,10 +443,10 @@ class Kernel:
         _current = run
         source = args["code"] if op == protocol.OP_RUN_CODE else args["expr"]
         filename = self.source_name(source)
-        if self._interrupts is not None:
-            self._interrupts.enter(args.get("timeout_s"))
         try:
             try:
+                if self._interrupts is not None:
+                    self._interrupts.enter(args.get("timeout_s"), args.get("deadline"))
                 if op == protocol.OP_RUN_CODE:
                     result = self._exec_cell(source, filename)
                 else:
@@ -453,7 +454,7 @@ class Kernel:
             finally:
                 if self._interrupts is not None:
                     self._interrupts.leave()
-        except BaseException as exc:  # the interrupt landed between user code and leave()
+        except BaseException as exc:  # an interrupt between user code and leave(), or a deadline passed already
             result = _failure_result(exc)
         finally:
             _flush_streams()

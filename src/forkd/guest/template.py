@@ -72,7 +72,7 @@ class Template:
                         return
 
     def _read_requests(self) -> bool:
-        data, ancdata, _, _ = self.sock.recvmsg(1 << 20, socket.CMSG_SPACE(MAX_FDS_PER_REQUEST * 4))
+        data, ancdata, _, _ = self.sock.recvmsg(protocol.READ_CHUNK_BYTES, socket.CMSG_SPACE(MAX_FDS_PER_REQUEST * 4))
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 usable = len(payload) - len(payload) % 4
