@@ -80,13 +80,9 @@ class Connection:
         self._lock = threading.Lock()
         self._buf = bytearray()
 
-    def send(self, frame: dict[str, Any]) -> None:
-        try:
-            data = protocol.encode_frame(frame)
-        except (TypeError, ValueError) as exc:  # not JSON, or larger than a frame
-            data = protocol.encode_frame(
-                protocol.error(frame.get("id"), protocol.ERR_INTERNAL, f"cannot send result: {exc}")
-            )
+    def send(self, *frames: dict[str, Any]) -> None:
+        """Send frames in one write: each write wakes the agent, a process switch under TCG."""
+        data = b"".join(map(_encode, frames))
         with self._lock:
             self._sock.sendall(data)
 
@@ -118,6 +114,15 @@ class Connection:
         return protocol.decode_frame(line)
 
 
+def _encode(frame: dict[str, Any]) -> bytes:
+    try:
+        return protocol.encode_frame(frame)
+    except (TypeError, ValueError) as exc:  # not JSON, or larger than a frame
+        return protocol.encode_frame(
+            protocol.error(frame.get("id"), protocol.ERR_INTERNAL, f"cannot send result: {exc}")
+        )
+
+
 class _Run:
     """What the request being served right now needs: its id, output budget and results."""
 
@@ -126,15 +131,21 @@ class _Run:
         self.id = req_id
         self.budget = protocol.OutputBudget(output_limit)
         self.results: list[dict[str, Any]] = []
+        self.held: list[dict[str, Any]] = []  # sent with the terminal frame, in the same write
 
     def output(self, name: str, text: str) -> None:
         text = self.budget.clip(text)
         for start in range(0, len(text), OUTPUT_CHUNK_CHARS):
             self.conn.send(protocol.event(self.id, name, {"text": text[start : start + OUTPUT_CHUNK_CHARS]}))
 
-    def result(self, result: dict[str, Any]) -> None:
+    def result(self, result: dict[str, Any], *, last: bool = False) -> None:
+        """Send a result event now, or (``last``: nothing follows but the answer) with the answer."""
         self.results.append(result)
-        self.conn.send(protocol.event(self.id, protocol.EVENT_RESULT, result))
+        frame = protocol.event(self.id, protocol.EVENT_RESULT, result)
+        if last:
+            self.held.append(frame)
+        else:
+            self.conn.send(frame)
 
 
 _current: _Run | None = None
@@ -436,7 +447,8 @@ class Kernel:
                 conn.send(protocol.ok(req_id, reseed.reseed_interpreter(entropy)))
                 continue
             run = _Run(conn, req_id, args.get("output_limit"))
-            conn.send(protocol.ok(req_id, self.run(run, op, args)))
+            result = self.run(run, op, args)
+            conn.send(*run.held, protocol.ok(req_id, result))
 
     def run(self, run: _Run, op: str, args: dict[str, Any]) -> dict[str, Any]:
         global _current
@@ -488,7 +500,7 @@ class Kernel:
             _show_figures()  # figures left open at the end of a cell are shown, as in Jupyter
             if value is not None and _current is not None:
                 _flush_streams()
-                _current.result({**formats_of(value), "is_main_result": True})
+                _current.result({**formats_of(value), "is_main_result": True}, last=True)
             return _value_result(value)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt in user code are results too
             return _failure_result(exc)
@@ -503,8 +515,11 @@ class Kernel:
 
 def run_warmup(conn: Connection, req_id: Any, namespace: dict[str, Any], code: str) -> dict[str, Any]:
     """Run the warm-up code in the template's namespace, its output as events of ``req_id``."""
-    kernel = Kernel(namespace, "template")
-    return kernel.run(_Run(conn, req_id, None), protocol.OP_RUN_CODE, {"code": code})
+    run = _Run(conn, req_id, None)
+    result = Kernel(namespace, "template").run(run, protocol.OP_RUN_CODE, {"code": code})
+    if run.held:
+        conn.send(*run.held)  # the template answers on its own
+    return result
 
 
 def install_streams(namespace: dict[str, Any]) -> None:
