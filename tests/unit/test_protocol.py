@@ -11,10 +11,16 @@ def test_frames_round_trip() -> None:
     assert protocol.parse_request(frame) == (3, "exec", {"argv": ["echo", "ü"]})
 
 
-@pytest.mark.parametrize("line", [b"not json\n", b"[1, 2]\n", b'"text"\n', b"\xff\xfe\n"])
+@pytest.mark.parametrize("line", [b"not json\n", b"[1, 2]\n", b'"text"\n', b"\xff\xfe\n", b'{"id": 1} {"id": 2}\n',
+                                  b'{"id": 1} x\n', b'\x0b{"id": 1}\n', b""])
 def test_malformed_lines_raise_protocol_error(line: bytes) -> None:
     with pytest.raises(protocol.ProtocolError):
         protocol.decode_frame(line)
+
+
+def test_json_whitespace_around_a_frame_is_accepted() -> None:
+    assert protocol.decode_frame(b' \t{"id": 1}\r\n') == {"id": 1}
+    assert protocol.decode_frame('{"id": "ü"}'.encode()) == {"id": "ü"}
 
 
 @pytest.mark.parametrize("frame", [{"op": "ping"}, {"id": "1", "op": "ping"}, {"id": True, "op": "ping"},
