@@ -1,13 +1,16 @@
-"""Request steering (forkd.guest.dispatch.Control): wake pipes are reused, never shared by two requests."""
+"""forkd.guest.dispatch: wake pipes reused but never shared by two requests; events held for one write."""
 
 from __future__ import annotations
 
 import os
 import select
+import socket
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from forkd.guest import dispatch
+from forkd.guest import channel, dispatch, protocol
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,3 +60,58 @@ def test_spare_pipes_are_bounded() -> None:
     assert pool.take() == kept
     os.close(kept[0])
     os.close(kept[1])
+
+
+@pytest.fixture
+def host() -> Iterator[tuple[channel.Channel, socket.socket]]:
+    ours, theirs = socket.socketpair()
+    theirs.settimeout(5)
+    yield channel.Channel(ours.fileno(), ours.fileno(), reconnects=False), theirs
+    ours.close()
+    theirs.close()
+
+
+def frames_in_one_read(sock: socket.socket) -> list[dict[str, Any]]:
+    return [protocol.decode_frame(line) for line in sock.recv(1 << 20).splitlines()]
+
+
+def test_held_events_go_out_with_the_answer_in_one_write(host: Any) -> None:
+    chan, peer = host
+    req = dispatch.Request(chan, 7, "run_code", {})
+    req.emit(protocol.EVENT_STDOUT, {"text": "a"}, hold=True)
+    req.emit(protocol.EVENT_RESULT, {"text": "1"}, hold=True)
+    assert not readable(peer.fileno())
+    req.run(lambda _: {"value": "1"})
+    frames = frames_in_one_read(peer)
+    assert [f.get("event") for f in frames] == [protocol.EVENT_STDOUT, protocol.EVENT_RESULT, None]
+    assert frames[-1] == protocol.ok(7, {"value": "1"})
+
+
+def test_an_event_not_held_takes_the_held_ones_along_in_order(host: Any) -> None:
+    chan, peer = host
+    req = dispatch.Request(chan, 8, "run_code", {})
+    req.emit(protocol.EVENT_STDOUT, {"text": "first"}, hold=True)
+    req.emit(protocol.EVENT_STDOUT, {"text": "second"})
+    assert [f["data"]["text"] for f in frames_in_one_read(peer)] == ["first", "second"]
+
+
+def test_held_events_are_bounded(host: Any) -> None:
+    chan, peer = host
+    req = dispatch.Request(chan, 9, "run_code", {})
+    big = "x" * protocol.READ_CHUNK_BYTES
+    req.emit(protocol.EVENT_STDOUT, {"text": big}, hold=True)
+    req.emit(protocol.EVENT_STDOUT, {"text": "next"}, hold=True)  # over the bound: both go out now
+    data = b""
+    while data.count(b"\n") < 2:
+        data += peer.recv(1 << 20)
+    assert [protocol.decode_frame(line)["data"]["text"] for line in data.splitlines()] == [big, "next"]
+
+
+def test_an_answer_that_cannot_be_sent_still_carries_the_held_events(host: Any) -> None:
+    chan, peer = host
+    req = dispatch.Request(chan, 10, "eval", {})
+    req.emit(protocol.EVENT_STDOUT, {"text": "kept"}, hold=True)
+    req.run(lambda _: {"value": object()})
+    event, answer = frames_in_one_read(peer)
+    assert event["data"]["text"] == "kept"
+    assert answer["error"]["code"] == protocol.ERR_INTERNAL

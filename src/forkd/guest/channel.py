@@ -54,9 +54,12 @@ class Channel:
         self._reconnects = reconnects
         self._write_lock = threading.Lock()
 
-    def send(self, frame: dict[str, Any]) -> None:
-        """Write one frame. A vanished host loses the frame; it must not kill the sender."""
-        data = protocol.encode_frame(frame)
+    def send(self, frame: dict[str, Any], *, after: bytes = b"") -> None:
+        """Write one frame, after ``after`` (frames encoded already) in the same write.
+
+        A vanished host loses the frames; it must not kill the sender.
+        """
+        data = after + protocol.encode_frame(frame)
         with self._write_lock:
             try:
                 write_all(self._write_fd, data)

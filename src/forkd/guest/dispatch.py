@@ -169,6 +169,7 @@ class Request:
         self._done = False
         self._inflight = inflight
         self._control: Control | None = None
+        self._held = b""  # encoded events that go out with the next frame, in one write
         if inflight is not None:
             inflight.add(self)
 
@@ -190,16 +191,29 @@ class Request:
             self._control.close()
         with self._lock:
             self._done = True
+            held, self._held = self._held, b""
             try:
-                self._channel.send(frame)
+                self._channel.send(frame, after=held)
             except (TypeError, ValueError) as exc:  # result not JSON or larger than a frame
-                self._channel.send(protocol.error(self.id, protocol.ERR_INTERNAL, f"cannot send result: {exc}"))
+                error = protocol.error(self.id, protocol.ERR_INTERNAL, f"cannot send result: {exc}")
+                self._channel.send(error, after=held)
 
-    def emit(self, name: str, data: dict[str, Any]) -> None:
-        """Send an event; dropped once the terminal frame is out (code that outlived a timeout)."""
+    def emit(self, name: str, data: dict[str, Any], *, hold: bool = False) -> None:
+        """Send an event; dropped once the terminal frame is out (code that outlived a timeout).
+
+        ``hold``: the caller has the next frame at hand already; this one goes out with it, in one
+        write (each write to the host port costs a TCG guest the better part of a millisecond).
+        At most READ_CHUNK_BYTES are held; past that, events go out at once.
+        """
         with self._lock:
-            if not self._done:
-                self._channel.send(protocol.event(self.id, name, data))
+            if self._done:
+                return
+            frame = protocol.event(self.id, name, data)
+            if hold and len(self._held) < protocol.READ_CHUNK_BYTES:
+                self._held += protocol.encode_frame(frame)
+            else:
+                held, self._held = self._held, b""
+                self._channel.send(frame, after=held)
 
     def bad(self, message: str) -> AgentError:
         return AgentError(protocol.ERR_BAD_REQUEST, f"{self.op}: {message}")

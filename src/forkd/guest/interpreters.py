@@ -535,7 +535,8 @@ class PythonRuntime:
                     return frame.get("result") or {}
                 err = dict(frame.get("error") or {})
                 raise AgentError(str(err.pop("code", protocol.ERR_INTERNAL)), str(err.pop("message", "")), **err)
-            req.emit(str(frame.get("event")), frame.get("data") or {})
+            req.emit(str(frame.get("event")), frame.get("data") or {},
+                     hold=context.link.buffered() and not control.paused)
 
     def _crashed(self, req: Request, op: str, context: Context) -> dict[str, Any]:
         """The answer for a cell whose interpreter died: the signal, and the context restored."""
