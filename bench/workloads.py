@@ -42,21 +42,21 @@ import pytest_warm_fanout  # noqa: E402
 RESULTS = Path(__file__).with_name("results")
 TAG = "workloads"
 PACKAGES = ["python3-pandas", "python3-sklearn", "python3-matplotlib", "postgresql"]
-WARM = ["numpy", "pandas", "sklearn", "scipy.linalg", "pytest"]
+WARM = ["sklearn", *pytest_warm_fanout.project_imports()]  # as the pytest recipe says
 
 
 def ensure_snapshot(api: Controller) -> None:
     """The workloads snapshot, made as the recipes say (PostgreSQL started and seeded by the postgres
-    recipe's warmup command, pytest started once by the pytest recipe's warm code); one made otherwise
-    is made again."""
+    recipe's warmup command; the modules the pytest project imports warmed and pytest started once by
+    that recipe's warm code); one made otherwise is made again."""
     try:
         made = api.snapshot(TAG)
     except ForkdError:
         made = None
     if made is not None:
-        if made.get("warm_code") == pytest_warm_fanout.WARM_CODE:
+        if made.get("warm_code") == pytest_warm_fanout.WARM_CODE and made.get("warm_modules") == WARM:
             return
-        print(f"snapshot {TAG!r} was made without the pytest recipe's warm code: making it again", flush=True)
+        print(f"snapshot {TAG!r} was not made as the pytest recipe says: making it again", flush=True)
         api.remove_snapshot(TAG, cascade=True, force=True)
     warmup = subprocess.run([sys.executable, str(EXAMPLES / "postgres_fixture.py"), "--print-warmup"],
                             check=True, capture_output=True, text=True).stdout.strip()

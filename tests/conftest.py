@@ -267,11 +267,14 @@ def workloads_snapshot(daemon: Controller, workloads_image: str) -> str:
     # The recipes' own warmup command and warm code, as their users make the snapshot.
     warmup = subprocess.run([sys.executable, str(examples / "postgres_fixture.py"), "--print-warmup"], check=True,
                             capture_output=True, text=True, timeout=60).stdout.strip()
-    warm_code = subprocess.run([sys.executable, str(examples / "pytest_warm_fanout.py"), "--print-warm-code"],
-                               check=True, capture_output=True, text=True, timeout=60).stdout
+    pytest_recipe = [sys.executable, str(examples / "pytest_warm_fanout.py")]
+    warm_flags = subprocess.run([*pytest_recipe, "--print-warm-flags"], check=True, capture_output=True, text=True,
+                                timeout=60).stdout.split()
+    warm_code = subprocess.run([*pytest_recipe, "--print-warm-code"], check=True, capture_output=True, text=True,
+                               timeout=60).stdout
     daemon.create_snapshot(WORKLOADS_SNAPSHOT, on_progress=_progress, image=workloads_image, memory_mib=1024,
-                           warm_modules=["numpy", "pandas", "sklearn", "scipy.linalg", "pytest"],
-                           warm_code=warm_code + WORKLOADS_WARM_MARK, warmup_cmd=warmup)
+                           warm_modules=["sklearn", *warm_flags[1::2]], warm_code=warm_code + WORKLOADS_WARM_MARK,
+                           warmup_cmd=warmup)
     return WORKLOADS_SNAPSHOT
 
 
