@@ -115,3 +115,14 @@ def test_an_answer_that_cannot_be_sent_still_carries_the_held_events(host: Any) 
     event, answer = frames_in_one_read(peer)
     assert event["data"]["text"] == "kept"
     assert answer["error"]["code"] == protocol.ERR_INTERNAL
+
+
+def test_an_event_that_cannot_be_sent_leaves_the_held_ones_for_the_answer(host: Any) -> None:
+    chan, peer = host
+    req = dispatch.Request(chan, 11, "run_code", {})
+    req.emit(protocol.EVENT_STDOUT, {"text": "kept"}, hold=True)
+    with pytest.raises(TypeError):
+        req.emit(protocol.EVENT_RESULT, {"text": object()})
+    req.run(lambda _: {"value": "1"})
+    event, answer = frames_in_one_read(peer)
+    assert event["data"]["text"] == "kept" and answer["result"] == {"value": "1"}

@@ -212,8 +212,8 @@ class Request:
             if hold and len(self._held) < protocol.READ_CHUNK_BYTES:
                 self._held += protocol.encode_frame(frame)
             else:
-                held, self._held = self._held, b""
-                self._channel.send(frame, after=held)
+                self._channel.send(frame, after=self._held)  # raises before writing if frame is not JSON
+                self._held = b""
 
     def bad(self, message: str) -> AgentError:
         return AgentError(protocol.ERR_BAD_REQUEST, f"{self.op}: {message}")
