@@ -3,10 +3,10 @@
 Per repeat, pool off then pool on (the same snapshot, daemon and load): a single fork until the
 child answers a numpy eval (p50/p90 over ``--singles``), a fork of ``-n`` until all answer, memory
 per live child with its breakdown (TCG translation cache, guest RAM copied on write, QEMU heap,
-other), the eval round trip, and each child's per-stage timings as the daemon reports them. With
-``--scale N``, N children requested at once (streamed) in each mode: how many answered and when the
-last did. The load average is recorded before and after every phase; take figures on an idle
-machine only.
+other), the eval round trip next to a ping's (the same path without the guest's work for the eval),
+and each child's per-stage timings as the daemon reports them. With ``--scale N``, N children
+requested at once (streamed) in each mode: how many answered and when the last did. The load
+average is recorded before and after every phase; take figures on an idle machine only.
 
     .venv/bin/python bench/spawn.py --tag quickstart --repeats 3 -n 10 --singles 10 --pool-size 10 --scale 100
 
@@ -129,11 +129,15 @@ def one_mode(controller: Controller, tag: str, pool_size: int, args: argparse.Na
         set_pool(controller, tag, pool_size)  # refilled before the next one, as on a machine between requests
     batch = fork_until_eval(controller, tag, args.n)
     memory = memory_of(controller, batch["ids"], memory_file)
-    round_trips = []
+    # A ping goes the same REST and agent path but no further: eval minus ping is the guest's work
+    # between the agent and the context's process. Interleaved, so both see the same load.
+    round_trips: dict[str, list[float]] = {"eval": [], "ping": []}
+    calls = {"eval": lambda: controller.eval(batch["ids"][0], "1"), "ping": lambda: controller.ping(batch["ids"][0])}
     for _ in range(args.round_trips):
-        t0 = time.perf_counter()
-        controller.eval(batch["ids"][0], "1")
-        round_trips.append((time.perf_counter() - t0) * 1000)
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            round_trips[name].append((time.perf_counter() - t0) * 1000)
     for sandbox_id in batch["ids"]:
         controller.kill(sandbox_id)
     return {
@@ -141,7 +145,8 @@ def one_mode(controller: Controller, tag: str, pool_size: int, args: argparse.Na
         "single_fork_to_eval_s": quantiles(singles), "single_stage_ms_p50": stage_medians(single_timings),
         f"fork_{args.n}_all_answer_eval_s": batch["all_ready_s"], "batch_errors": batch["errors"],
         "batch_stage_ms_p50": stage_medians(batch["timings"]),
-        "memory_per_child": memory, "eval_round_trip_ms": quantiles(round_trips),
+        "memory_per_child": memory, "eval_round_trip_ms": quantiles(round_trips["eval"]),
+        "ping_round_trip_ms": quantiles(round_trips["ping"]),
     }
 
 
