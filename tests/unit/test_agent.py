@@ -602,6 +602,12 @@ def test_eval_errors_are_results(agent: AgentClient, expr: str, name: str) -> No
     assert result["error"]["name"] == name and result["type"] is None and result["value"] is None
 
 
+def test_the_warm_ups_last_value_still_arrives_as_a_result_event(agent: AgentClient) -> None:
+    events, terminal = agent.call(protocol.OP_WARM, {"modules": [], "code": "6 * 7"})
+    assert terminal["ok"], terminal
+    assert [e["data"]["text"] for e in events if e["event"] == protocol.EVENT_RESULT] == ["42"]
+
+
 def test_warm_imports_and_runs_code_in_the_default_context(agent: AgentClient) -> None:
     events, terminal = agent.call(
         protocol.OP_WARM,
