@@ -15,10 +15,13 @@ parent's children already see. Memory files are read through their data extents
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import struct
 from array import array
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +30,8 @@ from forkd.vmm.base import PAGE_SIZE, Pages, page_runs
 MAGIC = b"FORKDLAY"
 VERSION = 1
 _HEADER = struct.Struct("<8sIIQ")
-_CHUNK = 1 << 20  # compared a MiB at a time; only unequal MiBs are compared page by page
+_CHUNK = 1 << 20  # flattened, hashed and compared a MiB at a time; only unequal MiBs page by page
+_ZERO = bytes(_CHUNK)
 
 
 class LayerError(ValueError):
@@ -142,20 +146,147 @@ def write_layer(path: Path, pages: Pages) -> Layer:
     return Layer(path=path, page_size=PAGE_SIZE, offsets=pages.offsets)
 
 
-def flatten(memory: ChainMemory, dest: Path) -> None:
-    """Write the memory ``memory``'s children see into one sparse file: the base's data, then each layer."""
+@dataclass(frozen=True)
+class Flattened:
+    """What :func:`flatten` wrote: the file's SHA-256, and how many of the top pages differ from the chain."""
+
+    sha256: str
+    changed_pages: int
+
+
+def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None) -> Flattened:
+    """Write what ``memory``'s children see, with ``top`` (pages copied out of a VMM) laid over it, into
+    one sparse file, and hash it in the same pass.
+
+    One sequential walk over guest RAM a chunk at a time: the base file's data extents, then each
+    layer's pages, then ``top``'s, are read into the chunk; the chunk is hashed and its data written.
+    Chunks nothing holds data in (holes of the base, no page laid over them) are hashed from a zero
+    buffer and left as holes, as are chunks that came out all zero. So the file is read from disk
+    once, never again to hash it: the digest is the plain SHA-256 of the file's bytes, the same a
+    later :func:`forkd.store.files.sha256_file` finds. Hashing runs in a second thread, behind the
+    writing (hashlib releases the GIL), and the file is fsynced before it returns.
+    """
     size = os.path.getsize(memory.base)
-    with open(memory.base, "rb") as src, open(dest, "wb") as out:
-        out.truncate(size)
-        for start, end in data_extents(memory.base):
-            for pos in range(start, end, _CHUNK):
-                os.pwrite(out.fileno(), os.pread(src.fileno(), min(_CHUNK, end - pos), pos), pos)
-        for layer in memory.layers:
-            with open(layer.path, "rb") as data:
-                for guest_offset, position, length in layer.runs():
-                    os.pwrite(out.fileno(), os.pread(data.fileno(), length, position), guest_offset)
-        out.flush()
-        os.fsync(out.fileno())
+    pieces: dict[int, list[_Piece]] = {}  # chunk index → what is laid over it, in order
+    fds = [os.open(layer.path, os.O_RDONLY) for layer in memory.layers]
+    try:
+        for layer, fd in zip(memory.layers, fds):
+            for guest_offset, position, length in layer.runs():
+                _split(pieces, guest_offset, length, lambda at, n, src=position - guest_offset, fd=fd:
+                       _Piece(at, n, fd=fd, position=src + at))
+        if top is not None:
+            for guest_offset, position, length in top.runs():
+                if guest_offset + length > size:
+                    raise LayerError(f"a page at {guest_offset:#x} lies beyond the memory of {memory.base}")
+                _split(pieces, guest_offset, length, lambda at, n, src=position - guest_offset:
+                       _Piece(at, n, data=top.data[src + at:src + at + n]))
+        extents = data_extents(memory.base)
+        for start, end in extents:
+            _split(pieces, start, min(end, size) - start, lambda at, n: _Piece(at, n, base=True))
+        with open(memory.base, "rb") as src, open(dest, "wb") as out, _Hasher() as hasher:
+            out.truncate(size)
+            changed = 0
+            for chunk in range(0, size, _CHUNK):
+                laid = pieces.get(chunk // _CHUNK)
+                if not laid:
+                    hasher.zero(min(_CHUNK, size - chunk))
+                    continue
+                buf = bytearray(min(_CHUNK, size - chunk))
+                view = memoryview(buf)
+                laid.sort(key=lambda piece: not piece.base)  # the base first, then layers and top in order
+                for piece in laid:
+                    at, end = piece.at - chunk, piece.at - chunk + piece.length
+                    if piece.base:
+                        os.preadv(src.fileno(), [view[at:end]], piece.at)
+                    elif piece.data is None:
+                        os.preadv(piece.fd, [view[at:end]], piece.position)
+                    else:
+                        changed += _changed_pages(buf, at, piece.data)
+                        view[at:end] = piece.data
+                hasher.update(buf)
+                if buf != _ZERO[:len(buf)]:
+                    for at, end in _merged((p.at - chunk, p.at - chunk + p.length) for p in laid):
+                        os.pwrite(out.fileno(), view[at:end], chunk + at)
+            digest = hasher.hexdigest()
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return Flattened(sha256=digest, changed_pages=changed)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A part of one chunk: guest offset ``at``, ``length`` bytes, from the base, a layer file or memory."""
+
+    at: int
+    length: int
+    base: bool = False
+    fd: int = -1
+    position: int = 0
+    data: memoryview | None = None
+
+
+def _split(pieces: dict[int, list[_Piece]], offset: int, length: int,
+           make: Callable[[int, int], _Piece]) -> None:
+    """File ``[offset, offset + length)`` under the chunks it spans, as ``make(at, length)`` per chunk."""
+    end = offset + length
+    while offset < end:
+        stop = min(end, (offset // _CHUNK + 1) * _CHUNK)
+        pieces.setdefault(offset // _CHUNK, []).append(make(offset, stop - offset))
+        offset = stop
+
+
+def _merged(ranges: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """Overlapping or touching ranges as one."""
+    current: tuple[int, int] | None = None
+    for start, end in sorted(ranges):
+        if current is not None and start <= current[1]:
+            current = (current[0], max(current[1], end))
+            continue
+        if current is not None:
+            yield current
+        current = (start, end)
+    if current is not None:
+        yield current
+
+
+def _changed_pages(chunk: bytearray, at: int, new: memoryview) -> int:
+    """Pages of ``new`` that differ from ``chunk`` at ``at`` (a bytearray compares to any buffer with memcmp)."""
+    if chunk[at:at + len(new)] == new:
+        return 0
+    return sum(chunk[at + p:at + p + PAGE_SIZE] != new[p:p + PAGE_SIZE] for p in range(0, len(new), PAGE_SIZE))
+
+
+class _Hasher:
+    """SHA-256 fed from a worker thread, in order, with at most a few chunks waiting."""
+
+    _WAITING = 8
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flatten-hash")
+        self._pending: deque[Future[None]] = deque()
+
+    def __enter__(self) -> _Hasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def update(self, data: bytes | bytearray) -> None:
+        if len(self._pending) >= self._WAITING:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self._hash.update, data))
+
+    def zero(self, length: int) -> None:
+        self.update(_ZERO if length == _CHUNK else bytes(length))
+
+    def hexdigest(self) -> str:
+        while self._pending:
+            self._pending.popleft().result()
+        return self._hash.hexdigest()
 
 
 _FALLOC_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
@@ -169,7 +300,7 @@ def punch_zero_pages(path: Path) -> int:
     On tmpfs a VMM reading a hole through a shared mapping allocates it, so a memory file loaded
     there occupies all of guest RAM; on ext4 it stays sparse and this finds little to do.
     """
-    zero = bytes(_CHUNK)
+    zero = _ZERO
     freed = 0
     fd = os.open(path, os.O_RDWR)
     try:
