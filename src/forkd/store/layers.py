@@ -186,12 +186,13 @@ def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None) -> Flatte
         with open(memory.base, "rb") as src, open(dest, "wb") as out, _Hasher() as hasher:
             out.truncate(size)
             changed = 0
+            flushed = 0  # written data before this offset is on its way to disk
             for chunk in range(0, size, _CHUNK):
                 laid = pieces.get(chunk // _CHUNK)
                 if not laid:
                     hasher.zero(min(_CHUNK, size - chunk))
                     continue
-                buf = bytearray(min(_CHUNK, size - chunk))
+                buf = hasher.buffer(min(_CHUNK, size - chunk))
                 view = memoryview(buf)
                 laid.sort(key=lambda piece: not piece.base)  # the base first, then layers and top in order
                 for piece in laid:
@@ -203,10 +204,13 @@ def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None) -> Flatte
                     else:
                         changed += _changed_pages(buf, at, piece.data)
                         view[at:end] = piece.data
-                hasher.update(buf)
                 if buf != _ZERO[:len(buf)]:
                     for at, end in _merged((p.at - chunk, p.at - chunk + p.length) for p in laid):
                         os.pwrite(out.fileno(), view[at:end], chunk + at)
+                    if chunk + _CHUNK - flushed >= _WRITEBACK:
+                        _start_writeback(out.fileno(), flushed, chunk + _CHUNK - flushed)
+                        flushed = chunk + _CHUNK
+                hasher.update(buf)
             digest = hasher.hexdigest()
             out.flush()
             os.fsync(out.fileno())
@@ -260,14 +264,16 @@ def _changed_pages(chunk: bytearray, at: int, new: memoryview) -> int:
 
 
 class _Hasher:
-    """SHA-256 fed from a worker thread, in order, with at most a few chunks waiting."""
+    """SHA-256 fed from a worker thread, in order, with at most a few chunks waiting; it lends the
+    chunk buffers too, so a buffer is filled again only once it was hashed."""
 
     _WAITING = 8
 
     def __init__(self) -> None:
         self._hash = hashlib.sha256()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flatten-hash")
-        self._pending: deque[Future[None]] = deque()
+        self._pending: deque[tuple[Future[None], bytearray | None]] = deque()
+        self._free: list[bytearray] = []
 
     def __enter__(self) -> _Hasher:
         return self
@@ -275,23 +281,56 @@ class _Hasher:
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def update(self, data: bytes | bytearray) -> None:
-        if len(self._pending) >= self._WAITING:
-            self._pending.popleft().result()
-        self._pending.append(self._pool.submit(self._hash.update, data))
+    def buffer(self, length: int) -> bytearray:
+        """A zeroed buffer of ``length`` bytes to fill and pass to :meth:`update`."""
+        if length != _CHUNK:
+            return bytearray(length)
+        while not self._free and len(self._pending) >= self._WAITING:
+            self._retire()
+        if not self._free:
+            return bytearray(_CHUNK)
+        buf = self._free.pop()
+        buf[:] = _ZERO
+        return buf
+
+    def update(self, data: bytearray) -> None:
+        self._submit(data, data if len(data) == _CHUNK else None)
 
     def zero(self, length: int) -> None:
-        self.update(_ZERO if length == _CHUNK else bytes(length))
+        self._submit(_ZERO if length == _CHUNK else bytes(length), None)
 
     def hexdigest(self) -> str:
         while self._pending:
-            self._pending.popleft().result()
+            self._retire()
         return self._hash.hexdigest()
+
+    def _submit(self, data: bytes | bytearray, lent: bytearray | None) -> None:
+        while len(self._pending) >= self._WAITING:
+            self._retire()
+        self._pending.append((self._pool.submit(self._hash.update, data), lent))
+
+    def _retire(self) -> None:
+        done, lent = self._pending.popleft()
+        done.result()
+        if lent is not None:
+            self._free.append(lent)
+
+
+_WRITEBACK = 16 << 20  # a flattened file's data is sent to disk every 16 MiB written, so the fsync at the end is short
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``[offset, offset + length)`` of ``fd`` to disk without waiting (``sync_file_range``)."""
+    if _libc.sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot start writing back a flattened memory file: {os.strerror(err)}")
 
 
 _FALLOC_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+_libc.sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
 def punch_zero_pages(path: Path) -> int:
