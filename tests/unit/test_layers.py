@@ -26,10 +26,10 @@ from forkd.store.files import sha256_file
 SIZE = 64 * PAGE_SIZE
 
 
-def sparse(path: Path, pages: dict[int, bytes]) -> Path:
-    """A sparse file of SIZE bytes with the given pages written (the rest holes)."""
+def sparse(path: Path, pages: dict[int, bytes], size: int = SIZE) -> Path:
+    """A sparse file of ``size`` bytes with the given pages written (the rest holes)."""
     with open(path, "wb") as f:
-        f.truncate(SIZE)
+        f.truncate(size)
         for index, fill in pages.items():
             f.seek(index * PAGE_SIZE)
             f.write(fill * (PAGE_SIZE // len(fill)))
@@ -135,19 +135,14 @@ def _chain_with_holes(tmp_path: Path) -> tuple[ChainMemory, Pages, int]:
     per_mib = mib // PAGE_SIZE
 
     def write(path: Path, pages: dict[int, bytes]) -> Path:
-        with open(path, "wb") as f:
-            f.truncate(size)
-            for index, fill in pages.items():
-                f.seek(index * PAGE_SIZE)
-                f.write(fill * (PAGE_SIZE // len(fill)))
-        return path
+        return sparse(path, pages, size)
 
     base_pages = {0: b"b", 1: b"b", 2: b"b", per_mib - 1: b"e", 2 * per_mib + 7: b"c", 3 * per_mib: b"q"}
     base = write(tmp_path / "base", base_pages)
     one = write(tmp_path / "one", {**base_pages, 1: b"1", per_mib + 3: b"1"})
-    first = write_layer(tmp_path / "l1", drop_unchanged(pages_of_sized(one, [1, per_mib + 3], size), ChainMemory(base, [])))
+    first = write_layer(tmp_path / "l1", drop_unchanged(pages_of(one, [1, per_mib + 3]), ChainMemory(base, [])))
     two = write(tmp_path / "two", {**base_pages, 1: b"1", per_mib + 3: b"1", per_mib - 1: b"2", per_mib: b"2"})
-    second = write_layer(tmp_path / "l2", drop_unchanged(pages_of_sized(two, [per_mib - 1, per_mib], size),
+    second = write_layer(tmp_path / "l2", drop_unchanged(pages_of(two, [per_mib - 1, per_mib]),
                                                           ChainMemory(base, [first])))
     chain = ChainMemory(base, [first, second])
     child = {**base_pages, 1: b"1", per_mib + 3: b"1", per_mib - 1: b"2", per_mib: b"2",  # the chain's, kept
@@ -159,15 +154,8 @@ def _chain_with_holes(tmp_path: Path) -> tuple[ChainMemory, Pages, int]:
              4 * per_mib + 2: b"z"}  # in the last, partial chunk
     captured = [0, 1, 2, per_mib - 1, per_mib, per_mib + 3, per_mib + 4, 2 * per_mib - 1, 2 * per_mib,
                 3 * per_mib, 4 * per_mib + 2]
-    top = pages_of_sized(write(tmp_path / "child", child), captured, size)
+    top = pages_of(write(tmp_path / "child", child), captured)
     return chain, top, size
-
-
-def pages_of_sized(memory: Path, indices: list[int], size: int) -> Pages:
-    data = memory.read_bytes()
-    assert len(data) == size
-    return Pages(offsets=array("Q", [i * PAGE_SIZE for i in indices]),
-                 data=memoryview(b"".join(data[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] for i in indices)))
 
 
 def test_flattening_with_the_top_in_one_pass_matches_the_separate_layer_and_hashes_the_file(tmp_path: Path) -> None:

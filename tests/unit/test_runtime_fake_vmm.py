@@ -24,6 +24,7 @@ from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
 from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.runtime import Runtime
+from forkd.runtime.sandboxes import LiveSandbox
 from forkd.runtime.snapshots import SnapshotRequest
 from forkd.store.files import sha256_file
 from forkd.store.layers import PAGE_SIZE
@@ -147,14 +148,24 @@ def test_a_failed_restore_is_reported_and_cleaned_up(tmp_path: Path) -> None:
     assert outcomes[0].error == "state does not load" and records == []
 
 
+async def _written_source(tmp_path: Path, offset: int) -> tuple[Runtime, LiveSandbox]:
+    """A runtime on the fake VMM and one child of "base" that wrote to its RAM at ``offset``."""
+    vmm = FakeVmm()
+    runtime = await _runtime(tmp_path, vmm)
+    try:
+        [outcome] = await runtime.sandboxes.fork("base", 1)
+        source = runtime.sandboxes.get(outcome.sandbox["id"])
+        vmm.write_guest_memory(source.vm, offset, b"written by the source")
+    except BaseException:
+        await runtime.stop()
+        raise
+    return runtime, source
+
+
 def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_path: Path) -> None:
     async def scenario() -> tuple[SnapshotRecord, bytes]:
-        vmm = FakeVmm()
-        runtime = await _runtime(tmp_path, vmm)
+        runtime, source = await _written_source(tmp_path, 3 * PAGE_SIZE)
         try:
-            [outcome] = await runtime.sandboxes.fork("base", 1)
-            source = runtime.sandboxes.get(outcome.sandbox["id"])
-            vmm.write_guest_memory(source.vm, 3 * PAGE_SIZE, b"written by the source")
             disk_before = source.vm.state["disk"]
             record = await runtime.branches.branch(source.record.id, "b1", mode="diff")
             persisted = runtime.registry.get_sandbox(source.record.id)
@@ -177,12 +188,8 @@ def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_pa
 
 def test_a_full_branch_is_the_source_memory_hashed_once_and_a_changed_file_is_still_refused(tmp_path: Path) -> None:
     async def scenario() -> tuple[SnapshotRecord, bytes, str, str]:
-        vmm = FakeVmm()
-        runtime = await _runtime(tmp_path, vmm)
+        runtime, source = await _written_source(tmp_path, 5 * PAGE_SIZE)
         try:
-            [outcome] = await runtime.sandboxes.fork("base", 1)
-            source = runtime.sandboxes.get(outcome.sandbox["id"])
-            vmm.write_guest_memory(source.vm, 5 * PAGE_SIZE, b"written by the source")
             record = await runtime.branches.branch(source.record.id, "f1", mode="full")
             ram = Path(source.vm.state["ram"]).read_bytes()
             memory = record.path / "memory"
