@@ -9,7 +9,8 @@ over it. A layer file is::
 Pages the child zeroed are stored as data too (rare, and it keeps one code path). A layer is written
 from :class:`forkd.vmm.base.Pages` a BRANCH copied out of the VMM (its private pages), less those equal to what the
 parent's children already see. Memory files are read through their data extents
-(``SEEK_DATA``/``SEEK_HOLE``), so flattening a 1 GiB file with 150 MB written reads 150 MB.
+(``SEEK_DATA``/``SEEK_HOLE``), so flattening a 1 GiB file with 150 MB written reads 150 MB; the
+flattened file's SHA-256 is computed in that same pass (:func:`flatten`), so it is never read back.
 """
 
 from __future__ import annotations
@@ -169,10 +170,11 @@ def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None) -> Flatte
     One sequential walk over guest RAM a chunk at a time: the base file's data extents, then each
     layer's pages, then ``top``'s, are read into the chunk; the chunk is hashed and its data written.
     Chunks nothing holds data in (holes of the base, no page laid over them) are hashed from a zero
-    buffer and left as holes, as are chunks that came out all zero. So the file is read from disk
-    once, never again to hash it: the digest is the plain SHA-256 of the file's bytes, the same a
-    later :func:`forkd.store.files.sha256_file` finds. Hashing runs in a second thread, behind the
-    writing (hashlib releases the GIL), and the file is fsynced before it returns.
+    buffer and left as holes, as are chunks that came out all zero. So the new file is never read
+    back to hash it: the digest is the plain SHA-256 of its bytes, the same a later
+    :func:`forkd.store.files.sha256_file` finds. Hashing runs in a second thread, behind the writing
+    (hashlib releases the GIL); writeback starts every 16 MiB written, and the file is fsynced
+    before it returns.
     """
     size = os.path.getsize(memory.base)
     pieces: dict[int, list[_Piece]] = {}  # chunk index → what is laid over it, in order
