@@ -29,7 +29,16 @@ from forkd.store import layers as memory_layers
 from forkd.store.chains import ChainMemory, ancestry, chain_memory, parent_digests
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.io import blocking, remove_tree
-from forkd.store.layout import DISK_FILE, INITRD_FILE, KERNEL_FILE, LAYER_FILE, MEMORY_FILE, STATE_FILE, memory_layer_name
+from forkd.store.layout import (
+    DISK_FILE,
+    INHERITED_META,
+    INITRD_FILE,
+    KERNEL_FILE,
+    LAYER_FILE,
+    MEMORY_FILE,
+    STATE_FILE,
+    memory_layer_name,
+)
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.vmm.base import Pages, Vmm
@@ -176,8 +185,7 @@ class BranchService:
         changed, written = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
         timings.mark("layer_written")
         meta = {
-            **{k: parent.meta[k] for k in ("identity", "boot", "image_key", "warm_modules", "warmup_cmd")
-               if k in parent.meta},
+            **{k: parent.meta[k] for k in INHERITED_META if k in parent.meta},
             "mode": mode,
             "memory_kind": memory_kind,
             "state_format": capture.state_format,
