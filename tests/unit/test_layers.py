@@ -63,6 +63,7 @@ def test_layer_round_trip_and_runs(tmp_path: Path) -> None:
     assert list(layer.offsets) == list(offsets) and layer.page_size == PAGE_SIZE
     assert [(o, n) for o, _, n in layer.runs()] == [(PAGE_SIZE, 2 * PAGE_SIZE), (7 * PAGE_SIZE, PAGE_SIZE)]
     assert list(written.runs()) == list(layer.runs())
+    assert written.sha256 == sha256_file(tmp_path / "l")  # hashed as it was written
     with open(tmp_path / "l", "rb") as f:
         _, position, _ = list(layer.runs())[1]
         f.seek(position)

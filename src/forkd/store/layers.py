@@ -46,6 +46,7 @@ class Layer:
     path: Path
     page_size: int
     offsets: array  # unsigned 64-bit page offsets into guest RAM, ascending
+    sha256: str = ""  # of the file, when this process wrote it (write_layer); read_layer does not hash
 
     @property
     def data_start(self) -> int:
@@ -145,14 +146,16 @@ def drop_unchanged(pages: Pages, parent: ChainMemory) -> Pages:
 
 
 def write_layer(path: Path, pages: Pages) -> Layer:
-    """Write ``pages`` as a layer file (fsynced)."""
-    with open(path, "wb") as out:
-        out.write(_HEADER.pack(MAGIC, VERSION, PAGE_SIZE, len(pages.offsets)))
-        out.write(pages.offsets.tobytes())
-        out.write(pages.data[:PAGE_SIZE * len(pages.offsets)])
+    """Write ``pages`` as a layer file (fsynced), hashed in a second thread as it is written."""
+    with open(path, "wb") as out, _Hasher() as hasher:
+        for part in (_HEADER.pack(MAGIC, VERSION, PAGE_SIZE, len(pages.offsets)), pages.offsets.tobytes(),
+                     pages.data[:PAGE_SIZE * len(pages.offsets)]):
+            hasher.update(part)
+            out.write(part)
         out.flush()
         os.fsync(out.fileno())
-    return Layer(path=path, page_size=PAGE_SIZE, offsets=pages.offsets)
+        digest = hasher.hexdigest()
+    return Layer(path=path, page_size=PAGE_SIZE, offsets=pages.offsets, sha256=digest)
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,7 @@ def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None) -> Flatte
                     if chunk + _CHUNK - flushed >= _WRITEBACK:
                         _start_writeback(out.fileno(), flushed, chunk + _CHUNK - flushed)
                         flushed = chunk + _CHUNK
-                hasher.update(buf)
+                hasher.update(buf, lent=True)
             digest = hasher.hexdigest()
             out.flush()
             os.fsync(out.fileno())
@@ -304,8 +307,9 @@ class _Hasher:
         buf[:] = _ZERO
         return buf
 
-    def update(self, data: bytearray) -> None:
-        self._submit(data, data if len(data) == _CHUNK else None)
+    def update(self, data: bytes | bytearray | memoryview, lent: bool = False) -> None:
+        """Hash ``data`` next; ``lent``: a :meth:`buffer`, taken back once hashed."""
+        self._submit(data, data if lent and isinstance(data, bytearray) and len(data) == _CHUNK else None)
 
     def zero(self, length: int) -> None:
         self._submit(_ZERO if length == _CHUNK else bytes(length), None)
@@ -315,7 +319,7 @@ class _Hasher:
             self._retire()
         return self._hash.hexdigest()
 
-    def _submit(self, data: bytes | bytearray, lent: bytearray | None) -> None:
+    def _submit(self, data: bytes | bytearray | memoryview, lent: bytearray | None) -> None:
         while len(self._pending) >= self._WAITING:
             self._retire()
         self._pending.append((self._pool.submit(self._hash.update, data), lent))
