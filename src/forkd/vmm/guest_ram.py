@@ -56,6 +56,9 @@ def write_layers(pid: int, memory: Path, size: int, layers: list[PageLayer]) -> 
     return written
 
 
+PREPARE_MARGIN = 8 << 20  # at least this much more than the pages private before the stop
+
+
 def prepare_read(pid: int, memory: Path, size: int) -> mmap.mmap:
     """A destination for :func:`read_private`, mapped and faulted in while the guest still runs.
 
@@ -67,9 +70,6 @@ def prepare_read(pid: int, memory: Path, size: int) -> mmap.mmap:
     address = memory_mapping(pid, memory, size)
     total = sum(run.length for run in _private_runs(pid, address, size))
     return procmem.prefaulted(total + max(total // 8, PREPARE_MARGIN))
-
-
-PREPARE_MARGIN = 8 << 20
 
 
 def read_private(pid: int, memory: Path, size: int, previous: Pages | None = None, into: mmap.mmap | None = None,
