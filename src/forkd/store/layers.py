@@ -140,8 +140,13 @@ def drop_unchanged(pages: Pages, parent: ChainMemory) -> Pages:
     if len(kept_offsets) == len(pages.offsets):
         return pages
     kept = memoryview(bytearray(PAGE_SIZE * len(kept_at)))
-    for i, position in enumerate(kept_at):
-        kept[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] = pages.data[position:position + PAGE_SIZE]
+    i = 0
+    while i < len(kept_at):  # runs of adjacent kept pages copied at once
+        j = i + 1
+        while j < len(kept_at) and kept_at[j] == kept_at[j - 1] + PAGE_SIZE:
+            j += 1
+        kept[i * PAGE_SIZE:j * PAGE_SIZE] = pages.data[kept_at[i]:kept_at[j - 1] + PAGE_SIZE]
+        i = j
     return Pages(offsets=kept_offsets, data=kept)
 
 
@@ -272,7 +277,7 @@ def _merged(ranges: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int]]:
 def _changed_pages(old: bytearray, at: int, new: memoryview) -> list[int]:
     """Positions in ``new`` of the pages that differ from ``old`` at ``at`` (a bytearray on the left
     compares to any buffer with memcmp; a memoryview compares item by item, 100 times slower)."""
-    if old[at:at + len(new)] == new:
+    if (old if at == 0 and len(old) == len(new) else old[at:at + len(new)]) == new:
         return []
     return [p for p in range(0, len(new), PAGE_SIZE) if old[at + p:at + p + PAGE_SIZE] != new[p:p + PAGE_SIZE]]
 
