@@ -20,6 +20,7 @@ from forkd.image.store import Image
 from forkd.runtime import agent_client
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
+from forkd.runtime.sandboxes import SandboxEnded
 from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.snapshots import SnapshotRequest
@@ -142,6 +143,60 @@ def test_a_failed_restore_is_reported_and_cleaned_up(tmp_path: Path) -> None:
 
     outcomes, records = run(scenario)
     assert outcomes[0].error == "state does not load" and records == []
+
+
+def test_a_child_failing_with_an_unexpected_error_keeps_its_siblings_ids(tmp_path: Path) -> None:
+    """One child's bug (not a VmmError) must not lose the ids of the children that did start."""
+    class SecondRestoreBreaks(FakeVmm):
+        restores = 0
+
+        async def complete_restore(self, vm: Any, saved: Any, on_stage: Any = None) -> None:
+            self.restores += 1
+            if self.restores == 2:
+                raise RuntimeError("a bug in one child's restore")
+            await super().complete_restore(vm, saved)
+
+    async def scenario() -> tuple[list[Any], list[str], list[str]]:
+        runtime = await _runtime(tmp_path, SecondRestoreBreaks())
+        try:
+            outcomes = await runtime.sandboxes.fork("base", 3)
+            return (outcomes, sorted(r.id for r in runtime.registry.list_sandboxes()),
+                    sorted(p.name for p in runtime.paths.sandboxes.iterdir()))
+        finally:
+            await runtime.stop()
+
+    outcomes, records, run_dirs = run(scenario)
+    started = sorted(o.sandbox["id"] for o in outcomes if o.sandbox)
+    assert len(outcomes) == 3 and len(started) == 2
+    assert [o.error for o in outcomes if o.sandbox is None] == ["internal error: RuntimeError: a bug in one child's restore"]
+    assert records == started and run_dirs == started  # the broken child was released, the others recorded
+
+
+def test_a_workspace_whose_sandbox_ends_during_its_suspend_says_so(tmp_path: Path) -> None:
+    """The sandbox reaching its timeout mid-suspend cuts the VMM's connections: that is a 409
+    (sandbox_ended), not the connection error it surfaces as (a 500)."""
+    async def scenario() -> tuple[BaseException | None, str]:
+        vmm = FakeVmm()
+        runtime = await _runtime(tmp_path, vmm)
+
+        async def ended_mid_capture(vm: Any, *_: Any, **__: Any) -> Any:
+            vm.process.kill()  # the deadline keeper's kill, as the capture runs
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+        vmm.branching.capture = ended_mid_capture  # type: ignore[method-assign]
+        try:
+            await runtime.workspaces.create("notes", "base")
+            try:
+                await runtime.workspaces.suspend("notes")
+            except Exception as exc:  # noqa: BLE001 - the error is what the test looks at
+                return exc, runtime.workspaces.get("notes").state
+            return None, runtime.workspaces.get("notes").state
+        finally:
+            await runtime.stop()
+
+    error, state = run(scenario)
+    assert isinstance(error, SandboxEnded) and "while it was being suspended" in str(error), repr(error)
+    assert state == "running"  # nothing was saved; get() reports the workspace as lost
 
 
 def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_path: Path) -> None:
