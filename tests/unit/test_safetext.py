@@ -57,3 +57,23 @@ def test_daemon_log_lines_cannot_be_forged_or_coloured() -> None:
         logger.removeHandler(handler)
     assert stream.getvalue() == ("WARNING sandbox x does not answer ([bold]loud[/bold] [/oops] \\x1b[31mred\\x1b[0m"
                                  "\\nfake: second line)\n")
+
+
+def test_a_traceback_carrying_guest_text_cannot_forge_a_record() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(VisibleFormatter("%(levelname)s %(message)s"))
+    logger = logging.getLogger("forkd.test.safetext.traceback")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        try:
+            raise RuntimeError(f"guest said {HOSTILE}\nINFO forged record")
+        except RuntimeError:
+            logger.exception("spawning a child failed")
+    finally:
+        logger.removeHandler(handler)
+    first, *traceback = stream.getvalue().rstrip("\n").split("\n")
+    assert first == "ERROR spawning a child failed"
+    assert traceback and all(line.startswith("  ") for line in traceback), traceback
+    assert "\x1b" not in stream.getvalue() and "\\x1b[31mred" in stream.getvalue()
