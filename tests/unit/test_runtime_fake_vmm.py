@@ -273,6 +273,52 @@ def test_a_restarted_daemon_adopts_answering_vmms_and_reaps_a_stalled_one(tmp_pa
     assert len(adopted) == 1 and len(reaped) == 1 and live == adopted and stalled_gone
 
 
+def test_recovery_finishes_whatever_one_record_raises(tmp_path: Path) -> None:
+    """Recovery runs before the daemon serves: a VMM whose adoption raises something unexpected is
+    reaped, and a record whose release fails is left for the next start; the others are recovered."""
+    class AdoptBreaks(FakeVmm):
+        broken: str = ""
+
+        async def adopt(self, name: str, process: Any, run_dir: Path, state: dict[str, Any]) -> Any:
+            if name == self.broken:
+                raise RuntimeError("a bug while adopting")
+            return await super().adopt(name, process, run_dir, state)
+
+    async def scenario() -> tuple[Any, list[str], list[str], bool]:
+        behaviour = FakeBehaviour()
+        vmm = AdoptBreaks(behaviour)
+        first = await _runtime(tmp_path, vmm)
+        ids = [o.sandbox["id"] for o in await first.sandboxes.fork("base", 3)]
+        processes = {i: first.sandboxes.get(i).vm.process for i in ids}
+        await first.sandboxes.detach_all()
+        first.registry.close()
+        kept, broken, unreleasable = ids
+        vmm.broken = broken
+        behaviour.stalled.add(unreleasable)
+        second = Runtime(first.paths, vmm)
+        release = second.sandboxes.release
+
+        async def failing_release(sandbox_id: str, run_dir: Path) -> None:
+            if sandbox_id == unreleasable:
+                raise OSError(5, "Input/output error")
+            await release(sandbox_id, run_dir)
+
+        second.sandboxes.release = failing_release  # type: ignore[method-assign]
+        try:
+            recovery = await recover(second.sandboxes, second.store)
+            live = [s.record.id for s in second.sandboxes.live()]
+            return recovery, live, ids, processes[broken].returncode is not None
+        finally:
+            await second.stop()
+            for process in processes.values():
+                if process.returncode is None:
+                    process.kill()
+
+    recovery, live, (kept, broken, unreleasable), broken_gone = run(scenario)
+    assert (recovery.adopted, recovery.reaped, recovery.failed) == ([kept], [broken], [unreleasable])
+    assert live == [kept] and broken_gone
+
+
 def test_records_keep_the_backend_state_opaque(tmp_path: Path) -> None:
     registry = Registry(tmp_path / "state.db")
     registry.add_sandbox(SandboxRecord("sb-opaqueopaque", "base", "running", None, tmp_path, time.time()))
