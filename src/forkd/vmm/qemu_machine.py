@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import re
 import shutil
@@ -27,6 +28,8 @@ from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
 from forkd.safetext import visible
 from forkd.vmm.base import BootSpec, VmHandle, VmmError, no_stage_marks
+
+log = logging.getLogger("forkd.vmm")
 
 QEMU_BINARY = "qemu-system-x86_64"
 MACHINE_ALIAS = "q35"
@@ -356,6 +359,9 @@ class QemuMachine:
         self.cpu_model = cpu_model
         # setpriv is util-linux (always on Debian); without it the VMM keeps root's capabilities.
         self.confine = confine and shutil.which(CONFINE[0]) is not None
+        if confine and not self.confine:
+            log.warning("setpriv (util-linux) is not installed: VMMs run with all of root's capabilities; "
+                        "install util-linux to confine them (see docs/security.md)")
 
     @property
     def machine(self) -> str:
