@@ -26,6 +26,7 @@ from typing import Any
 from forkd.guest import protocol
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.vmm.base import (
+    CONSOLE_LOG,
     BootSpec,
     Capabilities,
     ChildSetup,
@@ -80,7 +81,7 @@ class FakeVmm:
                                kernel_sha256=spec.kernel_sha256, agent_version=spec.agent_version)
 
     async def _start(self, name: str, run_dir: Path, ram: Path, disk: Path) -> VmHandle:
-        console = run_dir / "console.log"
+        console = run_dir / CONSOLE_LOG
         console.touch()
         process = await asyncio.create_subprocess_exec(PROGRAM, "-f", str(console), stdin=asyncio.subprocess.DEVNULL,
                                                        stdout=asyncio.subprocess.DEVNULL, start_new_session=True)
