@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from forkd.runtime import agent_client
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
 from forkd.runtime.sandboxes import SandboxEnded
+from forkd.store.errors import SnapshotError
 from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.snapshots import SnapshotRequest
@@ -225,6 +227,27 @@ def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_pa
     record, seen = run(scenario)
     assert record.meta["memory_kind"] == "diff" and record.meta["changed_pages"] == 1 and record.parent_tag == "base"
     assert seen == b"written by the source"
+
+
+def test_a_failing_diff_command_keeps_only_the_tail_of_its_stderr(tmp_path: Path) -> None:
+    """The guest decides how much a diff command writes to stderr: the daemon holds its last 4 KiB only."""
+    flood = b"e" * (64 << 20) + b"\nthe real error\n"
+
+    async def scenario() -> tuple[BaseException | None, int]:
+        runtime = await _runtime(tmp_path, FakeVmm(FakeBehaviour(exec_stderr=flood, exec_exit_code=1)))
+        tracemalloc.start()
+        try:
+            await runtime.branches.diff_exec("base", "layer", "make a mess", 10)
+        except SnapshotError as exc:
+            return exc, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            await runtime.stop()
+        return None, 0
+
+    error, peak = run(scenario)
+    assert error is not None and str(error).endswith("the real error"), error
+    assert peak < 40 << 20, peak  # a few 4 MiB frames in flight, never the 64 MiB
 
 
 def test_a_workspace_suspends_to_a_layer_and_resumes_with_its_memory(tmp_path: Path) -> None:
