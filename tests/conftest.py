@@ -213,6 +213,8 @@ def children(daemon: Controller, snapshot_tag: str) -> Iterator[list[str]]:
 
 WORKLOADS_IMAGE = "workloads"
 WORKLOADS_SNAPSHOT = "workloads"
+#: Appended to the workloads snapshot's warm code: a name every context of its children must see.
+WORKLOADS_WARM_MARK = "WARM_CODE_RAN = True\n"
 #: Debian packages of the real-workload image: the scientific stack, a chart library and a database.
 WORKLOADS_PACKAGES = ["python3-pandas", "python3-sklearn", "python3-matplotlib", "postgresql"]
 
@@ -261,11 +263,18 @@ def workloads_image(daemon: Controller, workloads_ca: tuple[Path, Path, Path]) -
 def workloads_snapshot(daemon: Controller, workloads_image: str) -> str:
     """A snapshot of the workloads image with numpy, pandas and sklearn imported and PostgreSQL running,
     seeded by the postgres recipe's warmup."""
-    recipe = Path(__file__).resolve().parents[1] / "examples" / "postgres_fixture.py"
-    warmup = subprocess.run([sys.executable, str(recipe), "--print-warmup"], check=True, capture_output=True,
-                            text=True, timeout=60).stdout.strip()  # the recipe's own warmup, as users run it
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    # The recipes' own warmup command and warm code, as their users make the snapshot.
+    warmup = subprocess.run([sys.executable, str(examples / "postgres_fixture.py"), "--print-warmup"], check=True,
+                            capture_output=True, text=True, timeout=60).stdout.strip()
+    pytest_recipe = [sys.executable, str(examples / "pytest_warm_fanout.py")]
+    warm_flags = subprocess.run([*pytest_recipe, "--print-warm-flags"], check=True, capture_output=True, text=True,
+                                timeout=60).stdout.split()
+    warm_code = subprocess.run([*pytest_recipe, "--print-warm-code"], check=True, capture_output=True, text=True,
+                               timeout=60).stdout
     daemon.create_snapshot(WORKLOADS_SNAPSHOT, on_progress=_progress, image=workloads_image, memory_mib=1024,
-                           warm_modules=["numpy", "pandas", "sklearn", "scipy.linalg", "pytest"], warmup_cmd=warmup)
+                           warm_modules=["sklearn", *warm_flags[1::2]], warm_code=warm_code + WORKLOADS_WARM_MARK,
+                           warmup_cmd=warmup)
     return WORKLOADS_SNAPSHOT
 
 

@@ -66,3 +66,19 @@ def test_image_ca_certificate_is_trusted(daemon: Controller, workloads_snapshot:
         assert int(bundle["stdout"]) > 100  # the public CAs are still there next to the extra one
     finally:
         daemon.kill(sandbox)
+
+
+def test_warm_code_runs_once_in_the_template(daemon: Controller, workloads_snapshot: str) -> None:
+    """The snapshot's warm code ran in the warm interpreter before the save: a name it defined is in every
+    context, and what it started (pytest's plugins, imported by the pytest recipe's warm code) is already
+    in a warm command's modules but not in a fresh python3's. The snapshot records the code."""
+    assert "WARM_CODE_RAN = True" in daemon.snapshot(workloads_snapshot)["warm_code"]
+    sandbox = daemon.fork(workloads_snapshot, 1)["sandboxes"][0]["id"]
+    try:
+        cell = daemon.run_code(sandbox, "WARM_CODE_RAN")
+        assert cell["error"] is None and cell["value"] == "True", cell
+        probe = ["python3", "-c", "import sys; print('_pytest.pastebin' in sys.modules)"]
+        assert daemon.exec(sandbox, probe, warm=True)["stdout"].strip() == "True"
+        assert daemon.exec(sandbox, probe)["stdout"].strip() == "False"
+    finally:
+        daemon.kill(sandbox)

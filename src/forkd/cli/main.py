@@ -122,14 +122,18 @@ def snapshot() -> None:
 @click.option("--vcpus", default=1, show_default=True)
 @click.option("--warm", "warm_modules", multiple=True, help="Python module to import before saving "
               "(repeatable; default numpy)")
+@click.option("--warm-code", help="Python run once in the warm interpreter after the imports (every context and "
+              "warm command forks from what it leaves behind)")
 @click.option("--warmup-cmd", help='shell command run before saving; saving waits for it to print {"ready": true}')
 @reports_errors
 def snapshot_create(tag: str, image_name: str, memory_mib: int, vcpus: int, warm_modules: tuple[str, ...],
-                    warmup_cmd: str | None) -> None:
+                    warm_code: str | None, warmup_cmd: str | None) -> None:
     """Boot a parent, warm it and save it as TAG."""
     options: dict[str, Any] = {"image": image_name, "memory_mib": memory_mib, "vcpus": vcpus}
     if warm_modules:
         options["warm_modules"] = list(warm_modules)
+    if warm_code:
+        options["warm_code"] = warm_code
     if warmup_cmd:
         options["warmup_cmd"] = warmup_cmd
     result = daemon().create_snapshot(tag, on_progress=progress_printer(), **options)

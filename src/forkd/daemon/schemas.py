@@ -55,6 +55,11 @@ class SnapshotCreate(Strict):
     vcpus: StrictInt = Field(default=1, ge=1, le=64)
     warm_modules: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,199}$")]] = Field(
         default_factory=lambda: ["numpy"], max_length=100)
+    warm_code: str | None = Field(
+        default=None, max_length=65536,
+        description="Python run once in the warm interpreter after the imports, before the snapshot is saved: "
+                    "what it leaves behind (names, caches, a tool's start-up done) every run_code context and "
+                    "warm command inherits")
     warmup_cmd: str | None = Field(default=None, max_length=65536)
 
 

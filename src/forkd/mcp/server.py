@@ -135,6 +135,9 @@ def build_server(controller: Controller) -> MCPServer:
         warm_modules: Annotated[list[str] | None, Field(
             description="Python modules imported before the snapshot is taken; null means the daemon's "
                         "default (numpy)")] = None,
+        warm_code: Annotated[str | None, Field(
+            description="Python run once in the warm interpreter after the imports; every context and warm "
+                        "command starts from what it leaves behind")] = None,
         warmup_cmd: Annotated[str | None, Field(
             description="shell command run in the guest before saving; it must print {\"ready\": true} "
                         "when the guest is ready")] = None,
@@ -144,6 +147,8 @@ def build_server(controller: Controller) -> MCPServer:
         options: dict[str, Any] = {"image": image, "memory_mib": memory_mib, "vcpus": vcpus}
         if warm_modules is not None:
             options["warm_modules"] = warm_modules
+        if warm_code is not None:
+            options["warm_code"] = warm_code
         if warmup_cmd is not None:
             options["warmup_cmd"] = warmup_cmd
         steps = 0

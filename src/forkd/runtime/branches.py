@@ -30,7 +30,16 @@ from forkd.store.chains import ChainMemory, ancestry, chain_memory, parent_diges
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.files import link_or_copy
 from forkd.store.io import blocking, remove_tree
-from forkd.store.layout import DISK_FILE, INITRD_FILE, KERNEL_FILE, LAYER_FILE, MEMORY_FILE, STATE_FILE, memory_layer_name
+from forkd.store.layout import (
+    DISK_FILE,
+    INHERITED_META,
+    INITRD_FILE,
+    KERNEL_FILE,
+    LAYER_FILE,
+    MEMORY_FILE,
+    STATE_FILE,
+    memory_layer_name,
+)
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.vmm.base import Pages, Vmm
@@ -177,8 +186,7 @@ class BranchService:
         changed = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
         timings.mark("layer_written")
         meta = {
-            **{k: parent.meta[k] for k in ("identity", "boot", "image_key", "warm_modules", "warmup_cmd")
-               if k in parent.meta},
+            **{k: parent.meta[k] for k in INHERITED_META if k in parent.meta},
             "mode": mode,
             "memory_kind": memory_kind,
             "state_format": capture.state_format,

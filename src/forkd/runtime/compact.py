@@ -20,6 +20,7 @@ from forkd.store.layout import (
     BASE_DISK_FILE,
     DISK_FILE,
     HASHED_FILES,
+    INHERITED_META,
     INITRD_FILE,
     KERNEL_FILE,
     MEMORY_FILE,
@@ -55,8 +56,7 @@ class CompactService:
                 os.chmod(build_dir / DISK_FILE, 0o600)
                 await branching_of(self.vmm).flatten_disk(build_dir / DISK_FILE, BASE_DISK_FILE)
                 # state_format: the top's device state file is the one copied, and restored as written.
-                meta = {k: v for k, v in record.meta.items()
-                        if k in ("identity", "boot", "image_key", "warm_modules", "warmup_cmd", "state_format")}
+                meta = {k: v for k, v in record.meta.items() if k in (*INHERITED_META, "state_format")}
                 meta.update({"memory_kind": "full", "compacted_from": record.tag,
                              "compacted_chain": [link.tag for link in chain]})
                 meta["sha256"] = await blocking(self.store.seal, build_dir, HASHED_FILES)

@@ -50,6 +50,7 @@ class SnapshotRequest:
     memory_mib: int = 1024
     vcpus: int = 1
     warm_modules: tuple[str, ...] = ("numpy",)
+    warm_code: str | None = None  # Python run once in the warm template after the imports
     warmup_cmd: str | None = None
 
 
@@ -111,14 +112,17 @@ class SnapshotService:
             agent, _ = await connect_when_answering(vm, BOOT_TIMEOUT_S)
             boot_s = time.monotonic() - started
             progress(f"guest agent answered after {boot_s:.1f} s")
-            if request.warm_modules:
-                warmed = await agent.call(protocol.OP_WARM, {"modules": list(request.warm_modules)},
+            if request.warm_modules or request.warm_code:
+                warmed = await agent.call(protocol.OP_WARM,
+                                          {"modules": list(request.warm_modules), "code": request.warm_code},
                                           timeout=WARMUP_TIMEOUT_S)
-                progress(f"imported {', '.join(warmed.get('imported', []))} in {warmed.get('seconds', 0):.1f} s")
+                what = ", ".join(warmed.get("imported", [])) or "nothing"
+                ran = " and ran the warm code" if request.warm_code else ""
+                progress(f"imported {what}{ran} in {warmed.get('seconds', 0):.1f} s")
             if request.warmup_cmd:
                 progress(f"running warmup command: {request.warmup_cmd}")
                 await run_warmup(agent, request.warmup_cmd)
-            if request.warm_modules:
+            if request.warm_modules or request.warm_code:
                 # The default context forked from the warm template now, so the snapshot holds it: a
                 # child's first cell runs at once instead of first forking a whole warm interpreter
                 # (200-400 ms under TCG). Each child's reseed reaches it like any other context.
@@ -142,6 +146,7 @@ class SnapshotService:
                      "kernel_sha256": spec.kernel_sha256, "agent_version": spec.agent_version},
             "image_key": image.key,
             "warm_modules": list(request.warm_modules),
+            "warm_code": request.warm_code,
             "warmup_cmd": request.warmup_cmd,
             "sha256": digests,
             "sizes": {name: (build_dir / name).stat().st_size for name in HASHED_FILES},

@@ -16,6 +16,9 @@ STATE_FILE, META_FILE = "state", "meta.json"
 HASHED_FILES = (KERNEL_FILE, INITRD_FILE, BASE_DISK_FILE, DISK_FILE, MEMORY_FILE, STATE_FILE)
 BUILD_PREFIX = ".build-"  # snapshots/.build-LABEL-*: work directories, renamed into place or removed
 OLDER_WORK_PREFIXES = (".unpack-", ".pull-", ".push-")  # what daemons before the store named theirs
+#: What a branch or a compacted snapshot takes over from the meta of the snapshot it came from:
+#: the machine its state belongs to and how that state was warmed.
+INHERITED_META = ("identity", "boot", "image_key", "warm_modules", "warm_code", "warmup_cmd")
 
 
 def memory_layer_name(meta: dict[str, Any]) -> str:

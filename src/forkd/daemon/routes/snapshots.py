@@ -22,7 +22,8 @@ async def snapshots(runtime: RuntimeDep) -> dict[str, Any]:
 @router.post("/v1/snapshots", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
 async def create_snapshot(body: schemas.SnapshotCreate, runtime: RuntimeDep) -> NDJSONResponse:
     request = SnapshotRequest(tag=body.tag, image=body.image, memory_mib=body.memory_mib, vcpus=body.vcpus,
-                              warm_modules=tuple(body.warm_modules), warmup_cmd=body.warmup_cmd)
+                              warm_modules=tuple(body.warm_modules), warm_code=body.warm_code,
+                              warmup_cmd=body.warmup_cmd)
     claim = runtime.snapshots.claim(body.tag)  # a taken or claimed tag is a 409 before any streaming starts
 
     async def work(emit):  # type: ignore[no-untyped-def]
