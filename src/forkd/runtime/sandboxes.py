@@ -411,6 +411,7 @@ class SandboxService:
     async def bound_logs_forever(self, interval_s: float = LOG_CHECK_S, max_bytes: int = CONSOLE_MAX_BYTES) -> None:
         """Keep every live sandbox's console under ``max_bytes``: a guest writing its serial port
         without end must not fill the host's disk. Like the deadline keeper, no error ends it."""
+        told: set[str] = set()  # sandboxes whose cut was logged (a VMM started without append=on is cut each round)
         while True:
             await asyncio.sleep(interval_s)
             handles = [s.vm for s in self.live()]
@@ -419,8 +420,9 @@ class SandboxService:
             except Exception:
                 log.exception("bounding the sandboxes' consoles failed; trying again")
                 continue
-            for name in cut:
+            for name in set(cut) - told:
                 log.info("sandbox %s: its console passed %d bytes and was cut to its end", name, max_bytes)
+            told = (told | set(cut)) & {vm.name for vm in handles}
 
     def get(self, sandbox_id: str) -> LiveSandbox:
         live = self._live.get(sandbox_id)
