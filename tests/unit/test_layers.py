@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from array import array
 from pathlib import Path
@@ -13,20 +14,22 @@ from forkd.store.layers import (
     ChainMemory,
     LayerError,
     Pages,
+    data_extents,
     drop_unchanged,
     flatten,
     punch_zero_pages,
     read_layer,
     write_layer,
 )
+from forkd.store.files import sha256_file
 
 SIZE = 64 * PAGE_SIZE
 
 
-def sparse(path: Path, pages: dict[int, bytes]) -> Path:
-    """A sparse file of SIZE bytes with the given pages written (the rest holes)."""
+def sparse(path: Path, pages: dict[int, bytes], size: int = SIZE) -> Path:
+    """A sparse file of ``size`` bytes with the given pages written (the rest holes)."""
     with open(path, "wb") as f:
-        f.truncate(SIZE)
+        f.truncate(size)
         for index, fill in pages.items():
             f.seek(index * PAGE_SIZE)
             f.write(fill * (PAGE_SIZE // len(fill)))
@@ -60,6 +63,7 @@ def test_layer_round_trip_and_runs(tmp_path: Path) -> None:
     assert list(layer.offsets) == list(offsets) and layer.page_size == PAGE_SIZE
     assert [(o, n) for o, _, n in layer.runs()] == [(PAGE_SIZE, 2 * PAGE_SIZE), (7 * PAGE_SIZE, PAGE_SIZE)]
     assert list(written.runs()) == list(layer.runs())
+    assert written.sha256 == sha256_file(tmp_path / "l")  # hashed as it was written
     with open(tmp_path / "l", "rb") as f:
         _, position, _ = list(layer.runs())[1]
         f.seek(position)
@@ -121,3 +125,60 @@ def test_zero_pages_become_holes_again(tmp_path: Path) -> None:
     assert freed == 2 * PAGE_SIZE + (1 << 20)
     assert path.read_bytes() == content and os.stat(path).st_blocks < before
     assert punch_zero_pages(path) == 0
+
+
+def _chain_with_holes(tmp_path: Path) -> tuple[ChainMemory, Pages, int]:
+    """A base with data and holes over 4 chunks and a bit (the flattening unit is a MiB), two diff
+    layers above it, and the pages a BRANCH of its child copied out: unchanged, changed, zeroed,
+    new in holes, across a chunk boundary, in the last partial chunk, and zeroing a whole chunk."""
+    mib = 1 << 20
+    size = 4 * mib + 3 * PAGE_SIZE
+    per_mib = mib // PAGE_SIZE
+
+    def write(path: Path, pages: dict[int, bytes]) -> Path:
+        return sparse(path, pages, size)
+
+    base_pages = {0: b"b", 1: b"b", 2: b"b", per_mib - 1: b"e", 2 * per_mib + 7: b"c", 3 * per_mib: b"q"}
+    base = write(tmp_path / "base", base_pages)
+    one = write(tmp_path / "one", {**base_pages, 1: b"1", per_mib + 3: b"1"})
+    first = write_layer(tmp_path / "l1", drop_unchanged(pages_of(one, [1, per_mib + 3]), ChainMemory(base, [])))
+    two = write(tmp_path / "two", {**base_pages, 1: b"1", per_mib + 3: b"1", per_mib - 1: b"2", per_mib: b"2"})
+    second = write_layer(tmp_path / "l2", drop_unchanged(pages_of(two, [per_mib - 1, per_mib]),
+                                                          ChainMemory(base, [first])))
+    chain = ChainMemory(base, [first, second])
+    child = {**base_pages, 1: b"1", per_mib + 3: b"1", per_mib - 1: b"2", per_mib: b"2",  # the chain's, kept
+             0: b"b",  # written with what it held
+             2: b"\0",  # zeroed
+             per_mib + 3: b"T", per_mib + 4: b"T",  # over a layer's page, and new in a hole
+             2 * per_mib - 1: b"x", 2 * per_mib: b"x",  # a run across a chunk boundary
+             3 * per_mib: b"\0",  # the only data of its chunk, zeroed
+             4 * per_mib + 2: b"z"}  # in the last, partial chunk
+    captured = [0, 1, 2, per_mib - 1, per_mib, per_mib + 3, per_mib + 4, 2 * per_mib - 1, 2 * per_mib,
+                3 * per_mib, 4 * per_mib + 2]
+    top = pages_of(write(tmp_path / "child", child), captured)
+    return chain, top, size
+
+
+def test_flattening_with_the_top_in_one_pass_matches_the_separate_layer_and_hashes_the_file(tmp_path: Path) -> None:
+    chain, top, size = _chain_with_holes(tmp_path)
+    expected = (tmp_path / "child").read_bytes()
+    # The separate path: the top's changed pages as a layer over the chain, flattened, then hashed.
+    changed = drop_unchanged(top, chain)
+    layer = write_layer(tmp_path / "top-layer", changed)
+    separate = flatten(ChainMemory(chain.base, [*chain.layers, layer]), tmp_path / "separate")
+    fused = flatten(chain, tmp_path / "fused", top=top)
+    assert (tmp_path / "fused").read_bytes() == (tmp_path / "separate").read_bytes() == expected
+    assert fused.sha256 == separate.sha256 == sha256_file(tmp_path / "fused") == hashlib.sha256(expected).hexdigest()
+    assert fused.changed_pages == len(changed.offsets) == 7
+    # Holes stay holes: the chunk the top zeroed and the chunks nothing was written in hold no data.
+    mib = 1 << 20
+    extents = data_extents(tmp_path / "fused")
+    assert not [e for e in extents if e[0] < 4 * mib and e[1] > 3 * mib]
+    assert os.stat(tmp_path / "fused").st_blocks * 512 < size // 2
+
+
+def test_a_page_beyond_the_memory_is_refused(tmp_path: Path) -> None:
+    base = sparse(tmp_path / "base", {1: b"b"})
+    beyond = Pages(offsets=array("Q", [SIZE]), data=memoryview(bytes(PAGE_SIZE)))
+    with pytest.raises(LayerError, match="beyond"):
+        flatten(ChainMemory(base, []), tmp_path / "flat", top=beyond)

@@ -105,3 +105,25 @@ def test_read_private_copies_changed_pages_and_reuses_a_clean_precopy(mapping: t
     assert list(second.offsets) == [2 * PAGE, 7 * PAGE, 9 * PAGE]
     assert second.data[0] == 0xA1  # from the pre-copy: not marked, so not read again
     assert second.data[2 * PAGE] == 0xB2
+
+
+def test_read_private_fills_a_prepared_buffer_or_maps_one_when_the_guest_wrote_more(
+        mapping: tuple[mmap.mmap, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    area, _ = mapping
+    memory, size = tmp_path / "memory", PAGES * PAGE
+    area[1 * PAGE] = 0xC1
+    monkeypatch.setattr(guest_ram, "PREPARE_MARGIN", PAGE)
+    prepared = guest_ram.prepare_read(os.getpid(), memory, size)
+    assert len(prepared) == 2 * PAGE  # one private page now, and the margin
+    marks: list[str] = []
+    area[5 * PAGE] = 0xC5
+    pages = guest_ram.read_private(os.getpid(), memory, size, into=prepared, mark=marks.append)
+    assert marks == ["pages_scanned"] and list(pages.offsets) == [1 * PAGE, 5 * PAGE]
+    assert (pages.data[0], pages.data[PAGE]) == (0xC1, 0xC5) and pages.data.obj is prepared
+    # Written after the buffer was prepared, beyond its margin: the copy is still whole.
+    small = guest_ram.prepare_read(os.getpid(), memory, size)
+    for page in (20, 30, 40):
+        area[page * PAGE] = page
+    pages = guest_ram.read_private(os.getpid(), memory, size, into=small)
+    assert list(pages.offsets) == [p * PAGE for p in (1, 5, 20, 30, 40)] and small.closed
+    assert [pages.data[i * PAGE] for i in range(5)] == [0xC1, 0xC5, 20, 30, 40]

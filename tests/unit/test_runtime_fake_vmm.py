@@ -4,6 +4,8 @@ processes and guest protocol, no virtual machine, so each test takes millisecond
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import shutil
 import tempfile
 import time
@@ -21,11 +23,12 @@ from forkd.image.store import Image
 from forkd.runtime import agent_client
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
-from forkd.runtime.sandboxes import SandboxEnded
 from forkd.store.errors import SnapshotError
 from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.runtime import Runtime
+from forkd.runtime.sandboxes import LiveSandbox, SandboxEnded
 from forkd.runtime.snapshots import SnapshotRequest
+from forkd.store.files import sha256_file
 from forkd.store.layers import PAGE_SIZE
 from forkd.vmm.base import Capabilities
 from forkd.vmm.branching import BranchingUnsupported
@@ -201,14 +204,24 @@ def test_a_workspace_whose_sandbox_ends_during_its_suspend_says_so(tmp_path: Pat
     assert state == "running"  # nothing was saved; get() reports the workspace as lost
 
 
+async def _written_source(tmp_path: Path, offset: int) -> tuple[Runtime, LiveSandbox]:
+    """A runtime on the fake VMM and one child of "base" that wrote to its RAM at ``offset``."""
+    vmm = FakeVmm()
+    runtime = await _runtime(tmp_path, vmm)
+    try:
+        [outcome] = await runtime.sandboxes.fork("base", 1)
+        source = runtime.sandboxes.get(outcome.sandbox["id"])
+        vmm.write_guest_memory(source.vm, offset, b"written by the source")
+    except BaseException:
+        await runtime.stop()
+        raise
+    return runtime, source
+
+
 def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_path: Path) -> None:
     async def scenario() -> tuple[SnapshotRecord, bytes]:
-        vmm = FakeVmm()
-        runtime = await _runtime(tmp_path, vmm)
+        runtime, source = await _written_source(tmp_path, 3 * PAGE_SIZE)
         try:
-            [outcome] = await runtime.sandboxes.fork("base", 1)
-            source = runtime.sandboxes.get(outcome.sandbox["id"])
-            vmm.write_guest_memory(source.vm, 3 * PAGE_SIZE, b"written by the source")
             disk_before = source.vm.state["disk"]
             record = await runtime.branches.branch(source.record.id, "b1", mode="diff")
             persisted = runtime.registry.get_sandbox(source.record.id)
@@ -248,6 +261,29 @@ def test_a_failing_diff_command_keeps_only_the_tail_of_its_stderr(tmp_path: Path
     error, peak = run(scenario)
     assert error is not None and str(error).endswith("the real error"), error
     assert peak < 40 << 20, peak  # a few 4 MiB frames in flight, never the 64 MiB
+
+
+def test_a_full_branch_is_the_source_memory_hashed_once_and_a_changed_file_is_still_refused(tmp_path: Path) -> None:
+    async def scenario() -> tuple[SnapshotRecord, bytes, str, str]:
+        runtime, source = await _written_source(tmp_path, 5 * PAGE_SIZE)
+        try:
+            record = await runtime.branches.branch(source.record.id, "f1", mode="full")
+            ram = Path(source.vm.state["ram"]).read_bytes()
+            memory = record.path / "memory"
+            opened = runtime.store.open("f1")[0].meta["sha256"]["memory"]
+            os.chmod(memory, 0o600)
+            with open(memory, "r+b") as f:
+                f.seek(5 * PAGE_SIZE)
+                f.write(b"tampered")
+            with pytest.raises(Exception, match="memory was modified"):
+                runtime.store.open("f1")
+            return record, ram, sha256_file(memory), opened
+        finally:
+            await runtime.stop()
+
+    record, ram, tampered, opened = run(scenario)
+    assert record.meta["memory_kind"] == "full" and record.meta["changed_pages"] == 1
+    assert record.meta["sha256"]["memory"] == hashlib.sha256(ram).hexdigest() == opened != tampered
 
 
 def test_a_workspace_suspends_to_a_layer_and_resumes_with_its_memory(tmp_path: Path) -> None:

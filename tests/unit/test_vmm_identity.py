@@ -1,3 +1,4 @@
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -53,6 +54,20 @@ def test_digest_cache_rehashes_only_changed_files(tmp_path: Path) -> None:
     assert cache.sha256(path) == "trusted"  # unchanged file: the remembered digest, no rehash
     path.write_bytes(b"two!")
     assert cache.sha256(path) == sha256_file(path) != first
+
+
+def test_digest_cache_keeps_a_digest_across_chmod_and_link_but_not_across_a_write(tmp_path: Path) -> None:
+    path = tmp_path / "kernel"
+    path.write_bytes(b"kernel")
+    cache = DigestCache()
+    cache.remember(path, "trusted")  # stands for a digest computed while writing: not read again below
+    cache.chmod(path, 0o400)
+    cache.link(path, tmp_path / "linked")
+    assert cache.sha256(path) == cache.sha256(tmp_path / "linked") == "trusted"
+    os.chmod(path, 0o600)
+    path.write_bytes(b"changed")
+    cache.chmod(path, 0o400)
+    assert cache.sha256(tmp_path / "linked") == sha256_file(path) != "trusted"
 
 
 def test_atomic_json_leaves_no_temp_files(tmp_path: Path) -> None:

@@ -28,7 +28,6 @@ from forkd.runtime.timings import Timings
 from forkd.store import layers as memory_layers
 from forkd.store.chains import ChainMemory, ancestry, chain_memory, parent_digests
 from forkd.store.errors import SnapshotConflict, SnapshotError
-from forkd.store.files import link_or_copy
 from forkd.store.io import blocking, remove_tree
 from forkd.store.layout import (
     DISK_FILE,
@@ -178,12 +177,12 @@ class BranchService:
         All of it runs after the source was resumed: the capture holds what the pause took.
         """
         for name in (KERNEL_FILE, INITRD_FILE):
-            await blocking(link_or_copy, parent.path / name, build_dir / name)
+            await blocking(self.store.digests.link, parent.path / name, build_dir / name)
         await branching_of(self.vmm).export_disk_layer(capture.frozen_disk, build_dir / DISK_FILE,
                                                        f"../{parent.tag}/{DISK_FILE}")
         timings.mark("disk_layer_written")
         memory_kind = "diff" if mode == "diff" else "full"
-        changed = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
+        changed, written = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
         timings.mark("layer_written")
         meta = {
             **{k: parent.meta[k] for k in INHERITED_META if k in parent.meta},
@@ -197,7 +196,7 @@ class BranchService:
         if mode == "live":
             meta["precopied"] = capture.precopied
         names = (KERNEL_FILE, INITRD_FILE, DISK_FILE, STATE_FILE, memory_layer_name(meta))
-        meta["sha256"] = await blocking(self.store.seal, build_dir, names)
+        meta["sha256"] = await blocking(self.store.seal, build_dir, names, written)
         meta["sizes"] = {name: (build_dir / name).stat().st_size for name in names}
         timings.mark("sealed")
         return meta
@@ -242,20 +241,21 @@ class BranchService:
         await asyncio.gather(*self._builds.values(), return_exceptions=True)
 
 
-def _write_memory(build_dir: Path, memory: ChainMemory, captured: Pages, kind: str) -> int:
-    """The snapshot's own memory from the captured private pages; returns how many pages differ.
+def _write_memory(build_dir: Path, memory: ChainMemory, captured: Pages, kind: str) -> tuple[int, dict[str, str]]:
+    """The snapshot's own memory from the captured private pages: how many pages differ from the
+    parent's, and the digests of the files written, where they were computed while writing.
 
     The source's memory is the file it was restored from plus its private pages, and a page once
     private stays private; its head (``memory``, the parent) is that same file plus the private
     pages it had then. So outside the captured pages both agree, and of the captured pages those
     equal to the parent's image are dropped (a child of a diff snapshot holds its chain's layers
-    privately too: they were laid in at restore). ``full`` flattens the parent's memory and that
-    layer into one sparse file, so it needs no parent memory.
+    privately too: they were laid in at restore). ``full`` lays the captured pages over the parent's
+    memory into one sparse file, hashed as it is written, so it needs no parent memory.
     """
     parent = memory_layers.ChainMemory(memory.base, [memory_layers.read_layer(p) for p in memory.layers])
+    if kind == "full":
+        flat = memory_layers.flatten(parent, build_dir / MEMORY_FILE, top=captured)
+        return flat.changed_pages, {MEMORY_FILE: flat.sha256}
     changed = memory_layers.drop_unchanged(captured, parent)
     layer = memory_layers.write_layer(build_dir / LAYER_FILE, changed)
-    if kind == "full":
-        memory_layers.flatten(memory_layers.ChainMemory(memory.base, [*parent.layers, layer]), build_dir / MEMORY_FILE)
-        layer.path.unlink()
-    return len(changed.offsets)
+    return len(changed.offsets), {LAYER_FILE: layer.sha256}

@@ -26,7 +26,6 @@ from forkd.store.layout import (
     MEMORY_FILE,
     STATE_FILE,
 )
-from forkd.store.files import link_or_copy
 from forkd.store.registry import SnapshotRecord
 from forkd.store.snapshots import SnapshotStore
 from forkd.vmm.base import Vmm
@@ -48,9 +47,9 @@ class CompactService:
                 for source, name in ((record.path / KERNEL_FILE, KERNEL_FILE),
                                      (record.path / INITRD_FILE, INITRD_FILE),
                                      (chain[-1].path / BASE_DISK_FILE, BASE_DISK_FILE)):
-                    await blocking(link_or_copy, source, build_dir / name)
-                await blocking(flatten, ChainMemory(saved.memory, list(saved.layers)), build_dir / MEMORY_FILE)
-                await blocking(punch_zero_pages, build_dir / MEMORY_FILE)
+                    await blocking(self.store.digests.link, source, build_dir / name)
+                flat = await blocking(flatten, ChainMemory(saved.memory, list(saved.layers)), build_dir / MEMORY_FILE)
+                await blocking(punch_zero_pages, build_dir / MEMORY_FILE)  # holes, not bytes: the digest holds
                 for name in (STATE_FILE, DISK_FILE):
                     await blocking(shutil.copyfile, record.path / name, build_dir / name)
                 os.chmod(build_dir / DISK_FILE, 0o600)
@@ -59,7 +58,7 @@ class CompactService:
                 meta = {k: v for k, v in record.meta.items() if k in (*INHERITED_META, "state_format")}
                 meta.update({"memory_kind": "full", "compacted_from": record.tag,
                              "compacted_chain": [link.tag for link in chain]})
-                meta["sha256"] = await blocking(self.store.seal, build_dir, HASHED_FILES)
+                meta["sha256"] = await blocking(self.store.seal, build_dir, HASHED_FILES, {MEMORY_FILE: flat.sha256})
                 meta["sizes"] = {name: (build_dir / name).stat().st_size for name in HASHED_FILES}
                 meta["compact_seconds"] = round(time.monotonic() - started, 3)
                 compacted = SnapshotRecord(tag=claim.tags[0], status="ready", image=record.image,

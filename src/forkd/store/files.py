@@ -38,6 +38,28 @@ class DigestCache:
         with self._lock:
             self._known[self._version(path)] = digest
 
+    def chmod(self, path: Path, mode: int) -> None:
+        """Change ``path``'s mode, keeping the digest known for it: a chmod changes the ctime, not the bytes."""
+        before = self._version(path)
+        os.chmod(path, mode)
+        self._carry(before, path)
+
+    def link(self, src: Path, dst: Path) -> None:
+        """:func:`link_or_copy` ``src`` to ``dst``, keeping the digest known for it: a new link changes the
+        shared inode's ctime, not its bytes, so a snapshot's kernel is not hashed again per branch."""
+        before = self._version(src)
+        link_or_copy(src, dst)
+        self._carry(before, dst)
+
+    def _carry(self, before: tuple[int, int, int, int, int], path: Path) -> None:
+        """The digest known for version ``before``, remembered for ``path`` now if only its ctime moved:
+        the same inode (device, number), size and mtime (a write in between would have set it)."""
+        after = self._version(path)
+        with self._lock:
+            digest = self._known.get(before)
+            if digest is not None and after[:4] == before[:4]:
+                self._known[after] = digest
+
     def sha256(self, path: Path) -> str:
         version = self._version(path)
         with self._lock:

@@ -28,7 +28,7 @@ import os
 import secrets
 import shutil
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,13 +138,20 @@ class SnapshotStore:
         path.mkdir()
         return path
 
-    def seal(self, directory: Path, names: Sequence[str]) -> dict[str, str]:
-        """Make a new snapshot's files read-only and hash them as they now are on disk."""
+    def seal(self, directory: Path, names: Sequence[str], written: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Make a new snapshot's files read-only and hash them as they now are on disk.
+
+        ``written``: digests the builder computed over the bytes it just wrote (:func:`forkd.store.layers.flatten`
+        returns one), so those files are not read again. The digests stay known for the read-only
+        files, so a fork of the new snapshot does not hash them either.
+        """
         digests = {}
         for name in names:
             path = directory / name
-            os.chmod(path, 0o400)  # children map these; nobody should write them again
+            if written and name in written:
+                self.digests.remember(path, written[name])
             digests[name] = self.digests.sha256(path)
+            self.digests.chmod(path, 0o400)  # children map these; nobody should write them again
         return digests
 
     def write_meta(self, directory: Path, meta: dict[str, Any]) -> dict[str, Any]:

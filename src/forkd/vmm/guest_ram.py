@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 from forkd.vmm import procmem
@@ -55,30 +56,52 @@ def write_layers(pid: int, memory: Path, size: int, layers: list[PageLayer]) -> 
     return written
 
 
-def read_private(pid: int, memory: Path, size: int, previous: Pages | None = None) -> Pages:
+PREPARE_MARGIN = 8 << 20  # at least this much more than the pages private before the stop
+
+
+def prepare_read(pid: int, memory: Path, size: int) -> mmap.mmap:
+    """A destination for :func:`read_private`, mapped and faulted in while the guest still runs.
+
+    Copying into fresh anonymous memory faults in every destination page during the copy, which
+    costs more than the copy itself; so a BRANCH takes the buffer before it stops the guest, sized
+    by the pages private now plus a margin for what the guest writes until the stop (a buffer that
+    turns out too small is not used: :func:`read_private` then maps one of the size it needs).
+    """
+    address = memory_mapping(pid, memory, size)
+    total = sum(run.length for run in _private_runs(pid, address, size))
+    return procmem.prefaulted(total + max(total // 8, PREPARE_MARGIN))
+
+
+def read_private(pid: int, memory: Path, size: int, previous: Pages | None = None, into: mmap.mmap | None = None,
+                 mark: Callable[[str], None] | None = None) -> Pages:
     """The guest RAM pages process ``pid`` holds privately over ``memory``, copied out.
+
+    ``into``: a buffer from :func:`prepare_read`, used if the pages fit (else closed). ``mark``
+    is told ``pages_scanned`` when the page map was read; the copy follows.
 
     With ``previous`` (a copy taken while the guest ran, after the soft-dirty bits were cleared),
     only runs written since are read again: a page becomes private only by being written, which
     marks it soft-dirty, so a clean private page is the one ``previous`` holds.
     """
     address = memory_mapping(pid, memory, size)
-    try:
-        runs = procmem.private_runs(pid, address, address + size)
-    except OSError as exc:
-        raise VmmError(f"cannot read the page map of VMM process {pid}: {exc}") from None
+    runs = _private_runs(pid, address, size)
+    if mark is not None:
+        mark("pages_scanned")
     total = sum(run.length for run in runs)
-    area = mmap.mmap(-1, max(total, PAGE))
+    if into is not None and len(into) >= total:
+        area = into
+    else:
+        if into is not None:
+            into.close()
+        area = mmap.mmap(-1, max(total, PAGE))
     data = memoryview(area)
-    offsets = array("Q")
     known = {} if previous is None else {o: i for i, o in enumerate(previous.offsets)}
     fresh: list[tuple[int, int, int]] = []  # (address, length, position in data) to read from the VMM
     pos = 0
     for run in runs:
-        pages = range(run.start - address, run.end - address, PAGE)
-        offsets.extend(pages)
-        if previous is not None and not run.soft_dirty and all(page in known for page in pages):
-            for i, page in enumerate(pages):
+        if previous is not None and not run.soft_dirty and all(
+                page in known for page in range(run.start - address, run.end - address, PAGE)):
+            for i, page in enumerate(range(run.start - address, run.end - address, PAGE)):
                 at = known[page] * PAGE
                 data[pos + i * PAGE:pos + (i + 1) * PAGE] = previous.data[at:at + PAGE]
         else:
@@ -88,4 +111,14 @@ def read_private(pid: int, memory: Path, size: int, previous: Pages | None = Non
         procmem.copy(pid, fresh, area)
     except OSError as exc:
         raise VmmError(f"cannot read the guest RAM of VMM process {pid}: {exc}") from None
+    offsets = array("Q")
+    for run in runs:
+        offsets.extend(range(run.start - address, run.end - address, PAGE))
     return Pages(offsets=offsets, data=data[:total])
+
+
+def _private_runs(pid: int, address: int, size: int) -> list[procmem.Run]:
+    try:
+        return procmem.private_runs(pid, address, address + size)
+    except OSError as exc:
+        raise VmmError(f"cannot read the page map of VMM process {pid}: {exc}") from None

@@ -187,6 +187,12 @@ def copy(pid: int, spans: list[tuple[int, int, int]], into: mmap.mmap) -> int:
     return copied
 
 
+def prefaulted(length: int) -> mmap.mmap:
+    """Anonymous memory of ``length`` bytes with every page already faulted in (``MAP_POPULATE``), so
+    a copy into it later costs only the copy."""
+    return mmap.mmap(-1, max(length, PAGE_SIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+
+
 def clear_soft_dirty(pid: int) -> None:
     """Start a new soft-dirty interval for process ``pid``: pages written from now on are marked."""
     with open(f"/proc/{pid}/clear_refs", "w") as f:

@@ -71,6 +71,9 @@ async def capture(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, n
         procmem.clear_soft_dirty(vm.pid)  # pages written from now on are marked soft-dirty
         precopy = await asyncio.to_thread(guest_ram.read_private, vm.pid, memory, memory_bytes)
         mark("precopy")
+    # The copy's destination is faulted in now, while the guest runs, not during the pause.
+    buffer = await asyncio.to_thread(guest_ram.prepare_read, vm.pid, memory, memory_bytes)
+    mark("buffer_prepared")
     frozen = disk_of(vm)
     overlay = await _prepare_overlay(qmp, frozen, new_top)
     mark("overlay_prepared")
@@ -86,7 +89,7 @@ async def capture(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, n
         # live=false: do not hand the disk over (inactivate it); this VM goes on using it.
         await qmp.execute("xen-save-devices-state", {"filename": str(state), "live": False})
         mark("device_state_saved")
-        pages = await asyncio.to_thread(guest_ram.read_private, vm.pid, memory, memory_bytes, precopy)
+        pages = await asyncio.to_thread(guest_ram.read_private, vm.pid, memory, memory_bytes, precopy, buffer, mark)
         mark("pages_read")
     finally:
         try:
