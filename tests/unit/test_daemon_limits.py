@@ -18,6 +18,7 @@ import pytest
 TOKEN = "9d8c7b6a5f4e3d2c1b0a99887766554433221100ffeeddccbbaa998877665544"
 AUDIT_MAX_BYTES = 16384
 AUDIT_BACKUPS = 2
+MAX_CONNECTIONS = 50
 
 
 def _free_port() -> int:
@@ -34,7 +35,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     (home / "forkd.toml").write_text(
         f'listen = "127.0.0.1:{port}"\ntoken_file = "{home / "token"}"\n'
         f'[audit]\nmax_bytes = {AUDIT_MAX_BYTES}\nbackups = {AUDIT_BACKUPS}\n'
-        '[server]\nheader_timeout_s = 1\nmax_connections = 50\n')
+        f'[server]\nheader_timeout_s = 1\nmax_connections = {MAX_CONNECTIONS}\nkeep_alive_s = 300\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORKD_")}
     env.update(FORKD_HOME=str(home), FORKD_SOCKET=str(home / "forkd.sock"), FORKD_CACHE=str(home / "cache"))
     with open(home / "daemon.out", "ab") as log:
@@ -75,3 +76,21 @@ def test_a_connection_that_never_sends_its_head_is_closed(daemon: tuple[str, Pat
         slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
         assert slow.recv(1024) == b""  # closed by the daemon (the 30 s socket timeout bounds the wait)
     assert httpx.get(f"{url}/healthz").json() == {"ok": True}
+
+
+def test_connections_past_the_limit_are_answered_503_until_some_close(daemon: tuple[str, Path]) -> None:
+    url, _ = daemon
+    held = [httpx.Client(timeout=30) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for client in held:  # each keeps its connection open (keep-alive)
+            client.get(f"{url}/healthz")
+        assert httpx.get(f"{url}/healthz", timeout=30).status_code == 503
+    finally:
+        for client in held:
+            client.close()
+    for _ in range(300):  # bounded: the daemon notices the closed connections at once, 30 s at most
+        if httpx.get(f"{url}/healthz", timeout=30).status_code == 200:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the daemon still refused connections after the held ones closed")

@@ -6,6 +6,7 @@ and runtime; no answer may be a 5xx or fail to match the documented schema.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,28 @@ REPO = Path(__file__).resolve().parents[2]
 def test_repository_copy_is_current() -> None:
     assert (REPO / "docs" / "openapi.json").read_text() == render(), \
         "docs/openapi.json is stale: run `.venv/bin/python -m forkd.daemon.openapi > docs/openapi.json`"
+
+
+def test_every_reference_in_the_document_resolves() -> None:
+    """A response model named but not in the components (``CommandOutcome`` once) breaks every client
+    generator and schema check; answers a test app never gives (an exec's 200) would not show it."""
+    document = json.loads(render())
+    refs: set[str] = set()
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.add(node["$ref"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(document)
+    prefix = "#/components/schemas/"
+    assert refs and all(ref.startswith(prefix) for ref in refs), refs
+    assert sorted(r for r in refs if r[len(prefix):] not in document["components"]["schemas"]) == []
 
 
 @pytest.fixture(scope="module")

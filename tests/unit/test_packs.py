@@ -402,6 +402,31 @@ def test_an_inconsistent_chain_is_refused(runtime: Runtime, tmp_path: Path) -> N
         unpack(make_runtime(tmp_path / "b"), bad)
 
 
+def test_a_layer_recording_other_digests_for_its_parent_is_refused(runtime: Runtime, tmp_path: Path) -> None:
+    """A consistent manifest whose layer's own meta.json names another parent: it would only fail at
+    its first fork (snapshot_corrupt), so unpack refuses it and registers nothing."""
+    make_snapshot(runtime, "base")
+    make_snapshot(runtime, "layer", parent="base")
+    out = tmp_path / "layer.tar.zst"
+    pack_of(runtime, "layer", out)
+    members = _members(out)
+    [(info, raw)] = [(i, d) for i, d in members if i.name == "layer/meta.json"]
+    meta = json.loads(raw)
+    name = sorted(meta["parent_sha256"])[0]
+    meta["parent_sha256"][name] = "0" * 64
+    forged = json.dumps(meta).encode()
+
+    def reseal(manifest: dict) -> None:
+        [entry] = [f for f in manifest["snapshots"][1]["files"] if f["name"] == "meta.json"]
+        entry.update(size=len(forged), sha256=hashlib.sha256(forged).hexdigest())
+
+    bad = _write(tmp_path / "forged.tar.zst", _replace(_with_manifest(members, reseal), info.name, info, forged))
+    other = make_runtime(tmp_path / "b")
+    with pytest.raises(PackError, match="records other digests for its parent 'base'"):
+        unpack(other, bad)
+    assert store_state(other) == ([], [])
+
+
 def test_stale_work_directories_are_reaped_at_start(tmp_path: Path) -> None:
     first = make_runtime(tmp_path / "a")
     (first.paths.snapshots / ".build-unpack-deadbeef" / "x").mkdir(parents=True)

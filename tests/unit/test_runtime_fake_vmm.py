@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,9 +23,10 @@ from forkd.image.store import Image
 from forkd.runtime import agent_client
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
+from forkd.store.errors import SnapshotError
 from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.sandboxes import LiveSandbox
+from forkd.runtime.sandboxes import LiveSandbox, SandboxEnded
 from forkd.runtime.snapshots import SnapshotRequest
 from forkd.store.files import sha256_file
 from forkd.store.layers import PAGE_SIZE
@@ -148,6 +150,60 @@ def test_a_failed_restore_is_reported_and_cleaned_up(tmp_path: Path) -> None:
     assert outcomes[0].error == "state does not load" and records == []
 
 
+def test_a_child_failing_with_an_unexpected_error_keeps_its_siblings_ids(tmp_path: Path) -> None:
+    """One child's bug (not a VmmError) must not lose the ids of the children that did start."""
+    class SecondRestoreBreaks(FakeVmm):
+        restores = 0
+
+        async def complete_restore(self, vm: Any, saved: Any, on_stage: Any = None) -> None:
+            self.restores += 1
+            if self.restores == 2:
+                raise RuntimeError("a bug in one child's restore")
+            await super().complete_restore(vm, saved)
+
+    async def scenario() -> tuple[list[Any], list[str], list[str]]:
+        runtime = await _runtime(tmp_path, SecondRestoreBreaks())
+        try:
+            outcomes = await runtime.sandboxes.fork("base", 3)
+            return (outcomes, sorted(r.id for r in runtime.registry.list_sandboxes()),
+                    sorted(p.name for p in runtime.paths.sandboxes.iterdir()))
+        finally:
+            await runtime.stop()
+
+    outcomes, records, run_dirs = run(scenario)
+    started = sorted(o.sandbox["id"] for o in outcomes if o.sandbox)
+    assert len(outcomes) == 3 and len(started) == 2
+    assert [o.error for o in outcomes if o.sandbox is None] == ["internal error: RuntimeError: a bug in one child's restore"]
+    assert records == started and run_dirs == started  # the broken child was released, the others recorded
+
+
+def test_a_workspace_whose_sandbox_ends_during_its_suspend_says_so(tmp_path: Path) -> None:
+    """The sandbox reaching its timeout mid-suspend cuts the VMM's connections: that is a 409
+    (sandbox_ended), not the connection error it surfaces as (a 500)."""
+    async def scenario() -> tuple[BaseException | None, str]:
+        vmm = FakeVmm()
+        runtime = await _runtime(tmp_path, vmm)
+
+        async def ended_mid_capture(vm: Any, *_: Any, **__: Any) -> Any:
+            vm.process.kill()  # the deadline keeper's kill, as the capture runs
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+        vmm.branching.capture = ended_mid_capture  # type: ignore[method-assign]
+        try:
+            await runtime.workspaces.create("notes", "base")
+            try:
+                await runtime.workspaces.suspend("notes")
+            except Exception as exc:  # noqa: BLE001 - the error is what the test looks at
+                return exc, runtime.workspaces.get("notes").state
+            return None, runtime.workspaces.get("notes").state
+        finally:
+            await runtime.stop()
+
+    error, state = run(scenario)
+    assert isinstance(error, SandboxEnded) and "while it was being suspended" in str(error), repr(error)
+    assert state == "running"  # nothing was saved; get() reports the workspace as lost
+
+
 async def _written_source(tmp_path: Path, offset: int) -> tuple[Runtime, LiveSandbox]:
     """A runtime on the fake VMM and one child of "base" that wrote to its RAM at ``offset``."""
     vmm = FakeVmm()
@@ -184,6 +240,27 @@ def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_pa
     record, seen = run(scenario)
     assert record.meta["memory_kind"] == "diff" and record.meta["changed_pages"] == 1 and record.parent_tag == "base"
     assert seen == b"written by the source"
+
+
+def test_a_failing_diff_command_keeps_only_the_tail_of_its_stderr(tmp_path: Path) -> None:
+    """The guest decides how much a diff command writes to stderr: the daemon holds its last 4 KiB only."""
+    flood = b"e" * (64 << 20) + b"\nthe real error\n"
+
+    async def scenario() -> tuple[BaseException | None, int]:
+        runtime = await _runtime(tmp_path, FakeVmm(FakeBehaviour(exec_stderr=flood, exec_exit_code=1)))
+        tracemalloc.start()
+        try:
+            await runtime.branches.diff_exec("base", "layer", "make a mess", 10)
+        except SnapshotError as exc:
+            return exc, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            await runtime.stop()
+        return None, 0
+
+    error, peak = run(scenario)
+    assert error is not None and str(error).endswith("the real error"), error
+    assert peak < 40 << 20, peak  # a few 4 MiB frames in flight, never the 64 MiB
 
 
 def test_a_full_branch_is_the_source_memory_hashed_once_and_a_changed_file_is_still_refused(tmp_path: Path) -> None:
@@ -253,6 +330,52 @@ def test_a_restarted_daemon_adopts_answering_vmms_and_reaps_a_stalled_one(tmp_pa
 
     adopted, reaped, live, stalled_gone = run(scenario)
     assert len(adopted) == 1 and len(reaped) == 1 and live == adopted and stalled_gone
+
+
+def test_recovery_finishes_whatever_one_record_raises(tmp_path: Path) -> None:
+    """Recovery runs before the daemon serves: a VMM whose adoption raises something unexpected is
+    reaped, and a record whose release fails is left for the next start; the others are recovered."""
+    class AdoptBreaks(FakeVmm):
+        broken: str = ""
+
+        async def adopt(self, name: str, process: Any, run_dir: Path, state: dict[str, Any]) -> Any:
+            if name == self.broken:
+                raise RuntimeError("a bug while adopting")
+            return await super().adopt(name, process, run_dir, state)
+
+    async def scenario() -> tuple[Any, list[str], list[str], bool]:
+        behaviour = FakeBehaviour()
+        vmm = AdoptBreaks(behaviour)
+        first = await _runtime(tmp_path, vmm)
+        ids = [o.sandbox["id"] for o in await first.sandboxes.fork("base", 3)]
+        processes = {i: first.sandboxes.get(i).vm.process for i in ids}
+        await first.sandboxes.detach_all()
+        first.registry.close()
+        kept, broken, unreleasable = ids
+        vmm.broken = broken
+        behaviour.stalled.add(unreleasable)
+        second = Runtime(first.paths, vmm)
+        release = second.sandboxes.release
+
+        async def failing_release(sandbox_id: str, run_dir: Path) -> None:
+            if sandbox_id == unreleasable:
+                raise OSError(5, "Input/output error")
+            await release(sandbox_id, run_dir)
+
+        second.sandboxes.release = failing_release  # type: ignore[method-assign]
+        try:
+            recovery = await recover(second.sandboxes, second.store)
+            live = [s.record.id for s in second.sandboxes.live()]
+            return recovery, live, ids, processes[broken].returncode is not None
+        finally:
+            await second.stop()
+            for process in processes.values():
+                if process.returncode is None:
+                    process.kill()
+
+    recovery, live, (kept, broken, unreleasable), broken_gone = run(scenario)
+    assert (recovery.adopted, recovery.reaped, recovery.failed) == ([kept], [broken], [unreleasable])
+    assert live == [kept] and broken_gone
 
 
 def test_records_keep_the_backend_state_opaque(tmp_path: Path) -> None:

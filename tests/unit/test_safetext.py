@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import logging
+import sys
+from typing import Any
 
 from click.testing import CliRunner
 
@@ -44,16 +46,24 @@ def test_progress_lines_from_a_guest_are_shown_literally(monkeypatch) -> None:
     assert "[bold]loud[/bold] [/oops]" in shown and "\x1b[31m" not in shown
 
 
+def _daemon_log_line(level: int, message: str, *args: object, exc_info: Any = None) -> str:
+    """A record as the daemon's formatter writes it."""
+    record = logging.LogRecord("forkd.test", level, __file__, 0, message, args, exc_info)
+    return VisibleFormatter("%(levelname)s %(message)s").format(record)
+
+
 def test_daemon_log_lines_cannot_be_forged_or_coloured() -> None:
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(VisibleFormatter("%(levelname)s %(message)s"))
-    logger = logging.getLogger("forkd.test.safetext")
-    logger.addHandler(handler)
-    logger.propagate = False
+    logged = _daemon_log_line(logging.WARNING, "sandbox x does not answer (%s)", HOSTILE)
+    assert logged == ("WARNING sandbox x does not answer ([bold]loud[/bold] [/oops] \\x1b[31mred\\x1b[0m"
+                      "\\nfake: second line)")
+
+
+def test_a_traceback_carrying_guest_text_cannot_forge_a_record() -> None:
     try:
-        logger.warning("sandbox x does not answer (%s)", HOSTILE)
-    finally:
-        logger.removeHandler(handler)
-    assert stream.getvalue() == ("WARNING sandbox x does not answer ([bold]loud[/bold] [/oops] \\x1b[31mred\\x1b[0m"
-                                 "\\nfake: second line)\n")
+        raise RuntimeError(f"guest said {HOSTILE}\nINFO forged record")
+    except RuntimeError:
+        logged = _daemon_log_line(logging.ERROR, "spawning a child failed", exc_info=sys.exc_info())
+    first, *traceback = logged.split("\n")
+    assert first == "ERROR spawning a child failed"
+    assert traceback and all(line.startswith("  ") for line in traceback), traceback
+    assert "\x1b" not in logged and "\\x1b[31mred" in logged

@@ -18,6 +18,7 @@ from mcp import Client, StdioServerParameters
 
 from forkd.mcp.server import file_contains
 from forkd.sdk.controller import Controller, ForkdError
+from forkd.vmm.base import CONSOLE_KEEP_BYTES, CONSOLE_LOG, VmHandle
 from conftest import vmm_processes_under
 
 pytestmark = pytest.mark.vm
@@ -117,3 +118,22 @@ def test_guest_text_is_shown_not_interpreted_by_the_cli(daemon: Controller, chil
                              env=vm_env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1
     assert "[red]gone[/red]" in missing.stderr and "\x1b" not in missing.stderr, missing.stderr
+
+
+def test_a_console_the_guest_floods_is_cut_while_qemu_writes_on(daemon: Controller, children: list[str],
+                                                                 forkd_home: Path) -> None:
+    """QEMU appends to the console (append=on), so a cut leaves a small file and QEMU's next line
+    lands right after the kept end, not at its old offset. The daemon cuts at 16 MiB; here the cut
+    is made at once, with a small bound, on the real VMM's file."""
+    sandbox = children[0]
+    run_dir = forkd_home / "sandboxes" / sandbox
+    console = run_dir / CONSOLE_LOG
+    flood = daemon.exec(sandbox, "head -c 200000 /dev/zero | tr '\\0' x > /dev/ttyS0", timeout_s=300)
+    assert flood["exit_code"] == 0, flood
+    _until(lambda: console.stat().st_size >= 200000, "the flood did not reach the console")
+    vm = VmHandle(name=sandbox, run_dir=run_dir, process=None, agent_socket=run_dir / "agent.sock")  # type: ignore[arg-type]
+    assert vm.bound_logs(100000)
+    assert daemon.exec(sandbox, "echo after-the-cut > /dev/ttyS0", timeout_s=60)["exit_code"] == 0
+    _until(lambda: b"after-the-cut" in console.read_bytes(), "QEMU's next write did not follow the kept end")
+    assert console.stat().st_size < CONSOLE_KEEP_BYTES + 1000
+    assert console.read_bytes().startswith(b"[forkd: the console passed 100000 bytes")

@@ -32,6 +32,9 @@ def create_app(runtime: Runtime) -> FastAPI:
         if recovered.reaped or recovered.removed_builds:
             log.warning("reaped %d sandboxes a previous daemon left (%s) and %d half-built snapshots",
                         len(recovered.reaped), ", ".join(recovered.reaped), len(recovered.removed_builds))
+        if recovered.failed:
+            log.error("could not reap %d sandboxes (%s); the next start tries again",
+                      len(recovered.failed), ", ".join(recovered.failed))
         yield
         await runtime.stop()
 

@@ -269,7 +269,10 @@ class VisibleFormatter(logging.Formatter):
         return visible(super().formatMessage(record))
 
     def formatException(self, ei: Any) -> str:  # noqa: N802
-        return visible(super().formatException(ei), keep_newlines=True)
+        # A traceback keeps its lines, each indented: an exception message's newline then cannot
+        # start a line that reads as a record of its own (every record starts at column 0).
+        shown = visible(super().formatException(ei), keep_newlines=True)
+        return "\n".join(f"  {line}" for line in shown.split("\n"))
 
 
 def run(config: DaemonConfig) -> None:

@@ -8,6 +8,10 @@ reaped: a VMM that does not answer, a child caught halfway through its restore, 
 is gone, a run directory without a record, the parent and build directory of a snapshot that was
 being baked. Reaping goes through :meth:`SandboxService.release`, so every plugged-in releaser
 (network namespace, cgroup, ...) runs for each id, whatever state it was left in.
+
+Recovery runs before the daemon serves, so no record may stop it: a VMM that fails its adoption in
+any way is reaped like one that does not answer, and a record whose reaping itself fails is logged
+and left (``failed``) for the next start to try again, while every other record is recovered.
 """
 
 from __future__ import annotations
@@ -17,17 +21,18 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from forkd.guest import protocol
-from forkd.runtime.agent_client import AgentError, connect_when_answering
+from forkd.runtime.agent_client import connect_when_answering
 from forkd.store.registry import SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.store.io import blocking
 from forkd.store.layout import BUILD_PREFIX
 from forkd.store.snapshots import SnapshotStore
 from forkd.validation import is_sandbox_id
-from forkd.vmm.base import VmmError
 from forkd.vmm.process import AdoptedProcess, ProcessRef, kill_pidfd, open_verified, processes_under
 
 ADOPT_ANSWER_TIMEOUT_S = 10.0
@@ -39,6 +44,7 @@ log = logging.getLogger("forkd.recovery")
 class Recovery:
     adopted: list[str] = field(default_factory=list)
     reaped: list[str] = field(default_factory=list)  # sandbox ids: records and record-less directories
+    failed: list[str] = field(default_factory=list)  # records whose reaping failed: left for the next start
     removed_builds: list[str] = field(default_factory=list)  # half-built snapshot directories
 
 
@@ -50,21 +56,23 @@ async def recover(sandboxes: SandboxService, store: SnapshotStore) -> Recovery:
     for ref in processes_under(paths.sandboxes, program):
         vmms[ref.directory].append(ref)
     records = sandboxes.registry.list_sandboxes()  # the daemon serves nothing yet
-    outcomes = await asyncio.gather(*(_recover_one(sandboxes, r, vmms.pop(r.run_dir.name, [])) for r in records))
+    outcomes = await asyncio.gather(*(_recover_one(sandboxes, r, vmms.pop(r.run_dir.name, [])) for r in records),
+                                    return_exceptions=True)
     for record, adopted in zip(records, outcomes):
-        (result.adopted if adopted else result.reaped).append(record.id)
+        if isinstance(adopted, BaseException):
+            log.error("recovering sandbox %s failed (%r); the next start tries again", record.id, adopted)
+            result.failed.append(record.id)
+        else:
+            (result.adopted if adopted else result.reaped).append(record.id)
     known = {r.run_dir.name for r in records}
     if paths.sandboxes.exists():
         for leftover in sorted(paths.sandboxes.iterdir()):
             if leftover.name not in known and leftover.is_dir() and is_sandbox_id(leftover.name):
-                await _kill_all(vmms.pop(leftover.name, []), str(leftover) + "/")
-                await sandboxes.release(leftover.name, leftover)
-                result.reaped.append(leftover.name)
+                await _reap(result, leftover.name, _reap_directory(sandboxes, leftover, vmms.pop(leftover.name, [])))
     for name, refs in vmms.items():  # VMMs whose directory is gone altogether
         await _kill_all(refs, f"{paths.sandboxes}/{name}/")
-    for orphan in sorted(set(sandboxes.registry.leases()) - set(result.adopted)):  # a lease without a record
-        await asyncio.to_thread(sandboxes.isolation.release, orphan)
-        result.reaped.append(orphan)
+    for orphan in sorted(set(sandboxes.registry.leases()) - set(result.adopted) - set(result.failed)):
+        await _reap(result, orphan, asyncio.to_thread(sandboxes.isolation.release, orphan))  # a lease without a record
     result.removed_builds = await _remove_half_built(sandboxes, store)
     return result
 
@@ -78,7 +86,7 @@ async def _recover_one(sandboxes: SandboxService, record: SandboxRecord, refs: l
             try:
                 vm = await sandboxes.vmm.adopt(record.id, process, record.run_dir, record.vmm_state)
                 agent, _ = await connect_when_answering(vm, ADOPT_ANSWER_TIMEOUT_S, protocol.OP_PING)
-            except (VmmError, AgentError) as exc:
+            except Exception as exc:  # VmmError, AgentError, or anything else: it cannot be served
                 log.warning("sandbox %s does not answer (%s); reaping it", record.id, exc)
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
@@ -91,6 +99,23 @@ async def _recover_one(sandboxes: SandboxService, record: SandboxRecord, refs: l
     await _kill_all(refs, f"{record.run_dir}/")
     await sandboxes.release(record.id, record.run_dir)
     return False
+
+
+async def _reap(result: Recovery, name: str, work: Awaitable[object]) -> None:
+    """Reap one leftover; a failure is logged and left for the next start, it never stops recovery."""
+    try:
+        await work
+    except Exception as exc:
+        log.error("reaping %s failed (%r); the next start tries again", name, exc)
+        result.failed.append(name)
+    else:
+        result.reaped.append(name)
+
+
+async def _reap_directory(sandboxes: SandboxService, run_dir: Path, refs: list[ProcessRef]) -> None:
+    """A run directory without a record: its VMMs killed, everything it held released."""
+    await _kill_all(refs, f"{run_dir}/")
+    await sandboxes.release(run_dir.name, run_dir)
 
 
 async def _kill_all(refs: list[ProcessRef], must_mention: str) -> None:

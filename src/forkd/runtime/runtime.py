@@ -63,22 +63,25 @@ class Runtime:
         self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.branches, self.remove_snapshot)
         self._image_lock = asyncio.Lock()
-        self._deadline_keeper: asyncio.Task[None] | None = None
+        self._keepers: list[asyncio.Task[None]] = []
 
     async def start(self) -> Recovery:
         """Re-adopt the sandboxes a previous daemon left running, reap the rest, half-built snapshots and
-        branches, then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline)."""
+        branches, then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline) and
+        console bounds."""
         await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
         recovery = await recover(self.sandboxes, self.store)
         self.sandboxes.pool.start()
-        self._deadline_keeper = asyncio.get_running_loop().create_task(self.sandboxes.expire_forever())
+        loop = asyncio.get_running_loop()
+        self._keepers = [loop.create_task(self.sandboxes.expire_forever()),
+                         loop.create_task(self.sandboxes.bound_logs_forever())]
         return recovery
 
     async def stop(self) -> None:
         """Finish branches being written, then kill every sandbox (or leave them for the next daemon when
         ``keep_sandboxes_on_stop``)."""
-        if self._deadline_keeper is not None:
-            self._deadline_keeper.cancel()
+        for keeper in self._keepers:
+            keeper.cancel()
         await self.branches.wait_all()
         await self.sandboxes.pool.stop()  # idle members are never left for the next daemon
         leave = self.sandboxes.detach_all() if self.options.keep_sandboxes_on_stop else self.sandboxes.kill_all()

@@ -37,6 +37,8 @@ from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmErr
 from forkd.vmm.process import start_time
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
+CONSOLE_MAX_BYTES = 16 << 20  # a live sandbox's console is cut past this (see VmHandle.bound_logs)
+LOG_CHECK_S = 5.0  # how often: a console can outgrow the bound by what a guest writes in this time
 ENDED_KEPT = 1000  # how many ended sandboxes GET /v1/sandboxes/{id} still describes
 log = logging.getLogger("forkd.sandboxes")
 _ID_ALPHABET = string.ascii_lowercase + string.digits
@@ -405,6 +407,22 @@ class SandboxService:
                 await self.expire()
             except Exception:
                 log.exception("the deadline keeper's round failed; it goes on")
+
+    async def bound_logs_forever(self, interval_s: float = LOG_CHECK_S, max_bytes: int = CONSOLE_MAX_BYTES) -> None:
+        """Keep every live sandbox's console under ``max_bytes``: a guest writing its serial port
+        without end must not fill the host's disk. Like the deadline keeper, no error ends it."""
+        told: set[str] = set()  # sandboxes whose cut was logged (a VMM started without append=on is cut each round)
+        while True:
+            await asyncio.sleep(interval_s)
+            handles = [s.vm for s in self.live()]
+            try:
+                cut = await asyncio.to_thread(lambda: [vm.name for vm in handles if vm.bound_logs(max_bytes)])
+            except Exception:
+                log.exception("bounding the sandboxes' consoles failed; trying again")
+                continue
+            for name in set(cut) - told:
+                log.info("sandbox %s: its console passed %d bytes and was cut to its end", name, max_bytes)
+            told = (told | set(cut)) & {vm.name for vm in handles}
 
     def get(self, sandbox_id: str) -> LiveSandbox:
         live = self._live.get(sandbox_id)

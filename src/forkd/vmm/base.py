@@ -10,11 +10,18 @@ still fits (as in Kata's virtcontainers hypervisor capabilities).
 from __future__ import annotations
 
 import asyncio
+import os
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+
+#: In a VM's run directory: the guest's serial console. A backend opens it for appending, so the
+#: runtime can cut it while the VMM writes (a guest decides how much it writes there).
+CONSOLE_LOG = "console.log"
+CONSOLE_KEEP_BYTES = 64 << 10  # what a cut console keeps of its end: the guest's last words
 
 
 class VmmError(RuntimeError):
@@ -141,6 +148,35 @@ class VmHandle:
         """Why the VMM ended, from what it and the guest said last, for an error about a VM that ended
         on its own; ``""`` when the backend cannot tell. Reads files: call it off the event loop."""
         return ""
+
+    def bound_logs(self, max_bytes: int) -> bool:
+        """Cut the guest's console to its last ``CONSOLE_KEEP_BYTES`` once it holds more than ``max_bytes``
+        (a guest writing its serial port without end would fill the host's disk); True if it was cut.
+        Reads and writes a file: call it off the event loop."""
+        return _cut_to_end(self.run_dir / CONSOLE_LOG, max_bytes, CONSOLE_KEEP_BYTES)
+
+
+def _cut_to_end(path: Path, max_bytes: int, keep: int) -> bool:
+    """Truncate an append-only log past ``max_bytes`` to a note and its last ``keep`` bytes.
+
+    The writer appends (``O_APPEND``), so its next write lands after what is kept; a write racing the
+    cut may be lost, which a console can afford.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # not written yet, or gone with its VM
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if size <= max_bytes:
+            return False
+        end = os.pread(fd, keep, max(0, size - keep))
+        os.ftruncate(fd, 0)
+        os.write(fd, f"[forkd: the console passed {max_bytes} bytes; its first {size - len(end)} were cut]\n".encode()
+                 + end)
+        return True
+    finally:
+        os.close(fd)
 
 
 class PageLayer(Protocol):

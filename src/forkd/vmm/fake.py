@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 from forkd.guest import protocol
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.vmm.base import (
+    CONSOLE_LOG,
     BootSpec,
     Capabilities,
     ChildSetup,
@@ -54,6 +56,8 @@ class FakeBehaviour:
     reseed_delay_s: float = 0.0  # how long the guest takes to answer ``reseed`` (a loaded host)
     fail_restore: str | None = None  # complete_restore raises VmmError with this message
     stalled: set[str] = field(default_factory=set)  # names whose "monitor" never answers: adopt times out
+    exec_stderr: bytes = b""  # what every exec writes to stderr (sent as events) before it ends
+    exec_exit_code: int = 0
 
 
 class FakeVmm:
@@ -80,7 +84,7 @@ class FakeVmm:
                                kernel_sha256=spec.kernel_sha256, agent_version=spec.agent_version)
 
     async def _start(self, name: str, run_dir: Path, ram: Path, disk: Path) -> VmHandle:
-        console = run_dir / "console.log"
+        console = run_dir / CONSOLE_LOG
         console.touch()
         process = await asyncio.create_subprocess_exec(PROGRAM, "-f", str(console), stdin=asyncio.subprocess.DEVNULL,
                                                        stdout=asyncio.subprocess.DEVNULL, start_new_session=True)
@@ -184,14 +188,23 @@ class FakeVmm:
                     await self._gate(vm).wait()  # a paused guest answers nothing until it runs again
                     if request.get("op") == protocol.OP_RESEED:
                         await asyncio.sleep(self.behaviour.reseed_delay_s)
-                    writer.write(protocol.encode_frame(self._answer(vm, request)))
-                    await writer.drain()
+                    for frame in itertools.chain(self._events(request), [self._answer(vm, request)]):
+                        writer.write(protocol.encode_frame(frame))
+                        await writer.drain()
             writer.close()
 
         vm.agent_socket.unlink(missing_ok=True)
         server = await asyncio.start_unix_server(session, str(vm.agent_socket), limit=protocol.MAX_FRAME_BYTES + 1)
         self._agents[str(vm.run_dir)] = server
         asyncio.get_running_loop().create_task(self._stop_agent_on_exit(vm))
+
+    def _events(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The events a request gets before its answer: an exec's stderr, in chunks one frame can hold."""
+        if request.get("op") == protocol.OP_EXEC:
+            data, chunk = self.behaviour.exec_stderr, protocol.FILE_CHUNK_BYTES
+            for i in range(0, len(data), chunk):
+                yield protocol.event(request.get("id"), protocol.EVENT_STDERR,
+                                     {"data_b64": protocol.b64encode(data[i:i + chunk])})
 
     def _answer(self, vm: VmHandle, request: dict[str, Any]) -> dict[str, Any]:
         op, args, req_id = request.get("op"), request.get("args") or {}, request.get("id")
@@ -213,7 +226,8 @@ class FakeVmm:
         if op == protocol.OP_RUN_CODE:
             return {"id": req_id, "ok": True, "result": {"value": None, "value_json": None, "error": None}}
         if op == protocol.OP_EXEC:
-            return {"id": req_id, "ok": True, "result": {"exit_code": 0, "signal": None, "timed_out": False,
+            return {"id": req_id, "ok": True, "result": {"exit_code": self.behaviour.exec_exit_code, "signal": None,
+                                                         "timed_out": False,
                                                          "duration_s": 0.0}}
         return {"id": req_id, "ok": False, "error": {"code": protocol.ERR_UNKNOWN_OP,
                                                      "message": f"the fake agent does not do {op!r}"}}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import re
 import shutil
@@ -26,7 +27,9 @@ from qemu.qmp import EventListener, QMPClient, QMPError
 from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
 from forkd.safetext import visible
-from forkd.vmm.base import BootSpec, VmHandle, VmmError, no_stage_marks
+from forkd.vmm.base import CONSOLE_LOG, BootSpec, VmHandle, VmmError, no_stage_marks
+
+log = logging.getLogger("forkd.vmm")
 
 QEMU_BINARY = "qemu-system-x86_64"
 MACHINE_ALIAS = "q35"
@@ -54,8 +57,8 @@ CONFINE = ("setpriv", "--no-new-privs", "--bounding-set=-all,+dac_override", "--
            "--ambient-caps=-all", "--")
 
 
-#: In a VM's run directory: QEMU's own stdout and stderr, and the guest's serial console.
-VMM_LOG, CONSOLE_LOG = "qemu.log", "console.log"
+#: In a VM's run directory: QEMU's own stdout and stderr (the guest's console is base.CONSOLE_LOG).
+VMM_LOG = "qemu.log"
 #: Traced into the VMM log, so an exit says who asked for it: a guest poweroff or a monitor ``quit``
 #: (both exit 0, as a guest reset does under -no-reboot, which this trace does not see).
 SHUTDOWN_TRACE = "qemu_system_shutdown_request"
@@ -356,6 +359,9 @@ class QemuMachine:
         self.cpu_model = cpu_model
         # setpriv is util-linux (always on Debian); without it the VMM keeps root's capabilities.
         self.confine = confine and shutil.which(CONFINE[0]) is not None
+        if confine and not self.confine:
+            log.warning("setpriv (util-linux) is not installed: VMMs run with all of root's capabilities; "
+                        "install util-linux to confine them (see docs/security.md)")
 
     @property
     def machine(self) -> str:
@@ -398,7 +404,8 @@ class QemuMachine:
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},id=agentport",
             # A new generation id on every restore tells the guest kernel to reseed its RNG.
             "-device", f"vmgenid,guid={uuid.uuid4()},id=vmgenid",
-            "-chardev", f"file,id=console,path={run_dir / CONSOLE_LOG}",
+            # Appended to, so the runtime can cut it while QEMU writes (VmHandle.bound_logs).
+            "-chardev", f"file,id=console,path={run_dir / CONSOLE_LOG},append=on",
             "-serial", "chardev:console",
             "-qmp", f"unix:{run_dir / 'qmp.sock'},server=on,wait=off",
         ]
