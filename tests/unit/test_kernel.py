@@ -6,6 +6,7 @@ deadline it was given. These tests deliver the SIGINT themselves, from inside th
 
 from __future__ import annotations
 
+import linecache
 import signal
 import socket
 import time
@@ -83,3 +84,23 @@ def test_the_main_result_is_held_for_the_answer_and_sent_with_it_in_one_write(
     event, answer = map(protocol.decode_frame, data.splitlines())
     assert event["event"] == protocol.EVENT_RESULT and event["data"]["is_main_result"] is True
     assert answer["result"]["results"][-1] == event["data"]
+
+
+def test_a_context_keeps_the_sources_of_its_latest_cells_only(link: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cell's source goes to linecache for its tracebacks; a context that ran many keeps the latest."""
+    monkeypatch.setattr(kernel, "CELL_SOURCES_KEPT", 3)
+    k = kernel.Kernel({}, "bounded")
+    for value in range(4):
+        run(k, link[0], protocol.OP_EVAL, expr=str(value))
+    _, failed = run(k, link[0], protocol.OP_RUN_CODE, code="x = 1\n1 / 0")
+    assert [name in linecache.cache for name in ("<cell-1>", "<cell-2>", "<cell-3>", "<cell-4>", "<cell-5>")] == \
+        [False, False, True, True, True]
+    assert "1 / 0" in failed["error"]["traceback"]  # the latest cell's lines are still shown
+
+
+def test_a_context_bounds_the_characters_of_the_sources_it_keeps(link: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel, "CELL_SOURCES_MAX_CHARS", 10)
+    k = kernel.Kernel({}, "bounded")
+    for _ in range(3):
+        run(k, link[0], protocol.OP_EVAL, expr="1 + 2 + 3")  # 9 characters each
+    assert [name in linecache.cache for name in ("<cell-1>", "<cell-2>", "<cell-3>")] == [False, False, True]

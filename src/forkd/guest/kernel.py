@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
+import collections
 import io
 import itertools
 import json
@@ -42,6 +43,11 @@ VALUE_JSON_MAX_BYTES = 1024 * 1024
 
 #: One rich format larger than this is left out of its result (and named in ``extra``).
 FORMAT_MAX_BYTES = 4 * 1024 * 1024
+
+#: The sources of the latest cells kept for tracebacks: a context serving evals for days must not grow
+#: with every one it ran. A traceback through an older cell names its file and line, without the text.
+CELL_SOURCES_KEPT = 10_000
+CELL_SOURCES_MAX_CHARS = 16 * 1024 * 1024
 
 
 #: IPython's display-method names and the E2B result keys they fill.
@@ -434,6 +440,8 @@ class Kernel:
         self.namespace = namespace
         self.name = name
         self._cell_numbers = itertools.count(1)
+        self._sources: collections.deque[tuple[str, int]] = collections.deque()  # (filename, chars), oldest first
+        self._source_chars = 0
         self._interrupts: Interrupts | None = None
 
     def serve(self, conn: Connection) -> None:
@@ -478,9 +486,18 @@ class Kernel:
         return result
 
     def source_name(self, source: str) -> str:
-        """A unique filename whose source linecache knows, so tracebacks show the user's lines."""
+        """A unique filename whose source linecache knows, so tracebacks show the user's lines;
+        the oldest cells' sources are forgotten past :data:`CELL_SOURCES_KEPT` or
+        :data:`CELL_SOURCES_MAX_CHARS`."""
         filename = f"<cell-{next(self._cell_numbers)}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        self._sources.append((filename, len(source)))
+        self._source_chars += len(source)
+        while len(self._sources) > 1 and (len(self._sources) > CELL_SOURCES_KEPT
+                                          or self._source_chars > CELL_SOURCES_MAX_CHARS):
+            oldest, chars = self._sources.popleft()
+            self._source_chars -= chars
+            linecache.cache.pop(oldest, None)
         return filename
 
     def _exec_cell(self, code: str, filename: str) -> dict[str, Any]:
