@@ -56,7 +56,7 @@ class StandInVmm:
         self.running.discard(vm.name)
 
     def memory_stats(self, vm: VmHandle) -> MemoryStats:
-        return MemoryStats(rss_kib=10, pss_kib=8, private_dirty_kib=6, shared_clean_kib=0)
+        return MemoryStats(rss_kib=10, pss_kib=8, private_dirty_kib=6)
 
 
 class Snapshots:

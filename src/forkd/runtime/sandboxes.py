@@ -12,8 +12,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import secrets
-import string
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +32,7 @@ from forkd.runtime.snapshots import SnapshotService
 from forkd.runtime.timings import Timings
 from forkd.runtime.warmup import reseed_args
 from forkd.vmm.base import BootSpec, MemoryStats, SavedVm, Vmm, VmHandle, VmmError
+from forkd.validation import new_sandbox_id
 from forkd.vmm.process import start_time
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
@@ -41,7 +40,6 @@ CONSOLE_MAX_BYTES = 16 << 20  # a live sandbox's console is cut past this (see V
 LOG_CHECK_S = 5.0  # how often: a console can outgrow the bound by what a guest writes in this time
 ENDED_KEPT = 1000  # how many ended sandboxes GET /v1/sandboxes/{id} still describes
 log = logging.getLogger("forkd.sandboxes")
-_ID_ALPHABET = string.ascii_lowercase + string.digits
 
 
 class SandboxNotFound(LookupError):
@@ -79,10 +77,6 @@ def _remaining(deadline: float | None) -> float:
 # sandbox is released — its VMM exited, it was killed, or a restarted daemon reaps it or finds its
 # directory without a record — so it must be idempotent and must not fail when there is nothing to free.
 Releaser = Callable[[str], None]
-
-
-def new_sandbox_id() -> str:
-    return "sb-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
 
 
 @dataclass
