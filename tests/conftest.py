@@ -27,14 +27,10 @@ import pytest
 
 from forkd.config import Paths, paths_from_env
 from forkd.runtime.isolation import Isolation
-from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.sandboxes import SandboxService
-from forkd.runtime.snapshots import SnapshotService
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
-from forkd.store.files import DigestCache
 from forkd.store.registry import Registry
-from forkd.store.snapshots import SnapshotStore
 from forkd.vmm.qemu import QemuVmm
 
 VM_SNAPSHOT = "vmtest"
@@ -284,8 +280,6 @@ def qemu_sandbox_service() -> Callable[[Paths, Registry], SandboxService]:
 
     def make(paths: Paths, registry: Registry) -> SandboxService:
         vmm = QemuVmm()
-        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
-        return SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
-                              Isolation.from_options(registry, RuntimeOptions()))
+        return SandboxService(paths, registry, vmm, Isolation.from_options(registry, RuntimeOptions()))
 
     return make

@@ -210,7 +210,7 @@ async def serve(config: DaemonConfig) -> None:
         paths.socket.unlink(missing_ok=True)
         raise
     vmm = QemuVmm(accelerator=config.accelerator, tb_size_mib=config.tcg_tb_size_mib)
-    runtime = Runtime(paths, vmm, config.runtime_options)
+    runtime = await Runtime.open(paths, vmm, config.runtime_options)
     audit = AuditLog(paths.audit_log, max_bytes=config.audit.max_bytes, backups=config.audit.backups)
     api = BodyLimit(create_app(runtime))
     # The Unix listener runs the app's lifespan (start, and on shutdown kill every child).

@@ -20,7 +20,8 @@ from forkd.e2b.errors import E2BError, sandbox_gone
 from forkd.e2b.keys import Credentials
 from forkd.store.registry import WorkspaceRecord
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
+from forkd.runtime.sandboxes import LiveSandbox, SandboxNotFound
+from forkd.runtime.spawning import ForkOptions
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.validation import ValidationError, check_sandbox_id
 
@@ -55,7 +56,7 @@ class E2BSandboxes:
 
     def resolve(self, e2b_id: str) -> Resolved:
         """The sandbox or paused workspace behind ``e2b_id``; 404 in E2B's shape when there is none."""
-        workspace = self.runtime.registry.get_workspace(e2b_id) if _plausible(e2b_id) else None
+        workspace = self.runtime.workspaces.find(e2b_id) if _plausible(e2b_id) else None
         if workspace is not None:
             if workspace.state == "suspended":
                 return Resolved(e2b_id, None, workspace)
@@ -88,7 +89,7 @@ class E2BSandboxes:
         """A workspace's sandbox answers to the workspace's name, every other one to its own id."""
         name = live.record.meta.get("metadata", {}).get(_WORKSPACE_LABEL)
         if name:
-            workspace = self.runtime.registry.get_workspace(name)
+            workspace = self.runtime.workspaces.find(name)
             if workspace is not None and workspace.sandbox_id == live.record.id:
                 return name
         return live.record.id
@@ -101,7 +102,7 @@ class E2BSandboxes:
                 "envdAccessToken": self.credentials.access_token(e2b_id), "domain": None}
 
     def _resources(self, tag: str) -> dict[str, int]:
-        record = self.runtime.registry.get_snapshot(tag)
+        record = self.runtime.snapshot(tag)
         boot = (record.meta.get("boot") or {}) if record is not None else {}
         return {"cpuCount": int(boot.get("vcpus") or 1), "memoryMB": int(boot.get("memory_mib") or 0),
                 "diskSizeMB": 0}
@@ -136,11 +137,11 @@ class E2BSandboxes:
 
     async def create(self, template: str, timeout_s: int, metadata: dict[str, str],
                      envs: dict[str, str]) -> dict[str, Any]:
-        if self.runtime.registry.get_snapshot(template) is None:
+        if self.runtime.snapshot(template) is None:
             raise E2BError(404, f"template {template!r} not found: templates are forkd snapshots; list them with "
                                 "GET /templates or `forkd snapshots`")
         options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=metadata)
-        (outcome,) = await self.runtime.sandboxes.fork(template, 1, options)
+        (outcome,) = await self.runtime.spawner.fork(template, 1, options)
         if outcome.sandbox is None:
             raise E2BError(500, f"the sandbox did not start: {outcome.error}")
         return self.created(outcome.sandbox["id"], template)
@@ -151,10 +152,10 @@ class E2BSandboxes:
             for live in self.runtime.sandboxes.live():
                 if live.record.status == "running" and not live.killing:
                     e2b_id = self._e2b_id(live)
-                    workspace = self.runtime.registry.get_workspace(e2b_id) if e2b_id != live.record.id else None
+                    workspace = self.runtime.workspaces.find(e2b_id) if e2b_id != live.record.id else None
                     found.append(Resolved(e2b_id, live, workspace))
         if "paused" in states:
-            found += [Resolved(w.name, None, w) for w in self.runtime.registry.list_workspaces() if w.state == "suspended"]
+            found += [Resolved(w.name, None, w) for w in self.runtime.workspaces.records() if w.state == "suspended"]
         described = [self.describe(r) for r in found]
         return [d for d in described if all(d["metadata"].get(k) == v for k, v in metadata.items())]
 
@@ -207,20 +208,20 @@ class E2BSandboxes:
         await self.runtime.branches.branch(live.record.id, tag, mode="diff", wait=True)
         options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}),
                               metadata=self._labels(live.record.meta))
-        outcomes = await self.runtime.sandboxes.fork(tag, count, options)
+        outcomes = await self.runtime.spawner.fork(tag, count, options)
         return [{"sandbox": self.created(o.sandbox["id"], tag)} if o.sandbox is not None
                 else {"error": {"code": 500, "message": o.error or "the fork did not start"}} for o in outcomes]
 
     def templates(self) -> list[dict[str, Any]]:
         """E2B's ``Template`` for every ready forkd snapshot."""
         out = []
-        for record in self.runtime.registry.list_snapshots():
+        for record in self.runtime.snapshot_records():
             if record.status != "ready":
                 continue
             when = rfc3339(record.created_at)
             out.append({"templateID": record.tag, "buildID": record.tag, "public": False, "aliases": [record.tag],
                         "names": [record.tag], "createdAt": when, "updatedAt": when, "createdBy": None,
-                        "lastSpawnedAt": None, "spawnCount": self.runtime.sandboxes.count_of(record.tag),
+                        "lastSpawnedAt": None, "spawnCount": self.runtime.spawner.count_of(record.tag),
                         "buildCount": 1, "envdVersion": ENVD_VERSION, "buildStatus": "ready",
                         **self._resources(record.tag)})
         return out

@@ -13,7 +13,7 @@ from forkd.daemon.ndjson import NDJSON, NDJSONResponse, detached
 from forkd.host.cgroups import Limits
 from forkd.host.netpolicy import NetRequest, allow_rule, egress_policy
 from forkd.runtime.isolation import SandboxOptions
-from forkd.runtime.sandboxes import ForkOptions, ForkOutcome
+from forkd.runtime.spawning import ForkOptions, ForkOutcome
 
 router = APIRouter()
 
@@ -54,9 +54,9 @@ async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, An
     options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata,
                           isolation=isolation_of(body), deadline_s=body.deadline_s)
     if not body.stream:
-        return fork_answer(await runtime.sandboxes.fork(body.snapshot_tag, body.n, options))
+        return fork_answer(await runtime.spawner.fork(body.snapshot_tag, body.n, options))
     # A tag that cannot be forked is an error status here, before any line is streamed.
-    children = await runtime.sandboxes.start_fork(body.snapshot_tag, body.n, options)
+    children = await runtime.spawner.start_fork(body.snapshot_tag, body.n, options)
 
     async def work(emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         outcomes = []
