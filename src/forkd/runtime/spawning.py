@@ -55,6 +55,18 @@ class DeadlinePassed(RuntimeError):
     """The caller's own deadline for a fork passed before this child answered; it was not kept."""
 
 
+# What spawning one child raises when it fails for a reason, not a bug: admission (SandboxLimitReached,
+# DeadlinePassed), host setup (IsolationError, OSError), the VMM (VmmError), the guest's answers
+# (AgentError, ReseedFailed among them).
+SPAWN_FAILURES = (SandboxLimitReached, DeadlinePassed, IsolationError, OSError, VmmError, AgentError)
+
+
+def child_error(exc: Exception) -> str:
+    """A failed child's error in its batch: the failure's own message; for anything else (a bug, whose
+    traceback goes to the log) the class too, as the daemon's error table reports an internal error."""
+    return str(exc) if isinstance(exc, SPAWN_FAILURES) else f"internal error: {type(exc).__name__}: {exc}"
+
+
 def _remaining(deadline: float | None) -> float:
     """Seconds left until a monotonic ``deadline`` (a day when there is none; at least a moment)."""
     return 86400.0 if deadline is None else max(0.001, deadline - time.monotonic())
@@ -139,15 +151,11 @@ class Spawner:
             timings = Timings(started)
             try:
                 sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline)
-            except (VmmError, AgentError, IsolationError, OSError, SandboxLimitReached, DeadlinePassed) as exc:
+            except Exception as exc:  # one child's failure, a bug's included, never takes its siblings with it
                 self.metrics.spawn_failures.inc()
-                done.put_nowait(ForkOutcome(index=index, error=str(exc), timings=timings.as_ms()))
-                return
-            except Exception as exc:  # a bug must not take the batch's other children with it
-                log.exception("spawning a child of %s failed", tag)
-                self.metrics.spawn_failures.inc()
-                done.put_nowait(ForkOutcome(index=index, error=f"internal error: {type(exc).__name__}: {exc}",
-                                            timings=timings.as_ms()))
+                if not isinstance(exc, SPAWN_FAILURES):
+                    log.exception("spawning a child of %s failed", tag)
+                done.put_nowait(ForkOutcome(index=index, error=child_error(exc), timings=timings.as_ms()))
                 return
             finally:
                 self._forking[tag] -= 1
