@@ -98,7 +98,8 @@ class Spawner:
     """Turns fork requests into live children, handing each to ``sandboxes`` once it answered."""
 
     def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, store: SnapshotStore, sandboxes: SandboxService,
-                 pool: PoolService, isolation: Isolation, metrics: Metrics, options: RuntimeOptions | None = None) -> None:
+                 pool: PoolService, isolation: Isolation, metrics: Metrics,
+                 options: RuntimeOptions | None = None) -> None:
         self.paths = paths
         self.registry = registry
         self.vmm = vmm
@@ -161,8 +162,8 @@ class Spawner:
                 self._forking[tag] -= 1
             self.metrics.spawn_seconds.observe(timings.total)
             timings.observe(self.metrics.spawn_stage_seconds)
-            done.put_nowait(ForkOutcome(index=index, sandbox=self.sandboxes.describe(sandbox), seconds_to_answer=timings.total,
-                                        timings=timings.as_ms()))
+            done.put_nowait(ForkOutcome(index=index, sandbox=self.sandboxes.describe(sandbox),
+                                        seconds_to_answer=timings.total, timings=timings.as_ms()))
 
         batch = asyncio.gather(*(one(i, m) for i, m in enumerate(members)))
         self._batches.add(batch)  # runs to the end even when nobody iterates any more
