@@ -284,7 +284,7 @@ def qemu_sandbox_service() -> Callable[[Paths, Registry], SandboxService]:
 
     def make(paths: Paths, registry: Registry) -> SandboxService:
         vmm = QemuVmm()
-        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
         return SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
                               Isolation.from_options(registry, RuntimeOptions()))
 
