@@ -46,7 +46,7 @@ from forkd.vmm.base import (
     no_stage_marks,
 )
 from forkd.vmm.branching import Capture
-from forkd.vmm.disk import UnsafeDisk, require_in_chain
+from forkd.vmm.disk import DiskFormat, UnsafeDisk, require_in_chain
 
 PROGRAM = "tail"  # the fake VMM process: `tail -f RUN_DIR/console.log`
 AGENT_SOCKET = "agent.sock"
@@ -104,11 +104,11 @@ def _read_disk(path: Path) -> tuple[str, bytes]:
 class FakeVmm:
     kind = "fake"
     program = PROGRAM
-    run_leftovers = (AGENT_SOCKET,)
+    run_leftovers: tuple[str, ...] = (AGENT_SOCKET,)
 
     def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
         self.behaviour = behaviour or FakeBehaviour()
-        self.disk = FakeDisk()
+        self.disk: DiskFormat = FakeDisk()
         self.branching = FakeBranching(self)
         self.reseeds: list[str] = []  # sandbox ids whose agent answered a reseed, in order
         self.requests: list[tuple[str, str]] = []  # (VM name, op) of every request its agent answered

@@ -35,6 +35,7 @@ from forkd.vmm.base import (
     VmProcess,
     no_stage_marks,
 )
+from forkd.vmm.disk import DiskFormat
 from forkd.vmm.process import read_memory_stats
 from forkd.vmm.qemu_branch import DEVICE_STATE, DEVICE_STATE_ARGS, QemuBranching
 from forkd.vmm.qemu_disk import QemuDisk
@@ -66,7 +67,7 @@ class QemuVmm:
     """The :class:`forkd.vmm.base.Vmm` backend for ``qemu-system-x86_64``, with the branching capability."""
 
     kind = "qemu"
-    run_leftovers = RUN_LEFTOVERS
+    run_leftovers: tuple[str, ...] = RUN_LEFTOVERS
 
     def __init__(self, binary: str = QEMU_BINARY, accelerator: str = "auto",
                  tb_size_mib: int = TCG_TB_SIZE_MIB) -> None:
@@ -74,7 +75,7 @@ class QemuVmm:
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
         self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator), tb_size_mib=tb_size_mib)
         self.branching = QemuBranching()
-        self.disk = QemuDisk()
+        self.disk: DiskFormat = QemuDisk()
         self._offline: set[VmHandle] = set()  # prepared children without a tap: their link goes down on load
 
     @property
