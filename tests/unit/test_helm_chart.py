@@ -13,11 +13,19 @@ actually defined, and the environment variables the daemon and SDK really read.
 from __future__ import annotations
 
 import copy
+import os
 import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -257,11 +265,77 @@ def test_ray_can_be_left_out() -> None:
     assert sorted(obj["kind"] for obj in objects) == ["DaemonSet", "Secret"]
 
 
-def test_drain_uses_cli_that_exists(daemon: dict[str, Any]) -> None:
-    from forkd.cli.main import cli
-    script = daemon["lifecycle"]["preStop"]["exec"]["command"][-1]
-    assert "forkd ls --json" in script
-    assert "--json" in {opt for param in cli.commands["ls"].params for opt in param.opts}
+def expand(env: list[dict[str, Any]], node_ip: str) -> dict[str, str]:
+    """A container's environment as the kubelet makes it: the downward API's node IP, $(VAR) expanded."""
+    values: dict[str, str] = {}
+    for item in env:
+        if item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.hostIP":
+            values[item["name"]] = node_ip
+        else:
+            values[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: values[m[1]], item["value"])
+    return values
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
+    """The DaemonSet's container run as a real daemon process: its command and environment, host paths
+    under a temporary directory, the node's IP 127.0.0.1, the Secret's token as the mounted file."""
+    root = tmp_path_factory.mktemp("node")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    objects = render({**VALUES, "daemon": {"home": str(root / "home"), "cache": str(root / "cache"), "port": port}})
+    container = one(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    token_dir = root / "token"
+    token_dir.mkdir()
+    (token_dir / "token").write_text(one(objects, "Secret")["stringData"]["token"])
+    [mount] = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "token"]
+    env = {key: value.replace(mount, str(token_dir)) for key, value in expand(container["env"], "127.0.0.1").items()}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("FORKD_")}, **env,
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    assert shutil.which(container["command"][0], path=env["PATH"]), "the image's forkd entry point"
+    log = open(root / "daemon.out", "wb")
+    process = subprocess.Popen(container["command"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    probe_url = f"http://127.0.0.1:{port}{container['readinessProbe']['httpGet']['path']}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(probe_url, timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the pod's daemon did not get ready: {(root / 'daemon.out').read_text()[-2000:]}")
+        time.sleep(0.2)
+    yield container, env
+    if process.poll() is None:
+        process.terminate()
+        process.wait(timeout=60)
+    log.close()
+
+
+def pre_stop(container: dict[str, Any], env: dict[str, str]) -> str:
+    """The preStop hook's command, reading the token from where the fixture put the mounted file."""
+    hook = container["lifecycle"]["preStop"]["exec"]["command"]
+    command = [part.replace("/etc/forkd/token/token", env["FORKD_TOKEN_FILE"]) for part in hook]
+    ran = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    return ran.stdout.strip()
+
+
+def test_pods_daemon_serves_the_token_on_the_node_ip_and_drains(pod: tuple[dict[str, Any], dict[str, str]]) -> None:
+    container, env = pod
+    url = f"http://{env['FORKD_LISTEN']}"
+    token = Path(env["FORKD_TOKEN_FILE"]).read_text()
+    assert httpx.get(f"{url}/v1/sandboxes").status_code == 401
+    assert httpx.get(f"{url}/v1/sandboxes", headers={"Authorization": f"Bearer {token}"}).json() == {"sandboxes": []}
+    assert pre_stop(container, env) == "drain: no sandboxes left"
+
+
+def test_drain_lets_a_daemon_that_is_gone_stop(pod: tuple[dict[str, Any], dict[str, str]]) -> None:
+    container, env = pod
+    assert pre_stop(container, {**env, "HOST_IP": "127.0.0.2"}) == "drain: the daemon did not answer; stopping it"
 
 
 def test_worker_command_matches_the_cli() -> None:
