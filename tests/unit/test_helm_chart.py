@@ -7,7 +7,9 @@ fields are errors), and the RayCluster against the fields of KubeRay's ray.io/v1
 that CRD is available offline, so the fields we rely on are written out below) with its pod
 templates validated as core PodTemplateSpecs. Then what no schema sees: both halves on the same
 nodes, the probe's route served without the token, every Secret, volume and variable referenced
-actually defined, and the environment variables the daemon and SDK really read.
+actually defined, and the environment variables the daemon and SDK really read. Last, the
+DaemonSet's container runs as a real daemon process (its command and environment, host paths in a
+temporary directory) and its preStop script runs against it.
 """
 
 from __future__ import annotations
@@ -91,9 +93,11 @@ def validate_raycluster(raycluster: dict[str, Any]) -> None:
     jsonschema.validate(raycluster, RAYCLUSTER_V1)
     spec = raycluster["spec"]
     for group in spec.get("workerGroupSpecs", []):
-        assert group["minReplicas"] <= group.get("replicas", group["minReplicas"]) <= group["maxReplicas"]
+        if not group["minReplicas"] <= group.get("replicas", group["minReplicas"]) <= group["maxReplicas"]:
+            raise ValueError(f"KubeRay refuses {group['groupName']}: minReplicas <= replicas <= maxReplicas")
     for template in pod_templates(raycluster):
-        assert template["spec"]["containers"], "KubeRay refuses a group without a container"
+        if not template["spec"].get("containers"):
+            raise ValueError("KubeRay refuses a group without a container")
         kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
                                       "template": template}, KUBERNETES_VERSION, strict=True)
 
@@ -148,11 +152,12 @@ def test_every_object_validates(objects: list[dict[str, Any]]) -> None:
     ("RayCluster", lambda o: o["spec"]["workerGroupSpecs"][0].pop("maxReplicas")),
     ("RayCluster", lambda o: o["spec"]["workerGroupSpecs"][0].update(minReplicas=5)),
     ("RayCluster", lambda o: o["spec"]["headGroupSpec"]["template"]["spec"].update(nodeSelectr={})),
+    ("RayCluster", lambda o: o["spec"]["workerGroupSpecs"][0]["template"]["spec"].update(containers=[])),
 ])
 def test_validation_catches_a_broken_object(objects: list[dict[str, Any]], kind: str, breakage: Any) -> None:
     broken = copy.deepcopy(one(objects, kind))
     breakage(broken)
-    with pytest.raises((jsonschema.ValidationError, AssertionError)):
+    with pytest.raises((jsonschema.ValidationError, ValueError)):
         validate(broken)
 
 
