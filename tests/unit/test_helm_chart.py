@@ -259,8 +259,13 @@ def test_an_existing_secret_is_referenced_not_made() -> None:
     ({"image": VALUES["image"]}, "token.existingSecret or token.value is required"),
     ({**VALUES, "token": {"value": TOKEN, "existingSecret": "s"}}, "not both"),
     ({"token": VALUES["token"]}, "image.repository is required"),
+    # values.schema.json
+    ({**VALUES, "token": {"value": "too-short-for-the-daemon"}}, "at '/token/value'"),
+    ({**VALUES, "ray": {"workers": {"replicas": "two"}}}, "at '/ray/workers/replicas': got string, want integer"),
+    ({**VALUES, "nodeSelector": None}, "missing property 'nodeSelector'"),  # null deletes a default
+    ({**VALUES, "daemon": {"port": 70000}}, "at '/daemon/port'"),
 ])
-def test_missing_values_are_refused_naming_what_to_set(values: dict[str, Any], message: str) -> None:
+def test_bad_values_are_refused_naming_what_to_set(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=re.escape(message)):
         render(values)
 
