@@ -166,6 +166,8 @@ def test_ray_workers_run_on_exactly_the_daemons_nodes(objects: list[dict[str, An
     daemonset = one(objects, "DaemonSet")["spec"]
     assert daemonset["template"]["spec"]["nodeSelector"] == worker["spec"]["nodeSelector"] == {"forkd.dev/kvm": "true"}
     assert daemonset["selector"]["matchLabels"].items() <= daemonset["template"]["metadata"]["labels"].items()
+    # An update stops the old daemon before the new one starts: never two on one FORKD_HOME.
+    assert daemonset["updateStrategy"]["rollingUpdate"].get("maxSurge", 0) == 0
     # One worker per node: the anti-affinity selects the workers themselves, across hostnames.
     [term] = worker["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
