@@ -51,7 +51,7 @@ def fake_daemon(home: Path) -> Iterator[Controller]:
 
 def test_a_daemon_on_the_fake_backend_bakes_forks_branches_and_compacts(fake_daemon: Controller, home: Path) -> None:
     assert fake_daemon.version()["vmm"] == "fake"
-    fake_daemon.create_snapshot("base", memory_mib=128, warm_modules=[])
+    fake_daemon.create_snapshot("base", memory_mib=1024, warm_modules=[])
     snapshot = home / "snapshots" / "base"
     assert (snapshot / "disk.fake").is_file() and not (snapshot / "disk.qcow2").exists()
     assert not (snapshot / "agent.sock").exists()  # the backend's run-dir leftovers are gone
@@ -59,6 +59,8 @@ def test_a_daemon_on_the_fake_backend_bakes_forks_branches_and_compacts(fake_dae
     forked = fake_daemon.fork("base", 3)
     assert forked["errors"] == [] and len({s["id"] for s in forked["sandboxes"]}) == 3
     child = forked["sandboxes"][0]["id"]
+    ram = (home / "sandboxes" / child / "ram").stat()
+    assert ram.st_size == 1 << 30 and ram.st_blocks * 512 < 1 << 20  # a child of a 1 GiB snapshot costs no GiB
     assert fake_daemon.exec(child, "true")["exit_code"] == 0
 
     branched = fake_daemon.branch(child, "layer", mode="diff")
