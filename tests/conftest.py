@@ -31,7 +31,7 @@ from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.sandboxes import SandboxService
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
 from forkd.store.registry import Registry
-from forkd.vmm.qemu import QemuVmm
+from forkd.vmm.backends import create_vmm
 
 VM_SNAPSHOT = "vmtest"
 TESTS_ENV = "FORKD_TESTS"  # "unit": leave the VM tests out on purpose
@@ -279,7 +279,7 @@ def qemu_sandbox_service() -> Callable[[Paths, Registry], SandboxService]:
     """A factory: the real SandboxService over ``paths`` and ``registry``, with the QEMU backend (never started)."""
 
     def make(paths: Paths, registry: Registry) -> SandboxService:
-        vmm = QemuVmm()
+        vmm = create_vmm("qemu")
         return SandboxService(paths, registry, vmm, Isolation.from_options(registry, RuntimeOptions()))
 
     return make

@@ -46,7 +46,7 @@ def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path, qemu_san
         raise OSError("this resource cannot be freed")
 
     service.releasers.insert(0, broken)  # one failing releaser does not stop the others
-    store = SnapshotStore(paths.snapshots, registry, DigestCache(), service.vmm.identity)
+    store = SnapshotStore(paths.snapshots, registry, DigestCache(), service.vmm.identity, service.vmm.disk)
     result = asyncio.run(recover(service, store))
 
     assert result.adopted == []

@@ -64,7 +64,7 @@ class Runtime:
         self.vmm = vmm
         self.registry = registry
         self.options = options or RuntimeOptions()
-        self.store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+        self.store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
         self.snapshots = SnapshotService(paths, self.store, vmm)
         self.metrics = Metrics()
         self.sandboxes = SandboxService(paths, registry, vmm, isolation)
@@ -77,7 +77,7 @@ class Runtime:
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.metrics.watch_pools(self.pools.list)
-        self.compaction = CompactService(self.store, vmm)
+        self.compaction = CompactService(self.store, vmm.disk)
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.spawner,
                                       self.options.max_concurrent_branches, self.metrics)
         self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads)
