@@ -20,7 +20,7 @@ from forkd.e2b.app import E2BFront
 from forkd.e2b.errors import ConnectError
 from forkd.e2b.keys import Credentials, CredentialsError, Principal
 from forkd.e2b.process import MAX_STREAMS, STREAM_BUFFER_BYTES, _END, _Process
-from forkd.e2b.sandboxes import OWNER_LABEL
+from forkd.e2b.sandboxes import NONCE_LABEL, OWNER_LABEL
 from forkd.runtime.recovery import recover
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.fake import FakeVmm
@@ -67,6 +67,7 @@ async def _foreign_answers(client: httpx.AsyncClient, key: str, sandbox: str) ->
         "resume": client.post(f"/sandboxes/{sandbox}/resume", headers=_key(key), json={"timeout": 60}),
         "pause": client.post(f"/sandboxes/{sandbox}/pause", headers=_key(key)),
         "fork": client.post(f"/sandboxes/{sandbox}/fork", headers=_key(key), json={"count": 1}),
+        "token": client.post(f"/sandboxes/{sandbox}/token", headers=_key(key)),
         "kill": client.delete(f"/sandboxes/{sandbox}", headers=_key(key)),
     }
     return {name: (await call).status_code for name, call in calls.items()}
@@ -96,7 +97,7 @@ def test_each_owner_sees_and_controls_only_its_own_objects_and_ownership_outlive
                     assert await _ids(client, ADMIN, path) == {sa, sr}
                 assert set((await client.get(f"/sandboxes/{sa}", headers=_key(A))).json()["metadata"]) == set()
                 assert await _foreign_answers(client, B, sa) == dict.fromkeys(
-                    ("get", "timeout", "connect", "connect-v2", "resume", "pause", "fork", "kill"), 404)
+                    ("get", "timeout", "connect", "connect-v2", "resume", "pause", "fork", "token", "kill"), 404)
                 assert set((await _foreign_answers(client, A, sr)).values()) == {404}  # REST-made: admin only
 
                 forked = await client.post(f"/sandboxes/{sa}/fork", headers=_key(A), json={"count": 1})
@@ -116,6 +117,20 @@ def test_each_owner_sees_and_controls_only_its_own_objects_and_ownership_outlive
                 resumed = await client.post(f"/sandboxes/{sa}/connect", headers=_key(A), json={"timeout": 600})
                 assert resumed.status_code == 201, resumed.text
                 assert resumed.json()["envdAccessToken"] == made.json()["envdAccessToken"]  # same nonce after a resume
+
+                # Rotation, running and paused: the old token stops working, the new one lasts.
+                old = made.json()["envdAccessToken"]
+                rotated = (await client.post(f"/sandboxes/{sa}/token", headers=_key(A))).json()["envdAccessToken"]
+                assert rotated != old
+                stored = runtime.registry.get_sandbox(runtime.registry.get_workspace(sa).sandbox_id)  # type: ignore[union-attr]
+                assert stored is not None  # the registry holds the new nonce, not only the live record:
+                assert Credentials(KEYS, SECRET).access_token(sa, stored.meta["metadata"][NONCE_LABEL]) == rotated
+                assert (await client.get("/contexts", headers=_to(sa, 49999, old))).status_code == 401
+                assert (await client.post("/contexts", headers=_to(sa, 49999, rotated), json={})).status_code == 200
+                assert (await client.post(f"/sandboxes/{sa}/pause", headers=_key(A))).status_code == 204
+                again = (await client.post(f"/sandboxes/{sa}/token", headers=_key(A))).json()["envdAccessToken"]
+                resumed = await client.post(f"/sandboxes/{sa}/connect", headers=_key(A), json={"timeout": 600})
+                assert again not in (old, rotated) and resumed.json()["envdAccessToken"] == again
             # The daemon restarts: a new runtime adopts the running sandboxes, their owners with them.
             await runtime.sandboxes.detach_all()
             runtime.registry.close()
@@ -126,6 +141,8 @@ def test_each_owner_sees_and_controls_only_its_own_objects_and_ownership_outlive
                 assert await _ids(client, A) == {sa, child["sandboxID"]}
                 assert await _ids(client, B) == set()
                 assert (await client.delete(f"/sandboxes/{sa}", headers=_key(B))).status_code == 404
+                described = (await client.get(f"/sandboxes/{sa}", headers=_key(A))).json()
+                assert described["envdAccessToken"] == again  # the rotated nonce is in the registry
                 assert (await client.delete(f"/sandboxes/{sa}", headers=_key(A))).status_code == 204
         finally:
             await runtime.stop()

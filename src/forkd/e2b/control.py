@@ -145,6 +145,11 @@ def control_router(sandboxes: E2BSandboxes) -> APIRouter:
         await sandboxes.pause(caller, sandboxID)
         return Response(status_code=204)
 
+    @router.post("/sandboxes/{sandboxID}/token", status_code=200)
+    async def rotate_token(sandboxID: SandboxId, caller: Caller) -> dict[str, Any]:
+        """forkd's own: a new access token for the sandbox (running or paused); the old one stops working."""
+        return await sandboxes.rotate_token(caller, sandboxID)
+
     @router.post("/sandboxes/{sandboxID}/fork", status_code=201)
     async def fork(sandboxID: SandboxId, caller: Caller, body: ForkRequest | None = None) -> JSONResponse:
         body = body or ForkRequest()

@@ -250,6 +250,16 @@ class E2BSandboxes:
             except SandboxNotFound:
                 raise E2BError(404, f"sandbox {e2b_id} was not found") from None
 
+    async def rotate_token(self, principal: Principal, e2b_id: str) -> dict[str, Any]:
+        """A new nonce, stored with the sandbox or paused workspace: its old token stops working."""
+        resolved = self.resolve(e2b_id, principal)
+        labels = {**resolved.labels, NONCE_LABEL: secrets.token_hex(16)}
+        if resolved.workspace is not None:
+            await self.runtime.workspaces.set_labels(e2b_id, labels)
+        elif resolved.live is not None:
+            await self.runtime.sandboxes.set_labels(resolved.live.record.id, labels)
+        return self.created(e2b_id, self.describe(resolved)["templateID"], labels[NONCE_LABEL])
+
     async def pause(self, principal: Principal, e2b_id: str) -> None:
         resolved = self.resolve(e2b_id, principal)
         if resolved.live is None:
