@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -18,9 +19,11 @@ from forkd.daemon.middleware.body_limit import BodyLimit
 from forkd.e2b import app as e2b_app
 from forkd.e2b.app import E2BFront
 from forkd.e2b.errors import ConnectError
+from forkd.e2b.interpreter import QUEUE_BYTES, Interpreter
 from forkd.e2b.keys import Credentials, CredentialsError, Principal
 from forkd.e2b.process import MAX_STREAMS, STREAM_BUFFER_BYTES, _END, _Process
 from forkd.e2b.sandboxes import NONCE_LABEL, OWNER_LABEL
+from forkd.guest import protocol
 from forkd.runtime.recovery import recover
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.fake import FakeVmm
@@ -122,7 +125,9 @@ def test_each_owner_sees_and_controls_only_its_own_objects_and_ownership_outlive
                 old = made.json()["envdAccessToken"]
                 rotated = (await client.post(f"/sandboxes/{sa}/token", headers=_key(A))).json()["envdAccessToken"]
                 assert rotated != old
-                stored = runtime.registry.get_sandbox(runtime.registry.get_workspace(sa).sandbox_id)  # type: ignore[union-attr]
+                workspace = runtime.registry.get_workspace(sa)
+                assert workspace is not None and workspace.sandbox_id is not None
+                stored = runtime.registry.get_sandbox(workspace.sandbox_id)
                 assert stored is not None  # the registry holds the new nonce, not only the live record:
                 assert Credentials(KEYS, SECRET).access_token(sa, stored.meta["metadata"][NONCE_LABEL]) == rotated
                 assert (await client.get("/contexts", headers=_to(sa, 49999, old))).status_code == 401
@@ -280,3 +285,21 @@ def test_a_stream_that_falls_behind_is_dropped_and_attachments_are_bounded() -> 
         assert await process.attach().get() is _END
 
     asyncio.run(scenario())
+
+
+def test_a_cells_output_waiting_for_a_slow_client_is_bounded_in_bytes() -> None:
+    class FloodingAgent:
+        async def call(self, op: str, args: dict[str, Any], timeout: Any = None, on_event: Any = None) -> dict[str, Any]:
+            for _ in range(40):  # 40 MiB at once, before the client reads a line
+                on_event(protocol.EVENT_STDOUT, {"text": "x" * (1 << 20)})
+            return {}
+
+    async def scenario() -> list[dict[str, Any]]:
+        live = SimpleNamespace(agent=FloodingAgent(), record=SimpleNamespace(id="sb-x"), watcher=None)
+        return [json.loads(line) async for line in Interpreter()._run(live, "default", "flood()")]  # type: ignore[arg-type]
+
+    lines = asyncio.run(scenario())
+    stdout = [line for line in lines if line["type"] == "stdout"]
+    assert 0 < sum(len(line["text"]) for line in stdout) <= QUEUE_BYTES  # the rest was dropped, and counted:
+    assert any(line["type"] == "stderr" and f"{40 - len(stdout)} output items dropped" in line["text"] for line in lines)
+    assert lines[-1]["type"] == "end_of_execution"

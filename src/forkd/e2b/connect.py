@@ -49,7 +49,8 @@ def _depth(value: Any) -> int:
         if isinstance(current, (dict, list)):
             deepest = max(deepest, depth)
             if depth <= MAX_DEPTH:  # deeper is refused anyway: stop walking
-                pending.extend((child, depth + 1) for child in (current.values() if isinstance(current, dict) else current))
+                children = current.values() if isinstance(current, dict) else current
+                pending.extend((child, depth + 1) for child in children)
     return deepest
 
 
