@@ -17,6 +17,7 @@ from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: ag
 
 from forkd.daemon.middleware.body_limit import BodyLimit
 from forkd.e2b import app as e2b_app
+from forkd.e2b import connect
 from forkd.e2b.app import E2BFront
 from forkd.e2b.errors import ConnectError
 from forkd.e2b.interpreter import QUEUE_BYTES, Interpreter
@@ -303,3 +304,30 @@ def test_a_cells_output_waiting_for_a_slow_client_is_bounded_in_bytes() -> None:
     assert 0 < sum(len(line["text"]) for line in stdout) <= QUEUE_BYTES  # the rest was dropped, and counted:
     assert any(line["type"] == "stderr" and f"{40 - len(stdout)} output items dropped" in line["text"] for line in lines)
     assert lines[-1]["type"] == "end_of_execution"
+
+
+def test_a_server_stream_is_refused_at_its_second_request_message(tmp_path: Path) -> None:
+    """Not after collecting every envelope the client cares to send."""
+    async def scenario() -> None:
+        runtime = await _runtime(tmp_path, FakeVmm())
+        sent = 0
+
+        async def endless() -> Any:
+            nonlocal sent
+            while True:
+                sent += 1
+                yield connect.envelope({"process": {"cmd": "/bin/true"}})
+                await asyncio.sleep(0)  # as a network peer would, between its writes
+
+        try:
+            async with _client(_front(runtime)) as client:
+                made = (await client.post("/sandboxes", headers=_key(A), json={"templateID": "base"})).json()
+                headers = {**_to(made["sandboxID"], 49983, made["envdAccessToken"]),
+                           "Content-Type": "application/connect+json"}
+                answer = await client.post("/process.Process/Start", headers=headers, content=endless())
+                end = json.loads(answer.content[5:])
+                assert end["error"]["code"] == "invalid_argument" and sent < 100  # not 32 MiB of them
+        finally:
+            await runtime.stop()
+
+    run(scenario)
