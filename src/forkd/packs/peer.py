@@ -170,7 +170,8 @@ class PeerPuller:
     def __init__(self, packs: PackService) -> None:
         self.packs = packs
         self.store = packs.store
-        self._locks: dict[str, asyncio.Lock] = {}  # one pull per digest at a time; the second finds it held
+        # One pull per digest at a time (the second then finds it held), with how many use the lock.
+        self._pulls: dict[str, tuple[asyncio.Lock, int]] = {}
 
     def compat(self) -> dict[str, str]:
         return compat_of(self.store.host_identity)
@@ -178,13 +179,17 @@ class PeerPuller:
     async def pull(self, digest: str, source: str, token: str | None, progress: Progress) -> dict[str, Any]:
         """Pull the chain ending at ``digest`` from the node at ``source``: only the layers missing here."""
         source = self.packs.urls.check(source.rstrip("/"))
-        lock = self._locks.setdefault(digest, asyncio.Lock())
+        lock, waiting = self._pulls.get(digest, (asyncio.Lock(), 0))
+        self._pulls[digest] = (lock, waiting + 1)
         try:
             async with lock:
                 return await self._pull(digest, source, token, progress)
         finally:
-            if not lock.locked() and self._locks.get(digest) is lock:
-                del self._locks[digest]
+            lock, waiting = self._pulls[digest]
+            if waiting == 1:
+                del self._pulls[digest]
+            else:
+                self._pulls[digest] = (lock, waiting - 1)
 
     async def _pull(self, digest: str, source: str, token: str | None, progress: Progress) -> dict[str, Any]:
         held = await asyncio.to_thread(self.store.by_digest, digest)
