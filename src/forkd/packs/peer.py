@@ -40,6 +40,7 @@ from forkd.packs.service import PackService, Progress
 from forkd.store.chains import record_digest
 from forkd.store.io import remove_tree
 from forkd.store.registry import SnapshotRecord
+from forkd.store.snapshots import HostIdentity
 from forkd.vmm.base import BootSpec
 
 MAX_NODE_ANSWER = 8 << 20  # a peer's GET /v1/node answer
@@ -81,7 +82,7 @@ class _PeerNode(BaseModel):
     snapshots: list[_Listed] = Field(max_length=MAX_LISTED)
 
 
-def compat_of(host_identity: Any) -> dict[str, str]:
+def compat_of(host_identity: HostIdentity) -> dict[str, str]:
     """This node's restore-compatibility key: the machine fields a snapshot's identity must match here
     whatever its size (RAM, vCPUs and kernel are the snapshot's own)."""
     identity = asdict(host_identity(BootSpec(kernel=Path(), initrd=Path(), cmdline="", memory_mib=0, vcpus=0,
