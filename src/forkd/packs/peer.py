@@ -216,7 +216,10 @@ class PeerPuller:
             pack = work / "chain.tar.zst"
             limit = sum(l.bytes for l in missing) + PACK_OVERHEAD_BYTES
             size = await self._download(url, pack, limit, token, peer)
-            manifest = await asyncio.to_thread(self.packs.inspect_file, pack)
+            try:
+                manifest = await asyncio.to_thread(self.packs.inspect_file, pack)
+            except PackError as exc:
+                raise PeerError(f"{peer} sent no valid pack: {exc}") from None
             if manifest.top.digest != digest or manifest.snapshots[0].digest != missing[0].digest:
                 raise PeerError(f"{peer} sent another chain than the one asked for ({digest[:12]}…); refused")
             await _unpack_to_the_end(self.packs, pack, tag, progress, peer)
