@@ -25,7 +25,6 @@ from forkd.hostpaths import HostRoots
 from forkd.packs import archive, transfer
 from forkd.packs.format import MAX_CHAIN_DEPTH, META_NAME, Manifest, PackError, layer_digest
 from forkd.packs.index import entry_url, load_index
-from forkd.store.chains import parent_digests
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.io import blocking, remove_tree
 from forkd.store.registry import SnapshotRecord
@@ -146,6 +145,10 @@ class PackService:
     def inspect(self, source: Path) -> Manifest:
         return self._manifest(self.pack_input(source))
 
+    def inspect_file(self, source: Path) -> Manifest:
+        """The manifest of a pack file the daemon wrote itself (a peer's chain in a build directory)."""
+        return self._manifest(source)
+
     def _manifest(self, source: Path) -> Manifest:
         transfer.check_regular_file(source)
         try:
@@ -162,10 +165,11 @@ class PackService:
     async def unpack(self, source: Path, tag: str | None, force: bool, progress: Progress,
                      claim: Claim | None = None) -> dict[str, Any]:
         """Unpack ``source`` (in the packs directory); ``claim`` when the caller already holds its tags."""
-        return await self._unpack_file(self.pack_input(source), tag, force, progress, claim)
+        return await self.unpack_file(self.pack_input(source), tag, force, progress, claim)
 
-    async def _unpack_file(self, source: Path, tag: str | None, force: bool, progress: Progress,
-                           claim: Claim | None = None) -> dict[str, Any]:
+    async def unpack_file(self, source: Path, tag: str | None, force: bool, progress: Progress,
+                          claim: Claim | None = None) -> dict[str, Any]:
+        """Unpack a pack file the daemon fetched itself into a build directory (no host-path confinement)."""
         if claim is None:
             claim = self.claim(await asyncio.to_thread(self._manifest, source), tag)
         with claim:
@@ -197,7 +201,7 @@ class PackService:
                      + (f" (reusing {', '.join(sorted(plan.reuse))} from the store)" if plan.reuse else ""))
             return archive.Plan(targets=targets, reuse=plan.reuse, store_files=store_files)
 
-        manifest, metas = archive.extract_pack(source, plan_for, progress)
+        manifest, metas = archive.extract_pack(source, plan_for, progress, self.store.disk)
         records = self._publish(claim, manifest, decided[0], metas, work)
         top = records[-1]  # the top snapshot is never reused, so always published
         return {**top.to_dict(), "unpacked": [r.tag for r in records], "reused": sorted(decided[0].reuse),
@@ -233,7 +237,7 @@ class PackService:
             parent_meta = self.store.get(record.parent_tag).meta
         parent = SnapshotRecord(tag=record.parent_tag, status="ready", image="", path=Path(), created_at=0,
                                 meta=parent_meta)
-        if record.meta.get("parent_sha256") != parent_digests(parent):
+        if record.meta.get("parent_sha256") != self.store.parent_digests(parent):
             raise PackError(f"snapshot {record.tag!r} records other digests for its parent {record.parent_tag!r} "
                             "than the parent has: the pack is inconsistent")
 
@@ -281,7 +285,7 @@ class PackService:
                 pack = work / "pack.tar.zst"
                 digest = await transfer.download(source.url, pack, source.sha256, source.size, progress, self.urls)
             progress(f"pack SHA-256 {digest}" + (" matches the advertised digest" if source.sha256 else ""))
-            result = await self._unpack_file(pack, source.tag, force, progress)
+            result = await self.unpack_file(pack, source.tag, force, progress)
         finally:
             await remove_tree(work)
         return {**result, "pack_sha256": digest}
