@@ -25,13 +25,16 @@ from forkd.image.builder import (
     load_image,
     remove_image,
 )
+from forkd.packs.peer import PeerPuller
 from forkd.packs.service import PackService
 from forkd.packs.transfer import UrlPolicy
 from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
+from forkd.runtime.driver_forks import DriverForks
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.keepers import console_keeper, deadline_keeper
 from forkd.runtime.metrics import Metrics
+from forkd.runtime.node import NodeService
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.pool import PoolService
 from forkd.runtime.recovery import Recovery, recover
@@ -51,9 +54,9 @@ from forkd.vmm.base import Capabilities, Vmm
 # What a front may use of a Runtime: its services and the methods that answer for the store and the VMM.
 FRONT_SURFACE = frozenset({
     "sandboxes", "spawner", "pools", "sessions", "branches", "workspaces", "packs", "snapshots", "compaction",
-    "metrics", "paths", "start", "stop", "images", "build_image", "remove_image", "confine_image_sources",
-    "create_snapshot", "remove_snapshot", "snapshot", "snapshot_records", "snapshot_listing", "describe_snapshot",
-    "capabilities"})
+    "peers", "node", "driver_forks", "metrics", "paths", "start", "stop", "images", "build_image", "remove_image",
+    "confine_image_sources", "create_snapshot", "remove_snapshot", "snapshot", "snapshot_by_digest",
+    "snapshot_records", "snapshot_listing", "describe_snapshot", "capabilities"})
 
 
 class Runtime:
@@ -74,6 +77,9 @@ class Runtime:
                                self.options)
         self.packs = PackService(self.store, self.spawner.count_of, self.options.host_roots,
                                  UrlPolicy(self.options.transfer_hosts))
+        self.peers = PeerPuller(self.packs)
+        self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options)
+        self.driver_forks = DriverForks(self.registry, self.sandboxes)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.metrics.watch_pools(self.pools.list)
@@ -136,6 +142,10 @@ class Runtime:
 
     def snapshot(self, tag: str) -> SnapshotRecord | None:
         return self.registry.get_snapshot(tag)
+
+    async def snapshot_by_digest(self, digest: str) -> SnapshotRecord:
+        """The snapshot with content digest ``digest`` on this node (DigestNotFound if none); off the loop."""
+        return await asyncio.to_thread(self.store.get_digest, digest)
 
     def snapshot_records(self) -> list[SnapshotRecord]:
         return self.registry.list_snapshots()

@@ -193,6 +193,12 @@ class SandboxService:
         """Children of ``tag`` running (those being restored are counted by the spawner)."""
         return sum(1 for s in self._live.values() if s.record.snapshot_tag == tag)
 
+    async def set_labels(self, sandbox_id: str, labels: dict[str, str]) -> None:
+        """Replace a running sandbox's labels, in its record too, so a restarted daemon has them."""
+        live = self.get(sandbox_id)
+        live.record.meta["metadata"] = dict(labels)
+        await asyncio.to_thread(self.registry.set_labels, sandbox_id, dict(labels))
+
     def describe(self, live: LiveSandbox, with_memory: bool = False) -> dict[str, Any]:
         info = live.record.to_dict()
         if with_memory:
