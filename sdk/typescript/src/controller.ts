@@ -70,7 +70,7 @@ export class Controller {
   }
 
   /** Send one request and answer its JSON (for calls the methods do not name). */
-  request<T = unknown>(req: Request): Promise<T> {
+  async request<T = unknown>(req: Request): Promise<T> {
     return this.transport.json<T>(req);
   }
 
@@ -81,11 +81,11 @@ export class Controller {
 
   // daemon
 
-  health(): Promise<{ ok: boolean }> {
+  async health(): Promise<{ ok: boolean }> {
     return this.request({ method: "GET", path: "/healthz" });
   }
 
-  version(): Promise<Record<string, unknown>> {
+  async version(): Promise<Record<string, unknown>> {
     return this.request({ method: "GET", path: "/v1/version" });
   }
 
@@ -95,12 +95,12 @@ export class Controller {
     return (await this.request<{ snapshots: SnapshotListing[] }>({ method: "GET", path: "/v1/snapshots" })).snapshots;
   }
 
-  snapshot(tag: string): Promise<SnapshotInfo> {
+  async snapshot(tag: string): Promise<SnapshotInfo> {
     return this.request({ method: "GET", path: `/v1/snapshots/${seg(checkName("tag", tag))}` });
   }
 
   /** Boot `options.image` (default image), warm it and save it as `tag`; `onProgress` gets the progress lines. */
-  createSnapshot(tag: string, options: SnapshotOptions = {}, onProgress?: (line: string) => unknown): Promise<SnapshotInfo> {
+  async createSnapshot(tag: string, options: SnapshotOptions = {}, onProgress?: (line: string) => unknown): Promise<SnapshotInfo> {
     const json = { tag: checkName("tag", tag), ...options };
     return this.streamed({ method: "POST", path: "/v1/snapshots", json }, progress(onProgress));
   }
@@ -159,7 +159,7 @@ export class Controller {
     return (await this.request<{ sandboxes: SandboxRecord[] }>({ method: "GET", path: "/v1/sandboxes" })).sandboxes;
   }
 
-  sandbox(sandboxId: string): Promise<SandboxRecord> {
+  async sandbox(sandboxId: string): Promise<SandboxRecord> {
     return this.request({ method: "GET", path: `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}` });
   }
 
@@ -175,7 +175,7 @@ export class Controller {
     return answer.end_at;
   }
 
-  ping(sandboxId: string): Promise<Record<string, unknown>> {
+  async ping(sandboxId: string): Promise<Record<string, unknown>> {
     return this.request({ method: "POST", path: `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}/ping` });
   }
 
@@ -185,12 +185,12 @@ export class Controller {
     return (await this.request<{ pools: Pool[] }>({ method: "GET", path: "/v1/pools" })).pools;
   }
 
-  pool(tag: string): Promise<Pool> {
+  async pool(tag: string): Promise<Pool> {
     return this.request({ method: "GET", path: `/v1/pools/${seg(checkName("tag", tag))}` });
   }
 
   /** Keep `size` ready VMMs of `tag` (0 - 32; 0: none), filled in the background. */
-  setPoolSize(tag: string, size: number): Promise<Pool> {
+  async setPoolSize(tag: string, size: number): Promise<Pool> {
     return this.request({
       method: "PUT", path: `/v1/pools/${seg(checkName("tag", tag))}`, json: { size: checkInt("pool size", size, 0, 32) },
     });
@@ -202,14 +202,14 @@ export class Controller {
    * Run a command (`cmd` a shell line, or an argv array); with `onEvent` its output is streamed as it arrives
    * (`started`, `stdout`, `stderr` events) and the outcome has no stdout/stderr. Default timeout 60 s.
    */
-  exec(sandboxId: string, cmd: string | string[], options: ExecOptions = {}): Promise<CommandOutcome> {
+  async exec(sandboxId: string, cmd: string | string[], options: ExecOptions = {}): Promise<CommandOutcome> {
     const { onEvent, ...fields } = options;
     const req = execRequest(sandboxId, cmd, fields, onEvent !== undefined);
     return onEvent ? this.streamed(req, onEvent as (event: Record<string, unknown>) => unknown) : this.request(req);
   }
 
   /** Start a command and answer its open event stream (`started` with the pid first); `stdin` unset keeps it open. */
-  startExec(sandboxId: string, cmd: string | string[], options: ExecFields = {}): Promise<EventStream<CommandOutcome>> {
+  async startExec(sandboxId: string, cmd: string | string[], options: ExecFields = {}): Promise<EventStream<CommandOutcome>> {
     return this.transport.events(execRequest(sandboxId, cmd, options, true));
   }
 
@@ -233,7 +233,7 @@ export class Controller {
   }
 
   /** The value of one Python expression in `context`'s interpreter (`value_json` when JSON-able, else `value`). */
-  eval(sandboxId: string, expr: string, context = "default"): Promise<EvalOutcome> {
+  async eval(sandboxId: string, expr: string, context = "default"): Promise<EvalOutcome> {
     return this.request({
       method: "POST", path: `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}/eval`,
       json: { expr, context: checkName("context", context) },
@@ -241,7 +241,7 @@ export class Controller {
   }
 
   /** Run a Python cell; with `onEvent` its output is streamed and the outcome has no stdout/stderr. */
-  runCode(sandboxId: string, code: string, options: RunCodeOptions = {}): Promise<CodeOutcome> {
+  async runCode(sandboxId: string, code: string, options: RunCodeOptions = {}): Promise<CodeOutcome> {
     checkKeys("runCode", options, { context: true, timeout_s: true, onEvent: true });
     const json = defined({ code, context: checkName("context", options.context ?? "default"),
       timeout_s: options.timeout_s, stream: options.onEvent ? true : undefined });
@@ -278,7 +278,7 @@ export class Controller {
   }
 
   /** Write `data` (bytes, text, or an async iterable of pieces such as a file stream, sent as it is read). */
-  writeFile(sandboxId: string, path: string, data: Body, mode?: number): Promise<{ path: string; size: number }> {
+  async writeFile(sandboxId: string, path: string, data: Body, mode?: number): Promise<{ path: string; size: number }> {
     return this.request({
       method: "PUT", path: `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}/files`,
       query: { path: checkPath(path), mode }, content: data, timeoutMs: LONG_TIMEOUT_MS,
@@ -292,7 +292,7 @@ export class Controller {
     return answer.entries;
   }
 
-  stat(sandboxId: string, path: string): Promise<FileEntry> {
+  async stat(sandboxId: string, path: string): Promise<FileEntry> {
     return this.request({
       method: "GET", path: `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}/files/stat`, query: { path: checkPath(path) },
     });
@@ -317,7 +317,7 @@ export class Controller {
    * Save a running sandbox as a snapshot (it keeps running). `wait: false` answers at once with the snapshot
    * `writing`; `waitSnapshot(tag)` waits for it.
    */
-  branch(sandboxId: string, options: BranchOptions = {}): Promise<SnapshotInfo> {
+  async branch(sandboxId: string, options: BranchOptions = {}): Promise<SnapshotInfo> {
     checkKeys("branch", options, { tag: true, mode: true, wait: true });
     const id = checkSandboxId(sandboxId);
     const tag = checkName("tag", options.tag ?? `${id}-${Math.random().toString(16).slice(2, 10)}`);
@@ -329,7 +329,7 @@ export class Controller {
 
   // workspaces
 
-  createWorkspace(name: string, snapshotTag: string): Promise<Workspace> {
+  async createWorkspace(name: string, snapshotTag: string): Promise<Workspace> {
     return this.request({
       method: "POST", path: "/v1/workspaces", timeoutMs: LONG_TIMEOUT_MS,
       json: { name: checkName("workspace name", name), snapshot_tag: checkName("snapshot tag", snapshotTag) },
@@ -340,17 +340,17 @@ export class Controller {
     return (await this.request<{ workspaces: Workspace[] }>({ method: "GET", path: "/v1/workspaces" })).workspaces;
   }
 
-  workspace(name: string): Promise<Workspace> {
+  async workspace(name: string): Promise<Workspace> {
     return this.request({ method: "GET", path: `/v1/workspaces/${seg(checkName("workspace name", name))}` });
   }
 
   /** Save the workspace as its next diff layer and stop its sandbox (its memory is freed). */
-  suspendWorkspace(name: string): Promise<Workspace> {
+  async suspendWorkspace(name: string): Promise<Workspace> {
     return this.workspaceAction(name, "suspend");
   }
 
   /** Start a child of the workspace's last layer as its new sandbox. */
-  resumeWorkspace(name: string): Promise<Workspace> {
+  async resumeWorkspace(name: string): Promise<Workspace> {
     return this.workspaceAction(name, "resume");
   }
 
@@ -362,7 +362,7 @@ export class Controller {
     return answer.removed_tags;
   }
 
-  private workspaceAction(name: string, action: "suspend" | "resume"): Promise<Workspace> {
+  private async workspaceAction(name: string, action: "suspend" | "resume"): Promise<Workspace> {
     return this.request({
       method: "POST", path: `/v1/workspaces/${seg(checkName("workspace name", name))}/${action}`,
       timeoutMs: LONG_TIMEOUT_MS,

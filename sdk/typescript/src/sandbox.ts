@@ -96,20 +96,20 @@ export class Sandbox {
     return new Sandbox(id, controller);
   }
 
-  static list(via?: Via): Promise<SandboxRecord[]> {
+  static async list(via?: Via): Promise<SandboxRecord[]> {
     return controllerFor(via).sandboxes();
   }
 
-  info(): Promise<SandboxRecord> {
+  async info(): Promise<SandboxRecord> {
     return this.controller.sandbox(this.id);
   }
 
-  kill(): Promise<void> {
+  async kill(): Promise<void> {
     return this.controller.kill(this.id);
   }
 
   /** The daemon kills this sandbox `timeoutS` from now; answers that moment (Unix time, seconds). */
-  setTimeout(timeoutS: number): Promise<number> {
+  async setTimeout(timeoutS: number): Promise<number> {
     return this.controller.setTimeout(this.id, timeoutS);
   }
 
@@ -146,7 +146,7 @@ export class Sandbox {
   }
 
   /** Snapshot this running sandbox (it keeps running); children fork from the tag. */
-  branch(options: BranchOptions = {}): Promise<SnapshotInfo> {
+  async branch(options: BranchOptions = {}): Promise<SnapshotInfo> {
     return this.controller.branch(this.id, options);
   }
 
