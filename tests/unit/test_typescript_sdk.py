@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import node_tests
 
 from forkd.errors import KINDS
@@ -30,3 +31,16 @@ def test_error_table_matches_forkd_errors(typescript_sdk: Path) -> None:
         f"only in Python {sorted(set(python) - set(typescript))}, only in TypeScript " \
         f"{sorted(set(typescript) - set(python))}, different " \
         f"{sorted(c for c in set(python) & set(typescript) if python[c] != typescript[c])}"
+
+
+def test_a_failing_node_test_fails_the_gate(tmp_path: Path) -> None:
+    """The suite cannot pass while a node test fails (or when none ran)."""
+    tests = tmp_path / "dist" / "test" / "case"
+    tests.mkdir(parents=True)
+    (tests / "a.test.mjs").write_text("import { test } from 'node:test';\n"
+                                      "test('passes', () => {});\ntest('fails', () => { throw new Error('no'); });\n")
+    with pytest.raises(AssertionError, match="fail"):
+        node_tests(tmp_path, "case", dict(os.environ), timeout_s=120)
+    (tests / "a.test.mjs").unlink()
+    with pytest.raises(AssertionError):
+        node_tests(tmp_path, "case", dict(os.environ), timeout_s=120)
