@@ -74,8 +74,9 @@ export class Transport {
         outgoing.off("timeout", onTimeout); // from here on the response's own timeout counts
         resolve(response);
       });
-      outgoing.on("error", (err) => reject(this.failure(err)));
-      writeBody(outgoing, payload).catch((err: Error) => outgoing.destroy(err));
+      let bodyError: unknown; // the caller's own body failed: that error, not "unreachable"
+      outgoing.on("error", (err) => reject(bodyError ?? this.failure(err)));
+      writeBody(outgoing, payload, (err) => { bodyError = err; }).catch((err: Error) => outgoing.destroy(err));
     });
     response.setTimeout(timeoutMs, () => response.destroy(timeoutError(req, timeoutMs)));
     const status = response.statusCode ?? 0;
@@ -141,13 +142,23 @@ function timeoutError(req: Request, timeoutMs: number): TimeoutError {
   return new TimeoutError(504, "timeout", `${req.method} ${req.path}: the daemon sent nothing for ${timeoutMs / 1000} s`);
 }
 
-async function writeBody(outgoing: http.ClientRequest, body: Body | undefined): Promise<void> {
+/** Sends `body`; an error of the caller's own iterable goes to `onSourceError` before the request is ended. */
+async function writeBody(outgoing: http.ClientRequest, body: Body | undefined,
+  onSourceError: (err: unknown) => void): Promise<void> {
   if (body === undefined) {
     outgoing.end();
   } else if (typeof body === "string" || body instanceof Uint8Array) {
     outgoing.setHeader("content-length", Buffer.byteLength(body));
     outgoing.end(body);
   } else {
-    await pipeline(Readable.from(body), outgoing);
+    const source = body;
+    await pipeline(Readable.from((async function* () {
+      try {
+        yield* source;
+      } catch (err) {
+        onSourceError(err);
+        throw err;
+      }
+    })()), outgoing);
   }
 }

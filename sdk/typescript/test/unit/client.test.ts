@@ -133,3 +133,16 @@ test("over TCP the bearer token is sent", async () => {
     controller.close();
   }
 });
+
+test("an upload whose own source fails rejects with that error, not as unreachable", async () => {
+  const controller = new Controller({ url: `unix://${socket}` });
+  async function* failing(): AsyncGenerator<string> {
+    yield "first piece";
+    throw new RangeError("the caller's file went away");
+  }
+  try {
+    await assert.rejects(controller.writeFile("sb-aaaaaaaaaaaa", "/root/x", failing()), RangeError);
+  } finally {
+    controller.close();
+  }
+});
