@@ -34,12 +34,16 @@ def test_error_table_matches_forkd_errors(typescript_sdk: Path) -> None:
 
 
 def test_a_failing_node_test_fails_the_gate(tmp_path: Path) -> None:
-    """The suite cannot pass while a node test fails (or when none ran)."""
+    """The suite cannot pass while a node test fails or skips, or when none ran."""
     tests = tmp_path / "dist" / "test" / "case"
     tests.mkdir(parents=True)
     (tests / "a.test.mjs").write_text("import { test } from 'node:test';\n"
                                       "test('passes', () => {});\ntest('fails', () => { throw new Error('no'); });\n")
     with pytest.raises(AssertionError, match="fail"):
+        node_tests(tmp_path, "case", dict(os.environ), timeout_s=120)
+    (tests / "a.test.mjs").write_text("import { test } from 'node:test';\n"
+                                      "test('passes', () => {});\ntest('skipped', (t) => t.skip('later'));\n")
+    with pytest.raises(AssertionError, match="none skipped"):
         node_tests(tmp_path, "case", dict(os.environ), timeout_s=120)
     (tests / "a.test.mjs").unlink()
     with pytest.raises(AssertionError):
