@@ -129,7 +129,10 @@ export class Transport {
 
   private failure(err: Error): Error {
     if (err instanceof ForkdError) return err;
-    return new DaemonUnreachableError(this.connection.url, err.message || err.name);
+    const code = String((err as NodeJS.ErrnoException).code ?? "");
+    const hint = /CERT|SELF_SIGNED|UNABLE_TO_VERIFY|ERR_TLS/.test(code)
+      ? " (the daemon's TLS certificate is not trusted: set FORKD_CA_CERT to the PEM of the CA that signed it)" : "";
+    return new DaemonUnreachableError(this.connection.url, (err.message || err.name) + hint);
   }
 }
 

@@ -69,6 +69,17 @@ test("exec streams output as events and keeps the exit code", TIMEOUT, async () 
   assert.equal((await sbx.run("cat /tmp/warm-marker")).stdout, "warmed\n"); // the snapshot's warm state
 });
 
+test("a started command gets stdin while its events are read", TIMEOUT, async () => {
+  const events = await controller.startExec(sbx.id, "tr a-z A-Z"); // no stdin: it stays open
+  const stdout: string[] = [];
+  for await (const event of events) {
+    if (event.event === "started") await controller.sendStdin(sbx.id, event.pid as number, "piped in\n", true);
+    if (event.event === "stdout") stdout.push(event.data as string);
+  }
+  assert.equal(stdout.join(""), "PIPED IN\n");
+  assert.equal(events.result?.exit_code, 0);
+});
+
 test("runCode and eval keep state in a context; output streams", TIMEOUT, async () => {
   const plain = await sbx.runCode("import numpy as np\nx = int(np.arange(10).sum())\nx");
   assert.equal(plain.value_json, 45);
