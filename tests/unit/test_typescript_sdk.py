@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -48,3 +49,13 @@ def test_a_failing_node_test_fails_the_gate(tmp_path: Path) -> None:
     (tests / "a.test.mjs").unlink()
     with pytest.raises(AssertionError):
         node_tests(tmp_path, "case", dict(os.environ), timeout_s=120)
+
+
+def test_the_docs_tour_is_the_compiled_example() -> None:
+    """docs/typescript.md's example is examples/tour.ts, which the build type-checks (only the import differs)."""
+    repo = Path(__file__).resolve().parents[2]
+    documented = re.search(r"```ts\n(.*?)```", (repo / "docs" / "typescript.md").read_text(), re.DOTALL)
+    assert documented is not None
+    example = (repo / "sdk" / "typescript" / "examples" / "tour.ts").read_text()
+    body = example[example.index("*/\n") + 3:].lstrip("\n")
+    assert body == documented.group(1).replace('from "@forkd/sdk";', 'from "../src/index.js";')

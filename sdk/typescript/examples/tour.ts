@@ -9,6 +9,7 @@ const controller = new Controller();                      // FORKD_URL, or the l
 
 // Fork: a failed child does not fail the others; each error is {code, message}.
 const { sandboxes, errors } = await controller.fork("py", 3, { timeout_s: 600, metadata: { job: "42" } });
+console.log(sandboxes.map((s) => s.id), errors);
 for await (const child of controller.forkEach("py", 3)) {  // each child as it answers or fails
   console.log(child.index, child.sandbox?.id ?? `${child.error!.code}: ${child.error!.message}`);
 }
@@ -31,6 +32,7 @@ console.log(await sbx.files.read("/root/data.txt"), await sbx.files.list("/root"
 const snap = await sbx.branch({ tag: "py-step1", mode: "live", wait: false });
 await controller.waitSnapshot(snap.tag);                              // ready (or failed)
 const children = await sbx.fork(2);                                   // a diff BRANCH, then 2 children of it
+await Promise.all(children.map((child) => child.kill()));
 
 // Snapshots, pools, workspaces.
 console.log(await controller.snapshots(), await controller.snapshot("py"));

@@ -1,18 +1,20 @@
 /**
  * `Controller`: every REST operation of the daemon as an async method, the TypeScript twin of the Python SDK's
- * `forkd.Controller` (src/forkd/sdk/operations.py): same operations, same defaults, same timeouts. Bodies and
- * answers are typed from the OpenAPI document (types.ts); arguments are checked first (check.ts).
+ * `forkd.Controller` (src/forkd/sdk/operations.py): same operations, same defaults, same timeouts. Those on what
+ * the daemon keeps come from `StoreClient` (store.ts); here are those on sandboxes. Bodies and answers are typed
+ * from the OpenAPI document (types.ts); arguments are checked first (check.ts).
  */
 
 import { checkInt, checkKeys, checkName, checkOneOf, checkPath, checkSandboxId, defined } from "./check.js";
-import { Connection, type ConnectionOptions } from "./connection.js";
-import { ForkdError, TimeoutError } from "./errors.js";
+import { seg } from "./client.js";
+import { ForkdError } from "./errors.js";
 import type { EventStream } from "./ndjson.js";
-import { type Body, LONG_TIMEOUT_MS, type Request, Transport } from "./transport.js";
+import { StoreClient } from "./store.js";
+import { type Body, LONG_TIMEOUT_MS, type Request } from "./transport.js";
 import {
   type BranchMode, type ChildOutcome, type CodeOutcome, type CommandOutcome, type EvalOutcome, type ExecRequest,
-  type FileEntry, type ForkOptions, type ForkResult, type OutputEvent, type Pool, type SandboxRecord,
-  type SnapshotInfo, type SnapshotListing, type SnapshotOptions, type Workspace, childError,
+  type FileEntry, type ForkOptions, type ForkResult, type OutputEvent, type SandboxRecord, type SnapshotInfo,
+  childError,
 } from "./types.js";
 
 const FORK_KEYS: Record<keyof ForkOptions, true> = {
@@ -52,82 +54,15 @@ function callTimeout(timeoutS: number | null | undefined): number {
   return timeoutS == null ? LONG_TIMEOUT_MS : (timeoutS + 60) * 1000;
 }
 
-const seg = encodeURIComponent;
+/** A code context: its own interpreter process forked from the snapshot's warm one. */
+export interface CodeContext {
+  id: string;
+  language: string;
+  cwd: string | null;
+  [key: string]: unknown;
+}
 
-export class Controller {
-  readonly connection: Connection;
-  private readonly transport: Transport;
-
-  /** Talk to the daemon `options` name (default: the environment's, see `Connection`). */
-  constructor(options: ConnectionOptions | Connection = {}) {
-    this.connection = options instanceof Connection ? options : new Connection(options);
-    this.transport = new Transport(this.connection);
-  }
-
-  /** Closes idle connections (open streams end on their own). */
-  close(): void {
-    this.transport.close();
-  }
-
-  /** Send one request and answer its JSON (for calls the methods do not name). */
-  async request<T = unknown>(req: Request): Promise<T> {
-    return this.transport.json<T>(req);
-  }
-
-  private async streamed<R>(req: Request, onEvent?: (event: Record<string, unknown>) => unknown): Promise<R> {
-    const events = await this.transport.events<R>({ timeoutMs: LONG_TIMEOUT_MS, ...req });
-    return events.drain(onEvent);
-  }
-
-  // daemon
-
-  async health(): Promise<{ ok: boolean }> {
-    return this.request({ method: "GET", path: "/healthz" });
-  }
-
-  async version(): Promise<Record<string, unknown>> {
-    return this.request({ method: "GET", path: "/v1/version" });
-  }
-
-  // snapshots
-
-  async snapshots(): Promise<SnapshotListing[]> {
-    return (await this.request<{ snapshots: SnapshotListing[] }>({ method: "GET", path: "/v1/snapshots" })).snapshots;
-  }
-
-  async snapshot(tag: string): Promise<SnapshotInfo> {
-    return this.request({ method: "GET", path: `/v1/snapshots/${seg(checkName("tag", tag))}` });
-  }
-
-  /** Boot `options.image` (default image), warm it and save it as `tag`; `onProgress` gets the progress lines. */
-  async createSnapshot(tag: string, options: SnapshotOptions = {}, onProgress?: (line: string) => unknown): Promise<SnapshotInfo> {
-    const json = { tag: checkName("tag", tag), ...options };
-    return this.streamed({ method: "POST", path: "/v1/snapshots", json }, progress(onProgress));
-  }
-
-  /** The tags removed (`cascade`: the snapshots branched from `tag` too; `force`: orphan them). */
-  async removeSnapshot(tag: string, options: { cascade?: boolean; force?: boolean } = {}): Promise<string[]> {
-    checkKeys("removeSnapshot", options, { cascade: true, force: true });
-    const answer = await this.request<{ removed_tags: string[] }>({
-      method: "DELETE", path: `/v1/snapshots/${seg(checkName("tag", tag))}`,
-      query: { cascade: options.cascade ?? false, force: options.force ?? false },
-    });
-    return answer.removed_tags;
-  }
-
-  /** Poll until snapshot `tag` is no longer `writing` (a BRANCH with `wait: false`); answers it `ready` or `failed`. */
-  async waitSnapshot(tag: string, options: { timeoutMs?: number; pollMs?: number } = {}): Promise<SnapshotInfo> {
-    const deadline = Date.now() + (options.timeoutMs ?? 600_000);
-    for (;;) {
-      const info = await this.snapshot(tag);
-      if (info.status !== "writing") return info;
-      if (Date.now() > deadline) {
-        throw new TimeoutError(504, "timeout", `snapshot ${tag} still writing after ${(options.timeoutMs ?? 600_000) / 1000} s`);
-      }
-      await new Promise((resolve) => setTimeout(resolve, options.pollMs ?? 200));
-    }
-  }
-
+export class Controller extends StoreClient {
   // sandboxes
 
   /**
@@ -177,23 +112,6 @@ export class Controller {
 
   async ping(sandboxId: string): Promise<Record<string, unknown>> {
     return this.request({ method: "POST", path: `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}/ping` });
-  }
-
-  // pools of ready VMMs
-
-  async pools(): Promise<Pool[]> {
-    return (await this.request<{ pools: Pool[] }>({ method: "GET", path: "/v1/pools" })).pools;
-  }
-
-  async pool(tag: string): Promise<Pool> {
-    return this.request({ method: "GET", path: `/v1/pools/${seg(checkName("tag", tag))}` });
-  }
-
-  /** Keep `size` ready VMMs of `tag` (0 - 32; 0: none), filled in the background. */
-  async setPoolSize(tag: string, size: number): Promise<Pool> {
-    return this.request({
-      method: "PUT", path: `/v1/pools/${seg(checkName("tag", tag))}`, json: { size: checkInt("pool size", size, 0, 32) },
-    });
   }
 
   // commands and code
@@ -249,6 +167,31 @@ export class Controller {
       timeoutMs: callTimeout(options.timeout_s) };
     return options.onEvent ? this.streamed(req, options.onEvent as (event: Record<string, unknown>) => unknown)
       : this.request(req);
+  }
+
+  /** A new code context (`id` default: one is made); pass its id as `runCode`'s `context`. */
+  async createContext(sandboxId: string, options: { id?: string; cwd?: string; language?: "python" } = {}):
+  Promise<CodeContext> {
+    checkKeys("createContext", options, { id: true, cwd: true, language: true });
+    const json = defined({ id: options.id === undefined ? undefined : checkName("context id", options.id),
+      cwd: options.cwd, language: options.language });
+    return this.request({ method: "POST", path: `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}/contexts`, json });
+  }
+
+  async contexts(sandboxId: string): Promise<CodeContext[]> {
+    const path = `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}/contexts`;
+    return (await this.request<{ contexts: CodeContext[] }>({ method: "GET", path })).contexts;
+  }
+
+  /** The context as a fresh fork again (its variables are gone). */
+  async restartContext(sandboxId: string, contextId: string): Promise<CodeContext> {
+    return this.request({ method: "POST",
+      path: `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}/contexts/${seg(checkName("context id", contextId))}/restart` });
+  }
+
+  async removeContext(sandboxId: string, contextId: string): Promise<void> {
+    await this.request({ method: "DELETE",
+      path: `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}/contexts/${seg(checkName("context id", contextId))}` });
   }
 
   // files
@@ -311,6 +254,11 @@ export class Controller {
     });
   }
 
+  async rename(sandboxId: string, src: string, dst: string): Promise<void> {
+    await this.request({ method: "POST", path: `/v1/sandboxes/${seg(checkSandboxId(sandboxId))}/files/rename`,
+      json: { src: checkPath(src), dst: checkPath(dst) } });
+  }
+
   // BRANCH
 
   /**
@@ -327,51 +275,7 @@ export class Controller {
     });
   }
 
-  // workspaces
 
-  async createWorkspace(name: string, snapshotTag: string): Promise<Workspace> {
-    return this.request({
-      method: "POST", path: "/v1/workspaces", timeoutMs: LONG_TIMEOUT_MS,
-      json: { name: checkName("workspace name", name), snapshot_tag: checkName("snapshot tag", snapshotTag) },
-    });
-  }
-
-  async workspaces(): Promise<Workspace[]> {
-    return (await this.request<{ workspaces: Workspace[] }>({ method: "GET", path: "/v1/workspaces" })).workspaces;
-  }
-
-  async workspace(name: string): Promise<Workspace> {
-    return this.request({ method: "GET", path: `/v1/workspaces/${seg(checkName("workspace name", name))}` });
-  }
-
-  /** Save the workspace as its next diff layer and stop its sandbox (its memory is freed). */
-  async suspendWorkspace(name: string): Promise<Workspace> {
-    return this.workspaceAction(name, "suspend");
-  }
-
-  /** Start a child of the workspace's last layer as its new sandbox. */
-  async resumeWorkspace(name: string): Promise<Workspace> {
-    return this.workspaceAction(name, "resume");
-  }
-
-  /** Kill the workspace's sandbox and remove its layers; answers the tags removed. */
-  async removeWorkspace(name: string): Promise<string[]> {
-    const answer = await this.request<{ removed_tags: string[] }>({
-      method: "DELETE", path: `/v1/workspaces/${seg(checkName("workspace name", name))}`, timeoutMs: LONG_TIMEOUT_MS,
-    });
-    return answer.removed_tags;
-  }
-
-  private async workspaceAction(name: string, action: "suspend" | "resume"): Promise<Workspace> {
-    return this.request({
-      method: "POST", path: `/v1/workspaces/${seg(checkName("workspace name", name))}/${action}`,
-      timeoutMs: LONG_TIMEOUT_MS,
-    });
-  }
-}
-
-function progress(onProgress?: (line: string) => unknown): ((line: Record<string, unknown>) => unknown) | undefined {
-  return onProgress && ((line) => onProgress(String(line.progress ?? JSON.stringify(line))));
 }
 
 function forkBody(tag: string, n: number, options: ForkOptions, stream: boolean): Record<string, unknown> {

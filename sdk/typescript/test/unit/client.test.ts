@@ -146,3 +146,15 @@ test("an upload whose own source fails rejects with that error, not as unreachab
     controller.close();
   }
 });
+
+test("the store and context operations check their arguments too", async () => {
+  const refused = (err: unknown) => err instanceof InvalidArgumentError;
+  await assert.rejects(nowhere.compact("a", "b c"), refused);
+  await assert.rejects(nowhere.snapshotDiff("../a", "b", "true"), refused);
+  await assert.rejects(nowhere.pull({ url: "http://h/p", sha: "x" } as never), TypeError);
+  await assert.rejects(nowhere.unpack("/p.tar.zst", { tag: "a/b" }), refused);
+  await assert.rejects(nowhere.rename("sb-aaaaaaaaaaaa", "/a", "b"), refused);
+  await assert.rejects(nowhere.createContext("sb-aaaaaaaaaaaa", { id: "a b" }), refused);
+  await assert.rejects(nowhere.createContext("sb-aaaaaaaaaaaa", { name: "x" } as never), TypeError);
+  await assert.rejects(nowhere.removeImage("../default"), refused);
+});

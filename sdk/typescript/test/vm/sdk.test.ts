@@ -91,6 +91,14 @@ test("runCode and eval keep state in a context; output streams", TIMEOUT, async 
   assert.equal(await sbx.eval("x + 1"), 46);
   const failed = await sbx.runCode("1 / 0");
   assert.equal(failed.error?.name, "ZeroDivisionError");
+  const context = await controller.createContext(sbx.id, { id: "other" });
+  assert.equal(context.id, "other");
+  await sbx.runCode("x = 'own'", { context: "other" });
+  assert.equal(await sbx.eval("x", "other"), "own");
+  assert.equal(await sbx.eval("x"), 45); // the default context keeps its own
+  assert.ok((await controller.contexts(sbx.id)).some((c) => c.id === "other"));
+  await controller.removeContext(sbx.id, "other");
+  assert.ok(!(await controller.contexts(sbx.id)).some((c) => c.id === "other"));
 });
 
 test("files: write, read (text and bytes), list, stat, remove", TIMEOUT, async () => {
@@ -106,8 +114,10 @@ test("files: write, read (text and bytes), list, stat, remove", TIMEOUT, async (
   const names = (await sbx.files.list("/root/ts")).map((e) => e.name).sort();
   assert.deepEqual(names, ["data.bin", "note.txt"]);
   assert.equal((await sbx.files.stat("/root/ts/data.bin")).size, bytes.length);
-  await sbx.files.remove("/root/ts/note.txt");
-  await assert.rejects(sbx.files.read("/root/ts/note.txt"), NotFoundError);
+  await controller.rename(sbx.id, "/root/ts/note.txt", "/root/ts/moved.txt");
+  assert.equal(await sbx.files.read("/root/ts/moved.txt"), "streamed text\n");
+  await sbx.files.remove("/root/ts/moved.txt");
+  await assert.rejects(sbx.files.read("/root/ts/moved.txt"), NotFoundError);
 });
 
 test("BRANCH diff and live with wait false, then fork from each", TIMEOUT, async () => {
