@@ -59,3 +59,59 @@ def test_the_docs_tour_is_the_compiled_example() -> None:
     example = (repo / "sdk" / "typescript" / "examples" / "tour.ts").read_text()
     body = example[example.index("*/\n") + 3:].lstrip("\n")
     assert body == documented.group(1).replace('from "@forkd/sdk";', 'from "../src/index.js";')
+
+
+USER_SCRIPT = """
+import { Controller, NotFoundError, Sandbox, type ChildOutcome, type ForkResult } from "@forkd/sdk";
+
+export async function use(controller: Controller): Promise<string> {
+  const forked: ForkResult = await controller.fork("py", 2, { timeout_s: 60 });
+  const first: ChildOutcome[] = [];
+  for await (const child of controller.forkEach("py", 1)) first.push(child);
+  const sbx = await Sandbox.create({ template: "py", via: controller });
+  const run = await sbx.run("uname -r", { onStdout: (data: string) => data.length });
+  const code: number = run.exit_code;
+  const text: string = await sbx.files.read("/etc/hostname");
+  const bytes: Buffer = await sbx.files.read("/etc/hostname", { format: "bytes" });
+  await sbx.branch({ mode: "live", wait: false });
+  try {
+    await controller.snapshot("nope");
+  } catch (err) {
+    if (err instanceof NotFoundError) return err.nextStep;
+  }
+  return `${forked.errors.map((e) => e.code)} ${code} ${text} ${bytes.length} ${first.length} ${run.stdout}`;
+}
+"""
+MISTAKES = """
+import { Controller } from "@forkd/sdk";
+export async function use(controller: Controller): Promise<void> {
+  await controller.fork("py", 2, { timeout: 60 });
+  await controller.branch("sb-x", { mode: "half" });
+}
+"""
+
+
+def test_packed_package_installs_and_type_checks(typescript_sdk: Path, tmp_path: Path) -> None:
+    """`npm pack`, installed into an empty project (no registry: the SDK has no runtime dependency), imports, and
+    its types check a user's script strictly and catch a misspelt option and a wrong BRANCH mode."""
+    subprocess.run(["npm", "pack", "--silent", "--pack-destination", str(tmp_path)], cwd=typescript_sdk,
+                   check=True, capture_output=True, timeout=300)
+    (tarball,) = tmp_path.glob("forkd-sdk-*.tgz")
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "package.json").write_text('{"name": "app", "private": true, "type": "module"}')
+    subprocess.run(["npm", "install", "--offline", "--no-audit", "--no-fund", "--loglevel=error", str(tarball)],
+                   cwd=app, check=True, capture_output=True, timeout=300)
+    imported = subprocess.run(["node", "-e", "import('@forkd/sdk').then(m => console.log(typeof m.Controller, "
+                               "typeof m.Sandbox, typeof m.NotFoundError))"], cwd=app, capture_output=True,
+                              text=True, timeout=60)
+    assert imported.stdout.split() == ["function"] * 3, imported.stderr
+    tsc = ["node", str(typescript_sdk / "node_modules" / "typescript" / "bin" / "tsc"), "--noEmit", "--strict",
+           "--target", "es2022", "--module", "nodenext", "--moduleResolution", "nodenext", "--types", "node",
+           "--typeRoots", str(typescript_sdk / "node_modules" / "@types")]
+    (app / "use.ts").write_text(USER_SCRIPT)
+    good = subprocess.run([*tsc, "use.ts"], cwd=app, capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0, good.stdout + good.stderr
+    (app / "mistakes.ts").write_text(MISTAKES)
+    bad = subprocess.run([*tsc, "mistakes.ts"], cwd=app, capture_output=True, text=True, timeout=300)
+    assert "'timeout' does not exist in type 'ForkOptions'" in bad.stdout and '"half"' in bad.stdout, bad.stdout
