@@ -12,6 +12,7 @@ import { join } from "node:path";
 import { InvalidArgumentError } from "./errors.js";
 
 export const DEFAULT_REQUEST_TIMEOUT_MS = 120_000;
+export const DEFAULT_BUSY_RETRIES = 3;
 export const DEFAULT_HOME = "/var/lib/forkd";
 
 export interface ConnectionOptions {
@@ -23,6 +24,8 @@ export interface ConnectionOptions {
   ca?: string | Buffer;
   /** How long a request may wait for the daemon's next bytes (default 120 s; long operations wait longer). */
   requestTimeoutMs?: number;
+  /** How often a request the daemon refused as `busy` (503, over a concurrency cap) is sent again (default 3). */
+  busyRetries?: number;
 }
 
 /** The local daemon's socket as the Python SDK computes it. */
@@ -35,12 +38,14 @@ export class Connection {
   readonly token: string | undefined;
   readonly ca: string | Buffer | undefined;
   readonly requestTimeoutMs: number;
+  readonly busyRetries: number;
 
   /** `options` over the environment's daemon (`env`: default `process.env`). */
   constructor(options: ConnectionOptions = {}, env: NodeJS.ProcessEnv = process.env) {
     this.url = options.url || env.FORKD_URL || `unix://${defaultSocket(env)}`;
     this.token = options.token || env.FORKD_TOKEN || undefined;
     this.requestTimeoutMs = options.requestTimeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS;
+    this.busyRetries = options.busyRetries ?? DEFAULT_BUSY_RETRIES;
     if (!/^(unix|http|https):\/\//.test(this.url)) {
       throw new InvalidArgumentError(400, "invalid_request",
         `FORKD_URL must start with unix://, http:// or https://, not ${JSON.stringify(this.url)}`);
@@ -51,6 +56,10 @@ export class Connection {
     if (!(this.requestTimeoutMs > 0)) {
       throw new InvalidArgumentError(400, "invalid_request",
         `requestTimeoutMs must be positive, not ${this.requestTimeoutMs}`);
+    }
+    if (!Number.isInteger(this.busyRetries) || this.busyRetries < 0 || this.busyRetries > 100) {
+      throw new InvalidArgumentError(400, "invalid_request",
+        `busyRetries must be a whole number from 0 to 100, not ${this.busyRetries}`);
     }
     this.ca = options.ca ?? (env.FORKD_CA_CERT ? readCa(env.FORKD_CA_CERT) : undefined);
   }

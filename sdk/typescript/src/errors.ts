@@ -85,6 +85,8 @@ export function kindForStatus(status: number): ErrorKind {
 export class ForkdError extends Error {
   override name = "ForkdError";
   readonly nextStep: string;
+  /** Seconds the daemon asked to wait before retrying (its `Retry-After`), when it said. */
+  retryAfterS?: number;
 
   constructor(readonly status: number, readonly code: string, readonly reason: string) {
     const nextStep = (KINDS.get(code) ?? kindForStatus(status)).nextStep;

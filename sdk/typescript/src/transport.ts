@@ -13,12 +13,13 @@ import { Readable } from "node:stream";
 import { pipeline } from "node:stream/promises";
 
 import { Connection } from "./connection.js";
-import { DaemonUnreachableError, ForkdError, TimeoutError, errorFromBody } from "./errors.js";
+import { DaemonUnreachableError, ForkdError, RateLimitError, TimeoutError, errorFromBody } from "./errors.js";
 import { EventStream } from "./ndjson.js";
 
 /** An answer held whole (JSON) is refused past this: bigger output comes streamed or as a file. */
 export const MAX_JSON_BYTES = 256 * 1024 * 1024;
 export const LONG_TIMEOUT_MS = 3_600_000;
+const MAX_BUSY_DELAY_S = 10;
 
 export type Body = Buffer | Uint8Array | string | AsyncIterable<Uint8Array | string>;
 
@@ -47,8 +48,25 @@ export class Transport {
     this.agent.destroy();
   }
 
-  /** Send `req`; answers the response once its status is a success (an error answer is thrown). */
+  /**
+   * Send `req`; answers the response once its status is a success (an error answer is thrown). A `busy` refusal
+   * (503: the daemon did nothing) is sent again up to `busyRetries` times, after the daemon's `Retry-After` or
+   * 0.5, 1, 2 … s (at most 10 s) - unless the body is a stream, which cannot be sent twice.
+   */
   async open(req: Request): Promise<http.IncomingMessage> {
+    const resendable = req.content === undefined || typeof req.content === "string" || req.content instanceof Uint8Array;
+    for (let attempt = 0; ; attempt++) {
+      try {
+        return await this.openOnce(req);
+      } catch (err) {
+        if (!(err instanceof RateLimitError) || !resendable || attempt >= this.connection.busyRetries) throw err;
+        const delayS = Math.min(err.retryAfterS ?? 0.5 * 2 ** attempt, MAX_BUSY_DELAY_S);
+        await new Promise((resolve) => setTimeout(resolve, delayS * 1000));
+      }
+    }
+  }
+
+  private async openOnce(req: Request): Promise<http.IncomingMessage> {
     const conn = this.connection;
     const query = new URLSearchParams();
     for (const [key, value] of Object.entries(req.query ?? {})) {
@@ -88,7 +106,12 @@ export class Transport {
     } catch {
       body = undefined;
     }
-    throw errorFromBody(status, body, text);
+    const error = errorFromBody(status, body, text);
+    const retryAfter = Number(response.headers["retry-after"]);
+    if (response.headers["retry-after"] !== undefined && Number.isFinite(retryAfter) && retryAfter >= 0) {
+      error.retryAfterS = retryAfter;
+    }
+    throw error;
   }
 
   /** The answer's JSON (undefined for an empty body). */

@@ -14,7 +14,7 @@ import { after, before, test } from "node:test";
 
 import { Connection, defaultSocket } from "../../src/connection.js";
 import { Controller } from "../../src/controller.js";
-import { DaemonUnreachableError, InvalidArgumentError, NotFoundError } from "../../src/errors.js";
+import { DaemonUnreachableError, InvalidArgumentError, NotFoundError, RateLimitError } from "../../src/errors.js";
 import { childError } from "../../src/types.js";
 
 const nowhere = new Controller({ url: "unix:///nonexistent/forkd.sock" });
@@ -62,6 +62,7 @@ test("a child's error is {code, message} whichever way the daemon sends it", () 
 
 // A stand-in daemon: answers a few routes as the real one does, torn into small writes.
 const seen: { method?: string; url?: string; auth?: string; body?: string }[] = [];
+let busyAnswers = 0;
 const server = http.createServer((req, res) => {
   let body = "";
   req.on("data", (chunk: Buffer) => { body += chunk.toString(); });
@@ -79,6 +80,13 @@ const server = http.createServer((req, res) => {
         setImmediate(next);
       };
       next();
+    } else if (req.url === "/v1/pools" && busyAnswers > 0) {
+      busyAnswers -= 1;
+      res.writeHead(503, { "content-type": "application/json", "retry-after": "0" });
+      res.end(JSON.stringify({ error: { code: "busy", message: "over the cap" } }));
+    } else if (req.url === "/v1/pools") {
+      res.writeHead(200, { "content-type": "application/json" });
+      res.end('{"pools": []}');
     } else if (req.url === "/v1/snapshots/nope") {
       res.writeHead(404, { "content-type": "application/json" });
       res.end(JSON.stringify({ error: { code: "not_found", message: "no snapshot 'nope'" } }));
@@ -157,4 +165,22 @@ test("the store and context operations check their arguments too", async () => {
   await assert.rejects(nowhere.createContext("sb-aaaaaaaaaaaa", { id: "a b" }), refused);
   await assert.rejects(nowhere.createContext("sb-aaaaaaaaaaaa", { name: "x" } as never), TypeError);
   await assert.rejects(nowhere.removeImage("../default"), refused);
+});
+
+test("a busy refusal is sent again after the daemon's Retry-After, as often as busyRetries allows", async () => {
+  const patient = new Controller({ url: `unix://${socket}` });
+  const impatient = new Controller({ url: `unix://${socket}`, busyRetries: 1 });
+  try {
+    busyAnswers = 2;
+    assert.deepEqual(await patient.pools(), []);
+    assert.equal(busyAnswers, 0);
+    busyAnswers = 2;
+    await assert.rejects(impatient.pools(), (err: unknown) => err instanceof RateLimitError && err.retryAfterS === 0);
+    assert.equal(busyAnswers, 0);
+  } finally {
+    busyAnswers = 0;
+    patient.close();
+    impatient.close();
+  }
+  assert.throws(() => new Connection({ busyRetries: -1 }, {}), InvalidArgumentError);
 });
