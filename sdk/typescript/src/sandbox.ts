@@ -7,7 +7,7 @@
 import { checkInt } from "./check.js";
 import { Connection, type ConnectionOptions } from "./connection.js";
 import { Controller, type BranchOptions, type EventHandler } from "./controller.js";
-import { ForkdError } from "./errors.js";
+import { ForkdError, errorFor, kindOf } from "./errors.js";
 import type { Body } from "./transport.js";
 import type {
   ChildOutcome, CodeOutcome, CommandOutcome, ExecRequest, FileEntry, ForkOptions, OutputEvent, SandboxRecord,
@@ -59,7 +59,7 @@ export class ForkFailedError extends ForkdError {
   constructor(readonly children: ChildOutcome[]) {
     const failed = children.filter((child) => child.error);
     const detail = failed.map((child) => `child ${child.index}: ${child.error!.code}: ${child.error!.message}`);
-    super(500, "internal", `${failed.length} of ${children.length} children failed: ${detail.join("; ") || "no child started"}`);
+    super(500, "fork_failed", `${failed.length} of ${children.length} children failed: ${detail.join("; ") || "no child started"}`);
   }
 }
 
@@ -84,7 +84,7 @@ export class Sandbox {
     const first = result.sandboxes[0];
     if (!first) {
       const error = result.errors[0] ?? { code: "internal", message: "the daemon started no sandbox" };
-      throw new ForkdError(500, error.code, `forking ${tag} failed: ${error.message}`);
+      throw errorFor(kindOf(error.code).status, error.code, `forking ${tag} failed: ${error.message}`);
     }
     return new Sandbox(first.id, controller);
   }

@@ -14,7 +14,10 @@ import { after, before, test } from "node:test";
 
 import { Connection, defaultSocket } from "../../src/connection.js";
 import { Controller } from "../../src/controller.js";
-import { DaemonUnreachableError, InvalidArgumentError, NotFoundError, RateLimitError } from "../../src/errors.js";
+import { ForkFailedError, Sandbox } from "../../src/sandbox.js";
+import {
+  DaemonUnreachableError, ForkdError, InvalidArgumentError, NotFoundError, RateLimitError,
+} from "../../src/errors.js";
 import { childError } from "../../src/types.js";
 
 const nowhere = new Controller({ url: "unix:///nonexistent/forkd.sock" });
@@ -90,6 +93,14 @@ const server = http.createServer((req, res) => {
     } else if (req.url === "/v1/snapshots/nope") {
       res.writeHead(404, { "content-type": "application/json" });
       res.end(JSON.stringify({ error: { code: "not_found", message: "no snapshot 'nope'" } }));
+    } else if (req.url === "/v1/sandboxes/sb-aaaaaaaaaaaa/branch") {
+      res.writeHead(201, { "content-type": "application/json" });
+      res.end(JSON.stringify({ tag: JSON.parse(body).tag, status: "ready" }));
+    } else if (req.url === "/v1/sandboxes" && req.method === "POST" && JSON.parse(body).stream) {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      res.write(`${JSON.stringify({ child: { index: 1, error: { code: "busy", message: "cap" }, timings: {} } })}\n`);
+      res.write(`${JSON.stringify({ child: { index: 0, sandbox: { id: "sb-bbbbbbbbbbbb" }, timings: { spawn: 1 } } })}\n`);
+      res.end('{"result": {"sandboxes": [], "errors": []}}\n');
     } else if (req.url === "/v1/sandboxes" && req.method === "POST") {
       res.writeHead(201, { "content-type": "application/json" });
       res.end(JSON.stringify({ sandboxes: [], errors: ["old daemon string", { code: "busy", message: "cap" }] }));
@@ -183,4 +194,19 @@ test("a busy refusal is sent again after the daemon's Retry-After, as often as b
     impatient.close();
   }
   assert.throws(() => new Connection({ busyRetries: -1 }, {}), InvalidArgumentError);
+});
+
+test("Sandbox.fork with a failed child kills the started one and says which failed", async () => {
+  const controller = new Controller({ url: `unix://${socket}` });
+  try {
+    const parent = new Sandbox("sb-aaaaaaaaaaaa", controller);
+    await assert.rejects(parent.fork(2), (err: unknown) => err instanceof ForkFailedError &&
+      err.children.map((c) => c.index).join() === "0,1" && err.children[1]!.error!.code === "busy" &&
+      err.message.includes("child 1: busy: cap"));
+    assert.ok(seen.some((r) => r.method === "DELETE" && r.url === "/v1/sandboxes/sb-bbbbbbbbbbbb"));
+    await assert.rejects(Sandbox.create({ template: "py", via: controller }), (err: unknown) =>
+      err instanceof ForkdError && err.code === "internal" && err.message.includes("old daemon string"));
+  } finally {
+    controller.close();
+  }
 });
