@@ -7,7 +7,7 @@
 
 import { checkInt, checkKeys, checkName, checkOneOf, checkPath, checkSandboxId, defined } from "./check.js";
 import { seg } from "./client.js";
-import { ForkdError } from "./errors.js";
+import { ForkdError, InvalidArgumentError } from "./errors.js";
 import type { EventStream } from "./ndjson.js";
 import { StoreClient } from "./store.js";
 import { type Body, LONG_TIMEOUT_MS, type Request } from "./transport.js";
@@ -19,7 +19,7 @@ import {
 
 const FORK_KEYS: Record<keyof ForkOptions, true> = {
   timeout_s: true, envs: true, metadata: true, net: true, egress: true, memory_limit_mib: true, cpu_quota: true,
-  cpu_weight: true, pids_max: true, deadline_s: true,
+  cpu_weight: true, pids_max: true, deadline_s: true, snapshot_digest: true, idempotency_key: true, owner: true,
 };
 type ExecFields = Omit<ExecRequest, "cmd" | "argv" | "stream">;
 const EXEC_FIELDS: Record<keyof ExecFields, true> = {
@@ -67,16 +67,17 @@ export class Controller extends StoreClient {
 
   /**
    * `n` children of snapshot `tag`. A failed child does not fail the others: it is listed in `errors` as
-   * `{code, message}`. Options are the fork body's fields (`timeout_s`, `envs`, `metadata`, `net`, `egress`, limits).
+   * `{code, message}`. Options are the fork body's fields (`timeout_s`, `envs`, `metadata`, `net`, `egress`, limits,
+   * `idempotency_key`, `owner`; `snapshot_digest` with a null `tag` forks a snapshot by its digest).
    */
-  async fork(tag: string, n = 1, options: ForkOptions = {}): Promise<ForkResult> {
+  async fork(tag: string | null, n = 1, options: ForkOptions = {}): Promise<ForkResult> {
     const answer = await this.request<{ sandboxes: SandboxRecord[]; errors: unknown[] }>(
       { method: "POST", path: "/v1/sandboxes", json: forkBody(tag, n, options, false), timeoutMs: LONG_TIMEOUT_MS });
     return { sandboxes: answer.sandboxes, errors: answer.errors.map(childError) };
   }
 
   /** Fork like `fork`, yielding each child as it answers or fails, in that order. */
-  async *forkEach(tag: string, n = 1, options: ForkOptions = {}): AsyncGenerator<ChildOutcome> {
+  async *forkEach(tag: string | null, n = 1, options: ForkOptions = {}): AsyncGenerator<ChildOutcome> {
     const events = await this.transport.events({
       method: "POST", path: "/v1/sandboxes", json: forkBody(tag, n, options, true), timeoutMs: LONG_TIMEOUT_MS,
     });
@@ -278,9 +279,13 @@ export class Controller extends StoreClient {
 
 }
 
-function forkBody(tag: string, n: number, options: ForkOptions, stream: boolean): Record<string, unknown> {
+function forkBody(tag: string | null, n: number, options: ForkOptions, stream: boolean): Record<string, unknown> {
   checkKeys("fork", options, FORK_KEYS);
-  return { snapshot_tag: checkName("snapshot tag", tag), n: checkInt("n", n, 1, 1000), ...defined(options), stream };
+  if (tag === null && !options.snapshot_digest) {
+    throw new InvalidArgumentError(400, "invalid_request", "fork needs a snapshot tag, or null and options.snapshot_digest");
+  }
+  const snapshot = tag === null ? {} : { snapshot_tag: checkName("snapshot tag", tag) };
+  return { ...snapshot, n: checkInt("n", n, 1, 1000), ...defined(options), stream };
 }
 
 function execRequest(sandboxId: string, cmd: string | string[], fields: ExecFields, stream: boolean): Request {

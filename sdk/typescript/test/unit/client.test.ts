@@ -28,6 +28,7 @@ test("arguments are refused before anything is sent", async () => {
   await assert.rejects(nowhere.fork("py", 0), refused);
   await assert.rejects(nowhere.fork("py", 1.5), refused);
   await assert.rejects(nowhere.fork("py", 1, { timeout: 5 } as never), TypeError);
+  await assert.rejects(nowhere.fork(null, 1), refused); // neither a tag nor a digest
   await assert.rejects(nowhere.branch("sb-aaaaaaaaaaaa", { mode: "half" as never }), refused);
   await assert.rejects(nowhere.branch("sb-aaaaaaaaaaaa", { tags: "x" } as never), TypeError);
   await assert.rejects(nowhere.branch("../etc", {}), refused);

@@ -46,6 +46,11 @@ test("fork: n children with per-child outcomes", TIMEOUT, async () => {
   }
   assert.deepEqual(outcomes.map((c) => c.index).sort(), [0, 1]);
   assert.ok(outcomes.every((c) => c.sandbox && !c.error && typeof c.timings === "object"));
+  const key = { idempotency_key: `ts-${process.pid}`, owner: "ts-sdk", timeout_s: 600 };
+  const once = await controller.fork(SNAPSHOT, 1, key);
+  sandboxes.push(...once.sandboxes.map((s) => s.id));
+  const again = await controller.fork(SNAPSHOT, 1, key); // a retried fork forks nothing more
+  assert.deepEqual(again.sandboxes.map((s) => s.id), once.sandboxes.map((s) => s.id));
 });
 
 test("exec streams output as events and keeps the exit code", TIMEOUT, async () => {
