@@ -307,15 +307,14 @@ def test_a_cells_output_waiting_for_a_slow_client_is_bounded_in_bytes() -> None:
 
 
 def test_a_server_stream_is_refused_at_its_second_request_message(tmp_path: Path) -> None:
-    """Not after collecting every envelope the client cares to send."""
+    """Not after collecting every envelope the client cares to send: the stream below never ends, so a
+    server that collected first would answer 413 at the listener's body limit (or never), not invalid_argument.
+    How many envelopes the client got out before the answer depends on scheduling, so it is not asserted."""
     async def scenario() -> None:
         runtime = await _runtime(tmp_path, FakeVmm())
-        sent = 0
 
         async def endless() -> Any:
-            nonlocal sent
             while True:
-                sent += 1
                 yield connect.envelope({"process": {"cmd": "/bin/true"}})
                 await asyncio.sleep(0)  # as a network peer would, between its writes
 
@@ -326,7 +325,7 @@ def test_a_server_stream_is_refused_at_its_second_request_message(tmp_path: Path
                            "Content-Type": "application/connect+json"}
                 answer = await client.post("/process.Process/Start", headers=headers, content=endless())
                 end = json.loads(answer.content[5:])
-                assert end["error"]["code"] == "invalid_argument" and sent < 100  # not 32 MiB of them
+                assert end["error"]["code"] == "invalid_argument"
         finally:
             await runtime.stop()
 
