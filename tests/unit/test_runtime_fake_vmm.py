@@ -88,6 +88,22 @@ def test_a_warmed_snapshot_is_saved_with_its_default_context_forked(tmp_path: Pa
     assert vmm.evals == ["None"]
 
 
+def test_the_runtime_is_wired_without_io_and_opened_explicitly(tmp_path: Path) -> None:
+    """Constructing a Runtime only wires its services (nothing on disk, no state.db); ``Runtime.open`` makes
+    the state directories and opens state.db, and the pool reads its stored sizes only when it starts."""
+    paths = _paths(tmp_path)
+    # A bare object as the registry: any read of it while wiring (the pool's sizes, say) would raise.
+    Runtime(paths, FakeVmm(), registry=object(), isolation=object())  # type: ignore[arg-type]
+    assert not paths.home.exists()
+
+    async def scenario() -> tuple[bool, bool]:
+        runtime = await Runtime.open(paths, FakeVmm())
+        runtime.registry.close()
+        return paths.db.is_file(), paths.sandboxes.is_dir()
+
+    assert run(scenario) == (True, True)
+
+
 def test_fork_spawns_distinct_reseeded_children(tmp_path: Path) -> None:
     async def scenario() -> tuple[list[Any], list[str], list[Any]]:
         vmm = FakeVmm()
