@@ -21,6 +21,8 @@ _EXPORTS = {
     "Execution": "forkd.sdk.models",
     "ForkFailed": "forkd.sdk.models",
     "ForkOutcome": "forkd.sdk.models",
+    "ChildOutcome": "forkd.sdk.models",
+    "Failure": "forkd.errors",
     "ForkdError": "forkd.sdk.errors",
     "SandboxException": "forkd.sdk.errors",
     "NotFoundException": "forkd.sdk.errors",

@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from forkd.config import Paths
+from forkd.errors import Failure
 from forkd.daemon.app import create_app
 from forkd.runtime.runtime import Runtime
 from forkd.sdk.async_controller import AsyncController
@@ -192,7 +193,8 @@ def fork_handler(killed: list[str]) -> Handler:
             return httpx.Response(200, json={})
         assert json.loads(request.read())["stream"] is True
         return ndjson({"child": {"index": 1, "sandbox": {"id": "sb-111111111111"}, "timings": {"restore": 0.2}}},
-                      {"child": {"index": 0, "error": "out of memory", "timings": {}}},
+                      {"child": {"index": 0, "error": {"code": "vmm_error", "message": "out of memory"},
+                                 "timings": {}}},
                       {"result": {"sandboxes": [], "errors": []}})
 
     return handler
@@ -209,15 +211,16 @@ def test_fork_reports_each_child_and_kills_the_started_ones_on_failure() -> None
         asyncio.run(AsyncSandbox(MISSING, asynchronous).fork(2))
     for outcome in (failed.value.outcome, failed_async.value.outcome):
         assert [(c.index, c.sandbox_id, c.error) for c in outcome.children] == [
-            (0, None, "out of memory"), (1, "sb-111111111111", None)]
+            (0, None, Failure("vmm_error", "out of memory")), (1, "sb-111111111111", None)]
         assert outcome.children[1].timings == {"restore": 0.2}
     assert killed == ["sb-111111111111", "sb-111111111111"]
-    assert "child 0: out of memory" in str(failed.value)
+    assert "child 0 (vmm_error): out of memory" in str(failed.value)
 
 
 def test_fork_outcome_orders_children_and_splits_started_from_failed() -> None:
+    """A bare string is how daemons before typed per-child errors reported one: it reads as internal."""
     outcome = ForkOutcome.from_children([{"index": 2, "sandbox": {"id": "sb-2"}, "timings": {}},
                                          {"index": 0, "error": "x"}, {"index": 1, "sandbox": {"id": "sb-1"}}])
     assert [c.index for c in outcome.children] == [0, 1, 2]
     assert [c.sandbox_id for c in outcome.started] == ["sb-1", "sb-2"]
-    assert [c.error for c in outcome.failed] == ["x"]
+    assert [c.error for c in outcome.failed] == [Failure("internal", "x")]

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from forkd.e2b.errors import E2BError, sandbox_gone
+from forkd.e2b.errors import E2BError, lifecycle_error, sandbox_gone
 from forkd.e2b.keys import Credentials
 from forkd.store.registry import WorkspaceRecord
 from forkd.runtime.runtime import Runtime
@@ -142,7 +142,7 @@ class E2BSandboxes:
         options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=metadata)
         (outcome,) = await self.runtime.sandboxes.fork(template, 1, options)
         if outcome.sandbox is None:
-            raise E2BError(500, f"the sandbox did not start: {outcome.error}")
+            raise lifecycle_error(outcome.error.kind, f"the sandbox did not start: {outcome.error}")
         return self.created(outcome.sandbox["id"], template)
 
     def list(self, metadata: dict[str, str], states: set[str]) -> list[dict[str, Any]]:
@@ -209,7 +209,7 @@ class E2BSandboxes:
                               metadata=self._labels(live.record.meta))
         outcomes = await self.runtime.sandboxes.fork(tag, count, options)
         return [{"sandbox": self.created(o.sandbox["id"], tag)} if o.sandbox is not None
-                else {"error": {"code": 500, "message": o.error or "the fork did not start"}} for o in outcomes]
+                else {"error": {"code": o.error.kind.status, "message": str(o.error)}} for o in outcomes]
 
     def templates(self) -> list[dict[str, Any]]:
         """E2B's ``Template`` for every ready forkd snapshot."""

@@ -169,7 +169,7 @@ def build_server(controller: Controller) -> MCPServer:
         (no boot), with its own copy-on-write memory and disk."""
         result = await _call(controller.fork, snapshot_tag, count)
         if not result["sandboxes"]:
-            reasons = "; ".join(str(e.get("message", e)) for e in result["errors"]) or "no reason given"
+            reasons = "; ".join(f"{e['code']}: {e['message']}" for e in result["errors"]) or "no reason given"
             raise ToolError(f"no sandbox started: {reasons}")
         return SpawnResult(**result)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.config import Paths
+from forkd.errors import Failure
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_answering
 from forkd.runtime.metrics import Metrics
@@ -45,15 +46,19 @@ _ID_ALPHABET = string.ascii_lowercase + string.digits
 
 
 class SandboxNotFound(LookupError):
-    pass
+    kind = "not_found"
 
 
 class SandboxEnded(RuntimeError):
     """The sandbox ended (its timeout, a kill, its VMM exited) while an operation on it ran."""
 
+    kind = "sandbox_ended"
+
 
 class SandboxLimitReached(RuntimeError):
     """The daemon's ``max_sandboxes`` limit is reached; this child is refused, the others are not."""
+
+    kind = "busy"
 
 
 class ReseedFailed(AgentError):
@@ -68,6 +73,8 @@ class ReseedFailed(AgentError):
 
 class DeadlinePassed(RuntimeError):
     """The caller's own deadline for a fork passed before this child answered; it was not kept."""
+
+    kind = "timeout"
 
 
 def _remaining(deadline: float | None) -> float:
@@ -113,7 +120,7 @@ class ForkOutcome:
 
     index: int = 0  # the child's place in its request
     sandbox: dict[str, Any] | None = None
-    error: str | None = None
+    error: Failure | None = None  # its kind's code and message
     seconds_to_answer: float | None = None
     timings: dict[str, float] = field(default_factory=dict)  # ms per spawn stage (runtime/timings.py)
 
@@ -176,13 +183,12 @@ class SandboxService:
                 sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline)
             except (VmmError, AgentError, IsolationError, OSError, SandboxLimitReached, DeadlinePassed) as exc:
                 self.metrics.spawn_failures.inc()
-                done.put_nowait(ForkOutcome(index=index, error=str(exc), timings=timings.as_ms()))
+                done.put_nowait(ForkOutcome(index=index, error=Failure.of(exc), timings=timings.as_ms()))
                 return
             except Exception as exc:  # a bug must not take the batch's other children with it
                 log.exception("spawning a child of %s failed", tag)
                 self.metrics.spawn_failures.inc()
-                done.put_nowait(ForkOutcome(index=index, error=f"internal error: {type(exc).__name__}: {exc}",
-                                            timings=timings.as_ms()))
+                done.put_nowait(ForkOutcome(index=index, error=Failure.of(exc), timings=timings.as_ms()))
                 return
             finally:
                 self._forking[tag] -= 1

@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from forkd.errors import Failure
 from forkd.sdk.commands import Commands
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller
-from forkd.sdk.errors import ForkdError, InvalidArgumentException, NotFoundException
+from forkd.sdk.errors import ForkdError, InvalidArgumentException, NotFoundException, error_for
 from forkd.sdk.filesystem import Filesystem
 from forkd.sdk.models import (
     CodeError,
@@ -243,8 +244,12 @@ class Sandbox:
 
 
 def _first_child(result: dict[str, Any]) -> str:
+    """The one sandbox a create started, or its child's error raised as that error's own class."""
     if not result["sandboxes"]:
-        raise ForkdError(500, "fork_failed", "; ".join(result["errors"]) or "the daemon started no sandbox")
+        if not result["errors"]:
+            raise ForkdError(500, "fork_failed", "the daemon started no sandbox")
+        failure = Failure.from_answer(result["errors"][0])
+        raise error_for(failure.kind.status, failure.code, f"the sandbox did not start: {failure}")
     return result["sandboxes"][0]["id"]
 
 
