@@ -12,8 +12,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Sandbox": "forkd.sdk.sandbox",
-    "AsyncSandbox": "forkd.sdk.async_sandbox",
+    "Sandbox": "forkd.sdk.sandbox_sync",
+    "AsyncSandbox": "forkd.sdk.sandbox_async",
     "Controller": "forkd.sdk.controller",
     "ConnectionConfig": "forkd.sdk.connection",
     "CommandExitException": "forkd.sdk.models",

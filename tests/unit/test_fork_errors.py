@@ -27,11 +27,12 @@ from forkd.mcp.server import build_server
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.snapshots import SnapshotRequest
-from forkd.sdk.async_sandbox import AsyncSandbox
+from forkd.sdk.sandbox_async import AsyncSandbox
+from forkd.sdk.async_controller import AsyncController
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import RateLimitException
 from forkd.sdk.models import ForkFailed
-from forkd.sdk.sandbox import Sandbox
+from forkd.sdk.sandbox_sync import Sandbox
 from forkd.vmm.fake import FakeVmm
 from test_runtime_fake_vmm import _image
 
@@ -142,7 +143,7 @@ def test_the_sdk_reports_the_failed_child_with_its_code(daemon: str) -> None:
 
 def test_mcp_spawn_reports_the_failed_child_beside_the_started_ones(daemon: str) -> None:
     async def spawn(count: int) -> tuple[object, str, bool]:
-        with Controller(url=daemon) as controller:
+        async with AsyncController(url=daemon) as controller:
             async with Client(build_server(controller)) as client:
                 result = await client.call_tool("spawn", {"snapshot_tag": "base", "count": count})
         text = "".join(getattr(block, "text", "") for block in result.content)

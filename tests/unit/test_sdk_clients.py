@@ -18,13 +18,13 @@ from forkd.errors import Failure
 from forkd.daemon.app import create_app
 from forkd.runtime.runtime import Runtime
 from forkd.sdk.async_controller import AsyncController
-from forkd.sdk.async_sandbox import AsyncSandbox
+from forkd.sdk.sandbox_async import AsyncSandbox
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import ForkdError, InvalidArgumentException, NotFoundException
 from forkd.sdk.models import CommandExitException, ForkFailed, ForkOutcome
 from forkd.sdk.operations import Call
-from forkd.sdk.sandbox import Sandbox
+from forkd.sdk.sandbox_sync import Sandbox
 from forkd.vmm.qemu import QemuVmm
 
 BASE = "http://forkd"
@@ -204,7 +204,7 @@ def test_fork_reports_each_child_and_kills_the_started_ones_on_failure() -> None
     killed: list[str] = []
     sync, asynchronous = clients(fork_handler(killed))
     parent = Sandbox._attach(MISSING)
-    parent._controller = sync
+    parent._api = sync
     with pytest.raises(ForkFailed) as failed:
         parent.fork(2)
     with pytest.raises(ForkFailed) as failed_async:
