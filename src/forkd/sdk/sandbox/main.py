@@ -64,11 +64,16 @@ class SandboxCore:
         return self._api
 
     @classmethod
-    def _attach(cls, sandbox_id: str, connection: ConnectionConfig | None = None) -> Any:
-        """A handle on a sandbox by id, without asking the daemon anything."""
+    def _on(cls, sandbox_id: str, api: Any) -> Any:
+        """A handle on a sandbox by id through ``api``, without asking the daemon anything."""
         sandbox = cls.__new__(cls)
-        sandbox._bind(sandbox_id, cls._client(connection=connection))
+        sandbox._bind(sandbox_id, api)
         return sandbox
+
+    @classmethod
+    def _attach(cls, sandbox_id: str, connection: ConnectionConfig | None = None) -> Any:
+        """A handle on a sandbox by id, with a client of its own."""
+        return cls._on(sandbox_id, cls._client(connection=connection))
 
     # lifecycle
 
@@ -91,9 +96,7 @@ class SandboxCore:
                 envs: dict[str, str] | None) -> Steps[Any]:
         try:
             result = yield api.fork(template, 1, timeout_s=timeout, envs=envs, metadata=metadata)
-            sandbox = cls.__new__(cls)
-            sandbox._bind(_first_child(result), api)
-            return sandbox
+            return cls._on(_first_child(result), api)
         except BaseException:
             yield api.close()
             raise
