@@ -52,6 +52,8 @@ class Daemon:
         route = request.url.path.removeprefix(prefix)
         path = request.url.params.get("path", "")
         body = json.loads(request.read() or b"null") if request.method != "PUT" else None
+        if not self.alive and route == "/ping":  # the moment a killed VM stops: the agent is gone first
+            return httpx.Response(502, json={"error": {"code": "agent_unavailable", "message": "agent gone"}})
         if not self.alive or not request.url.path.startswith(prefix):
             return _missing("sandbox")
         if (request.method, route) == ("PUT", "/files"):

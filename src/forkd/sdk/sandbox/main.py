@@ -138,7 +138,15 @@ class SandboxCore:
 
     @operation
     def is_running(self) -> Steps[bool]:
-        return (yield from found(self._api.ping, self.sandbox_id))
+        """Whether the sandbox answers. ``False`` once it ended, including the moment its VM is being
+        stopped, when the daemon still finds it but answers that its guest agent is gone."""
+        try:
+            yield self._api.ping(self.sandbox_id)
+        except ForkdError as exc:
+            if exc.code in ("not_found", "sandbox_ended", "agent_unavailable"):
+                return False
+            raise
+        return True
 
     def close(self) -> Any:
         """Close the connection to the daemon (the sandbox keeps running)."""
