@@ -4,6 +4,7 @@ processes and guest protocol, no virtual machine, so each test takes millisecond
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
@@ -324,6 +325,9 @@ def test_a_restarted_daemon_adopts_answering_vmms_and_reaps_a_stalled_one(tmp_pa
         try:
             recovery = await recover(second.sandboxes, second.store)
             ids = [s.record.id for s in second.sandboxes.live()]
+            # Recovery kills through a pidfd; this (first daemon's) handle learns of the exit when it reaps.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stalled_process.wait(), 10)
             return recovery.adopted, recovery.reaped, ids, stalled_process.returncode is not None
         finally:
             await second.stop()
@@ -389,11 +393,12 @@ def test_records_keep_the_backend_state_opaque(tmp_path: Path) -> None:
     registry.close()
 
 
-def test_a_backend_without_branching_is_refused_with_a_clear_error(tmp_path: Path) -> None:
-    class NoBranching(FakeVmm):
-        def capabilities(self) -> Capabilities:
-            return replace(super().capabilities(), branching=False)
+class NoBranching(FakeVmm):
+    def capabilities(self) -> Capabilities:
+        return replace(super().capabilities(), branching=False)
 
+
+def test_a_backend_without_branching_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     async def scenario() -> None:
         runtime = await _runtime(tmp_path, NoBranching())
         try:
@@ -404,3 +409,21 @@ def test_a_backend_without_branching_is_refused_with_a_clear_error(tmp_path: Pat
 
     with pytest.raises(BranchingUnsupported, match="fake VMM backend cannot branch"):
         run(scenario)
+
+
+def test_a_backend_without_branching_compacts_through_its_disk_format(tmp_path: Path) -> None:
+    """Flattening a disk is the disk format's job, which every backend has: compaction needs no BRANCH."""
+    async def scenario() -> tuple[SnapshotRecord, list[str]]:
+        runtime = await _runtime(tmp_path, NoBranching())
+        try:
+            flat = await runtime.compaction.compact("base", "flat")
+            outcomes = await runtime.sandboxes.fork("flat", 1)
+            return flat, [str(o.error) for o in outcomes if o.error]
+        finally:
+            await runtime.stop()
+
+    flat, errors = run(scenario)
+    assert errors == [] and flat.parent_tag is None
+    assert set(flat.meta["sha256"]) == {"vmlinuz", "initrd.img", "base.ext4", "disk.fake", "memory", "state"}
+    assert (flat.path / "disk.fake").read_bytes().startswith(b"fake disk over base.ext4\n")
+    assert sorted(p.name for p in flat.path.glob("*.sock")) == []  # the backend's run-dir leftovers went with its bake
