@@ -2,89 +2,39 @@
 SDK (``Sandbox.fork``, ``Sandbox.create``) and the MCP ``spawn`` tool all report that child as a
 ``{code, message}`` object of the error table (``forkd.errors``), next to the children that started.
 
-A real daemon app served by uvicorn on a Unix socket, over a runtime on the FakeVmm (real processes
-and guest agent, no VM); the daemon's ``max_sandboxes`` makes the last child of a batch fail.
+A whole daemon process on the fake VMM backend (real config, socket, SQLite, store, guest protocol; no
+VM) whose ``max_sandboxes`` makes the last child of a batch fail.
 """
 
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
-import uvicorn
 from mcp import Client
 
-from forkd.config import Paths
-from forkd.daemon.app import create_app
+from conftest import fake_daemon_on
 from forkd.errors import Failure
 from forkd.mcp.server import build_server
-from forkd.runtime.options import RuntimeOptions
-from forkd.runtime.runtime import Runtime
-from forkd.runtime.snapshots import SnapshotRequest
-from forkd.sdk.sandbox_async import AsyncSandbox
 from forkd.sdk.async_controller import AsyncController
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import RateLimitException
 from forkd.sdk.models import ForkFailed
+from forkd.sdk.sandbox_async import AsyncSandbox
 from forkd.sdk.sandbox_sync import Sandbox
-from forkd.vmm.fake import FakeVmm
-from test_runtime_fake_vmm import _image
 
 LIMIT = 2  # the daemon's max_sandboxes: a batch of LIMIT + 1 has its last child refused
-BOUND_S = 60.0
 
 
 @pytest.fixture
-def daemon() -> Iterator[str]:
-    """The URL of a daemon app over a FakeVmm runtime holding snapshot ``base``, served on its own loop."""
-    root = Path(tempfile.mkdtemp(prefix="fke-", dir="/tmp"))  # short: Unix socket paths have at most 107 bytes
-    socket = root / "d.sock"
-    ready, stop = threading.Event(), threading.Event()
-    failed: list[BaseException] = []
-
-    async def serve() -> None:
-        runtime = Runtime(Paths(home=root / "home", cache=root / "cache", socket=socket), FakeVmm(),
-                          RuntimeOptions(max_sandboxes=LIMIT))
-        server = uvicorn.Server(uvicorn.Config(create_app(runtime), uds=str(socket), lifespan="on",
-                                               log_level="warning"))
-        serving = asyncio.create_task(server.serve())
-        try:
-            while not server.started:
-                if serving.done():
-                    serving.result()
-                await asyncio.sleep(0.01)
-            await runtime.snapshots.create(SnapshotRequest(tag="base", memory_mib=1), _image(root), lambda _: None)
-            ready.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.02)
-        finally:
-            server.should_exit = True
-            await serving
-
-    def run() -> None:
-        try:
-            asyncio.run(asyncio.wait_for(serve(), BOUND_S * 4))
-        except BaseException as exc:  # noqa: BLE001 - handed to the test below
-            failed.append(exc)
-            ready.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(BOUND_S), "the daemon did not start"
-        assert not failed, failed
-        yield f"unix://{socket}"
-    finally:
-        stop.set()
-        thread.join(BOUND_S)
-        shutil.rmtree(root, ignore_errors=True)
-    assert not failed, failed
+def daemon(fake_home: Path) -> Iterator[str]:
+    """The URL of a daemon on the fake backend holding snapshot ``base``."""
+    with fake_daemon_on(fake_home, f"[limits]\nmax_sandboxes = {LIMIT}\n") as controller:
+        controller.create_snapshot("base", memory_mib=128, warm_modules=[])
+        yield controller.url
 
 
 def _kill_all(controller: Controller) -> None:
