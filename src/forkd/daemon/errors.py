@@ -1,4 +1,4 @@
-"""Exceptions to API error bodies: which kind of ``forkd.errors`` each runtime exception is.
+"""Exceptions to API error bodies, by the kind of ``forkd.errors`` each carries (``kind_for``).
 
 Every error the daemon answers has the documented body ``{"error": {"code", "message"}}`` with its
 kind's status, including the ones FastAPI and Starlette raise themselves (a malformed JSON body, an

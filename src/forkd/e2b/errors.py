@@ -4,7 +4,8 @@ Three shapes, one per kind of traffic: the control plane and envd's HTTP routes 
 ``{"code": <http status>, "message": ...}``; Connect RPCs answer ``{"code": "<connect code>",
 "message": ...}`` with the status Connect assigns that code (or, inside a stream, the same object
 in the end-of-stream frame). A sandbox that is gone is answered the way E2B's proxy does: a 502
-whose message says it "was not found", which the SDKs turn into their not-running error.
+whose message says it "was not found", which the SDKs turn into their not-running error. A runtime
+error is translated by the kind it carries (``forkd.errors.kind_for``), as the daemon's own API does.
 """
 
 from __future__ import annotations
@@ -72,9 +73,9 @@ def to_connect(exc: BaseException) -> ConnectError:
         return exc
     if isinstance(exc, E2BError):
         return ConnectError("unavailable" if exc.status == 502 else "invalid_argument", exc.message)
-    kind = kind_for(exc)
     if isinstance(exc, AgentUnavailable):
         return ConnectError("unavailable", f"the sandbox's agent cannot be reached: {exc.message}")
+    kind = kind_for(exc)
     errno_code = _ERRNO_CODES.get(str(exc.details.get("errno")), "") if isinstance(exc, AgentError) else ""
     return ConnectError(errno_code or _CONNECT_CODES.get(kind.code, "internal"), message_for(exc))
 
