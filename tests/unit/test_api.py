@@ -137,7 +137,9 @@ def test_every_exception_carries_a_kind_of_the_one_table() -> None:
     from forkd.runtime.branches import BranchBusy
     from forkd.runtime.isolation import IsolationError
     from forkd.runtime.sandboxes import DeadlinePassed, SandboxLimitReached, SandboxNotFound
-    from forkd.store.errors import SnapshotCorrupt, SnapshotDiskFull
+    from forkd.packs.peer import PeerError
+    from forkd.runtime.driver_forks import IdempotencyConflict
+    from forkd.store.errors import DigestNotFound, SnapshotCorrupt, SnapshotDiskFull
     from forkd.vmm.base import SnapshotMismatch
 
     declared = {cls for base in (*HANDLED_ERRORS, IsolationError, SandboxLimitReached, DeadlinePassed)
@@ -148,6 +150,8 @@ def test_every_exception_carries_a_kind_of_the_one_table() -> None:
                 SnapshotDiskFull("x"): "disk_full", SnapshotMismatch("x"): "snapshot_mismatch",
                 SandboxNotFound("x"): "not_found", SandboxLimitReached("x"): "busy", DeadlinePassed("x"): "timeout",
                 AgentUnavailable("x"): "agent_unavailable", AgentError("os_error", "x"): "os_error",
-                LookupError("x"): "not_found", ValueError("x"): "internal"}
+                DigestNotFound("x"): "snapshot_not_found", PeerError("x"): "peer_error",
+                IdempotencyConflict("x"): "idempotency_conflict", LookupError("x"): "not_found",
+                ValueError("x"): "internal"}
     assert {type(exc).__name__: kind_for(exc).code for exc in expected} == \
         {type(exc).__name__: code for exc, code in expected.items()}

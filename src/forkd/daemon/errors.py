@@ -19,6 +19,8 @@ from forkd.errors import KINDS, ErrorKind, kind_for, kind_for_status, message_fo
 from forkd.daemon.middleware.body_limit import BodyTooLarge
 from forkd.image.builder import ImageError
 from forkd.packs.format import PackError
+from forkd.packs.peer import IncompatibleSnapshot
+from forkd.runtime.driver_forks import IdempotencyConflict
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.sandboxes import SandboxEnded
 from forkd.store.errors import SnapshotError
@@ -28,7 +30,7 @@ from forkd.vmm.base import VmmError
 # Registered per class (not for Exception, which Starlette re-raises after answering); each carries its
 # kind (``forkd.errors.kind_for``), which gives the status and code.
 HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError, PackError,
-                  SandboxEnded)
+                  SandboxEnded, IncompatibleSnapshot, IdempotencyConflict)
 
 
 class ClientGone(Exception):

@@ -112,6 +112,7 @@ class ForkOptions:
     metadata: dict[str, str] = field(default_factory=dict)  # caller's labels, returned as given
     isolation: SandboxOptions = field(default_factory=SandboxOptions)  # network and resource limits
     deadline_s: float | None = None  # the caller waits no longer: children not answering by then are dropped
+    owner: str | None = None  # the driver's label, stored with each child: its children are listed and reaped by it
 
 
 @dataclass
@@ -312,7 +313,8 @@ class SandboxService:
         return SandboxRecord(id=sandbox_id, snapshot_tag=tag, status="running", pid=vm.pid, run_dir=vm.run_dir,
                              created_at=time.time(), meta=meta, vmm_started=start_time(vm.pid),
                              vmm_state=vm.state,
-                             end_at=None if options.timeout_s is None else round(time.time() + options.timeout_s, 3))
+                             end_at=None if options.timeout_s is None else round(time.time() + options.timeout_s, 3),
+                             owner=options.owner)
 
     def watch(self, record: SandboxRecord, vm: VmHandle, agent: AgentClient,
               isolation: Prepared | None = None) -> LiveSandbox:
@@ -462,6 +464,12 @@ class SandboxService:
 
     def live(self) -> list[LiveSandbox]:
         return list(self._live.values())
+
+    async def set_labels(self, sandbox_id: str, labels: dict[str, str]) -> None:
+        """Replace a running sandbox's labels, in its record too, so a restarted daemon has them."""
+        live = self.get(sandbox_id)
+        live.record.meta["metadata"] = dict(labels)
+        await asyncio.to_thread(self.registry.set_labels, sandbox_id, dict(labels))
 
     def count_of(self, tag: str) -> int:
         """Children of ``tag`` running or being restored."""

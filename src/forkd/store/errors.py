@@ -29,3 +29,9 @@ class SnapshotCorrupt(SnapshotError):
     """A snapshot file no longer matches the digest recorded when it was saved, or a chain link is gone."""
 
     kind = "snapshot_corrupt"
+
+
+class DigestNotFound(LookupError):
+    """No ready snapshot of this store has that layer digest (HTTP 404 ``snapshot_not_found``)."""
+
+    kind = "snapshot_not_found"
