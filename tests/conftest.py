@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 
 from forkd.config import Paths, paths_from_env
+from forkd.guest.protocol import AGENT_VERSION
+from forkd.image.store import INITRD_FILE, KERNEL_FILE, ROOTFS_FILE, write_manifest
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.sandboxes import SandboxService
@@ -154,6 +156,42 @@ def stop_daemon(process: subprocess.Popen[bytes], controller: Controller, home: 
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert not leaked, f"the stopped daemon left VMM processes running: {leaked}"
+
+
+def _fake_image(cache: Path) -> None:
+    """An image the fake backend boots: its files are never executed, only linked and hashed."""
+    directory = Paths(home=cache, cache=cache, socket=cache / "s").images / "default"
+    directory.mkdir(parents=True)
+    for name in (KERNEL_FILE, INITRD_FILE, ROOTFS_FILE):
+        (directory / name).write_bytes(name.encode())
+    write_manifest(directory, {"name": "default", "key": "fake", "kernel_version": "6.12", "kernel_sha256": "0" * 64,
+                               "agent_version": AGENT_VERSION, "created_at": 0.0, "size_bytes": 3,
+                               "disk_size_mib": 1, "spec": {}, "inputs": {}})
+
+
+@contextlib.contextmanager
+def fake_daemon_on(home: Path, config: str = "") -> Iterator[Controller]:
+    """A whole daemon process on the fake VMM backend (``vmm = "fake"``) with its own image, on ``home``
+    (short: agent sockets live under it), its config file holding ``config``; stopped at the end."""
+    env = vm_env_for(home)
+    for variable in ("FORKD_LISTEN", "FORKD_E2B_LISTEN"):
+        env.pop(variable, None)
+    (home / "forkd.toml").write_text(config)
+    env.update(FORKD_VMM="fake", FORKD_CACHE=str(home / "cache"), FORKD_CONFIG=str(home / "forkd.toml"))
+    _fake_image(home / "cache")
+    process, controller = start_daemon(home, env)
+    try:
+        yield controller
+    finally:
+        stop_daemon(process, controller, home)  # fails if a fake VMM process outlived the daemon
+
+
+@pytest.fixture
+def fake_home() -> Iterator[Path]:
+    """Short: agent sockets live under it and a Unix socket path has at most 107 bytes."""
+    directory = Path(tempfile.mkdtemp(prefix="fkd-", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

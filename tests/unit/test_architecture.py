@@ -240,3 +240,20 @@ def direct_calls(function: ast.AsyncFunctionDef) -> Iterator[ast.Call]:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             yield node
         pending.extend(ast.iter_child_nodes(node))
+
+
+def test_the_sdk_core_waits_for_nothing_itself() -> None:
+    """``sdk/sandbox/`` is the one core of ``Sandbox`` and ``AsyncSandbox``: it builds requests and reads
+    answers as step generators, and the flavours wait. So it imports no HTTP client, no event loop and
+    neither client nor flavour package (each of those imports it)."""
+    core = SRC / "forkd" / "sdk" / "sandbox"
+    clients = ("forkd.sdk.controller", "forkd.sdk.async_controller", "forkd.sdk.operations",
+               "forkd.sdk.sandbox_sync", "forkd.sdk.sandbox_async")
+    for path in core.glob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        top = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names}
+        top |= {node.module.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+        assert not top & {"httpx", "asyncio", "anyio", "threading", "socket"}, (path.name, top)
+        assert not [name for name in imports(path) if name.startswith(clients)], path.name

@@ -62,6 +62,10 @@ const TABLE: readonly ErrorKind[] = [
   kind("vmm_error", 500, "other", "check `forkd doctor` and the daemon log, then retry"),
   kind("agent_unavailable", 502, "other",
     "the sandbox's guest agent is gone: kill the sandbox and spawn a new one"),
+  kind("reseed_failed", 500, "other", "rebuild the image (`forkd image build --force`) so its agent runs " +
+    "as root, then recreate the snapshot"),
+  kind("isolation_error", 500, "other",
+    "check `forkd doctor` (network namespaces, cgroups) and the daemon log, then retry"),
   kind("peer_error", 502, "other",
     "check the peer's URL, its token (source_token) and its daemon's log, or pull from another node"),
   kind("busy", 503, "rate_limit", "retry in a moment: the daemon is over a concurrency cap"),

@@ -30,6 +30,7 @@ from forkd.cli.isolation import describe_limits, describe_net, fork_options, iso
 from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
 from forkd.cli.workspaces import workspace
+from forkd.errors import Failure
 from forkd.safetext import for_rich
 from forkd.validation import SANDBOX_ID_PREFIX
 
@@ -219,7 +220,7 @@ def fork(tag: str, count: int, timeout_s: float | None, envs: tuple[str, ...], l
                     console.print("    " + describe_timings(child.get("timings") or {}))
             else:
                 failed += 1
-                err_console.print(f"[red]failed:[/red] {for_rich(child.get('error'))}")
+                err_console.print(f"[red]failed:[/red] {for_rich(Failure.from_answer(child.get('error')))}")
                 if verbose:
                     err_console.print("    " + describe_timings(child.get("timings") or {}))
     console.print(f"{answered}/{count} children answering, {time.monotonic() - started:.2f} s in all")

@@ -19,6 +19,12 @@ class ForkdError(RuntimeError):
         self.code = code
         self.message = message
 
+    @property
+    def kind(self) -> str:
+        """The daemon's code is the error's kind (``forkd.errors.kind_for`` reads it); client-side codes such
+        as ``fork_failed`` or ``command_exit`` are not in the table and count as internal there."""
+        return self.code
+
 
 SandboxException = ForkdError  # E2B's name for the base class
 
