@@ -69,6 +69,7 @@ const TABLE: readonly ErrorKind[] = [
   kind("peer_error", 502, "other",
     "check the peer's URL, its token (source_token) and its daemon's log, or pull from another node"),
   kind("busy", 503, "rate_limit", "retry in a moment: the daemon is over a concurrency cap"),
+  kind("draining", 503, "other", "this node is draining: fork on another node"),
   kind("timeout", 504, "timeout", "raise timeout_s, or split the work into shorter calls"),
   kind("disk_full", 507, "other", "free disk space under FORKD_HOME (remove snapshots with `forkd rmi`)"),
   // Client side only: no daemon answered, or its stream ended early.

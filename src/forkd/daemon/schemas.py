@@ -431,7 +431,7 @@ class NodePull(Strict):
 class NodeUsage(Open):
     max_sandboxes: int | None = Field(description="the daemon's limit; null: none")
     live: int
-    slots_free: int | None = Field(description="max_sandboxes - live; null: no limit")
+    slots_free: int | None = Field(description="max_sandboxes - live (0 while draining); null: no limit")
     mem_available_bytes: int
     cpus: int
     load1: float
@@ -450,6 +450,7 @@ class Node(Open):
     backend: str
     compat: dict[str, str] = Field(description="vmm, vmm_version, machine, accel, cpu_model, agent_version")
     compat_key: str = Field(description="sha256 of compat's canonical JSON")
+    draining: bool = Field(description="it takes no new forks (POST /v1/node/drain); its slots_free is 0")
     capacity: NodeUsage
     snapshots: list[NodeSnapshot]
 
@@ -459,3 +460,14 @@ class PullOutcome(Open):
     tag: str
     pulled_layers: int
     bytes: int
+
+
+class NodeDrain(Strict):
+    wait_s: float = Field(default=0.0, ge=0, le=3600,
+                          description="answer once no sandbox is left, or after this many seconds")
+
+
+class DrainState(Open):
+    draining: bool
+    sandboxes: list[str] = Field(description="ids of the sandboxes still running")
+    starting: int = Field(description="children admitted before the drain, still starting")
