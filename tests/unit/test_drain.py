@@ -9,7 +9,10 @@ from pathlib import Path
 
 from conftest import vmm_processes_under
 from forkd.runtime.options import RuntimeOptions
+from forkd.vmm.fake import FakeVmm
+from test_e2b_tenants import A, _client, _front, _key
 from test_node import bake, expect_error, node, run
+from test_runtime_fake_vmm import _runtime
 from test_node import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
 
@@ -46,6 +49,29 @@ def test_a_draining_node_refuses_forks_while_its_children_carry_on(tmp_path: Pat
             described = await a.api.node()
             assert (described["draining"], described["capacity"]["slots_free"]) == (False, 4)
             await expect_error(a.api.request("POST", "/v1/node/drain", json={"wait_s": -1}), 400, "invalid_request")
+
+    run(scenario)
+
+
+def test_the_e2b_front_of_a_draining_node_refuses_create_and_fork_before_anything_is_made(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        runtime = await _runtime(tmp_path, FakeVmm())
+        try:
+            async with _client(_front(runtime)) as client:
+                made = await client.post("/sandboxes", headers=_key(A), json={"templateID": "base"})
+                assert made.status_code == 201, made.text
+                sandbox = made.json()["sandboxID"]
+                await runtime.drain.drain()
+                refused = await client.post("/sandboxes", headers=_key(A), json={"templateID": "base"})
+                assert refused.status_code == 503 and "fork on another node" in refused.json()["message"]
+                tags = {r.tag for r in runtime.snapshot_records()}
+                forked = await client.post(f"/sandboxes/{sandbox}/fork", headers=_key(A), json={"count": 1})
+                assert forked.status_code == 503, forked.text
+                assert {r.tag for r in runtime.snapshot_records()} == tags  # no branch was written for it
+                assert (await client.delete(f"/sandboxes/{sandbox}", headers=_key(A))).status_code == 204
+                assert runtime.sandboxes.live() == []
+        finally:
+            await runtime.stop()
 
     run(scenario)
 
