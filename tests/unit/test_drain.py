@@ -130,3 +130,20 @@ def test_an_owner_reaped_while_its_fork_starts_leaves_no_child(tmp_path: Path) -
             assert len(vmm_processes_under(sandboxes)) == 1
 
     run(scenario)
+
+
+def test_an_owner_reaped_while_a_child_queues_for_a_restore_slot_refuses_it_before_it_starts(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with node(tmp_path / "a", options=RuntimeOptions(max_concurrent_forks=1)) as a:
+            await bake(a, tmp_path, "base")
+            a.runtime.vmm.behaviour.reseed_delay_s = 1.0  # the first child holds the one slot a while
+            forking = asyncio.create_task(a.api.fork("base", 2, owner="job"))
+            sandboxes = a.runtime.paths.sandboxes
+            await until(lambda: len(list(sandboxes.iterdir())) == 1 and a.runtime.spawner.starting() == 2)
+            [restoring] = [p.name for p in sandboxes.iterdir()]
+            assert await a.api.kill_owner("job") == [restoring]  # the queued one never had an id or a VMM
+            answer = await forking
+            assert answer["sandboxes"] == [] and [e["code"] for e in answer["errors"]] == ["sandbox_ended"] * 2
+            assert list(sandboxes.iterdir()) == [] and a.runtime.registry.list_sandboxes() == []
+
+    run(scenario)

@@ -101,12 +101,13 @@ class Starting:
     stopped: bool = False  # the reap refused or killed it
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def check(self) -> None:
-        """Refuse this child if its owner was reaped (the caller kills what it already started)."""
-        if self.reaped:
-            self.stopped = True
-            raise OwnerReaped(f"child {self.sandbox_id or '(not started)'} was stopped as it started: its owner "
-                              f"{self.owner!r} was reaped (DELETE /v1/sandboxes?owner={self.owner})")
+    def refusal(self) -> OwnerReaped | None:
+        """The error to stop this child with if its owner was reaped (the caller kills what it started)."""
+        if not self.reaped:
+            return None
+        self.stopped = True
+        return OwnerReaped(f"child {self.sandbox_id or '(not started)'} was stopped as it started: its owner "
+                           f"{self.owner!r} was reaped (DELETE /v1/sandboxes?owner={self.owner})")
 
 
 @dataclass
@@ -229,29 +230,30 @@ class Spawner:
 
     async def _spawn(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions, timings: Timings,
                      member: Member | None, deadline: float | None, child: Starting) -> LiveSandbox:
-        limit = self.options.max_sandboxes
-        if limit is not None and len(self.sandboxes.live()) + self._restoring >= limit:
+        def refuse(error: Exception) -> Exception:
+            """``error`` for a child refused before its restore: the pool member it took waits again."""
             if member is not None:
                 self.pool.give_back(tag, member)
-            raise SandboxLimitReached(f"the daemon runs its limit of {limit} sandboxes (max_sandboxes); kill some "
-                                      "with `forkd kill` or raise the limit in the daemon's config")
+            return error
+
+        limit = self.options.max_sandboxes
+        if limit is not None and len(self.sandboxes.live()) + self._restoring >= limit:
+            raise refuse(SandboxLimitReached(f"the daemon runs its limit of {limit} sandboxes (max_sandboxes); kill "
+                                             "some with `forkd kill` or raise the limit in the daemon's config"))
+        if (reaped := child.refusal()) is not None:
+            raise refuse(reaped)
         self._restoring += 1
         try:
             try:
                 await asyncio.wait_for(self._restore_slots.acquire(), _remaining(deadline))
             except asyncio.TimeoutError:
-                if member is not None:
-                    self.pool.give_back(tag, member)
-                raise DeadlinePassed(f"the request's deadline of {deadline - timings.start:.1f} s passed while this "  # type: ignore[operator]
-                                     "child waited for a restore slot; fork fewer at once or give more time") from None
+                raise refuse(DeadlinePassed(
+                    f"the request's deadline of {deadline - timings.start:.1f} s passed while this "  # type: ignore[operator]
+                    "child waited for a restore slot; fork fewer at once or give more time")) from None
             try:
                 timings.mark("queued")
-                try:
-                    child.check()  # reaped while it queued: nothing started yet
-                except OwnerReaped:
-                    if member is not None:
-                        self.pool.give_back(tag, member)
-                    raise
+                if (reaped := child.refusal()) is not None:  # its owner was reaped while it queued
+                    raise refuse(reaped)
                 return await self._restore(tag, saved, spec, options, timings, member, deadline, child)
             finally:
                 self._restore_slots.release()
@@ -300,7 +302,8 @@ class Spawner:
             record = self._running_record(sandbox_id, tag, vm, options, prepared, timings)
             await asyncio.to_thread(self.registry.add_sandbox, record)
             timings.mark("recorded")
-            child.check()  # its owner reaped while it started: killed and released below, never served
+            if (reaped := child.refusal()) is not None:  # killed and released below, never served
+                raise reaped
         except BaseException:
             if agent is not None:
                 await agent.close()
