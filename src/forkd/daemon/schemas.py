@@ -467,7 +467,7 @@ class NodeDrain(Strict):
                           description="answer once no sandbox is left, or after this many seconds")
 
 
-class DrainState(Open):
+class DrainOutcome(Open):
     draining: bool
     sandboxes: list[str] = Field(description="ids of the sandboxes still running")
     starting: int = Field(description="children admitted before the drain, still starting")
