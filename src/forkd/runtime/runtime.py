@@ -55,8 +55,8 @@ from forkd.vmm.base import Capabilities, Vmm
 # What a front may use of a Runtime: its services and the methods that answer for the store and the VMM.
 FRONT_SURFACE = frozenset({
     "sandboxes", "spawner", "pools", "sessions", "branches", "workspaces", "packs", "snapshots", "compaction",
-    "peers", "node", "drain", "driver_forks", "metrics", "paths", "start", "stop", "images", "build_image", "remove_image",
-    "confine_image_sources", "create_snapshot", "remove_snapshot", "snapshot", "snapshot_by_digest",
+    "peers", "node", "drain", "driver_forks", "metrics", "paths", "start", "stop", "images", "build_image",
+    "remove_image", "confine_image_sources", "create_snapshot", "remove_snapshot", "snapshot", "snapshot_by_digest",
     "snapshot_records", "snapshot_listing", "describe_snapshot", "capabilities"})
 
 
