@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from forkd.cluster import node_api
+import forkd.cluster.node_api as node_api
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import DaemonUnreachable, ForkdError

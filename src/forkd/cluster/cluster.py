@@ -140,7 +140,12 @@ class Cluster:
                                  f"asked for {to}")
         plan = [Pull(digest, target, holders[i % len(holders)])
                 for i, target in enumerate(candidates[:max(0, to - len(holders))])]
-        return self._run_pulls(plan)
+        done = self._run_pulls(plan)
+        if len(done) < len(plan):
+            failed = {p.target.node_id for p in plan} - {record["target"] for record in done}
+            raise PlacementError(f"{', '.join(sorted(failed))} could not pull {digest[:12]} (their errors are in "
+                                 f"this driver's log); {len(done)} other node(s) did")
+        return done
 
     def _run_pulls(self, plan: list[Pull]) -> list[dict[str, Any]]:
         if not plan:
@@ -155,8 +160,10 @@ class Cluster:
             except ray.exceptions.RayError as exc:
                 log.warning("node %s could not pull %s from %s: %s", pull.target.name, pull.digest[:12],
                             pull.source.name, exc)
-                answer = None
+                continue
             if answer is None:
+                log.warning("node %s did not finish pulling %s within %.0f s", pull.target.name, pull.digest[:12],
+                            PULL_TIMEOUT_S)
                 continue
             self.directory.with_copy(pull.target.ray_node_id, SnapshotCopy(tag=answer["tag"], digest=answer["digest"]))
             record = {"target": pull.target.node_id, "source": pull.source.node_id, "digest": pull.digest, **answer}
@@ -230,16 +237,20 @@ class Cluster:
 
     # teardown
 
-    def close(self) -> list[str]:
-        """Kill this driver's children on every alive node (answers their ids); leaves Ray up unless
-        this ``Cluster`` started it."""
-        refs = [agent.kill_owner.remote(self.owner) for ray_node_id, agent in self.agents.items()
-                if self.directory.nodes.get(ray_node_id, None) is not None and self.directory.nodes[ray_node_id].alive]
+    def kill_children(self) -> list[str]:
+        """Kill this driver's children on every alive node (answers their ids)."""
+        alive = {state.ray_node_id for state in self.directory.alive}
+        refs = [agent.kill_owner.remote(self.owner) for ray_node_id, agent in self.agents.items() if ray_node_id in alive]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_S)
         killed = []
         for ref in ready:
             with contextlib.suppress(ray.exceptions.RayError):
                 killed.extend(ray.get(ref))
+        return killed
+
+    def close(self) -> list[str]:
+        """Kill this driver's children (answers their ids); leaves Ray up unless this ``Cluster`` started it."""
+        killed = self.kill_children()
         if self._owns_ray:
             ray.shutdown()
         return killed

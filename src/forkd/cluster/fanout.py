@@ -12,17 +12,29 @@ import secrets
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
+from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
 
-from forkd.cluster.placement import PlacementError
-
-if TYPE_CHECKING:
-    from forkd.cluster.cluster import Cluster
+from forkd.cluster.placement import Directory, PlacementError
 
 POLL_S = 0.5  # how often a quiet map looks for dead nodes (Ray's health checks decide death)
+
+
+class Placer(Protocol):
+    """What a fan-out needs of the cluster (``Cluster`` is one): the directory, the agents, replication."""
+
+    owner: str
+    directory: Directory
+    agents: dict[str, ActorHandle]
+
+    def replicate_for(self, digest: str, n: int) -> list[dict[str, Any]]: ...
+
+    def notice_deaths(self, wait_for: str | None = None) -> list[str]: ...
+
+    def describe_nodes(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,7 @@ class _Attempt:
 class Fanout:
     """Iterate it for each item's ``Outcome`` as it lands (any order, each item exactly once)."""
 
-    def __init__(self, cluster: Cluster, digest: str, items: list[Any], fn: Callable[..., Any],
+    def __init__(self, cluster: Placer, digest: str, items: list[Any], fn: Callable[..., Any],
                  timeout_s: float | None, max_attempts: int) -> None:
         self.cluster, self.digest, self.items, self.fn = cluster, digest, items, fn
         self.timeout_s, self.max_attempts = timeout_s, max_attempts

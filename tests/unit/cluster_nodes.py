@@ -1,0 +1,168 @@
+"""Real forkd nodes for the cluster tests: a ``forkd daemon`` process per node (FakeVmm behind the real
+app, its own FORKD_HOME, TCP with a token) joined to a Ray cluster of several raylets on this host
+(``ray.cluster_utils.Cluster``, as Ray's own node-failure tests run), and a way to kill every process
+of one node at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forkd.config import Paths
+from forkd.runtime.runtime import Runtime
+from forkd.runtime.snapshots import SnapshotRequest
+from forkd.sdk.controller import Controller, DaemonUnreachable
+from forkd.vmm.fake import FakeVmm
+from test_runtime_fake_vmm import _image
+
+HERE = Path(__file__).resolve().parent
+SLOTS = 4  # each daemon's max_sandboxes: small, so a 30-item fan-out needs the other nodes
+START_BOUND_S = 60.0
+# Ray's health checks tuned for the test (docs/scale-out.md): a raylet that stops answering is
+# declared dead after about period x threshold + timeout, ~2.5 s, instead of ~30 s by default.
+HEALTH_CHECKS = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 500,
+                 "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def bake(home: Path, tag: str) -> None:
+    """A FakeVmm snapshot made by the real runtime in ``home`` (before its daemon starts)."""
+    async def make() -> None:
+        runtime = Runtime(Paths(home=home, cache=home.parent / "cache", socket=home / "bake.sock"), FakeVmm())
+        try:
+            await runtime.snapshots.create(SnapshotRequest(tag=tag, memory_mib=1), _image(home.parent),
+                                           lambda _line: None)
+        finally:
+            await runtime.stop()
+    asyncio.run(asyncio.wait_for(make(), START_BOUND_S))
+
+
+@dataclass
+class ForkdNode:
+    """One node's daemon (and, once joined, its Ray node)."""
+
+    name: str
+    root: Path
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    port: int = field(default_factory=free_port)
+    daemon: subprocess.Popen[bytes] | None = None
+    ray_node: Any = None
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What the node's Ray workers see: where their daemon is."""
+        return {"FORKD_URL": self.url, "FORKD_TOKEN": self.token}
+
+    def controller(self) -> Controller:
+        return Controller(url=self.url, token=self.token, timeout=30.0)
+
+    def start_daemon(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "FORKD_HOME": str(self.home), "FORKD_CACHE": str(self.root / "cache"),
+               "FORKD_SOCKET": str(self.root / "forkd.sock"), "FORKD_TOKEN": self.token}
+        log = open(self.root / "daemon.log", "ab")  # noqa: SIM115 - the daemon writes it until it ends
+        self.daemon = subprocess.Popen([sys.executable, str(HERE / "fake_daemon.py"), "--listen",
+                                        f"127.0.0.1:{self.port}", "--max-sandboxes", str(SLOTS)],
+                                       env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + START_BOUND_S
+        with self.controller() as controller:
+            while True:
+                try:
+                    controller.health()
+                    return
+                except DaemonUnreachable:
+                    if self.daemon.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"daemon {self.name} did not start: "
+                                           f"{(self.root / 'daemon.log').read_text()[-2000:]}") from None
+                    time.sleep(0.2)
+
+    def vmm_pids(self) -> list[int]:
+        """Processes started for this node's sandboxes (FakeVmm VMMs name their run directory)."""
+        return [pid for pid, cmdline in processes() if str(self.home) in cmdline and pid != self.daemon_pid]
+
+    @property
+    def daemon_pid(self) -> int | None:
+        return self.daemon.pid if self.daemon else None
+
+    def stop_daemon(self) -> None:
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.daemon.send_signal(signal.SIGTERM)
+            try:
+                self.daemon.wait(30)
+            except subprocess.TimeoutExpired:
+                self.daemon.kill()
+                self.daemon.wait(10)
+
+
+def processes() -> list[tuple[int, str]]:
+    """(pid, command line) of every process this host runs."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+            except OSError:
+                continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (a raylet's workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_node(ray_cluster: Any, node: ForkdNode) -> list[int]:
+    """SIGKILL every process of ``node`` at once: its raylet and Ray's other node processes, their
+    workers, its daemon and its VMMs. Answers the pids killed."""
+    raylet = node.ray_node.all_processes["raylet"][0].process.pid
+    pids = {raylet, *descendants(raylet), *node.vmm_pids()}
+    if node.daemon_pid is not None:
+        pids.add(node.daemon_pid)
+    for infos in node.ray_node.all_processes.values():
+        pids.update(info.process.pid for info in infos)
+    for pid in sorted(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    ray_cluster.remove_node(node.ray_node, allow_graceful=False)
+    if node.daemon is not None:
+        node.daemon.wait(10)
+    return sorted(pids)
