@@ -165,7 +165,3 @@ class Directory:
         if not state.holds(copy.digest):
             self.nodes[ray_node_id] = replace(state, snapshots=(*state.snapshots, copy))
 
-
-def incompatibility(a: NodeState, b: NodeState) -> list[str]:
-    """The compatibility fields on which two nodes differ (empty: a snapshot may move between them)."""
-    return sorted(key for key in set(a.compat) | set(b.compat) if a.compat.get(key) != b.compat.get(key))
