@@ -51,37 +51,42 @@ def node() -> None:
 @node.command("start")
 @click.option("--ray-address", required=True, metavar="HOST:PORT", help="the Ray cluster's head (GCS) address")
 @click.option("--listen", default="0.0.0.0:7070", show_default=True, metavar="HOST:PORT",
-              help="where the daemon serves the cluster (TCP, bearer token)")
+              help="where a daemon this command starts serves the cluster (TCP, bearer token)")
 @click.option("--url", "advertised", metavar="URL",
-              help="the daemon's URL as other nodes and drivers reach it (default http://<this node's IP>:<port>)")
+              help="the daemon's URL as other nodes and drivers reach it (default $FORKD_URL when it is "
+                   "http(s), else http://<this node's IP>:<port of --listen>)")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
               help="the bearer token (default: $FORKD_TOKEN, else one made once under FORKD_HOME)")
+@click.option("--block", is_flag=True, help="stay in the foreground with Ray's node processes (a container's "
+                                            "or a service's main process)")
 @reports_errors
-def node_start(ray_address: str, listen: str, advertised: str | None, token_file: Path | None) -> None:
-    """Start (or attach) this host's daemon on TCP and join the Ray cluster as a forkd node.
+def node_start(ray_address: str, listen: str, advertised: str | None, token_file: Path | None, block: bool) -> None:
+    """Attach this host's daemon (or start one on TCP) and join the Ray cluster as a forkd node.
 
-    The Ray node gets the `forkd` resource and the `forkd-node` label; its workers find the daemon in
-    FORKD_URL and FORKD_TOKEN, which is how the cluster's node agent reaches it."""
+    A daemon already at the URL (e.g. a Kubernetes DaemonSet's) is attached; otherwise one is started
+    with --listen. The Ray node gets the `forkd` resource and the `forkd-node` label; its workers find
+    the daemon in FORKD_URL and FORKD_TOKEN, which is how the cluster's node agent reaches it."""
     paths = paths_from_env()
     token = _token(token_file or paths.home / "node-token")
+    env_url = os.environ.get("FORKD_URL", "")
+    given = advertised or (env_url if env_url.startswith(("http://", "https://")) else None)
     host, _, port = listen.rpartition(":")
-    url = advertised or f"http://{_node_ip(ray_address) if host in ('0.0.0.0', '') else host}:{port}"
+    url = given or f"http://{_node_ip(ray_address) if host in ('0.0.0.0', '') else host}:{port}"
     controller = Controller(url=url, token=token)
-    if not _answers(controller):
-        local = Controller()
-        if _answers(local):
+    if not _answers(controller) and given is None:
+        if _answers(Controller(url=f"unix://{paths.socket}")):
             raise click.ClickException(f"a local daemon runs but does not answer at {url}: restart it with "
                                        f"`forkd daemon --listen {listen}` and this token, or pass --url")
         _start_daemon(paths, listen, token)
-        _wait(controller)
+    _wait(controller)
     node_id = controller.request("GET", "/v1/node")["node_id"]
     env = {**os.environ, "FORKD_URL": url, "FORKD_TOKEN": token}
     command = [str(Path(sys.executable).parent / "ray"), "start", "--address", ray_address,
-               "--resources", json.dumps({"forkd": 1}), "--labels", f"{LABEL}={node_id}"]
-    done = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, timeout=300)
+               "--resources", json.dumps({"forkd": 1}), "--labels", f"{LABEL}={node_id}", *(["--block"] if block else [])]
+    console.print(f"forkd node {node_id} ({url}) joining the Ray cluster at {ray_address}")
+    done = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, timeout=None if block else 300)
     if done.returncode != 0:
         raise click.ClickException(f"`ray start` failed (exit {done.returncode}); see its output above")
-    console.print(f"forkd node {node_id} ({url}) joined the Ray cluster at {ray_address}")
 
 
 def _token(path: Path) -> str:
