@@ -33,12 +33,15 @@ DEATH_BOUND_S = 10.0  # the issue's bound on noticing node 2's death, with the h
 
 
 def square(sandbox: Any, item: dict[str, Any]) -> int:
-    """The work of one item: logs that it started (so a retried item shows twice), then a command in
-    its own sandbox that takes long enough for node 2 to die with items in flight."""
+    """The work of one item: logs that it started (so a retried item shows twice), runs a command in its
+    own sandbox (the FakeVmm's agent answers it without output) and holds the sandbox long enough for
+    node 2 to die with items in flight."""
     with open(item["log"], "a") as log:
         log.write(f"{item['i']}\n")
-    result = sandbox.commands.run(f"sleep 0.5; echo $(( {item['i']} * {item['i']} ))")
-    return int(result.stdout.strip())
+    answer = sandbox.api.exec(sandbox.sandbox_id, f"echo {item['i']}")
+    assert answer["exit_code"] == 0 and sandbox.is_running()
+    time.sleep(0.5)
+    return int(item["i"]) ** 2
 
 
 @pytest.fixture

@@ -97,7 +97,8 @@ class Cluster:
                 self.deaths[ray_node_id] = time.monotonic()
                 self.agents.pop(ray_node_id, None)
                 log.warning("forkd node on Ray node %s is dead; its children are lost", ray_node_id)
-            if died or wait_for is None or time.monotonic() >= deadline or self._agent_answers(wait_for):
+            settled = wait_for is None or not self.directory.nodes[wait_for].alive or self._agent_answers(wait_for)
+            if died or settled or time.monotonic() >= deadline:
                 return died
             time.sleep(0.2)
 

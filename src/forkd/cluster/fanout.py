@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnschedulableError, RayActorError, RayError, RayTaskError
 
 from forkd.cluster.placement import Directory, PlacementError
 
@@ -131,14 +131,15 @@ class Fanout:
         node_id = self.cluster.directory.nodes[attempt.ray_node_id].node_id
         try:
             answer = ray.get(ref)
-        except RayTaskError as exc:  # fn raised: the item's own answer
-            return self._deliver(Outcome(index, self.items[index], error=exc.as_instanceof_cause(),
-                                         node_id=node_id, attempts=self.stats.attempts[index]))
-        except RayActorError:  # the agent died (its node, or its process that Ray restarts)
+        except (RayActorError, ActorUnschedulableError):  # the agent died (its node, or its process)
             if attempt.ray_node_id in self.cluster.notice_deaths(wait_for=attempt.ray_node_id):
                 self._node_died(attempt.ray_node_id)
             self._retry(index, "its node agent died")
             return None
+        except RayError as exc:  # fn raised: the item's own answer (as fn's exception when Ray can rebuild it)
+            error = exc.as_instanceof_cause() if isinstance(exc, RayTaskError) else exc
+            return self._deliver(Outcome(index, self.items[index], error=error, node_id=node_id,
+                                         attempts=self.stats.attempts[index]))
         if "refused" in answer:
             self.stats.refused += 1
             self._retry(index, answer["refused"])
