@@ -153,3 +153,69 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(nodes: tuple[
     assert any(o.node_id == back.node_id for o in again.values()), "the restarted node took no work"
     assert any(p["target"] == back.node_id and p["digest"] == digest for p in cluster.pulls)
     cluster.close()
+
+
+DRIVER = """
+import sys, time
+import ray
+ray.init(address=sys.argv[1], namespace="forkd")
+from forkd.cluster import Cluster
+sandbox = Cluster().create(sys.argv[2], timeout_s=None)
+print(sandbox.sandbox_id, flush=True)
+time.sleep(600)
+"""
+
+
+def forkd_cli(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "forkd", *args, "--ray-address", address], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_create_fork_spill_replicate_and_reap(nodes: tuple[RayCluster, list[ForkdNode]]) -> None:
+    ray_cluster, forkd = nodes
+    ray.init(address=ray_cluster.address, namespace="forkd")
+    cluster = Cluster()
+    digest = cluster.resolve(TAG)
+
+    # create: the SDK's Sandbox, bound to the only holder; fork beyond its free slots spills elsewhere
+    sandbox = cluster.create(TAG)
+    assert sandbox.api.url == forkd[0].url and sandbox.is_running()
+    children = cluster.fork(sandbox, SLOTS + 2)
+    assert len(children) == SLOTS + 2 and all(child.is_running() for child in children)
+    where = [child.api.url for child in children]
+    assert where.count(forkd[0].url) == SLOTS - 1  # the parent holds the home node's last slot
+    branch = {p["digest"] for p in cluster.pulls} - {digest}
+    assert len(branch) == 1 and all(p["source"] == cluster.directory.nodes[
+        next(s.ray_node_id for s in cluster.directory.alive if s.url == forkd[0].url)].node_id for p in cluster.pulls)
+    assert cluster.kill_children() and all(not child.is_running() for child in children)
+
+    # `forkd cluster replicate`: the tag onto every node (spilling the branch brought its base to one
+    # node already), then refused past the nodes there are
+    holders = len(cluster.refresh().holders(digest))
+    assert holders == 2
+    done = forkd_cli(ray_cluster.address, "cluster", "replicate", TAG, "--to", "3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(f"pulled {digest[:12]}") == 1
+    too_many = forkd_cli(ray_cluster.address, "cluster", "replicate", TAG, "--to", "4")
+    assert too_many.returncode == 1 and "only 3 alive node(s) can hold" in too_many.stderr
+    for node in forkd:
+        with node.controller() as controller:
+            assert digest in {s["digest"] for s in controller.request("GET", "/v1/node")["snapshots"]}
+
+    # a driver that dies leaves children behind; the agents reap them by its (dead) Ray job
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, ray_cluster.address, TAG], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        orphan = driver.stdout.readline().strip() if driver.stdout else ""
+    finally:
+        driver.kill()
+        driver.wait(30)
+    assert orphan
+    deadline = time.monotonic() + 60
+    reaped: list[str] = []
+    while orphan not in reaped and time.monotonic() < deadline:
+        reaped += [child for state in cluster.directory.alive
+                   for child in ray.get(ray.get_actor(f"forkd-node-{state.ray_node_id}").reap_dead_drivers.remote())]
+        time.sleep(0.5)
+    assert orphan in reaped
+    cluster.close()
