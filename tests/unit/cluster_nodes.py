@@ -60,6 +60,8 @@ class ForkdNode:
     root: Path
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     port: int = field(default_factory=free_port)
+    ip: str = "127.0.0.1"  # where it listens: loopback, or its network namespace's address
+    netns: str | None = None  # the network namespace it runs in (None: this one)
     daemon: subprocess.Popen[bytes] | None = None
     ray_node: Any = None
 
@@ -69,7 +71,15 @@ class ForkdNode:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.ip}:{self.port}"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "forkd.sock"
+
+    def command(self, *argv: str) -> list[str]:
+        """``argv`` run in the node's network namespace."""
+        return ["ip", "netns", "exec", self.netns, *argv] if self.netns else list(argv)
 
     @property
     def env(self) -> dict[str, str]:
@@ -77,15 +87,16 @@ class ForkdNode:
         return {"FORKD_URL": self.url, "FORKD_TOKEN": self.token}
 
     def controller(self) -> Controller:
-        return Controller(url=self.url, token=self.token, timeout=30.0)
+        """The daemon through its Unix socket: reachable from this process whatever its network namespace."""
+        return Controller(url=f"unix://{self.socket}", timeout=30.0)
 
     def start_daemon(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "FORKD_HOME": str(self.home), "FORKD_CACHE": str(self.root / "cache"),
-               "FORKD_SOCKET": str(self.root / "forkd.sock"), "FORKD_TOKEN": self.token}
+               "FORKD_SOCKET": str(self.socket), "FORKD_TOKEN": self.token}
         log = open(self.root / "daemon.log", "ab")  # noqa: SIM115 - the daemon writes it until it ends
-        self.daemon = subprocess.Popen([sys.executable, str(HERE / "fake_daemon.py"), "--listen",
-                                        f"127.0.0.1:{self.port}", "--max-sandboxes", str(SLOTS)],
+        self.daemon = subprocess.Popen(self.command(sys.executable, str(HERE / "fake_daemon.py"), "--listen",
+                                                    f"{self.ip}:{self.port}", "--max-sandboxes", str(SLOTS)),
                                        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + START_BOUND_S

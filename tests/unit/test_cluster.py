@@ -1,17 +1,22 @@
-"""Tier A of forkd on Ray (docs/scale-out.md): three Ray nodes on this host, each with its own real
-``forkd daemon`` process (FakeVmm behind the real app, its own FORKD_HOME, TCP with a token); the
-snapshot on node 0 only; ``Cluster.map`` over 30 items; after 8 results every process of node 2 is
-killed. Every wait is bounded.
+"""Tier A of forkd on Ray (docs/scale-out.md). Every node has its own real ``forkd daemon`` process
+(FakeVmm behind the real app, its own FORKD_HOME, TCP with a token).
+
+The map test stands hosts in with network namespaces on a bridge the test makes: a Ray head and three
+forkd nodes, each joined by ``forkd node start``; the snapshot on node 0 only; ``Cluster.map`` over 30
+items; after 8 results every process of node 2 is killed. The create/fork test runs its three nodes as
+``ray.cluster_utils.Cluster`` raylets. Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,28 +25,19 @@ from typing import Any
 import pytest
 
 ray = pytest.importorskip("ray", reason="the cluster tests need the forkd[ray] extra (scripts/setup installs it)")
-from ray import cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
-import cluster_nodes  # noqa: E402
-from cluster_nodes import HEALTH_CHECKS, SLOTS, ForkdNode, bake, kill_node  # noqa: E402
-from forkd.cluster import Cluster, PlacementError  # noqa: E402
+from cluster_netns import bridge  # noqa: E402
+from cluster_nodes import HEALTH_CHECKS, HERE, SLOTS, ForkdNode, bake  # noqa: E402
+from forkd.cluster import Cluster  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 TAG = "base"
-DEATH_BOUND_S = 10.0  # the issue's bound on noticing node 2's death, with the health checks above
-
-
-def square(sandbox: Any, item: dict[str, Any]) -> int:
-    """The work of one item: logs that it started (so a retried item shows twice), runs a command in its
-    own sandbox (the FakeVmm's agent answers it without output) and holds the sandbox long enough for
-    node 2 to die with items in flight."""
-    with open(item["log"], "a") as log:
-        log.write(f"{item['i']}\n")
-    answer = sandbox.api.exec(sandbox.sandbox_id, f"echo {item['i']}")
-    assert answer["exit_code"] == 0 and sandbox.is_running()
-    time.sleep(0.5)
-    return int(item["i"]) ** 2
+DEATH_BOUND_S = 10.0  # the issue's bound on noticing node 2's death, with the health checks tuned
+LINE_BOUND_S = 120.0  # the longest the driver may stay silent
+RAY_PORT = "6379"
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                                reason="network namespaces need root and iproute2")
 
 
 @pytest.fixture
@@ -49,6 +45,144 @@ def root() -> Iterator[Path]:
     directory = Path(tempfile.mkdtemp(prefix="fkc-", dir="/tmp"))  # short: Unix socket paths
     yield directory
     shutil.rmtree(directory, ignore_errors=True)
+
+
+class Driver:
+    """``cluster_driver.py`` running in the head's namespace: its JSON lines, each awaited with a bound."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                self.lines.put(json.loads(line))
+        self.lines.put(None)
+
+    def next(self) -> dict[str, Any]:
+        line = self.lines.get(timeout=LINE_BOUND_S)
+        assert line is not None, f"the driver ended (exit {self.process.wait(10)})"
+        return line
+
+    def send(self, text: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(text + "\n")
+        self.process.stdin.flush()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+
+
+def join(node: ForkdNode, head: str) -> None:
+    """The node's daemon, then ``forkd node start`` in its namespace (Ray's files kept apart per node)."""
+    node.start_daemon()
+    env = {**os.environ, "FORKD_TOKEN": node.token, "FORKD_HOME": str(node.home), "FORKD_SOCKET": str(node.socket)}
+    done = subprocess.run(node.command(sys.executable, "-m", "forkd", "node", "start", "--ray-address",
+                                       f"{head}:{RAY_PORT}", "--url", node.url, "--", "--node-ip-address", node.ip,
+                                       "--num-cpus", "1", "--temp-dir", str(node.root / "ray"),
+                                       "--disable-usage-stats"),
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def node_id(node: ForkdNode) -> str:
+    with node.controller() as controller:
+        return str(controller.request("GET", "/v1/node")["node_id"])
+
+
+@needs_root
+def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -> None:
+    netns_before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    with bridge() as net:
+        head_ns, head = net.add()
+        forkd = []
+        for i in range(3):
+            netns, address = net.add()
+            forkd.append(ForkdNode(f"n{i}", root / f"n{i}", port=7070, ip=address, netns=netns))
+        bake(forkd[0].home, TAG)
+        health = {f"RAY_{key}": str(value) for key, value in HEALTH_CHECKS.items()}
+        started = subprocess.run(["ip", "netns", "exec", head_ns, str(Path(sys.executable).parent / "ray"), "start",
+                                  "--head", "--node-ip-address", head, "--port", RAY_PORT, "--num-cpus", "0",
+                                  "--include-dashboard=false", "--disable-usage-stats",
+                                  "--temp-dir", str(root / "ray-head")],
+                                 env={**os.environ, **health}, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, started.stderr
+        for node in forkd:
+            join(node, head)
+        ids = {node.name: node_id(node) for node in forkd}
+
+        # `forkd cluster status` in the head's namespace sees the three nodes and what each holds
+        status = subprocess.run(["ip", "netns", "exec", head_ns, sys.executable, "-m", "forkd", "cluster", "status",
+                                 "--ray-address", f"{head}:{RAY_PORT}", "--json"],
+                                capture_output=True, text=True, timeout=180)
+        assert status.returncode == 0, status.stderr
+        shown = {n["url"]: n for n in json.loads(status.stdout)["nodes"]}
+        assert sorted(shown) == sorted(node.url for node in forkd)
+        assert [shown[node.url]["node_id"] for node in forkd] == [ids[node.name] for node in forkd]
+        digest = shown[forkd[0].url]["snapshots"][0]["digest"]
+        assert not shown[forkd[1].url]["snapshots"] and not shown[forkd[2].url]["snapshots"]
+
+        log = root / "started.log"
+        driver = Driver(["ip", "netns", "exec", head_ns, sys.executable, str(HERE / "cluster_driver.py"),
+                         f"{head}:{RAY_PORT}", TAG, str(log), "30"])
+        try:
+            assert driver.next()["event"] == "nodes"
+            refused = driver.next()  # bad input: a digest nobody holds, refused naming the nodes asked
+            assert refused["event"] == "refused" and "held by none of the alive nodes" in refused["message"]
+            assert all(name in refused["message"] for name in ids.values())
+
+            results: dict[int, int] = {}
+            killed_at = None
+            while (line := driver.next())["event"] == "result":
+                assert line["error"] is None, line["error"]
+                assert line["index"] not in results  # exactly once
+                results[line["index"]] = line["value"]
+                if len(results) == 8:  # every process of node 2: raylet, workers, daemon, VMMs
+                    killed_at = time.monotonic()
+                    assert net.kill_all(forkd[2].netns or "")
+            summary = line
+            assert results == {i: i * i for i in range(30)}
+
+            # node 2 seen dead within the bound; its items in flight ran again elsewhere
+            assert killed_at is not None and summary["dead"] == [ids["n2"]]
+            assert summary["deaths"][ids["n2"]] - killed_at <= DEATH_BOUND_S
+            assert summary["lost"] >= 1 and summary["retried"]
+            starts = [int(i) for i in log.read_text().split()]
+            assert {i for i in starts if starts.count(i) > 1}, "no item ran twice"
+
+            # node 1 pulled the snapshot from node 0 by digest and lists the digest it computed itself
+            assert any(p["target"] == ids["n1"] and p["source"] == ids["n0"] and p["digest"] == digest
+                       for p in summary["pulls"])
+            with forkd[1].controller() as n1:
+                assert digest in {s["digest"] for s in n1.request("GET", "/v1/node")["snapshots"]}
+
+            # the survivors hold no sandboxes and nothing leaked (VMM processes, run directories)
+            for node in forkd[:2]:
+                with node.controller() as controller:
+                    assert controller.sandboxes() == []
+                assert node.vmm_pids() == [], f"{node.name} left VMM processes"
+                assert not any((node.home / "sandboxes").glob("*")), f"{node.name} left run directories"
+
+            # node 2 comes back (a replaced host: a fresh FORKD_HOME), rejoins, pulls and takes work
+            back = ForkdNode("n2b", root / "n2b", port=7070, ip=forkd[2].ip, netns=forkd[2].netns)
+            join(back, head)
+            back_id = node_id(back)
+            driver.send(f"again {3 * SLOTS}")
+            again: dict[int, str] = {}
+            while (line := driver.next())["event"] == "result":
+                assert line["error"] is None and line["value"] == line["index"] ** 2
+                again[line["index"]] = line["node"]
+            assert sorted(again) == list(range(3 * SLOTS))
+            assert back_id in again.values(), "the restarted node took no work"
+            assert any(p["target"] == back_id and p["digest"] == digest for p in line["pulls"])
+        finally:
+            driver.close()
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == netns_before
 
 
 @pytest.fixture
@@ -64,95 +198,12 @@ def nodes(root: Path) -> Iterator[tuple[RayCluster, list[ForkdNode]]]:
         for node in forkd[1:]:
             node.ray_node = ray_cluster.add_node(num_cpus=1, resources={"forkd": 1}, env_vars=node.env)
         ray_cluster.wait_for_nodes()
-        cloudpickle.register_pickle_by_value(sys.modules[__name__])
         yield ray_cluster, forkd
     finally:
         ray.shutdown()
         ray_cluster.shutdown()
         for node in forkd:
             node.stop_daemon()
-
-
-def by_node(cluster: Cluster, forkd: list[ForkdNode]) -> dict[str, Any]:
-    """Each test node's directory entry (matched by its daemon's URL)."""
-    return {node.name: state for node in forkd for state in cluster.directory.nodes.values() if state.url == node.url}
-
-
-def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(nodes: tuple[RayCluster, list[ForkdNode]],
-                                                                   root: Path) -> None:
-    ray_cluster, forkd = nodes
-    netns_before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    ray.init(address=ray_cluster.address, namespace="forkd")
-    cluster = Cluster()
-    states = by_node(cluster, forkd)
-    assert sorted(states) == ["n0", "n1", "n2"]
-    digest = next(c.digest for c in states["n0"].snapshots if c.tag == TAG)
-    assert not states["n1"].holds(digest) and not states["n2"].holds(digest)
-
-    # `forkd cluster status` sees the three nodes and what each holds
-    status = subprocess.run([sys.executable, "-m", "forkd", "cluster", "status", "--ray-address",
-                             ray_cluster.address, "--json"], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "RAY_ADDRESS": ray_cluster.address})
-    assert status.returncode == 0, status.stderr
-    shown = json.loads(status.stdout)
-    assert sorted(n["url"] for n in shown["nodes"]) == sorted(n.url for n in forkd)
-    assert [n for n in shown["nodes"] if n["url"] == forkd[0].url][0]["snapshots"][0]["digest"] == digest
-
-    # bad input: a digest nobody holds is refused, naming the nodes asked
-    with pytest.raises(PlacementError, match="held by none of the alive nodes") as refused:
-        cluster.map_iter("f" * 64, [1], square)
-    assert all(state.node_id in str(refused.value) for state in states.values())
-
-    log = root / "started.log"
-    items = [{"i": i, "log": str(log)} for i in range(30)]
-    fanout = cluster.map_iter(TAG, items, square)
-    results: dict[int, int] = {}
-    killed_at = None
-    for outcome in fanout:
-        assert outcome.error is None, outcome.error
-        assert outcome.index not in results  # exactly once
-        results[outcome.index] = outcome.value
-        if len(results) == 8:
-            killed_at = time.monotonic()
-            kill_node(ray_cluster, forkd[2])
-    assert results == {i: i * i for i in range(30)}
-
-    # node 2 was seen dead within the bound, its in-flight items ran again elsewhere
-    node2 = states["n2"].ray_node_id
-    assert killed_at is not None and node2 in cluster.deaths
-    assert cluster.deaths[node2] - killed_at <= DEATH_BOUND_S
-    assert fanout.stats.dead_nodes == [node2] and fanout.stats.lost_children >= 1
-    started = [int(line) for line in log.read_text().split()]
-    assert {i for i in started if started.count(i) > 1}, "no item ran twice"
-
-    # node 1 pulled the snapshot from node 0 by digest, and computed the same digest from its own files
-    pulls = {(p["target"], p["source"]) for p in cluster.pulls if p["digest"] == digest}
-    assert (states["n1"].node_id, states["n0"].node_id) in pulls
-    with forkd[1].controller() as n1:
-        held = {s["digest"]: s for s in n1.request("GET", "/v1/node")["snapshots"]}
-    assert digest in held
-
-    # the survivors hold no sandboxes and nothing leaked
-    cluster.kill_children()
-    for node in forkd[:2]:
-        with node.controller() as controller:
-            assert controller.sandboxes() == []
-        assert node.vmm_pids() == [], f"{node.name} left VMM processes"
-    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == netns_before
-
-    # node 2 comes back (a replaced host: a fresh FORKD_HOME), rejoins, pulls and takes work
-    restarted = ForkdNode("n2b", root / "n2b")
-    restarted.start_daemon()
-    forkd.append(restarted)
-    restarted.ray_node = ray_cluster.add_node(num_cpus=1, resources={"forkd": 1}, env_vars=restarted.env)
-    ray_cluster.wait_for_nodes()
-    more = [{"i": i, "log": str(log)} for i in range(3 * SLOTS)]
-    again = {o.index: o for o in cluster.map_iter(digest, more, square)}
-    assert {i: o.value for i, o in again.items()} == {i: i * i for i in range(3 * SLOTS)}
-    back = by_node(cluster, forkd)["n2b"]
-    assert any(o.node_id == back.node_id for o in again.values()), "the restarted node took no work"
-    assert any(p["target"] == back.node_id and p["digest"] == digest for p in cluster.pulls)
-    cluster.close()
 
 
 DRIVER = """

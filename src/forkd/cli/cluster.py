@@ -59,13 +59,16 @@ def node() -> None:
               help="the bearer token (default: $FORKD_TOKEN, else one made once under FORKD_HOME)")
 @click.option("--block", is_flag=True, help="stay in the foreground with Ray's node processes (a container's "
                                             "or a service's main process)")
+@click.argument("ray_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- RAY START OPTIONS]")
 @reports_errors
-def node_start(ray_address: str, listen: str, advertised: str | None, token_file: Path | None, block: bool) -> None:
+def node_start(ray_address: str, listen: str, advertised: str | None, token_file: Path | None, block: bool,
+               ray_args: tuple[str, ...]) -> None:
     """Attach this host's daemon (or start one on TCP) and join the Ray cluster as a forkd node.
 
     A daemon already at the URL (e.g. a Kubernetes DaemonSet's) is attached; otherwise one is started
     with --listen. The Ray node gets the `forkd` resource and the `forkd-node` label; its workers find
-    the daemon in FORKD_URL and FORKD_TOKEN, which is how the cluster's node agent reaches it."""
+    the daemon in FORKD_URL and FORKD_TOKEN, which is how the cluster's node agent reaches it. Options
+    after `--` go to `ray start` as they are (e.g. `-- --num-cpus 8 --temp-dir /var/tmp/ray`)."""
     paths = paths_from_env()
     token = _token(token_file or paths.home / "node-token")
     env_url = os.environ.get("FORKD_URL", "")
@@ -82,7 +85,7 @@ def node_start(ray_address: str, listen: str, advertised: str | None, token_file
     node_id = controller.request("GET", "/v1/node")["node_id"]
     env = {**os.environ, "FORKD_URL": url, "FORKD_TOKEN": token}
     command = [str(Path(sys.executable).parent / "ray"), "start", "--address", ray_address,
-               "--resources", json.dumps({"forkd": 1}), "--labels", f"{LABEL}={node_id}", *(["--block"] if block else [])]
+               "--resources", json.dumps({"forkd": 1}), "--labels", f"{LABEL}={node_id}", *(["--block"] if block else []), *ray_args]
     console.print(f"forkd node {node_id} ({url}) joining the Ray cluster at {ray_address}")
     done = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, timeout=None if block else 300)
     if done.returncode != 0:
