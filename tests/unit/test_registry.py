@@ -58,7 +58,8 @@ def test_running_state_moves_out_of_sandbox_meta(tmp_path: Path) -> None:
     registry.close()
     db = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
     db.execute("PRAGMA user_version = 4")
-    for column in ("end_at", "branch_head", "readopted_at"):
+    db.execute("DROP TABLE fork_keys")  # and what schema 6 added
+    for column in ("end_at", "branch_head", "readopted_at", "owner"):
         db.execute(f"ALTER TABLE sandboxes DROP COLUMN {column}")
     db.execute("INSERT INTO sandboxes (id, snapshot_tag, status, pid, run_dir, created_at, meta) VALUES "
                "('sb-aaaaaaaaaaaa', 'base', 'running', 1, '/r', 1.0, "

@@ -19,10 +19,12 @@ from forkd.errors import KINDS, ErrorKind, kind_for_status, kind_of
 from forkd.daemon.middleware.body_limit import BodyTooLarge
 from forkd.image.builder import ImageError, ImageNotFound
 from forkd.packs.format import PackError
+from forkd.packs.peer import IncompatibleSnapshot, PeerError, PeerSnapshotNotFound
+from forkd.runtime.driver_forks import IdempotencyConflict
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.branches import BranchBusy
 from forkd.runtime.sandboxes import SandboxEnded, SandboxNotFound
-from forkd.store.errors import SnapshotConflict, SnapshotCorrupt, SnapshotDiskFull, SnapshotError
+from forkd.store.errors import DigestNotFound, SnapshotConflict, SnapshotCorrupt, SnapshotDiskFull, SnapshotError
 from forkd.validation import ValidationError
 from forkd.vmm.base import SnapshotMismatch, VmmError
 
@@ -30,6 +32,11 @@ from forkd.vmm.base import SnapshotMismatch, VmmError
 _KIND_OF_CLASS: list[tuple[type[BaseException], str]] = [
     (ValidationError, "invalid_request"),
     (SandboxNotFound, "not_found"),
+    (DigestNotFound, "snapshot_not_found"),
+    (PeerSnapshotNotFound, "snapshot_not_found"),
+    (IncompatibleSnapshot, "incompatible_snapshot"),
+    (IdempotencyConflict, "idempotency_conflict"),
+    (PeerError, "peer_error"),
     (SandboxEnded, "sandbox_ended"),
     (SnapshotConflict, "conflict"),
     (SnapshotMismatch, "snapshot_mismatch"),
@@ -46,7 +53,7 @@ _KIND_OF_CLASS: list[tuple[type[BaseException], str]] = [
 ]
 # Registered per class (not for Exception, which Starlette re-raises after answering).
 HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError, PackError,
-                  SandboxEnded)
+                  SandboxEnded, IncompatibleSnapshot, IdempotencyConflict)
 
 
 class ClientGone(Exception):

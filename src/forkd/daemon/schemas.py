@@ -81,8 +81,16 @@ class EgressBody(Strict):
     dns: bool = Field(default=True, description="the relayed DNS resolver stays reachable under 'deny'")
 
 
+Label = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="[A-Za-z0-9._:-]{1,128}")]
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="a snapshot's layer digest (sha256 hex)")]
+
+
 class SandboxCreate(Strict):
-    snapshot_tag: Tag
+    snapshot_tag: Tag | None = Field(default=None, description="the snapshot to fork (or give snapshot_digest)")
+    snapshot_digest: Digest | None = Field(default=None, description="the snapshot by digest (GET /v1/node)")
+    idempotency_key: Label | None = Field(default=None, description=(
+        "a retried fork with this key is answered the same and forks no more children (kept 24 h)"))
+    owner: Label | None = Field(default=None, description="a label stored with each child, to list and kill by")
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHILDREN_PER_REQUEST)
     timeout_s: SandboxTimeout | None = None
     envs: Envs = Field(default_factory=dict, description="default environment of every command in the sandbox")
@@ -97,6 +105,14 @@ class SandboxCreate(Strict):
     deadline_s: float | None = Field(default=None, ge=0.1, le=MAX_TIMEOUT_S, description=(
         "wait no longer than this for the children: one not answering by then is dropped and reported"))
     stream: bool = Field(default=False, description="answer NDJSON, one line per child as it answers")
+
+    @model_validator(mode="after")
+    def one_snapshot(self) -> SandboxCreate:
+        if (self.snapshot_tag is None) == (self.snapshot_digest is None):
+            raise ValueError("give exactly one of 'snapshot_tag' or 'snapshot_digest'")
+        if self.idempotency_key is not None and self.stream:
+            raise ValueError("'idempotency_key' is for forks answered once: leave out 'stream'")
+        return self
 
     @model_validator(mode="after")
     def egress_needs_nat(self) -> SandboxCreate:
@@ -293,6 +309,7 @@ class Sandbox(Open):
     pid: int | None
     created_at: float
     end_at: float | None = None
+    owner: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     memory: MemoryUse | None = None
     seconds_to_answer: float | None = Field(default=None, description="fork request to the child's reseed answer")
@@ -302,6 +319,10 @@ class Sandbox(Open):
 
 class SandboxList(Open):
     sandboxes: list[Sandbox]
+
+
+class KilledList(Open):
+    killed: list[str]
 
 
 class ForkResult(Open):
@@ -387,3 +408,44 @@ class FileEntry(Open):
 
 class FileList(Open):
     entries: list[FileEntry]
+
+
+class NodePull(Strict):
+    digest: Digest
+    source: str = Field(min_length=8, max_length=2048, pattern=r"^https?://",
+                        description="the peer daemon's http(s) URL, e.g. http://10.0.0.2:7000")
+    source_token: str | None = Field(default=None, min_length=1, max_length=1024,
+                                     description="the peer's bearer token (sent only to the peer)")
+
+
+class NodeUsage(Open):
+    max_sandboxes: int | None = Field(description="the daemon's limit; null: none")
+    live: int
+    slots_free: int | None = Field(description="max_sandboxes - live; null: no limit")
+    mem_available_bytes: int
+    cpus: int
+    load1: float
+
+
+class NodeSnapshot(Open):
+    tag: str
+    digest: str
+    parent_digest: str | None
+    bytes: int
+    status: str
+
+
+class Node(Open):
+    node_id: str
+    backend: str
+    compat: dict[str, str] = Field(description="vmm, vmm_version, machine, accel, cpu_model, agent_version")
+    compat_key: str = Field(description="sha256 of compat's canonical JSON")
+    capacity: NodeUsage
+    snapshots: list[NodeSnapshot]
+
+
+class PullOutcome(Open):
+    digest: str
+    tag: str
+    pulled_layers: int
+    bytes: int

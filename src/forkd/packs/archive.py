@@ -62,6 +62,9 @@ class SourceSnapshot:
     image: str
     created_at: float
     parent_tag: str | None
+    # The parent's layer digest when the parent is not in the pack (a chain sent without the layers
+    # its receiver already holds); None for a chain's root.
+    parent_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ def build_manifest(chain: list[SourceSnapshot]) -> Manifest:
         parent = entries[-1] if entries else None
         entries.append(PackSnapshot(
             tag=snapshot.tag, parent_tag=snapshot.parent_tag,
-            digest=layer_digest(meta["sha256"]), parent_digest=parent.digest if parent else None,
+            digest=layer_digest(meta["sha256"]), parent_digest=parent.digest if parent else snapshot.parent_digest,
             image=snapshot.image, created_at=snapshot.created_at, files=files))
     return Manifest(format="forkd-pack", format_version=1, forkd_version=__version__, created_at=time.time(),
                     identity=identity, snapshots=entries)
@@ -177,18 +180,11 @@ def check_output(output: Path, force: bool) -> None:
 def write_pack(output: Path, chain: list[SourceSnapshot], progress: Progress, force: bool = False) -> WrittenPack:
     """Write ``chain`` to ``output`` (through a hidden partial file renamed at the end)."""
     check_output(output, force)
-    manifest = build_manifest(chain)
     partial = output.with_name(f".{output.name}.partial-{secrets.token_hex(4)}")
-    meter = Meter(progress, "packed", manifest.total_bytes())
     try:
         with open(partial, "wb") as out:
             hashed = _HashingWriter(out)
-            compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_checksum=True)
-            with compressor.stream_writer(hashed, closefd=False) as zout:
-                with tarfile.open(fileobj=zout, mode="w|", format=tarfile.PAX_FORMAT, bufsize=CHUNK) as tar:
-                    raw_manifest = manifest.model_dump_json(indent=1).encode()
-                    tar.addfile(_info(MANIFEST_NAME, len(raw_manifest), 0o600), io.BytesIO(raw_manifest))
-                    _write_members(tar, chain, manifest, meter)
+            manifest = write_stream(hashed, chain, progress)
             out.flush()
             os.fsync(out.fileno())
         os.replace(partial, output)
@@ -196,8 +192,21 @@ def write_pack(output: Path, chain: list[SourceSnapshot], progress: Progress, fo
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    progress(meter.line())
     return WrittenPack(path=output, size=hashed.size, sha256=hashed.hash.hexdigest(), manifest=manifest)
+
+
+def write_stream(out: IO[bytes], chain: list[SourceSnapshot], progress: Progress) -> Manifest:
+    """Write the pack of ``chain`` (root first) to the writable ``out``, which is not closed; returns its manifest."""
+    manifest = build_manifest(chain)
+    meter = Meter(progress, "packed", manifest.total_bytes())
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_checksum=True)
+    with compressor.stream_writer(out, closefd=False) as zout:
+        with tarfile.open(fileobj=zout, mode="w|", format=tarfile.PAX_FORMAT, bufsize=CHUNK) as tar:
+            raw_manifest = manifest.model_dump_json(indent=1).encode()
+            tar.addfile(_info(MANIFEST_NAME, len(raw_manifest), 0o600), io.BytesIO(raw_manifest))
+            _write_members(tar, chain, manifest, meter)
+    progress(meter.line())
+    return manifest
 
 
 def _write_members(tar: tarfile.TarFile, chain: list[SourceSnapshot], manifest: Manifest, meter: Meter) -> None:

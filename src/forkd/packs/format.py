@@ -11,13 +11,13 @@ machine or with a taken tag is refused before gigabytes are written.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
+from forkd.store.chains import layer_digest
 from forkd.validation import TAG_PATTERN
 from forkd.vmm.base import MachineIdentity
 
@@ -118,16 +118,6 @@ def check_identity_fields(identity: dict[str, Any]) -> None:
         MachineIdentity.from_dict(identity)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"identity is incomplete ({exc})") from None
-
-
-def layer_digest(file_digests: dict[str, str]) -> str:
-    """One SHA-256 naming a snapshot's content: over its sorted ``name=sha256`` lines.
-
-    A child layer records its parent's digest, so a parent replaced by other content is noticed
-    whether it comes from the pack or from the store.
-    """
-    lines = "".join(f"{name}={digest}\n" for name, digest in sorted(file_digests.items()))
-    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def parse_versioned(raw: bytes, model: type[M], kind: str, version: int, where: str) -> M:

@@ -146,6 +146,10 @@ class PackService:
     def inspect(self, source: Path) -> Manifest:
         return self._manifest(self.pack_input(source))
 
+    def inspect_file(self, source: Path) -> Manifest:
+        """The manifest of a pack file the daemon wrote itself (a peer's chain in a build directory)."""
+        return self._manifest(source)
+
     def _manifest(self, source: Path) -> Manifest:
         transfer.check_regular_file(source)
         try:
@@ -162,10 +166,11 @@ class PackService:
     async def unpack(self, source: Path, tag: str | None, force: bool, progress: Progress,
                      claim: Claim | None = None) -> dict[str, Any]:
         """Unpack ``source`` (in the packs directory); ``claim`` when the caller already holds its tags."""
-        return await self._unpack_file(self.pack_input(source), tag, force, progress, claim)
+        return await self.unpack_file(self.pack_input(source), tag, force, progress, claim)
 
-    async def _unpack_file(self, source: Path, tag: str | None, force: bool, progress: Progress,
-                           claim: Claim | None = None) -> dict[str, Any]:
+    async def unpack_file(self, source: Path, tag: str | None, force: bool, progress: Progress,
+                          claim: Claim | None = None) -> dict[str, Any]:
+        """Unpack a pack file the daemon fetched itself into a build directory (no host-path confinement)."""
         if claim is None:
             claim = self.claim(await asyncio.to_thread(self._manifest, source), tag)
         with claim:
@@ -281,7 +286,7 @@ class PackService:
                 pack = work / "pack.tar.zst"
                 digest = await transfer.download(source.url, pack, source.sha256, source.size, progress, self.urls)
             progress(f"pack SHA-256 {digest}" + (" matches the advertised digest" if source.sha256 else ""))
-            result = await self._unpack_file(pack, source.tag, force, progress)
+            result = await self.unpack_file(pack, source.tag, force, progress)
         finally:
             await remove_tree(work)
         return {**result, "pack_sha256": digest}

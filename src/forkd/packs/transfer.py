@@ -53,12 +53,18 @@ class UrlPolicy:
 
 
 @contextlib.asynccontextmanager
-async def fetch(url: str, policy: UrlPolicy) -> AsyncIterator[httpx.Response]:
-    """GET ``url`` as a stream, following redirects only where ``policy`` and the first URL's scheme allow."""
-    scheme = urlsplit(policy.check(url)).scheme
+async def fetch(url: str, policy: UrlPolicy, headers: dict[str, str] | None = None) -> AsyncIterator[httpx.Response]:
+    """GET ``url`` as a stream, following redirects only where ``policy`` and the first URL's scheme allow.
+
+    ``headers`` (a peer's bearer token) go only to the first URL's origin, never along a redirect elsewhere.
+    """
+    first = urlsplit(policy.check(url))
+    scheme, origin = first.scheme, first.netloc
     async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, follow_redirects=False) as client:
         for _ in range(MAX_REDIRECTS + 1):
-            response = await client.send(client.build_request("GET", url), stream=True)
+            same_origin = urlsplit(url).netloc == origin
+            response = await client.send(client.build_request("GET", url, headers=headers if same_origin else None),
+                                         stream=True)
             try:
                 if not response.is_redirect:
                     yield response
@@ -98,7 +104,13 @@ def shown(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return "(an invalid URL)"
-    return urlunsplit((parts.scheme, parts.hostname or "", parts.path, "", "")) if parts.scheme else url
+    if not parts.scheme:
+        return url
+    host = parts.hostname or ""
+    with contextlib.suppress(ValueError):  # a port out of range is left out
+        host = f"[{host}]" if ":" in host else host
+        host += f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def local_path(url: str) -> Path | None:

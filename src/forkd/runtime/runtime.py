@@ -18,12 +18,15 @@ from forkd.image.builder import (
     load_image,
     remove_image,
 )
+from forkd.packs.peer import PeerPuller
 from forkd.packs.service import PackService
 from forkd.packs.transfer import UrlPolicy
 from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
+from forkd.runtime.driver_forks import DriverForks
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.metrics import Metrics
+from forkd.runtime.node import NodeService
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import Recovery, recover
 from forkd.store.registry import Registry, SnapshotRecord
@@ -54,6 +57,9 @@ class Runtime:
             self.options.host_roots.create()
         self.packs = PackService(self.store, self.sandboxes.count_of, self.options.host_roots,
                                  UrlPolicy(self.options.transfer_hosts))
+        self.peers = PeerPuller(self.packs)
+        self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options)
+        self.driver_forks = DriverForks(self.registry, self.sandboxes)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.metrics.watch_pools(self.sandboxes.pool.list)

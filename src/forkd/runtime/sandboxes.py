@@ -105,6 +105,7 @@ class ForkOptions:
     metadata: dict[str, str] = field(default_factory=dict)  # caller's labels, returned as given
     isolation: SandboxOptions = field(default_factory=SandboxOptions)  # network and resource limits
     deadline_s: float | None = None  # the caller waits no longer: children not answering by then are dropped
+    owner: str | None = None  # the driver's label, stored with each child: its children are listed and reaped by it
 
 
 @dataclass
@@ -306,7 +307,8 @@ class SandboxService:
         return SandboxRecord(id=sandbox_id, snapshot_tag=tag, status="running", pid=vm.pid, run_dir=vm.run_dir,
                              created_at=time.time(), meta=meta, vmm_started=start_time(vm.pid),
                              vmm_state=vm.state,
-                             end_at=None if options.timeout_s is None else round(time.time() + options.timeout_s, 3))
+                             end_at=None if options.timeout_s is None else round(time.time() + options.timeout_s, 3),
+                             owner=options.owner)
 
     def watch(self, record: SandboxRecord, vm: VmHandle, agent: AgentClient,
               isolation: Prepared | None = None) -> LiveSandbox:

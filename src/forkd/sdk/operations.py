@@ -21,7 +21,7 @@ from forkd.sdk.errors import ForkdError, error_for
 
 LONG_TIMEOUT_S = 3600.0
 FORK_OPTIONS = ("timeout_s", "envs", "metadata", "net", "egress", "memory_limit_mib", "cpu_quota", "cpu_weight",
-                "pids_max", "deadline_s")
+                "pids_max", "deadline_s", "snapshot_digest", "idempotency_key", "owner")
 
 
 @dataclass(frozen=True)
@@ -105,11 +105,13 @@ def progress(on_progress: Callable[[str], Any] | None) -> Callable[[dict[str, An
     return lambda line: on_progress(str(line.get("progress", line)))
 
 
-def fork_call(tag: str, n: int, options: dict[str, Any]) -> Call:
+def fork_call(tag: str | None, n: int, options: dict[str, Any]) -> Call:
     unknown = set(options) - {*FORK_OPTIONS, "self", "tag", "n"}
     if unknown:
         raise TypeError(f"unknown fork options: {', '.join(sorted(unknown))}")
-    body = {"snapshot_tag": tag, "n": n, **{k: options[k] for k in FORK_OPTIONS if options.get(k) is not None}}
+    body = {"n": n, **{k: options[k] for k in FORK_OPTIONS if options.get(k) is not None}}
+    if tag is not None:
+        body["snapshot_tag"] = tag
     return Call("POST", "/v1/sandboxes", json=body, timeout=LONG_TIMEOUT_S)
 
 
@@ -214,10 +216,11 @@ class Operations:
 
     # sandboxes
 
-    def fork(self, tag: str, n: int = 1, *, timeout_s: float | None = None, envs: dict[str, str] | None = None,
+    def fork(self, tag: str | None, n: int = 1, *, timeout_s: float | None = None, envs: dict[str, str] | None = None,
              metadata: dict[str, str] | None = None, net: str | None = None, egress: dict[str, Any] | None = None,
              memory_limit_mib: int | None = None, cpu_quota: float | None = None, cpu_weight: int | None = None,
-             pids_max: int | None = None, deadline_s: float | None = None) -> Any:
+             pids_max: int | None = None, deadline_s: float | None = None, snapshot_digest: str | None = None,
+             idempotency_key: str | None = None, owner: str | None = None) -> Any:
         """``{"sandboxes": [...], "errors": [...]}``: a failed child does not fail the others.
 
         ``timeout_s``: the daemon kills each child that long after it answered (renew with ``set_timeout``);
@@ -225,6 +228,8 @@ class Operations:
         ``net`` is ``"none"`` (default) or ``"nat"``; ``egress`` e.g. ``{"default": "deny", "allow":
         [{"cidr": "203.0.113.0/24", "ports": [443]}]}``; the limits apply to each child's VMM.
         ``deadline_s``: wait no longer for the children; one not answering by then is dropped, reported in errors.
+        ``snapshot_digest`` instead of ``tag`` forks the snapshot by digest; a retry with the same
+        ``idempotency_key`` gets the first answer and forks nothing more; ``owner`` labels every child.
         """
         return self._send(fork_call(tag, n, locals()))
 
@@ -233,8 +238,12 @@ class Operations:
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/timeout", json={"timeout_s": timeout_s},
                                key="end_at"))
 
-    def sandboxes(self) -> Any:
-        return self._send(Call("GET", "/v1/sandboxes", key="sandboxes"))
+    def sandboxes(self, owner: str | None = None) -> Any:
+        return self._send(Call("GET", "/v1/sandboxes", params={"owner": owner} if owner else None, key="sandboxes"))
+
+    def kill_owner(self, owner: str) -> Any:
+        """Kill every child forked with ``owner``; answers their ids."""
+        return self._send(Call("DELETE", "/v1/sandboxes", params={"owner": owner}, key="killed"))
 
     def sandbox(self, sandbox_id: str) -> Any:
         return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}"))
@@ -370,6 +379,18 @@ class Operations:
         """Pack ``tag`` and upload it with one HTTP PUT to ``url`` (e.g. a presigned object-store URL)."""
         return self._stream(Call("POST", "/v1/packs/push", json={"tag": tag, "url": url}, timeout=LONG_TIMEOUT_S),
                             progress(on_progress))
+
+    # this daemon as a node of a cluster
+
+    def node(self) -> Any:
+        """Node id, compatibility key, capacity and the snapshots held, by digest."""
+        return self._send(Call("GET", "/v1/node"))
+
+    def node_pull(self, digest: str, source: str, source_token: str | None = None) -> Any:
+        """Pull the chain ending at ``digest`` from the node at ``source`` (only the layers missing here)."""
+        return self._send(Call("POST", "/v1/node/pull", json={"digest": digest, "source": source,
+                                                               "source_token": source_token},
+                               timeout=LONG_TIMEOUT_S))
 
     # branch
 

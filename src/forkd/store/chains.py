@@ -12,6 +12,7 @@ the same tag is noticed, not silently used.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,22 @@ class ChainBroken(LookupError):
 class ChainMemory:
     base: Path  # a full memory file
     layers: tuple[Path, ...]  # diff layers above it, base first
+
+
+def layer_digest(file_digests: dict[str, str]) -> str:
+    """One SHA-256 naming a snapshot's content: over its sorted ``name=sha256`` lines.
+
+    It names a snapshot wherever it is (tags are one store's names): packs and peers move layers by
+    it. A child layer records its parent's digest, so a parent replaced by other content is noticed
+    whether it comes from the pack or from the store.
+    """
+    lines = "".join(f"{name}={digest}\n" for name, digest in sorted(file_digests.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def record_digest(record: SnapshotRecord) -> str:
+    """The layer digest of a registered snapshot."""
+    return layer_digest(record.meta["sha256"])
 
 
 def parent_digests(parent: SnapshotRecord) -> dict[str, str]:

@@ -20,3 +20,7 @@ class SnapshotDiskFull(SnapshotError):
 
 class SnapshotCorrupt(SnapshotError):
     """A snapshot file no longer matches the digest recorded when it was saved, or a chain link is gone."""
+
+
+class DigestNotFound(LookupError):
+    """No ready snapshot of this store has that layer digest (HTTP 404 ``snapshot_not_found``)."""

@@ -54,7 +54,7 @@ CREATE TABLE IF NOT EXISTS net_leases (
 );
 """
 _SANDBOX_FIELDS = ("id, snapshot_tag, status, pid, run_dir, created_at, meta, vmm_started, vmm_state, end_at, "
-                   "branch_head, readopted_at")
+                   "branch_head, readopted_at, owner")
 _SNAPSHOT_FIELDS = "tag, status, image, path, created_at, meta, parent_tag, error"
 
 
@@ -103,9 +103,19 @@ def _sandbox_state_out_of_meta(db: sqlite3.Connection) -> None:
     db.execute("UPDATE sandboxes SET meta = json_remove(meta, '$.end_at', '$.branch_head', '$.readopted_at')")
 
 
+def _owners_and_fork_keys(db: sqlite3.Connection) -> None:
+    """6: a sandbox's ``owner`` (the label of the driver that forked it, so its children can be reaped
+    together), and the answers of forks made with an idempotency key (a retried fork is answered the
+    same, never forks again)."""
+    db.execute("ALTER TABLE sandboxes ADD COLUMN owner TEXT")
+    db.execute("CREATE TABLE fork_keys (key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, answer TEXT NOT NULL, "
+               "created_at REAL NOT NULL)")
+
+
 #: Schema migrations, in order: step N brings ``PRAGMA user_version`` from N-1 to N in one
 #: transaction. A new database is created in the unversioned shape and migrated like any other.
-MIGRATIONS = (_add_columns, _vmm_state_blob, _snapshot_state_out_of_meta, _pools_table, _sandbox_state_out_of_meta)
+MIGRATIONS = (_add_columns, _vmm_state_blob, _snapshot_state_out_of_meta, _pools_table, _sandbox_state_out_of_meta,
+              _owners_and_fork_keys)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -195,6 +205,7 @@ class SandboxRecord:
     end_at: float | None = None  # when the daemon kills it (its timeout); None: never
     branch_head: str | None = None  # the snapshot its last BRANCH wrote: the next one chains onto it
     readopted_at: float | None = None  # when a restarted daemon found it running and took it back
+    owner: str | None = None  # the label of whoever forked it (a driver's job id), to reap its children together
 
     @property
     def head(self) -> str:
@@ -204,7 +215,7 @@ class SandboxRecord:
     def to_dict(self) -> dict[str, Any]:
         public = {k: v for k, v in self.meta.items() if k not in PRIVATE_SANDBOX_META}
         described = {"id": self.id, "snapshot_tag": self.snapshot_tag, "status": self.status, "pid": self.pid,
-                     "created_at": self.created_at, "end_at": self.end_at, **public}
+                     "created_at": self.created_at, "end_at": self.end_at, "owner": self.owner, **public}
         if self.readopted_at is not None:
             described["readopted_at"] = self.readopted_at
         return described
@@ -326,11 +337,11 @@ class Registry:
     def add_sandbox(self, record: SandboxRecord) -> None:
         """One insert with everything, VMM included: a fork writes each child's record once."""
         self._execute(
-            f"INSERT INTO sandboxes ({_SANDBOX_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO sandboxes ({_SANDBOX_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (record.id, record.snapshot_tag, record.status, record.pid, str(record.run_dir), record.created_at,
              json.dumps(record.meta), record.vmm_started,
              None if record.vmm_state is None else json.dumps(record.vmm_state), record.end_at, record.branch_head,
-             record.readopted_at),
+             record.readopted_at, record.owner),
         )
 
     def set_end_at(self, sandbox_id: str, end_at: float | None) -> None:
@@ -374,6 +385,21 @@ class Registry:
         else:
             self._execute("INSERT INTO pools (tag, size) VALUES (?, ?) ON CONFLICT(tag) DO UPDATE SET size = ?",
                           (tag, size, size))
+
+    # forks made with an idempotency key
+
+    def recall_fork(self, key: str, since: float) -> tuple[str, dict[str, Any]] | None:
+        """``(fingerprint, answer)`` of the fork made with ``key`` at or after ``since``, if any."""
+        rows = self._execute("SELECT fingerprint, answer FROM fork_keys WHERE key = ? AND created_at >= ?",
+                             (key, since))
+        return (rows[0][0], json.loads(rows[0][1])) if rows else None
+
+    def remember_fork(self, key: str, fingerprint: str, answer: dict[str, Any], now: float, since: float) -> None:
+        """Keep the answer of the fork made with ``key``; keys older than ``since`` are forgotten meanwhile."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM fork_keys WHERE created_at < ?", (since,))
+            db.execute("INSERT OR REPLACE INTO fork_keys (key, fingerprint, answer, created_at) VALUES (?, ?, ?, ?)",
+                       (key, fingerprint, json.dumps(answer), now))
 
     # network address leases
 
@@ -443,4 +469,4 @@ def _sandbox(row: tuple[Any, ...]) -> SandboxRecord:
     return SandboxRecord(id=row[0], snapshot_tag=row[1], status=row[2], pid=row[3], run_dir=Path(row[4]),
                          created_at=row[5], meta=json.loads(row[6]), vmm_started=row[7],
                          vmm_state=json.loads(row[8]) if row[8] else None, end_at=row[9], branch_head=row[10],
-                         readopted_at=row[11])
+                         readopted_at=row[11], owner=row[12])

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from forkd.guest.protocol import AGENT_VERSION
-from forkd.store.chains import ChainBroken, ancestry, chain_memory, descendants
-from forkd.store.errors import SnapshotConflict, SnapshotCorrupt, SnapshotError
+from forkd.store.chains import ChainBroken, ancestry, chain_memory, descendants, record_digest
+from forkd.store.errors import DigestNotFound, SnapshotConflict, SnapshotCorrupt, SnapshotError
 from forkd.store.files import RENAME_NOREPLACE, DigestCache, fsync_dir, fsync_tree, renameat2, write_json_atomic
 from forkd.store.io import blocking, remove_tree
 from forkd.store.layers import LayerError, read_layer
@@ -225,6 +225,18 @@ class SnapshotStore:
         record = self.registry.get_snapshot(check_tag(tag))
         if record is None:
             raise LookupError(f"no snapshot {tag!r}; list them with `forkd snapshots`")
+        return record
+
+    def by_digest(self, digest: str) -> SnapshotRecord | None:
+        """A ready snapshot whose layer digest is ``digest`` (tags are local names; digests travel)."""
+        return next((r for r in self.registry.list_snapshots()
+                     if r.status == "ready" and "sha256" in r.meta and record_digest(r) == digest), None)
+
+    def get_digest(self, digest: str) -> SnapshotRecord:
+        record = self.by_digest(digest)
+        if record is None:
+            raise DigestNotFound(f"no snapshot with digest {digest} on this node; see the digests it holds in "
+                                 "GET /v1/node, or pull it from a node that holds it (POST /v1/node/pull)")
         return record
 
     def chain(self, tag: str) -> list[SnapshotRecord]:

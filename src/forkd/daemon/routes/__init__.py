@@ -8,6 +8,7 @@ from forkd.daemon.routes import (
     contexts,
     files,
     images,
+    node,
     packs,
     pools,
     sandboxes,
@@ -17,4 +18,5 @@ from forkd.daemon.routes import (
 )
 
 ROUTERS = (system.router, images.router, snapshots.router, packs.router, sandboxes.router, commands.router,
-           contexts.router, files.router, branch.router, workspaces.router, pools.router)
+           contexts.router, files.router, branch.router, workspaces.router, pools.router,
+           node.router)

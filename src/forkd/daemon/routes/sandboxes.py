@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 
 from forkd.daemon import schemas
 from forkd.daemon.deps import RuntimeDep, SandboxId
 from forkd.daemon.ndjson import NDJSON, NDJSONResponse, detached
 from forkd.host.cgroups import Limits
 from forkd.host.netpolicy import NetRequest, allow_rule, egress_policy
+from forkd.runtime.driver_forks import fingerprint
 from forkd.runtime.isolation import SandboxOptions
 from forkd.runtime.sandboxes import ForkOptions, ForkOutcome
 
 router = APIRouter()
+LABEL_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+OwnerQuery = Annotated[str | None, Query(pattern=LABEL_PATTERN, description="only this owner's children")]
 
 
 def isolation_of(body: schemas.SandboxCreate) -> SandboxOptions:
@@ -52,11 +56,23 @@ def child_line(outcome: ForkOutcome) -> dict[str, Any]:
 @router.post("/v1/sandboxes", status_code=201, response_model=None, responses=MAYBE_FORK_STREAM)
 async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, Any] | NDJSONResponse:
     options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata,
-                          isolation=isolation_of(body), deadline_s=body.deadline_s)
+                          isolation=isolation_of(body), deadline_s=body.deadline_s, owner=body.owner)
+
+    async def snapshot() -> str:
+        if body.snapshot_tag is not None:
+            return body.snapshot_tag
+        return (await asyncio.to_thread(runtime.store.get_digest, body.snapshot_digest)).tag  # type: ignore[arg-type]
+
+    async def answer() -> dict[str, Any]:  # a retried keyed fork is answered without looking the snapshot up again
+        return fork_answer(await runtime.sandboxes.fork(await snapshot(), body.n, options))
+
+    if body.idempotency_key is not None:
+        request = body.model_dump(exclude={"idempotency_key", "stream"})
+        return await runtime.driver_forks.once(body.idempotency_key, fingerprint(request), answer)
     if not body.stream:
-        return fork_answer(await runtime.sandboxes.fork(body.snapshot_tag, body.n, options))
+        return await answer()
     # A tag that cannot be forked is an error status here, before any line is streamed.
-    children = await runtime.sandboxes.start_fork(body.snapshot_tag, body.n, options)
+    children = await runtime.sandboxes.start_fork(await snapshot(), body.n, options)
 
     async def work(emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         outcomes = []
@@ -69,8 +85,16 @@ async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, An
 
 
 @router.get("/v1/sandboxes", response_model=schemas.SandboxList)
-async def list_sandboxes(runtime: RuntimeDep) -> dict[str, Any]:
+async def list_sandboxes(runtime: RuntimeDep, owner: OwnerQuery = None) -> dict[str, Any]:
+    if owner is not None:
+        return {"sandboxes": runtime.driver_forks.owned(owner)}
     return {"sandboxes": [runtime.sandboxes.describe(s) for s in runtime.sandboxes.live()]}
+
+
+@router.delete("/v1/sandboxes", response_model=schemas.KilledList)
+async def kill_owned(runtime: RuntimeDep, owner: Annotated[str, Query(pattern=LABEL_PATTERN)]) -> dict[str, Any]:
+    """Kill every child of ``owner`` (the reaper of a driver that died)."""
+    return {"killed": await runtime.driver_forks.kill_owned(owner)}
 
 
 @router.get("/v1/sandboxes/{sandbox_id}", response_model=schemas.Sandbox)

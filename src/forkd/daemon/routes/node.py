@@ -1,0 +1,46 @@
+"""This daemon as a node of a cluster: what it is and holds, and snapshots moved between nodes by digest."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi import Path as PathParam
+from starlette.responses import StreamingResponse
+
+from forkd.daemon import schemas
+from forkd.daemon.deps import RuntimeDep
+from forkd.packs.peer import chain_to_send, stream_pack
+from forkd.packs.format import MAX_CHAIN_DEPTH
+from forkd.validation import ValidationError
+
+router = APIRouter(prefix="/v1/node", tags=["node"])
+DIGEST = r"^[0-9a-f]{64}$"
+Digest = Annotated[str, PathParam(pattern=DIGEST, description="the chain's top layer digest")]
+PACK = {200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+              "description": "a forkd pack (tar.zst) of the chain without the layers listed in `have`"}}
+
+
+@router.get("", response_model=schemas.Node)
+async def node(runtime: RuntimeDep) -> dict[str, Any]:
+    """Node id, compatibility key, capacity and the snapshots held here by digest."""
+    return await runtime.node.describe()
+
+
+@router.get("/chains/{digest}", response_class=StreamingResponse, responses=PACK)
+async def chain(digest: Digest, runtime: RuntimeDep,
+                have: Annotated[str, Query(max_length=65 * MAX_CHAIN_DEPTH, description=(
+                    "comma-separated digests of the root-side layers the puller holds"))] = "") -> StreamingResponse:
+    """Stream the chain ending at ``digest`` to a peer, written as it is read (never a file here)."""
+    held = {d for d in have.split(",") if d}
+    if any(len(d) != 64 or d.strip("0123456789abcdef") for d in held):
+        raise ValidationError("have: give comma-separated sha256 hex digests")
+    sources = await asyncio.to_thread(chain_to_send, runtime.packs, digest, held)  # 404 before streaming
+    return StreamingResponse(stream_pack(sources), media_type="application/octet-stream")
+
+
+@router.post("/pull", response_model=schemas.PullOutcome)
+async def pull(body: schemas.NodePull, runtime: RuntimeDep) -> dict[str, Any]:
+    """Pull the layers of a chain this node lacks from a peer, verified like an unpack, all or nothing."""
+    return await runtime.peers.pull(body.digest, body.source, body.source_token, lambda _line: None)
