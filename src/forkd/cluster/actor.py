@@ -19,7 +19,6 @@ from typing import Any
 
 import ray
 
-import forkd.cluster.node_api as node_api
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import DaemonUnreachable, ForkdError
@@ -50,17 +49,26 @@ class NodeAgent:
     def describe(self) -> dict[str, Any]:
         """Where the daemon listens and its ``/v1/node`` answer (the directory's entry for this node)."""
         return {"ray_node_id": ray.get_runtime_context().get_node_id(), "url": self.connection.url,
-                "token": self.connection.token, "pid": os.getpid(), "node": node_api.node(self.controller)}
+                "token": self.connection.token, "pid": os.getpid(), "node": self.controller.node()}
 
     def pull(self, digest: str, source: str, source_token: str | None) -> dict[str, Any]:
-        return node_api.pull(self.controller, digest, source, source_token)
+        return self.controller.node_pull(digest, source, source_token)  # type: ignore[no-any-return]
 
     def fork(self, digest: str, n: int, key: str, owner: str, timeout_s: float | None) -> list[str]:
-        """Fork ``n`` children; a transport failure is retried once with the same key (never more children)."""
+        """Fork ``n`` children; a transport failure is retried once with the same key (never more children).
+        Raises when none started; fewer than ``n`` is the caller's to count."""
+        def once() -> dict[str, Any]:
+            return self.controller.fork(None, n, snapshot_digest=digest, idempotency_key=key,  # type: ignore[no-any-return]
+                                        owner=owner, timeout_s=timeout_s)
         try:
-            return node_api.fork(self.controller, digest, n, idempotency_key=key, owner=owner, timeout_s=timeout_s)
+            answer = once()
         except DaemonUnreachable:
-            return node_api.fork(self.controller, digest, n, idempotency_key=key, owner=owner, timeout_s=timeout_s)
+            answer = once()
+        children = [str(child["id"]) for child in answer["sandboxes"]]
+        if not children:
+            raise ForkdError(500, "fork_failed", "; ".join(map(str, answer.get("errors", [])))
+                             or f"the daemon at {self.connection.url} started no sandbox of {digest[:12]}")
+        return children
 
     def run(self, digest: str, key: str, owner: str, fn: Callable[[Sandbox, Any], Any], item: Any,
             timeout_s: float | None) -> dict[str, Any]:
@@ -89,10 +97,7 @@ class NodeAgent:
             raise
 
     def kill_owner(self, owner: str) -> list[str]:
-        return node_api.kill_owner(self.controller, owner)
-
-    def owned(self, owner: str) -> list[dict[str, Any]]:
-        return node_api.owned(self.controller, owner)
+        return list(self.controller.kill_owner(owner))
 
     def pid(self) -> int:
         return os.getpid()
