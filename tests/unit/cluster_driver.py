@@ -25,6 +25,11 @@ def square(sandbox: Any, item: dict[str, Any]) -> int:
     return int(item["i"]) ** 2
 
 
+def refuse(sandbox: Any, item: Any) -> None:
+    """Work that fails: its error is the item's answer."""
+    raise ValueError(f"item {item} refused in {sandbox.sandbox_id}")
+
+
 def say(**event: Any) -> None:
     print(json.dumps(event), flush=True)
 

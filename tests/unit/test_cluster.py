@@ -27,6 +27,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the cluster tests need the forkd[ray] extra (scripts/setup installs it)")
 from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
+import cluster_driver  # noqa: E402
 from cluster_netns import bridge  # noqa: E402
 from cluster_nodes import HEALTH_CHECKS, HERE, SLOTS, ForkdNode, bake  # noqa: E402
 from forkd.cluster import Cluster  # noqa: E402
@@ -198,6 +199,7 @@ def nodes(root: Path) -> Iterator[tuple[RayCluster, list[ForkdNode]]]:
         for node in forkd[1:]:
             node.ray_node = ray_cluster.add_node(num_cpus=1, resources={"forkd": 1}, env_vars=node.env)
         ray_cluster.wait_for_nodes()
+        ray.cloudpickle.register_pickle_by_value(cluster_driver)  # the workers cannot import tests/unit
         yield ray_cluster, forkd
     finally:
         ray.shutdown()
@@ -227,6 +229,10 @@ def test_create_fork_spill_replicate_and_reap(nodes: tuple[RayCluster, list[Fork
     ray.init(address=ray_cluster.address, namespace="forkd")
     cluster = Cluster()
     digest = cluster.resolve(TAG)
+
+    # what the work raises is the item's answer: map raises the first item's error once every item finished
+    with pytest.raises(ValueError, match="item 0 refused in sb-"):
+        cluster.map(TAG, [0, 1], cluster_driver.refuse)
 
     # create: the SDK's Sandbox, bound to the only holder; fork beyond its free slots spills elsewhere
     sandbox = cluster.create(TAG)
