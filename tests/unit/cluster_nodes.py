@@ -1,7 +1,6 @@
 """Real forkd nodes for the cluster tests: a ``forkd daemon`` process per node (FakeVmm behind the real
-app, its own FORKD_HOME, TCP with a token) joined to a Ray cluster of several raylets on this host
-(``ray.cluster_utils.Cluster``, as Ray's own node-failure tests run), and a way to kill every process
-of one node at once.
+app, its own FORKD_HOME, TCP with a token), in this network namespace or its own, and a snapshot baked
+for one of them before it starts.
 """
 
 from __future__ import annotations
@@ -140,40 +139,3 @@ def processes() -> list[tuple[int, str]]:
                 continue
     return found
 
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (a raylet's workers)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_node(ray_cluster: Any, node: ForkdNode) -> list[int]:
-    """SIGKILL every process of ``node`` at once: its raylet and Ray's other node processes, their
-    workers, its daemon and its VMMs. Answers the pids killed."""
-    raylet = node.ray_node.all_processes["raylet"][0].process.pid
-    pids = {raylet, *descendants(raylet), *node.vmm_pids()}
-    if node.daemon_pid is not None:
-        pids.add(node.daemon_pid)
-    for infos in node.ray_node.all_processes.values():
-        pids.update(info.process.pid for info in infos)
-    for pid in sorted(pids):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
-    ray_cluster.remove_node(node.ray_node, allow_graceful=False)
-    if node.daemon is not None:
-        node.daemon.wait(10)
-    return sorted(pids)

@@ -258,6 +258,9 @@ def test_create_fork_spill_replicate_and_reap(nodes: tuple[RayCluster, list[Fork
     for node in forkd:
         with node.controller() as controller:
             assert digest in {s["digest"] for s in controller.request("GET", "/v1/node")["snapshots"]}
+    table = forkd_cli(ray_cluster.address, "cluster", "status")
+    assert table.returncode == 0 and all(state.node_id in table.stdout for state in cluster.directory.alive)
+    assert table.stdout.count(f"base@{digest[:12]}") == 3
 
     # a driver that dies leaves children behind; the agents reap them by its (dead) Ray job
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, ray_cluster.address, TAG], stdout=subprocess.PIPE,

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.table import Table
 
 from forkd.cli.common import console, print_json, reports_errors
 from forkd.config import paths_from_env
+from forkd.safetext import for_rich
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
 
 START_BOUND_S = 60.0
@@ -85,7 +85,8 @@ def node_start(ray_address: str, listen: str, advertised: str | None, token_file
     node_id = controller.request("GET", "/v1/node")["node_id"]
     env = {**os.environ, "FORKD_URL": url, "FORKD_TOKEN": token}
     command = [str(Path(sys.executable).parent / "ray"), "start", "--address", ray_address,
-               "--resources", json.dumps({"forkd": 1}), "--labels", f"{LABEL}={node_id}", *(["--block"] if block else []), *ray_args]
+               "--resources", json.dumps({"forkd": 1}), "--labels", f"{LABEL}={node_id}",
+               *(["--block"] if block else []), *ray_args]
     console.print(f"forkd node {node_id} ({url}) joining the Ray cluster at {ray_address}")
     done = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, timeout=None if block else 300)
     if done.returncode != 0:
@@ -154,12 +155,17 @@ def status(ray_address: str | None, as_json: bool) -> None:
         if as_json:
             print_json({"nodes": [_node_json(s) for s in nodes]})
             return
-        table = Table("node", "url", "state", "compat", "slots free", "live", "snapshots")
+        groups = sorted({s.compat_key for s in nodes})
         for s in nodes:
-            held = ", ".join(f"{c.tag}@{c.digest[:12]}" for c in s.snapshots) or "-"
-            table.add_row(s.node_id, s.url, "alive" if s.alive else "dead", s.compat_key[:12],
-                          f"{s.slots_free}/{s.max_sandboxes}", str(s.live), held)
-        console.print(table)
+            state = "alive" if s.alive else "DEAD"
+            console.print(f"{for_rich(s.node_id)}  {state}  {for_rich(s.url)}  compat {groups.index(s.compat_key) + 1} "
+                          f"({for_rich(s.compat_key[:12])})  slots {s.slots_free}/{s.max_sandboxes} free  "
+                          f"{s.live} live", soft_wrap=True)
+            for copy in s.snapshots:
+                console.print(f"    {for_rich(copy.tag)}@{copy.digest[:12]}  {copy.bytes} bytes  {copy.status}",
+                              soft_wrap=True)
+        if len(groups) > 1:
+            console.print(f"{len(groups)} compatibility groups: a snapshot moves only between nodes of one group")
     finally:
         connected.close()
 
@@ -185,8 +191,9 @@ def replicate(snapshot: str, count: int, ray_address: str | None) -> None:
         except _cluster_module().PlacementError as exc:
             raise click.ClickException(str(exc)) from None
         for pull in pulls:
-            console.print(f"{pull['target']} pulled {pull['digest'][:12]} from {pull['source']} "
-                          f"({pull['pulled_layers']} layers, {pull['bytes']} bytes) as {pull['tag']!r}")
+            console.print(f"{for_rich(pull['target'])} pulled {pull['digest'][:12]} from {for_rich(pull['source'])} "
+                          f"({pull['pulled_layers']} layers, {pull['bytes']} bytes) as {for_rich(pull['tag'])!r}",
+                          soft_wrap=True)
         if not pulls:
             console.print(f"{snapshot} is already on enough nodes")
     finally:

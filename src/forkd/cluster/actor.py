@@ -58,8 +58,9 @@ class NodeAgent:
         """Fork ``n`` children; a transport failure is retried once with the same key (never more children).
         Raises when none started; fewer than ``n`` is the caller's to count."""
         def once() -> dict[str, Any]:
-            return self.controller.fork(None, n, snapshot_digest=digest, idempotency_key=key,  # type: ignore[no-any-return]
-                                        owner=owner, timeout_s=timeout_s)
+            answer: dict[str, Any] = self.controller.fork(None, n, snapshot_digest=digest, idempotency_key=key,
+                                                          owner=owner, timeout_s=timeout_s)
+            return answer
         try:
             answer = once()
         except DaemonUnreachable:

@@ -241,7 +241,8 @@ class Cluster:
     def kill_children(self) -> list[str]:
         """Kill this driver's children on every alive node (answers their ids)."""
         alive = {state.ray_node_id for state in self.directory.alive}
-        refs = [agent.kill_owner.remote(self.owner) for ray_node_id, agent in self.agents.items() if ray_node_id in alive]
+        refs = [agent.kill_owner.remote(self.owner) for ray_node_id, agent in self.agents.items()
+                if ray_node_id in alive]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_S)
         killed = []
         for ref in ready:
