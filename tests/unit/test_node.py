@@ -35,6 +35,7 @@ from forkd.daemon.middleware.auth import TokenAuth
 from forkd.daemon.server import bind_tcp
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import Image
+from forkd.packs import archive
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.snapshots import SnapshotRequest
@@ -179,6 +180,13 @@ def test_a_pull_by_digest_takes_only_the_layers_it_lacks_and_digests_match(tmp_p
         async with node(tmp_path / "a") as a, node(tmp_path / "b") as b:
             base = await bake(a, tmp_path, "base")
             b1 = await branch_of(a, "base", "b1")
+            async with httpx.AsyncClient(base_url=a.url, headers={"Authorization": f"Bearer {a.token}"}) as client:
+                full = (await client.get(f"/v1/node/chains/{b1}")).content
+                diff = (await client.get(f"/v1/node/chains/{b1}", params={"have": base})).content
+                refused = await client.get(f"/v1/node/chains/{b1}", params={"have": "not-a-digest"})
+            assert chain_of(full, tmp_path) == [("base", None), ("b1", base)]
+            assert chain_of(diff, tmp_path) == [("b1", base)] and len(diff) < len(full)
+            assert refused.status_code == 400
             pulled = await b.api.node_pull(base, a.url, a.token)
             assert (pulled["digest"], pulled["tag"], pulled["pulled_layers"]) == (base, "base", 1)
             held_base = b.runtime.registry.get_snapshot("base")
@@ -198,6 +206,13 @@ def test_a_pull_by_digest_takes_only_the_layers_it_lacks_and_digests_match(tmp_p
             assert {s["snapshot_tag"] for s in forked["sandboxes"]} == {"b1"}
 
     run(scenario)
+
+
+def chain_of(pack: bytes, tmp_path: Path) -> list[tuple[str, str | None]]:
+    """The layers a served pack holds: (tag, parent digest) from its manifest."""
+    path = tmp_path / f"served-{secrets.token_hex(4)}.tar.zst"
+    path.write_bytes(pack)
+    return [(s.tag, s.parent_digest) for s in archive.read_manifest(path).snapshots]
 
 
 def test_a_pulled_top_layer_whose_tag_is_taken_here_gets_a_digest_name(tmp_path: Path) -> None:

@@ -69,6 +69,8 @@ def test_both_controllers_send_the_same_requests() -> None:
             return httpx.Response(200, json={"end_at": 12.5})
         if request.url.path == "/v1/sandboxes" and request.method == "GET":
             return httpx.Response(200, json={"sandboxes": []})
+        if request.url.path == "/v1/sandboxes" and request.method == "DELETE":
+            return httpx.Response(200, json={"killed": ["sb-000000000001"]})
         return httpx.Response(200, json={"removed_tags": ["a"], "ok": True})
 
     sync, asynchronous = clients(handler)
@@ -81,6 +83,10 @@ def test_both_controllers_send_the_same_requests() -> None:
         ("write_file", (MISSING, "/root/x", b"\x00\x01"), {"mode": 0o600}),
         ("rename", (MISSING, "/a", "/b"), {}),
         ("sandboxes", (), {}),
+        ("fork", (None, 1), {"snapshot_digest": "d" * 64, "idempotency_key": "job:1", "owner": "job"}),
+        ("sandboxes", (), {"owner": "job"}),
+        ("kill_owner", ("job",), {}),
+        ("node_pull", ("d" * 64, "http://peer:7000", "secret"), {}),
     ]
     sync_answers = [getattr(sync, name)(*args, **kwargs) for name, args, kwargs in calls]
     sync_seen, seen[:] = list(seen), []
@@ -93,6 +99,12 @@ def test_both_controllers_send_the_same_requests() -> None:
     assert sync_answers[3] == 12.5 and sync_answers[4] == ["a"] and sync_answers[6] is None
     assert sync_seen[0][:2] == ("POST", "/v1/sandboxes") and json.loads(sync_seen[0][3]) == {
         "snapshot_tag": "t", "n": 2, "timeout_s": 30, "envs": {"A": "1"}}
+    assert json.loads(sync_seen[8][3]) == {"n": 1, "snapshot_digest": "d" * 64, "idempotency_key": "job:1",
+                                           "owner": "job"}
+    assert sync_seen[9][:3] == ("GET", "/v1/sandboxes", "b'owner=job'")
+    assert sync_seen[10][:3] == ("DELETE", "/v1/sandboxes", "b'owner=job'") and sync_answers[10] == ["sb-000000000001"]
+    assert sync_seen[11][:2] == ("POST", "/v1/node/pull") and json.loads(sync_seen[11][3]) == {
+        "digest": "d" * 64, "source": "http://peer:7000", "source_token": "secret"}
     with pytest.raises(TypeError, match="unknown fork options"):
         sync.fork_iter("t", 1, colour="red").__next__()
 

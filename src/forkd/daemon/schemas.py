@@ -81,7 +81,8 @@ class EgressBody(Strict):
     dns: bool = Field(default=True, description="the relayed DNS resolver stays reachable under 'deny'")
 
 
-Label = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="[A-Za-z0-9._:-]{1,128}")]
+LABEL_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"  # idempotency keys and owners
+Label = Annotated[str, Field(pattern=LABEL_PATTERN, description="[A-Za-z0-9._:-]{1,128}")]
 Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="a snapshot's layer digest (sha256 hex)")]
 
 

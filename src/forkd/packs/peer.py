@@ -40,6 +40,7 @@ from forkd.packs.service import PackService, Progress
 from forkd.store.chains import record_digest
 from forkd.store.io import remove_tree
 from forkd.store.registry import SnapshotRecord
+from forkd.store.snapshots import HostIdentity
 from forkd.vmm.base import BootSpec
 
 MAX_NODE_ANSWER = 8 << 20  # a peer's GET /v1/node answer
@@ -81,7 +82,7 @@ class _PeerNode(BaseModel):
     snapshots: list[_Listed] = Field(max_length=MAX_LISTED)
 
 
-def compat_of(host_identity: Any) -> dict[str, str]:
+def compat_of(host_identity: HostIdentity) -> dict[str, str]:
     """This node's restore-compatibility key: the machine fields a snapshot's identity must match here
     whatever its size (RAM, vCPUs and kernel are the snapshot's own)."""
     identity = asdict(host_identity(BootSpec(kernel=Path(), initrd=Path(), cmdline="", memory_mib=0, vcpus=0,
@@ -170,7 +171,8 @@ class PeerPuller:
     def __init__(self, packs: PackService) -> None:
         self.packs = packs
         self.store = packs.store
-        self._locks: dict[str, asyncio.Lock] = {}  # one pull per digest at a time; the second finds it held
+        # One pull per digest at a time (the second then finds it held), with how many use the lock.
+        self._pulls: dict[str, tuple[asyncio.Lock, int]] = {}
 
     def compat(self) -> dict[str, str]:
         return compat_of(self.store.host_identity)
@@ -178,13 +180,17 @@ class PeerPuller:
     async def pull(self, digest: str, source: str, token: str | None, progress: Progress) -> dict[str, Any]:
         """Pull the chain ending at ``digest`` from the node at ``source``: only the layers missing here."""
         source = self.packs.urls.check(source.rstrip("/"))
-        lock = self._locks.setdefault(digest, asyncio.Lock())
+        lock, waiting = self._pulls.get(digest, (asyncio.Lock(), 0))
+        self._pulls[digest] = (lock, waiting + 1)
         try:
             async with lock:
                 return await self._pull(digest, source, token, progress)
         finally:
-            if not lock.locked() and self._locks.get(digest) is lock:
-                del self._locks[digest]
+            lock, waiting = self._pulls[digest]
+            if waiting == 1:
+                del self._pulls[digest]
+            else:
+                self._pulls[digest] = (lock, waiting - 1)
 
     async def _pull(self, digest: str, source: str, token: str | None, progress: Progress) -> dict[str, Any]:
         held = await asyncio.to_thread(self.store.by_digest, digest)
@@ -210,7 +216,10 @@ class PeerPuller:
             pack = work / "chain.tar.zst"
             limit = sum(l.bytes for l in missing) + PACK_OVERHEAD_BYTES
             size = await self._download(url, pack, limit, token, peer)
-            manifest = await asyncio.to_thread(self.packs.inspect_file, pack)
+            try:
+                manifest = await asyncio.to_thread(self.packs.inspect_file, pack)
+            except PackError as exc:
+                raise PeerError(f"{peer} sent no valid pack: {exc}") from None
             if manifest.top.digest != digest or manifest.snapshots[0].digest != missing[0].digest:
                 raise PeerError(f"{peer} sent another chain than the one asked for ({digest[:12]}…); refused")
             await _unpack_to_the_end(self.packs, pack, tag, progress, peer)

@@ -18,8 +18,7 @@ from forkd.runtime.isolation import SandboxOptions
 from forkd.runtime.sandboxes import ForkOptions, ForkOutcome
 
 router = APIRouter()
-LABEL_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
-OwnerQuery = Annotated[str | None, Query(pattern=LABEL_PATTERN, description="only this owner's children")]
+OwnerQuery = Annotated[str | None, Query(pattern=schemas.LABEL_PATTERN, description="only this owner's children")]
 
 
 def isolation_of(body: schemas.SandboxCreate) -> SandboxOptions:
@@ -92,7 +91,7 @@ async def list_sandboxes(runtime: RuntimeDep, owner: OwnerQuery = None) -> dict[
 
 
 @router.delete("/v1/sandboxes", response_model=schemas.KilledList)
-async def kill_owned(runtime: RuntimeDep, owner: Annotated[str, Query(pattern=LABEL_PATTERN)]) -> dict[str, Any]:
+async def kill_owned(runtime: RuntimeDep, owner: Annotated[str, Query(pattern=schemas.LABEL_PATTERN)]) -> dict[str, Any]:
     """Kill every child of ``owner`` (the reaper of a driver that died)."""
     return {"killed": await runtime.driver_forks.kill_owned(owner)}
 
