@@ -69,11 +69,14 @@ class Cluster:
                 continue
             try:
                 answer = ray.get(ref)
+                state = NodeState.from_answers(ray_node_id, answer["url"], answer["token"], answer["node"])
             except ray.exceptions.RayError as exc:
                 log.warning("forkd node agent on Ray node %s failed: %s", ray_node_id, exc)
                 continue
-            self.directory.update([NodeState.from_answers(ray_node_id, answer["url"], answer["token"],
-                                                          answer["node"])])
+            except (KeyError, TypeError, ValueError) as exc:  # a daemon answering what the node API does not say
+                log.warning("forkd node on Ray node %s answered a malformed /v1/node (%r); left out", ray_node_id, exc)
+                continue
+            self.directory.update([state])
         return self.directory
 
     def _alive_forkd_nodes(self) -> list[str]:
