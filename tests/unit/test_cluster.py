@@ -98,7 +98,6 @@ def node_id(node: ForkdNode) -> str:
 
 @needs_root
 def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -> None:
-    netns_before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     with bridge() as net:
         head_ns, head = net.add()
         forkd = []
@@ -183,7 +182,9 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
             assert any(p["target"] == back_id and p["digest"] == digest for p in line["pulls"])
         finally:
             driver.close()
-    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == netns_before
+    left = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    left += subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert net.prefix not in left, "a namespace, veth or bridge of the test was left behind"
 
 
 @pytest.fixture
