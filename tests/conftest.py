@@ -35,7 +35,7 @@ from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
 from forkd.store.files import DigestCache
 from forkd.store.registry import Registry
 from forkd.store.snapshots import SnapshotStore
-from forkd.vmm.qemu import QemuVmm
+from forkd.vmm.backends import create_vmm
 
 VM_SNAPSHOT = "vmtest"
 TESTS_ENV = "FORKD_TESTS"  # "unit": leave the VM tests out on purpose
@@ -283,8 +283,8 @@ def qemu_sandbox_service() -> Callable[[Paths, Registry], SandboxService]:
     """A factory: the real SandboxService over ``paths`` and ``registry``, with the QEMU backend (never started)."""
 
     def make(paths: Paths, registry: Registry) -> SandboxService:
-        vmm = QemuVmm()
-        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+        vmm = create_vmm("qemu")
+        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
         return SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
                               Isolation.from_options(registry, RuntimeOptions()))
 

@@ -116,6 +116,35 @@ def test_no_import_cycles() -> None:
     assert cycles == []
 
 
+#: The backend-neutral seam of vmm/ (docs/architecture.md, "VMM backends"): the core protocol and data
+#: types, the disk format, the optional branching capability, VMM processes, the registry of backends.
+VMM_SEAM = {"forkd.vmm.base", "forkd.vmm.disk", "forkd.vmm.branching", "forkd.vmm.process", "forkd.vmm.backends"}
+#: What store/ and packs/ may use of it: data types and the disk format, never a backend or the runtime's half.
+VMM_TYPES = {"forkd.vmm.base", "forkd.vmm.disk"}
+#: Rooms outside vmm/ that may reach a concrete backend: host/ (doctor reports QEMU, its machine and CPU).
+BACKEND_USERS = {"host"}
+
+
+def test_no_room_reaches_past_the_vmm_seam() -> None:
+    """The daemon picks its backend through vmm.backends; store/, packs/ and runtime/ get the one it
+    picked (its Vmm and DiskFormat) and never import QEMU's or the fake's modules."""
+    broken = sorted(
+        f"{name} -> {target}" for name, targets in graph().items() for target in targets
+        if room_of(target) == "vmm" and room_of(name) != "vmm"
+        and not (target in (VMM_TYPES if room_of(name) in ("store", "packs") else VMM_SEAM)
+                 or room_of(name) in BACKEND_USERS))
+    assert broken == []
+
+
+def test_qemu_s_disk_format_is_named_only_in_vmm() -> None:
+    """qcow2 is the QEMU backend's disk format (vmm/qemu_disk.py): no other room may know it."""
+    leaks = sorted(f"{path.relative_to(SRC)}:{number}" for path in (SRC / "forkd").rglob("*.py")
+                   if "vmm" not in path.relative_to(SRC / "forkd").parts[:1]
+                   for number, line in enumerate(path.read_text().splitlines(), 1) if "qcow2" in line.lower())
+    assert leaks == []
+    assert "qcow2" in (SRC / "forkd" / "vmm" / "qemu_disk.py").read_text()  # the check looks where the name lives
+
+
 def registry_writes() -> set[str]:
     """The Registry's methods that write: every public one but the readers."""
     from forkd.store.registry import Registry

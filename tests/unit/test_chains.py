@@ -9,12 +9,14 @@ import pytest
 from forkd.store.chains import ChainBroken, ancestry, chain_memory, descendants, describe_chain, parent_digests
 from forkd.store.registry import Registry, SnapshotRecord
 
+DISK = "disk.layer"  # the backend's disk layer name: the store knows no other
+
 
 def add(registry: Registry, tmp_path: Path, tag: str, parent: str | None, kind: str = "diff") -> SnapshotRecord:
     own = "memory.layer" if kind == "diff" else "memory"
-    meta = {"memory_kind": kind, "sha256": {own: f"{tag}-mem", "disk.qcow2": f"{tag}-disk"}}
+    meta = {"memory_kind": kind, "sha256": {own: f"{tag}-mem", DISK: f"{tag}-disk"}}
     if parent is not None:
-        meta["parent_sha256"] = parent_digests(registry.get_snapshot(parent))
+        meta["parent_sha256"] = parent_digests(registry.get_snapshot(parent), DISK)
     (tmp_path / tag).mkdir()
     (tmp_path / tag / own).write_bytes(b"x" * 5000)
     record = SnapshotRecord(tag, "ready", "default", tmp_path / tag, float(len(registry.list_snapshots())),
@@ -36,24 +38,24 @@ def chain(tmp_path: Path) -> Registry:
 
 
 def test_chain_memory_starts_at_the_nearest_full_file(chain: Registry, tmp_path: Path) -> None:
-    links = ancestry(chain, chain.get_snapshot("b"))
+    links = ancestry(chain, chain.get_snapshot("b"), DISK)
     assert [r.tag for r in links] == ["b", "a", "root"]
     memory = chain_memory(links)
     assert memory.base == tmp_path / "root" / "memory"
     assert memory.layers == (tmp_path / "a" / "memory.layer", tmp_path / "b" / "memory.layer")
-    over_full = chain_memory(ancestry(chain, chain.get_snapshot("c")))
+    over_full = chain_memory(ancestry(chain, chain.get_snapshot("c"), DISK))
     assert over_full.base == tmp_path / "full" / "memory" and over_full.layers == (tmp_path / "c" / "memory.layer",)
 
 
 def test_missing_or_replaced_parents_are_named(chain: Registry, tmp_path: Path) -> None:
     chain.remove_snapshot("a")
     with pytest.raises(ChainBroken, match="'b' needs its parent 'a', which is missing"):
-        ancestry(chain, chain.get_snapshot("b"))
+        ancestry(chain, chain.get_snapshot("b"), DISK)
     chain.add_snapshot(SnapshotRecord("a", "ready", "default", tmp_path / "a", 9.0,
-                                      {"memory_kind": "diff", "sha256": {"memory.layer": "other", "disk.qcow2": "d"}},
+                                      {"memory_kind": "diff", "sha256": {"memory.layer": "other", DISK: "d"}},
                                       parent_tag="root"))
     with pytest.raises(ChainBroken, match="another 'a'"):
-        ancestry(chain, chain.get_snapshot("b"))
+        ancestry(chain, chain.get_snapshot("b"), DISK)
 
 
 def test_descendants_deepest_first_and_description(chain: Registry) -> None:

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from forkd.daemon.config import ConfigError, load_config
+from forkd.vmm.backends import UnknownBackend, create_vmm
 
 
 def test_precedence_is_flags_then_environment_then_file(tmp_path: Path) -> None:
@@ -22,6 +23,7 @@ def test_precedence_is_flags_then_environment_then_file(tmp_path: Path) -> None:
     ("hom = '/x'\n", "hom"),
     ("[limits]\nmax_sandboxes = 0\n", "limits.max_sandboxes"),
     ("accelerator = 'hvf'\n", "accelerator"),
+    ("vmm = 'firecracker'\n", "vmm: Value error, unknown VMM backend 'firecracker'; the known backends are fake, qemu"),
     ("listen = 'no port'\n", "listen"),
     ("tls_cert = '/c'\n", "tls_key"),
     ("home = [\n", "not valid TOML"),
@@ -67,3 +69,18 @@ def test_limits_have_real_defaults_as_documented() -> None:
     options = load_config(env={}).runtime_options
     assert options.max_sandboxes == 500
     assert options.max_concurrent_forks is None and options.restore_slots() >= 2  # 2 per host CPU
+
+
+def test_the_backend_is_chosen_by_name_through_the_registry(tmp_path: Path) -> None:
+    file = tmp_path / "forkd.toml"
+    file.write_text('vmm = "qemu"\naccelerator = "tcg"\n')
+    assert load_config(env={}).vmm == "qemu"  # the default
+    assert load_config(file, env={"FORKD_VMM": "fake"}).vmm == "fake"
+    assert load_config(file, env={"FORKD_VMM": "fake"}, overrides={"vmm": "qemu"}).vmm == "qemu"
+    config = load_config(file, env={"FORKD_VMM": "fake"})
+    vmm = create_vmm(config.vmm, config.backend_options)
+    assert vmm.capabilities().kind == "fake" and vmm.disk.file_name == "disk.fake"
+    qemu = create_vmm("qemu", load_config(file, env={}).backend_options)
+    assert qemu.disk.file_name == "disk.qcow2"  # the name every QEMU snapshot on disk and in a pack has
+    with pytest.raises(UnknownBackend, match="unknown VMM backend 'kvmtool'; the known backends are fake, qemu"):
+        create_vmm("kvmtool")

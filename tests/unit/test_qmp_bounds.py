@@ -119,7 +119,7 @@ def test_recovery_reaps_a_stalled_vmm_and_finishes(short_dir: Path, monkeypatch:
                          {"monitor_socket": str(run_dir / "qmp.sock"), "disk": str(run_dir / "disk.qcow2")})
         vmm = QemuVmm(accelerator="tcg")
         vmm.program = "tail"
-        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
         service = SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
                                  Isolation.from_options(registry, RuntimeOptions()))
         try:

@@ -387,11 +387,12 @@ def test_records_keep_the_backend_state_opaque(tmp_path: Path) -> None:
     registry.close()
 
 
-def test_a_backend_without_branching_is_refused_with_a_clear_error(tmp_path: Path) -> None:
-    class NoBranching(FakeVmm):
-        def capabilities(self) -> Capabilities:
-            return replace(super().capabilities(), branching=False)
+class NoBranching(FakeVmm):
+    def capabilities(self) -> Capabilities:
+        return replace(super().capabilities(), branching=False)
 
+
+def test_a_backend_without_branching_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     async def scenario() -> None:
         runtime = await _runtime(tmp_path, NoBranching())
         try:
@@ -402,3 +403,21 @@ def test_a_backend_without_branching_is_refused_with_a_clear_error(tmp_path: Pat
 
     with pytest.raises(BranchingUnsupported, match="fake VMM backend cannot branch"):
         run(scenario)
+
+
+def test_a_backend_without_branching_compacts_through_its_disk_format(tmp_path: Path) -> None:
+    """Flattening a disk is the disk format's job, which every backend has: compaction needs no BRANCH."""
+    async def scenario() -> tuple[SnapshotRecord, list[str]]:
+        runtime = await _runtime(tmp_path, NoBranching())
+        try:
+            flat = await runtime.compaction.compact("base", "flat")
+            outcomes = await runtime.sandboxes.fork("flat", 1)
+            return flat, [str(o.error) for o in outcomes if o.error]
+        finally:
+            await runtime.stop()
+
+    flat, errors = run(scenario)
+    assert errors == [] and flat.parent_tag is None
+    assert set(flat.meta["sha256"]) == {"vmlinuz", "initrd.img", "base.ext4", "disk.fake", "memory", "state"}
+    assert (flat.path / "disk.fake").read_bytes().startswith(b"fake disk over base.ext4\n")
+    assert sorted(p.name for p in flat.path.glob("*.sock")) == []  # the backend's run-dir leftovers went with its bake

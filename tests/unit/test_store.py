@@ -302,8 +302,8 @@ def test_a_file_changed_behind_a_restored_mtime_is_hashed_again(tmp_path: Path) 
 
 def test_the_store_imports_only_what_its_room_allows() -> None:
     """store/ sits below runtime/ and daemon/ (docs/architecture.md): it may use validation, the VMM's data
-    types and the agent version, nothing above it."""
-    allowed = ("forkd.store", "forkd.validation", "forkd.vmm.base", "forkd.guest.protocol")
+    types and disk format seam and the agent version, nothing above it."""
+    allowed = ("forkd.store", "forkd.validation", "forkd.vmm.base", "forkd.vmm.disk", "forkd.guest.protocol")
     store = Path(forkd.store.__file__).parent
     imported = set()
     for module in store.glob("*.py"):

@@ -19,6 +19,7 @@ import click
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PEM certificate")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PEM private key")
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="rotated log file (default stderr)")
+@click.option("--vmm", metavar="NAME", help="VMM backend: qemu (default), or fake (no VMs, for tests) [FORKD_VMM]")
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), help="accelerator (default auto)")
 @click.option("--max-sandboxes", type=click.IntRange(min=1), help="limit on live + starting sandboxes")
 @click.option("--max-concurrent-forks", type=click.IntRange(min=1), help="restores running at once")
@@ -29,7 +30,7 @@ import click
               help="leave VMMs running on stop for the next daemon to re-adopt (default: kill them)")
 def daemon_command(config_file: Path | None, home: Path | None, cache: Path | None, socket: Path | None,
                    listen: str | None, token_file: Path | None, tls_cert: Path | None, tls_key: Path | None,
-                   log_file: Path | None, accel: str | None, max_sandboxes: int | None,
+                   log_file: Path | None, vmm: str | None, accel: str | None, max_sandboxes: int | None,
                    max_concurrent_forks: int | None, e2b_listen: str | None, e2b_keys_file: Path | None,
                    keep_sandboxes_on_stop: bool | None) -> None:
     """Run the daemon in the foreground (the CLI starts one in the background when needed).
@@ -43,7 +44,7 @@ def daemon_command(config_file: Path | None, home: Path | None, cache: Path | No
     from forkd.daemon.server import DaemonAlreadyRunning, ListenerError, run
     try:
         config = load_config(config_file, overrides={
-            "home": home, "cache": cache, "socket": socket, "log_file": log_file, "accelerator": accel,
+            "home": home, "cache": cache, "socket": socket, "log_file": log_file, "vmm": vmm, "accelerator": accel,
             "listen": listen, "token_file": token_file, "tls_cert": tls_cert, "tls_key": tls_key,
             "limits.max_sandboxes": max_sandboxes, "limits.max_concurrent_forks": max_concurrent_forks,
             "sandboxes.keep_on_stop": keep_sandboxes_on_stop, "e2b.listen": e2b_listen,

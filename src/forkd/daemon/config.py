@@ -16,6 +16,7 @@ tls_key = "/etc/forkd/tls.key"
 log_file = "/var/log/forkd/daemon.log"  # default: stderr (the journal under systemd)
 log_max_bytes = 10485760         # rotate the log file at this size ...
 log_backups = 5                  # ... keeping this many old files
+vmm = "qemu"                     # VMM backend: qemu, or fake (no VMs: real processes answer the guest protocol)  [FORKD_VMM]
 accelerator = "auto"             # auto | kvm | tcg
 tcg_tb_size_mib = 32             # TCG translation buffer per VMM: 16 saves 17 MiB a child, costs ~1.8x its CPU
 warm_pools = true                # pool members run a fork's first calls, then wait stopped (more memory each)
@@ -70,7 +71,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
 from pydantic.dataclasses import dataclass
 
@@ -80,7 +81,7 @@ from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
 from forkd.runtime.options import DEFAULT_MAX_BRANCHES, OutputLimits, RuntimeOptions
 from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.validation import ValidationError as FieldError
-from forkd.vmm.qemu_machine import TCG_TB_SIZE_MIB
+from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, check_backend
 
 _STRICT = ConfigDict(extra="forbid")
 DEFAULT_HOME = Path("/var/lib/forkd")
@@ -89,7 +90,7 @@ DEFAULT_CACHE = Path("/var/cache/forkd")
 ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socket", "FORKD_LISTEN": "listen",
             "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file", "FORKD_NET_POOL": "network.pool",
             "FORKD_DNS": "network.dns", "FORKD_MAX_BRANCHES": "limits.max_branches",
-            "FORKD_E2B_LISTEN": "e2b.listen"}
+            "FORKD_E2B_LISTEN": "e2b.listen", "FORKD_VMM": "vmm"}
 
 
 DEFAULT_MAX_SANDBOXES = 500
@@ -168,8 +169,9 @@ class DaemonConfig:
     log_file: Path | None = None
     log_max_bytes: int = Field(default=10 << 20, ge=4096)
     log_backups: int = Field(default=5, ge=0)
+    vmm: str = DEFAULT_BACKEND
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
-    tcg_tb_size_mib: int = Field(default=TCG_TB_SIZE_MIB, ge=1, le=2048)
+    tcg_tb_size_mib: int = Field(default=BackendOptions.tcg_tb_size_mib, ge=1, le=2048)
     warm_pools: bool = True
     limits: Limits = field(default_factory=Limits)
     sandboxes: SandboxPolicy = field(default_factory=SandboxPolicy)
@@ -186,6 +188,15 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
+
+    @field_validator("vmm")
+    @classmethod
+    def _known_backend(cls, name: str) -> str:
+        return check_backend(name)  # UnknownBackend is a ValueError: reported as `vmm: ...`
+
+    @property
+    def backend_options(self) -> BackendOptions:
+        return BackendOptions(accelerator=self.accelerator, tcg_tb_size_mib=self.tcg_tb_size_mib)
 
     @property
     def paths(self) -> Paths:

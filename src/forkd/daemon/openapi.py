@@ -14,7 +14,7 @@ from typing import Any
 from forkd.config import Paths
 from forkd.daemon.app import create_app
 from forkd.runtime.runtime import Runtime
-from forkd.vmm.qemu import QemuVmm
+from forkd.vmm.backends import BackendOptions, create_vmm
 
 
 def document() -> dict[str, Any]:
@@ -22,7 +22,7 @@ def document() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="forkd-openapi-") as scratch:
         root = Path(scratch)
         runtime = Runtime(Paths(home=root / "home", cache=root / "cache", socket=root / "sock"),
-                          QemuVmm(accelerator="tcg"))
+                          create_vmm(options=BackendOptions(accelerator="tcg")))
         try:
             return create_app(runtime).openapi()
         finally:

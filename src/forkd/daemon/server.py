@@ -34,7 +34,7 @@ from forkd.e2b.app import E2BFront
 from forkd.e2b.keys import Credentials, KeyFileError
 from forkd.runtime.runtime import Runtime
 from forkd.safetext import visible
-from forkd.vmm.qemu import QemuVmm
+from forkd.vmm.backends import create_vmm
 
 log = logging.getLogger("forkd.daemon")
 
@@ -209,7 +209,7 @@ async def serve(config: DaemonConfig) -> None:
             sock.close()
         paths.socket.unlink(missing_ok=True)
         raise
-    vmm = QemuVmm(accelerator=config.accelerator, tb_size_mib=config.tcg_tb_size_mib)
+    vmm = create_vmm(config.vmm, config.backend_options)
     runtime = Runtime(paths, vmm, config.runtime_options)
     audit = AuditLog(paths.audit_log, max_bytes=config.audit.max_bytes, backups=config.audit.backups)
     api = BodyLimit(create_app(runtime))

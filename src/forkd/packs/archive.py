@@ -23,7 +23,6 @@ from typing import IO, Any
 import zstandard
 
 from forkd import __version__
-from forkd.packs import qcow2
 from forkd.packs.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -39,6 +38,7 @@ from forkd.packs.format import (
     parse_manifest,
 )
 from forkd.store.files import fsync_dir, link_or_copy
+from forkd.vmm.disk import DiskFormat, UnsafeDisk
 
 Progress = Callable[[str], None]
 
@@ -338,8 +338,10 @@ def read_manifest(source: Path) -> Manifest:
         reader.close()
 
 
-def extract_pack(source: Path, plan_for: Callable[[Manifest], Plan], progress: Progress) -> tuple[Manifest, dict[str, dict[str, Any]]]:
-    """Verify every member of ``source`` and write the snapshots ``plan_for`` places.
+def extract_pack(source: Path, plan_for: Callable[[Manifest], Plan], progress: Progress,
+                 disk: DiskFormat) -> tuple[Manifest, dict[str, dict[str, Any]]]:
+    """Verify every member of ``source`` and write the snapshots ``plan_for`` places; ``disk``, the
+    VMM backend's disk format, checks each snapshot's files refer to nothing outside its chain.
 
     Returns the manifest and the parsed ``meta.json`` of each extracted snapshot, keyed by pack
     tag. Raises :class:`PackError` on the first problem; the caller removes what was written.
@@ -382,8 +384,10 @@ def extract_pack(source: Path, plan_for: Callable[[Manifest], Plan], progress: P
             own = {f.name for f in entry.files}
             if extracting:
                 for item in entry.content_files:
-                    if qcow2.is_qcow2(directory / item.name):
-                        qcow2.check_backing(directory / item.name, own, known_files)
+                    try:
+                        disk.check_packed(directory / item.name, own, known_files)
+                    except UnsafeDisk as exc:
+                        raise PackError(str(exc)) from None
                 fsync_dir(directory)
             known_files[entry.tag] = own
         extra = reader.next()

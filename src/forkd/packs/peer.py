@@ -6,8 +6,8 @@ the ordinary format (``archive.write_stream``), holding only the layers the pull
 then names its parent by tag and digest, and the puller unpacks it with the very code and checks
 of ``unpack`` (``PackService.unpack_file``), which verifies the store's own ancestors it builds on
 and publishes all or nothing. Ancestors keep their tags (a layer's disk names its parent's
-directory by tag inside its qcow2 header, which its digest covers); only the top layer is renamed
-(``d-<digest prefix>``) when its tag is taken here.
+directory by tag, e.g. as its backing file, which its digest covers); only the top
+layer is renamed (``d-<digest prefix>``) when its tag is taken here.
 
 A peer is hostile like any download: its ``/v1/node`` answer is read up to ``MAX_NODE_ANSWER``
 bytes and checked against a schema, its pack is read up to what its own listing declared for the

@@ -25,7 +25,6 @@ from forkd.hostpaths import HostRoots
 from forkd.packs import archive, transfer
 from forkd.packs.format import MAX_CHAIN_DEPTH, META_NAME, Manifest, PackError, layer_digest
 from forkd.packs.index import entry_url, load_index
-from forkd.store.chains import parent_digests
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.io import blocking, remove_tree
 from forkd.store.registry import SnapshotRecord
@@ -202,7 +201,7 @@ class PackService:
                      + (f" (reusing {', '.join(sorted(plan.reuse))} from the store)" if plan.reuse else ""))
             return archive.Plan(targets=targets, reuse=plan.reuse, store_files=store_files)
 
-        manifest, metas = archive.extract_pack(source, plan_for, progress)
+        manifest, metas = archive.extract_pack(source, plan_for, progress, self.store.disk)
         records = self._publish(claim, manifest, decided[0], metas, work)
         top = records[-1]  # the top snapshot is never reused, so always published
         return {**top.to_dict(), "unpacked": [r.tag for r in records], "reused": sorted(decided[0].reuse),
@@ -238,7 +237,7 @@ class PackService:
             parent_meta = self.store.get(record.parent_tag).meta
         parent = SnapshotRecord(tag=record.parent_tag, status="ready", image="", path=Path(), created_at=0,
                                 meta=parent_meta)
-        if record.meta.get("parent_sha256") != parent_digests(parent):
+        if record.meta.get("parent_sha256") != self.store.parent_digests(parent):
             raise PackError(f"snapshot {record.tag!r} records other digests for its parent {record.parent_tag!r} "
                             "than the parent has: the pack is inconsistent")
 

@@ -14,7 +14,6 @@ The snapshot is registered as ``writing`` before the pause, so it is visible (an
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,18 +25,17 @@ from forkd.runtime.metrics import Metrics
 from forkd.runtime.sandboxes import LiveSandbox, SandboxService
 from forkd.runtime.timings import Timings
 from forkd.store import layers as memory_layers
-from forkd.store.chains import ChainMemory, ancestry, chain_memory, parent_digests
+from forkd.store.chains import ChainMemory, chain_memory
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.io import blocking, remove_tree
 from forkd.store.layout import (
-    DISK_FILE,
     INHERITED_META,
     INITRD_FILE,
     KERNEL_FILE,
     LAYER_FILE,
     MEMORY_FILE,
     STATE_FILE,
-    memory_layer_name,
+    branch_files,
 )
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
@@ -140,11 +138,10 @@ class BranchService:
                 parent = self.registry.get_snapshot(record.parent_tag)
                 if parent is None or parent.status != "ready":
                     raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} is not ready")
-                memory = chain_memory(ancestry(self.registry, parent))
+                memory = chain_memory(self.store.ancestry(parent))
                 timings = Timings()
-                top = live.vm.run_dir / f"disk-{secrets.token_hex(4)}.qcow2"
                 capture = await branching_of(self.vmm).capture(
-                    live.vm, parent.meta["identity"]["memory_mib"] << 20, top, build_dir / STATE_FILE,
+                    live.vm, parent.meta["identity"]["memory_mib"] << 20, build_dir / STATE_FILE,
                     live=mode == "live", mark=timings.mark)
                 # A restarted daemon adopts the new top.
                 await asyncio.to_thread(self.registry.set_vmm_state, live.record.id, live.vm.state)
@@ -178,8 +175,8 @@ class BranchService:
         """
         for name in (KERNEL_FILE, INITRD_FILE):
             await blocking(self.store.digests.link, parent.path / name, build_dir / name)
-        await branching_of(self.vmm).export_disk_layer(capture.frozen_disk, build_dir / DISK_FILE,
-                                                       f"../{parent.tag}/{DISK_FILE}")
+        disk = self.vmm.disk.file_name
+        await self.vmm.disk.export_layer(capture.frozen_disk, build_dir / disk, f"../{parent.tag}/{disk}")
         timings.mark("disk_layer_written")
         memory_kind = "diff" if mode == "diff" else "full"
         changed, written = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
@@ -189,13 +186,13 @@ class BranchService:
             "mode": mode,
             "memory_kind": memory_kind,
             "state_format": capture.state_format,
-            "parent_sha256": parent_digests(parent),
+            "parent_sha256": self.store.parent_digests(parent),
             "private_pages": len(capture.pages.offsets),
             "changed_pages": changed,
         }
         if mode == "live":
             meta["precopied"] = capture.precopied
-        names = (KERNEL_FILE, INITRD_FILE, DISK_FILE, STATE_FILE, memory_layer_name(meta))
+        names = branch_files(disk, meta)
         meta["sha256"] = await blocking(self.store.seal, build_dir, names, written)
         meta["sizes"] = {name: (build_dir / name).stat().st_size for name in names}
         timings.mark("sealed")

@@ -47,7 +47,7 @@ class Runtime:
         self.paths = paths
         self.vmm = vmm
         self.registry = Registry(paths.db)
-        self.store = SnapshotStore(paths.snapshots, self.registry, DigestCache(), vmm.identity)
+        self.store = SnapshotStore(paths.snapshots, self.registry, DigestCache(), vmm.identity, vmm.disk)
         self.snapshots = SnapshotService(paths, self.store, vmm)
         self.options = options or RuntimeOptions()
         self.metrics = Metrics()
@@ -63,7 +63,7 @@ class Runtime:
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.metrics.watch_pools(self.sandboxes.pool.list)
-        self.compaction = CompactService(self.store, vmm)
+        self.compaction = CompactService(self.store, vmm.disk)
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.options.max_concurrent_branches,
                                       self.metrics)
         self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads)

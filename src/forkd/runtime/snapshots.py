@@ -26,7 +26,7 @@ from forkd.runtime.agent_client import AgentClient, connect_when_answering
 from forkd.store.errors import SnapshotDiskFull, SnapshotError
 from forkd.store.files import link_or_copy
 from forkd.store.io import blocking, remove_tree
-from forkd.store.layout import BASE_DISK_FILE, HASHED_FILES, INITRD_FILE, KERNEL_FILE, MEMORY_FILE, STATE_FILE
+from forkd.store.layout import BASE_DISK_FILE, INITRD_FILE, KERNEL_FILE, MEMORY_FILE, STATE_FILE, baked_files
 from forkd.store.registry import SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.vmm.base import BootSpec, Vmm, VmHandle
@@ -136,10 +136,11 @@ class SnapshotService:
                 await agent.close()
             await self.vmm.kill(vm)
             self._parents.discard(vm)
-        for leftover in ("agent.sock", "qmp.sock"):
+        for leftover in self.vmm.run_leftovers:  # the build directory was the parent's run directory
             (build_dir / leftover).unlink(missing_ok=True)
         progress("recording content digests")
-        digests = await blocking(self.store.seal, build_dir, HASHED_FILES)
+        files = baked_files(self.vmm.disk.file_name)
+        digests = await blocking(self.store.seal, build_dir, files)
         meta = {
             "identity": asdict(self.vmm.identity(spec)),
             "boot": {"cmdline": spec.cmdline, "memory_mib": spec.memory_mib, "vcpus": spec.vcpus,
@@ -149,7 +150,7 @@ class SnapshotService:
             "warm_code": request.warm_code,
             "warmup_cmd": request.warmup_cmd,
             "sha256": digests,
-            "sizes": {name: (build_dir / name).stat().st_size for name in HASHED_FILES},
+            "sizes": {name: (build_dir / name).stat().st_size for name in files},
             "boot_seconds": round(boot_s, 3),
             "save_seconds": round(save_s, 4),
         }

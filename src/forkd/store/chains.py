@@ -5,7 +5,8 @@ hold it); the pack manifest carries it between hosts.
 
 A chain is walked from the snapshot down to its root (a baked snapshot, no parent). Its memory is
 the nearest ``full`` memory file on the way down with the ``diff`` layers above it laid over it; its
-disk is the qcow2 backing chain (each link's ``disk.qcow2`` names its parent's by relative path).
+disk is the chain of disk layers (each link's names its parent's by relative path, in the VMM
+backend's format; the store only knows the layer's file name, ``disk_file``).
 Every link records the digests of its parent's memory and disk layers, so a parent replaced under
 the same tag is noticed, not silently used.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forkd.store.layout import DISK_FILE, LAYER_FILE, MEMORY_FILE, memory_layer_name
+from forkd.store.layout import LAYER_FILE, MEMORY_FILE, memory_layer_name
 from forkd.store.registry import Registry, SnapshotRecord
 
 
@@ -47,13 +48,18 @@ def record_digest(record: SnapshotRecord) -> str:
     return layer_digest(record.meta["sha256"])
 
 
-def parent_digests(parent: SnapshotRecord) -> dict[str, str]:
-    """What a branch records of its parent so that a replaced parent is refused."""
+def parent_digests(parent: SnapshotRecord, disk_file: str) -> dict[str, str]:
+    """What a branch records of its parent (its memory and disk layers) so that a replaced parent is refused."""
     digests = parent.meta["sha256"]
-    return {name: digests[name] for name in (memory_layer_name(parent.meta), DISK_FILE)}
+    names = (memory_layer_name(parent.meta), disk_file)
+    missing = [name for name in names if name not in digests]
+    if missing:
+        raise ChainBroken(f"snapshot {parent.tag!r} has no {' or '.join(missing)}: it was saved by another VMM "
+                          f"backend ({parent.meta.get('identity', {}).get('vmm', 'unknown')}) than this daemon's")
+    return {name: digests[name] for name in names}
 
 
-def ancestry(registry: Registry, record: SnapshotRecord) -> list[SnapshotRecord]:
+def ancestry(registry: Registry, record: SnapshotRecord, disk_file: str) -> list[SnapshotRecord]:
     """``record`` and its ancestors, top first; raises if a link is missing or was replaced."""
     chain = [record]
     seen = {record.tag}
@@ -67,7 +73,7 @@ def ancestry(registry: Registry, record: SnapshotRecord) -> list[SnapshotRecord]
         if parent.tag in seen:
             raise ChainBroken(f"snapshot chain of {record.tag!r} loops at {parent.tag!r}")
         recorded = child.meta.get("parent_sha256", {})
-        if recorded != parent_digests(parent):
+        if recorded != parent_digests(parent, disk_file):
             raise ChainBroken(f"snapshot {child.tag!r} was branched from another {parent.tag!r} than the one "
                               f"registered now; remove {child.tag!r} with `forkd rmi {child.tag}`")
         seen.add(parent.tag)

@@ -68,11 +68,12 @@ def _add_columns(db: sqlite3.Connection) -> None:
 
 def _vmm_state_blob(db: sqlite3.Connection) -> None:
     """2: what a backend needs to re-adopt its VMM is its own opaque JSON (``VmHandle.state``), not
-    QEMU columns. Records written by the QEMU backend before keep their monitor socket and disk."""
+    QEMU columns. Records written by the QEMU backend before keep their monitor socket (their disk is
+    the backend's first one in the run directory, which it finds itself)."""
     db.execute("ALTER TABLE sandboxes ADD COLUMN vmm_state TEXT")
-    rows = db.execute("SELECT id, run_dir, monitor_socket FROM sandboxes WHERE monitor_socket IS NOT NULL")
-    for sandbox_id, run_dir, monitor_socket in rows.fetchall():
-        state = {"monitor_socket": monitor_socket, "disk": str(Path(run_dir) / "disk.qcow2")}
+    rows = db.execute("SELECT id, monitor_socket FROM sandboxes WHERE monitor_socket IS NOT NULL")
+    for sandbox_id, monitor_socket in rows.fetchall():
+        state = {"monitor_socket": monitor_socket}
         db.execute("UPDATE sandboxes SET vmm_state = ? WHERE id = ?", (json.dumps(state), sandbox_id))
     db.execute("ALTER TABLE sandboxes DROP COLUMN agent_socket")
     db.execute("ALTER TABLE sandboxes DROP COLUMN monitor_socket")

@@ -17,8 +17,9 @@ Whatever a dead daemon left mid-way (build directories, unregistered snapshot di
 ``writing`` records) is cleaned by the one reaper, :meth:`reap`, run at start.
 
 A snapshot's parent link is the registry's ``parent_tag`` column, nothing else. Opening a
-snapshot checks its format version, its chain, every file's digest and that this host can restore
-it (:meth:`open`).
+snapshot checks its format version, that this host can restore it, its chain and every file's
+digest (:meth:`open`). The disk layer's file name is the VMM backend's (``disk``, a
+:class:`forkd.vmm.disk.DiskFormat`); the store never looks inside a disk.
 """
 
 from __future__ import annotations
@@ -34,14 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from forkd.guest.protocol import AGENT_VERSION
-from forkd.store.chains import ChainBroken, ancestry, chain_memory, descendants, record_digest
+from forkd.store.chains import ChainBroken, ancestry, chain_memory, descendants, parent_digests, record_digest
 from forkd.store.errors import DigestNotFound, SnapshotConflict, SnapshotCorrupt, SnapshotError
 from forkd.store.files import RENAME_NOREPLACE, DigestCache, fsync_dir, fsync_tree, renameat2, write_json_atomic
 from forkd.store.io import blocking, remove_tree
 from forkd.store.layers import LayerError, read_layer
 from forkd.store.layout import (
     BUILD_PREFIX,
-    DISK_FILE,
     FORMAT_VERSION,
     INITRD_FILE,
     KERNEL_FILE,
@@ -54,6 +54,7 @@ from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.usage import directory_usage
 from forkd.validation import check_tag, is_tag
 from forkd.vmm.base import BootSpec, MachineIdentity, SavedVm, SnapshotMismatch
+from forkd.vmm.disk import DiskFormat
 
 HostIdentity = Callable[[BootSpec], MachineIdentity]
 
@@ -82,11 +83,13 @@ class Claim:
 
 
 class SnapshotStore:
-    def __init__(self, directory: Path, registry: Registry, digests: DigestCache, host_identity: HostIdentity) -> None:
+    def __init__(self, directory: Path, registry: Registry, digests: DigestCache, host_identity: HostIdentity,
+                 disk: DiskFormat) -> None:
         self.directory = directory
         self.registry = registry
         self.digests = digests
         self.host_identity = host_identity
+        self.disk = disk
         self._claims: dict[str, Claim] = {}
         self._lock = threading.Lock()  # claims are taken on the loop and released from worker threads
 
@@ -244,7 +247,15 @@ class SnapshotStore:
         record = self.get(tag)
         if record.status != "ready":
             raise SnapshotConflict(f"snapshot {tag!r} is {record.status}, not ready")
-        return ancestry(self.registry, record)
+        return self.ancestry(record)
+
+    def ancestry(self, record: SnapshotRecord) -> list[SnapshotRecord]:
+        """``record`` and its ancestors, top first (see :func:`forkd.store.chains.ancestry`)."""
+        return ancestry(self.registry, record, self.disk.file_name)
+
+    def parent_digests(self, parent: SnapshotRecord) -> dict[str, str]:
+        """What a snapshot branched from ``parent`` records of it (``parent_sha256``)."""
+        return parent_digests(parent, self.disk.file_name)
 
     def open(self, tag: str) -> tuple[SnapshotRecord, SavedVm, BootSpec]:
         """The verified files and machine of a snapshot, ready to restore children from.
@@ -258,8 +269,12 @@ class SnapshotStore:
             raise SnapshotError(f"no snapshot {tag!r}; create it with `forkd snapshot create --tag {tag}`")
         if record.status != "ready":
             raise SnapshotConflict(f"snapshot {tag!r} is {record.status}, not ready")
+        identity = MachineIdentity.from_dict(record.meta["identity"])
+        hint = f"create it again here with `forkd snapshot create --tag {tag}`"
+        self.check_format(record.meta, f"snapshot {tag!r}", hint)
+        self.check_machine(identity, f"snapshot {tag!r}", hint)  # before the chain: its disk is this backend's
         try:
-            chain = ancestry(self.registry, record)
+            chain = self.ancestry(record)
         except ChainBroken as exc:
             raise SnapshotCorrupt(str(exc)) from None
         for link in chain:  # a stat per file and link: each file version is hashed once (DigestCache)
@@ -269,11 +284,7 @@ class SnapshotStore:
             layers = tuple(read_layer(path) for path in memory.layers)
         except LayerError as exc:
             raise SnapshotCorrupt(f"snapshot {tag!r}: {exc}") from None
-        identity = MachineIdentity.from_dict(record.meta["identity"])
-        hint = f"create it again here with `forkd snapshot create --tag {tag}`"
-        self.check_format(record.meta, f"snapshot {tag!r}", hint)
-        self.check_machine(identity, f"snapshot {tag!r}", hint)
-        saved = SavedVm(memory=memory.base, state=record.path / STATE_FILE, disk=record.path / DISK_FILE,
+        saved = SavedVm(memory=memory.base, state=record.path / STATE_FILE, disk=record.path / self.disk.file_name,
                         identity=identity, layers=layers, state_format=record.meta.get("state_format", ""))
         return record, saved, boot_spec(record.path, record.meta)
 

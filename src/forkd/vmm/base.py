@@ -2,9 +2,11 @@
 
 The runtime never builds a command line or speaks a monitor protocol itself: it asks a backend to
 boot a parent, save it, and restore children from what was saved. The core :class:`Vmm` is what
-every backend must do; optional features (BRANCH of a running VM: ``forkd.vmm.branching``) are
-announced in :class:`Capabilities` and reached through an attribute, so a backend without them
-still fits (as in Kata's virtcontainers hypervisor capabilities).
+every backend must do, with its disk format (``forkd.vmm.disk``: how a snapshot's disk is named,
+layered, exported, flattened and checked, so nothing outside ``vmm/`` knows it); optional features
+(BRANCH of a running VM: ``forkd.vmm.branching``) are announced in :class:`Capabilities` and reached
+through an attribute, so a backend without them still fits (as in Kata's virtcontainers hypervisor
+capabilities).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from forkd.vmm.disk import DiskFormat
 
 #: In a VM's run directory: the guest's serial console. A backend opens it for appending, so the
 #: runtime can cut it while the VMM writes (a guest decides how much it writes there).
@@ -242,11 +245,16 @@ class MemoryStats:
 
 
 class Vmm(Protocol):
-    """The core of a VMM backend: boot, save, restore, adopt, kill, stats. Every method is safe to call
-    concurrently for different VMs. Optional features (BRANCH) are separate protocols, announced in
-    :class:`Capabilities` and reached through attributes (see ``forkd.vmm.branching``)."""
+    """The core of a VMM backend: boot, save, restore, adopt, kill, stats, and its disk format. Every
+    method is safe to call concurrently for different VMs. Optional features (BRANCH) are separate
+    protocols, announced in :class:`Capabilities` and reached through attributes (see
+    ``forkd.vmm.branching``)."""
 
     program: str  # file name of the VMM binary, to recognise its processes after a daemon restart
+    disk: DiskFormat  # how its snapshots' disks are kept (the store, packs and runtime ask it)
+    #: Files a stopped VMM leaves in its run directory that nothing needs (sockets): a baked
+    #: snapshot's directory is its parent's run directory, and they are removed from it.
+    run_leftovers: tuple[str, ...]
 
     def capabilities(self) -> Capabilities: ...
 

@@ -6,8 +6,10 @@ found by command line and adopted after a restart like a VMM) plus a small in-pr
 speaks the real guest protocol on the VM's agent socket. Guest RAM is a plain file per VM: a
 child's is a copy of the snapshot's memory with its diff layers laid over it, and tests change it
 with :meth:`FakeVmm.write_guest_memory` as a guest would. It is also the smallest complete backend,
-the example a new one (Firecracker) follows: the core :class:`forkd.vmm.base.Vmm` plus, optionally,
-:class:`forkd.vmm.branching.Branching`.
+the example a new one (Firecracker) follows: the core :class:`forkd.vmm.base.Vmm` with its
+:class:`forkd.vmm.disk.DiskFormat` plus, optionally, :class:`forkd.vmm.branching.Branching`. Its
+disks are one-line text files under another name than QEMU's (``disk.fake``), so code outside
+``vmm/`` that names QEMU's disk fails the unit tests.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
+import secrets
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +45,11 @@ from forkd.vmm.base import (
     no_stage_marks,
 )
 from forkd.vmm.branching import Capture
+from forkd.vmm.disk import DiskFormat, UnsafeDisk, require_in_chain
 
 PROGRAM = "tail"  # the fake VMM process: `tail -f RUN_DIR/console.log`
+AGENT_SOCKET = "agent.sock"
+DISK_HEADER = b"fake disk over "  # a fake disk: this, the file it lies over, a newline, what was written
 RAM_KEY, DISK_KEY, BASE_KEY = "ram", "disk", "base"  # BASE_KEY: the memory file a child was restored from
 
 
@@ -60,12 +65,49 @@ class FakeBehaviour:
     exec_exit_code: int = 0
 
 
+class FakeDisk:
+    """The fake's disk format: ``disk.fake`` files whose first line names what they lie over."""
+
+    file_name = "disk.fake"
+
+    async def new_root(self, base: Path, disk: Path) -> None:
+        _write_disk(disk, base.name, b"")
+
+    async def new_child(self, layer: Path, disk: Path) -> None:
+        _write_disk(disk, str(layer), b"")
+
+    async def export_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
+        _write_disk(dest, backing_name, _read_disk(frozen)[1])
+
+    async def flatten(self, disk: Path, base_name: str) -> None:
+        _write_disk(disk, base_name, b"flattened " + _read_disk(disk)[1])
+
+    def check_packed(self, path: Path, own_files: set[str], ancestors: Mapping[str, set[str]]) -> None:
+        if path.name != self.file_name:
+            return
+        require_in_chain(path, _read_disk(path)[0], own_files, ancestors)
+
+
+def _write_disk(path: Path, backing: str, data: bytes) -> None:
+    path.write_bytes(DISK_HEADER + backing.encode() + b"\n" + data)
+
+
+def _read_disk(path: Path) -> tuple[str, bytes]:
+    """What a fake disk lies over, and what was written to it."""
+    header, _, data = path.read_bytes().partition(b"\n")
+    if not header.startswith(DISK_HEADER):
+        raise UnsafeDisk(f"{path.name} is not a fake disk")
+    return header[len(DISK_HEADER):].decode(errors="replace"), data
+
+
 class FakeVmm:
     kind = "fake"
     program = PROGRAM
+    run_leftovers: tuple[str, ...] = (AGENT_SOCKET,)
 
     def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
         self.behaviour = behaviour or FakeBehaviour()
+        self.disk: DiskFormat = FakeDisk()
         self.branching = FakeBranching(self)
         self.reseeds: list[str] = []  # sandbox ids whose agent answered a reseed, in order
         self.requests: list[tuple[str, str]] = []  # (VM name, op) of every request its agent answered
@@ -88,14 +130,14 @@ class FakeVmm:
         console.touch()
         process = await asyncio.create_subprocess_exec(PROGRAM, "-f", str(console), stdin=asyncio.subprocess.DEVNULL,
                                                        stdout=asyncio.subprocess.DEVNULL, start_new_session=True)
-        return VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+        return VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / AGENT_SOCKET,
                         state={RAM_KEY: str(ram), DISK_KEY: str(disk)})
 
     async def boot(self, name: str, spec: BootSpec, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
         with open(memory, "wb") as ram:
             ram.truncate(spec.memory_mib << 20)
-        disk = run_dir / "disk.qcow2"
-        disk.write_bytes(b"overlay of " + base_disk.name.encode())
+        disk = run_dir / self.disk.file_name
+        await self.disk.new_root(base_disk, disk)
         vm = await self._start(name, run_dir, memory, disk)
         await self._serve_agent(vm)
         return vm
@@ -105,10 +147,9 @@ class FakeVmm:
 
     async def prepare_restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
                               setup: ChildSetup = ChildSetup()) -> VmHandle:
-        ram, disk = run_dir / "ram", run_dir / "disk.qcow2"
-        await asyncio.to_thread(shutil.copyfile, saved.memory, ram)
-        os.chmod(ram, 0o600)
-        disk.write_bytes(b"overlay of " + str(saved.disk).encode())
+        ram, disk = run_dir / "ram", run_dir / self.disk.file_name
+        await asyncio.to_thread(_copy_sparse, saved.memory, ram)
+        await self.disk.new_child(saved.disk, disk)
         vm = await self._start(name, run_dir, ram, disk)
         vm.state[BASE_KEY] = str(saved.memory)
         if setup.on_spawn is not None:
@@ -152,7 +193,7 @@ class FakeVmm:
         return gate
 
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
-        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+        vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / AGENT_SOCKET,
                       state=dict(state))
         if name in self.behaviour.stalled:
             await self.kill(vm)
@@ -245,6 +286,28 @@ class FakeVmm:
                 await asyncio.wait_for(server.wait_closed(), timeout=1)
 
 
+def _copy_sparse(source: Path, dest: Path) -> None:
+    """A child's RAM: a copy of the snapshot's memory file in which its holes stay holes (a fake
+    guest writes little, so a daemon on the fake forks children of a 1 GiB snapshot cheaply)."""
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
+        size = os.fstat(src.fileno()).st_size
+        dst.truncate(size)
+        position = 0
+        while position < size:
+            try:
+                start = os.lseek(src.fileno(), position, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole remains
+                break
+            position = os.lseek(src.fileno(), start, os.SEEK_HOLE)
+            src.seek(start)
+            dst.seek(start)
+            while start < position:
+                chunk = src.read(min(1 << 20, position - start))
+                dst.write(chunk)
+                start += len(chunk)
+
+
 def _lay(ram: Path, layers: list[PageLayer]) -> None:
     """Diff layers' pages over a child's RAM file, base first (what QEMU's restore does in /proc/PID/mem)."""
     with open(ram, "r+b") as target:
@@ -264,11 +327,12 @@ class FakeBranching:
         self.vmm = vmm
         self.captures = 0
 
-    async def capture(self, vm: VmHandle, memory_bytes: int, new_top: Path, state: Path,
+    async def capture(self, vm: VmHandle, memory_bytes: int, state: Path,
                       live: bool, mark: Callable[[str], None]) -> Capture:
         frozen = Path(vm.state[DISK_KEY])
         mark("stop")
-        new_top.write_bytes(b"overlay of " + frozen.name.encode())
+        new_top = vm.run_dir / f"disk-{secrets.token_hex(4)}.fake"
+        _write_disk(new_top, str(frozen), b"")
         vm.state[DISK_KEY] = str(new_top)
         mark("disk_switched")
         state.write_text(json.dumps({"captured": vm.name}))
@@ -278,13 +342,6 @@ class FakeBranching:
         mark("cont")
         self.captures += 1
         return Capture(pause_s=0.0, frozen_disk=frozen, pages=pages, state_format="fake", precopied=False)
-
-    async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
-        dest.write_bytes(frozen.read_bytes() + b" backed by " + backing_name.encode())
-
-    async def flatten_disk(self, disk: Path, base_name: str) -> None:
-        os.chmod(disk, 0o600)
-        disk.write_bytes(b"flattened onto " + base_name.encode())
 
 
 def _differing_pages(ram: Path, memory: Path) -> Pages:

@@ -7,15 +7,14 @@ RAM: ~13 ms, a few hundred KB). A child is a new QEMU process with the same mach
 the child writes it — started with ``-incoming defer`` (:meth:`QemuVmm.prepare_restore`) and then
 told over QMP to load that state (:meth:`QemuVmm.complete_restore`; QEMU 7.2 has no command-line
 switch for the capability). Each VM gets its own qcow2 overlay so no two VMs ever write one disk.
-The command line, process start and bounded monitor live in ``qemu_machine``; BRANCH, an optional
-capability, in ``qemu_branch``.
+The command line, process start and bounded monitor live in ``qemu_machine``; the disk format
+(qcow2 layers) in ``qemu_disk``; BRANCH, an optional capability, in ``qemu_branch``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,26 +35,28 @@ from forkd.vmm.base import (
     VmProcess,
     no_stage_marks,
 )
+from forkd.vmm.disk import DiskFormat
 from forkd.vmm.process import read_memory_stats
 from forkd.vmm.qemu_branch import DEVICE_STATE, DEVICE_STATE_ARGS, QemuBranching
+from forkd.vmm.qemu_disk import QemuDisk
 from forkd.vmm.qemu_machine import (
+    AGENT_SOCKET,
     DISK_KEY,
     MEMORY_KEY,
     MONITOR_KEY,
     NIC_ID,
     QEMU_BINARY,
+    RUN_LEFTOVERS,
     TCG_TB_SIZE_MIB,
     QemuMachine,
     QemuVm,
     cpu_model,
-    create_overlay,
     kill,
     monitor,
     qemu_version,
 )
 
 ADOPT_MONITOR_TIMEOUT_S = 5.0
-CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
 # Shared RAM (the memory file) is neither written to nor read from the migration stream, and QEMU
 # announces each migration state change as a MIGRATION event, so nobody polls.
 _MIGRATION_CAPABILITIES = {"capabilities": [{"capability": "x-ignore-shared", "state": True},
@@ -66,6 +67,7 @@ class QemuVmm:
     """The :class:`forkd.vmm.base.Vmm` backend for ``qemu-system-x86_64``, with the branching capability."""
 
     kind = "qemu"
+    run_leftovers: tuple[str, ...] = RUN_LEFTOVERS
 
     def __init__(self, binary: str = QEMU_BINARY, accelerator: str = "auto",
                  tb_size_mib: int = TCG_TB_SIZE_MIB) -> None:
@@ -73,7 +75,7 @@ class QemuVmm:
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
         self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator), tb_size_mib=tb_size_mib)
         self.branching = QemuBranching()
-        self._template_lock = asyncio.Lock()
+        self.disk: DiskFormat = QemuDisk()
         self._offline: set[VmHandle] = set()  # prepared children without a tap: their link goes down on load
 
     @property
@@ -108,23 +110,10 @@ class QemuVmm:
         )
 
     async def boot(self, name: str, spec: BootSpec, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
-        disk = run_dir / "disk.qcow2"
-        await create_overlay(base_disk, disk, "raw", relative=base_disk.parent.resolve() == run_dir.resolve())
+        disk = run_dir / self.disk.file_name
+        await self.disk.new_root(base_disk, disk)
         return await self.machine.start(name, self.machine.argv(spec, run_dir, disk, memory, share=True),
                                         run_dir, disk)
-
-    async def _child_overlay_template(self, backing: Path) -> Path:
-        """An empty overlay over ``backing``, made once; each child's overlay is a copy of it.
-
-        Copying ~200 KB is far cheaper than running qemu-img for every child of a batch.
-        """
-        template = backing.with_name(CHILD_OVERLAY_TEMPLATE)
-        async with self._template_lock:
-            if not template.exists():
-                partial = template.with_name(f".{template.name}.partial")
-                await create_overlay(backing, partial, "qcow2")
-                os.replace(partial, template)
-        return template
 
     async def prepare_restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
                               setup: ChildSetup = ChildSetup()) -> VmHandle:
@@ -134,8 +123,8 @@ class QemuVmm:
         (the state file as an fd over the monitor), so VMMs can be started ahead of a fork.
         """
         mark = setup.on_stage or no_stage_marks
-        disk = run_dir / "disk.qcow2"
-        await asyncio.to_thread(shutil.copyfile, await self._child_overlay_template(saved.disk), disk)
+        disk = run_dir / self.disk.file_name
+        await self.disk.new_child(saved.disk, disk)
         mark("overlay")
         argv = self.machine.argv(spec, run_dir, disk, saved.memory, share=False, tap_fd=setup.tap_fd,
                                  tb_size_mib=setup.translation_cache_mib)
@@ -209,9 +198,11 @@ class QemuVmm:
             raise VmmError(f"{command} of {vm.name} failed: {exc}") from None
 
     async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
-        if not isinstance(state.get(MONITOR_KEY), str) or not isinstance(state.get(DISK_KEY), str):
-            raise VmmError(f"the record of {name} lacks its QEMU monitor socket or disk")
-        vm = QemuVm(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
+        if not isinstance(state.get(MONITOR_KEY), str) or not isinstance(state.get(DISK_KEY, ""), str):
+            raise VmmError(f"the record of {name} lacks its QEMU monitor socket")
+        # Records from before the schema had backend state hold no disk: it was the first one, never branched.
+        state = {DISK_KEY: str(run_dir / self.disk.file_name), **state}
+        vm = QemuVm(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / AGENT_SOCKET,
                     state={k: state[k] for k in (MONITOR_KEY, DISK_KEY, MEMORY_KEY) if k in state})
         try:
             async with monitor(vm, wait_s=ADOPT_MONITOR_TIMEOUT_S, timeout_s=ADOPT_MONITOR_TIMEOUT_S) as qmp:

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,8 @@ from qemu.qmp import QMPError
 from forkd.vmm import guest_ram, procmem
 from forkd.vmm.base import Pages, VmHandle, VmmError
 from forkd.vmm.branching import Capture
-from forkd.vmm.qemu_machine import DISK_KEY, MEMORY_KEY, Monitor, disk_of, monitor, qemu_img
+from forkd.vmm.qemu_disk import qemu_img
+from forkd.vmm.qemu_machine import DISK_KEY, MEMORY_KEY, Monitor, disk_of, monitor
 
 #: ``SavedVm.state_format`` of a state written by ``xen-save-devices-state``.
 DEVICE_STATE = "qemu-devices"
@@ -43,23 +43,18 @@ ROOT_DRIVE = "root"
 class QemuBranching:
     """BRANCH for :class:`forkd.vmm.qemu.QemuVmm`."""
 
-    async def capture(self, vm: VmHandle, memory_bytes: int, new_top: Path, state: Path,
+    async def capture(self, vm: VmHandle, memory_bytes: int, state: Path,
                       live: bool, mark: Callable[[str], None]) -> Capture:
         if MEMORY_KEY not in vm.state:
             raise VmmError(f"{vm.name} was started by an older forkd that did not record its memory file; "
                            "fork a new sandbox to branch from")
         memory = Path(vm.state[MEMORY_KEY])
+        new_top = vm.run_dir / f"disk-{secrets.token_hex(4)}.qcow2"  # the source's disk from the pause on
         try:
             async with monitor(vm) as qmp:
                 return await capture(qmp, vm, memory, memory_bytes, new_top, state, live, mark)
         except QMPError as exc:
             raise VmmError(f"capturing {vm.name} failed: {exc}") from None
-
-    async def export_disk_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
-        await freeze_disk_copy(frozen, dest, backing_name)
-
-    async def flatten_disk(self, disk: Path, base_name: str) -> None:
-        await rebase(disk, base_name, "raw", unsafe=False)
 
 
 async def capture(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, new_top: Path, state: Path,
@@ -129,19 +124,3 @@ async def _prepare_overlay(qmp: Monitor, frozen: Path, new_top: Path) -> str:
 def _fsync(path: Path) -> None:
     with open(path, "rb+") as written:
         os.fsync(written.fileno())
-
-
-async def freeze_disk_copy(frozen: Path, dest: Path, backing_name: str) -> None:
-    """Copy the frozen overlay into the snapshot and point it at its parent's disk by relative name.
-
-    The source still reads ``frozen`` as a backing file (so QEMU holds a lock on it): the snapshot
-    gets its own copy, which holds only what the source wrote since its last branch.
-    """
-    await asyncio.to_thread(shutil.copyfile, frozen, dest)
-    await rebase(dest, backing_name, "qcow2", unsafe=True)
-
-
-async def rebase(disk: Path, backing_name: str, backing_format: str, unsafe: bool) -> None:
-    """Point ``disk`` at another backing file; ``unsafe=False`` first copies in what the two differ in."""
-    await qemu_img("rebase", *(["-u"] if unsafe else []), "-f", "qcow2", "-b", backing_name,
-                   "-F", backing_format, str(disk))

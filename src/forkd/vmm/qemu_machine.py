@@ -133,41 +133,16 @@ def _run(binary: str, *args: str) -> str:
         raise VmmError(f"cannot run {binary} ({exc}); install QEMU with `bash scripts/setup`") from None
 
 
-async def create_overlay(backing: Path, overlay: Path, backing_format: str, relative: bool = False) -> None:
-    """A qcow2 overlay so the VM writes its own file and ``backing`` stays untouched.
-
-    ``relative`` records the backing file by name only, resolved next to the overlay, so a
-    directory holding both can be renamed into place after it is built.
-    """
-    if relative and backing.parent.resolve() != overlay.parent.resolve():
-        raise VmmError(f"relative backing file {backing} must sit next to {overlay}")
-    backing_ref = backing.name if relative else str(backing)
-    await qemu_img("create", "-q", "-f", "qcow2", "-b", backing_ref, "-F", backing_format, str(overlay))
-
-
-async def qemu_img(*args: str, timeout_s: float = 120.0) -> None:
-    try:
-        proc = await asyncio.create_subprocess_exec("qemu-img", *args, stdout=subprocess.DEVNULL,
-                                                    stderr=subprocess.PIPE)
-    except OSError as exc:
-        raise VmmError(f"qemu-img failed ({exc!r}); install qemu-utils with `bash scripts/setup`") from None
-    try:
-        _, stderr = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise VmmError(f"qemu-img {args[0]} did not finish in {timeout_s:.0f} s") from None
-    if proc.returncode != 0:
-        raise VmmError(f"qemu-img {' '.join(args)}: {stderr.decode(errors='replace').strip()}")
-
-
 # What a QEMU VmHandle keeps in its backend state (persisted with the sandbox record).
 MONITOR_KEY, DISK_KEY = "monitor_socket", "disk"
+#: What a QEMU leaves in its run directory that nothing needs once it has stopped.
+AGENT_SOCKET, MONITOR_SOCKET = "agent.sock", "qmp.sock"
+RUN_LEFTOVERS = (AGENT_SOCKET, MONITOR_SOCKET)
 MEMORY_KEY = "memory"  # the memory file a child maps (share=off): its private pages are what it changed
 
 
 def disk_of(vm: VmHandle) -> Path:
-    """The qcow2 overlay the VM writes now (BRANCH moves it to a new top)."""
+    """The disk the VM writes now (BRANCH moves it to a new top)."""
     return Path(vm.state[DISK_KEY])
 
 
@@ -400,14 +375,14 @@ class QemuMachine:
             "-netdev", netdev,
             "-device", f"virtio-net-pci,netdev=net0,mac={netconf.GUEST_MAC},id={NIC_ID}",
             "-device", "virtio-serial-pci,id=vser",
-            "-chardev", f"socket,id=agent,path={run_dir / 'agent.sock'},server=on,wait=off",
+            "-chardev", f"socket,id=agent,path={run_dir / AGENT_SOCKET},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},id=agentport",
             # A new generation id on every restore tells the guest kernel to reseed its RNG.
             "-device", f"vmgenid,guid={uuid.uuid4()},id=vmgenid",
             # Appended to, so the runtime can cut it while QEMU writes (VmHandle.bound_logs).
             "-chardev", f"file,id=console,path={run_dir / CONSOLE_LOG},append=on",
             "-serial", "chardev:console",
-            "-qmp", f"unix:{run_dir / 'qmp.sock'},server=on,wait=off",
+            "-qmp", f"unix:{run_dir / MONITOR_SOCKET},server=on,wait=off",
         ]
 
     async def start(self, name: str, argv: list[str], run_dir: Path, disk: Path, pass_fds: tuple[int, ...] = (),
@@ -428,8 +403,8 @@ class QemuMachine:
                 )
             except OSError as exc:
                 raise VmmError(f"cannot start {self.binary}: {exc}; install QEMU with `bash scripts/setup`") from None
-        vm = QemuVm(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / "agent.sock",
-                    state={MONITOR_KEY: str(run_dir / "qmp.sock"), DISK_KEY: str(disk)})
+        vm = QemuVm(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / AGENT_SOCKET,
+                    state={MONITOR_KEY: str(run_dir / MONITOR_SOCKET), DISK_KEY: str(disk)})
         if on_spawn is not None:
             try:
                 on_spawn(process.pid)
