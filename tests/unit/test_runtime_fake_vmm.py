@@ -4,6 +4,7 @@ processes and guest protocol, no virtual machine, so each test takes millisecond
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
@@ -322,6 +323,9 @@ def test_a_restarted_daemon_adopts_answering_vmms_and_reaps_a_stalled_one(tmp_pa
         try:
             recovery = await recover(second.sandboxes, second.store)
             ids = [s.record.id for s in second.sandboxes.live()]
+            # Recovery kills through a pidfd; this (first daemon's) handle learns of the exit when it reaps.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stalled_process.wait(), 10)
             return recovery.adopted, recovery.reaped, ids, stalled_process.returncode is not None
         finally:
             await second.stop()
