@@ -1,11 +1,11 @@
-"""Real forkd nodes for the cluster tests: a ``forkd daemon`` process per node (FakeVmm behind the real
-app, its own FORKD_HOME, TCP with a token), in this network namespace or its own, and a snapshot baked
-for one of them before it starts.
+"""Real forkd nodes for the cluster tests: a ``forkd daemon`` process per node on the fake VMM backend
+(``FORKD_VMM=fake``: real processes answer the guest protocol, no VM), with its own FORKD_HOME and
+FORKD_CACHE (holding an image the fake backend boots) and TCP with a token, in this network namespace
+or its own.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import signal
@@ -17,14 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forkd.config import Paths
-from forkd.runtime.runtime import Runtime
-from forkd.runtime.snapshots import SnapshotRequest
 from forkd.sdk.controller import Controller, DaemonUnreachable
-from forkd.vmm.fake import FakeVmm
-from test_runtime_fake_vmm import _image
+from test_fake_daemon import _fake_image
 
 HERE = Path(__file__).resolve().parent
+SNAPSHOT_MIB = 128  # the baked snapshot's RAM: the least the API takes (sparse), its pulls are quick
 SLOTS = 4  # each daemon's max_sandboxes: small, so a 30-item fan-out needs the other nodes
 START_BOUND_S = 60.0
 # Ray's health checks tuned for the test (docs/scale-out.md): a raylet that stops answering is declared
@@ -38,18 +35,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def bake(home: Path, tag: str) -> None:
-    """A FakeVmm snapshot made by the real runtime in ``home`` (before its daemon starts)."""
-    async def make() -> None:
-        runtime = Runtime(Paths(home=home, cache=home.parent / "cache", socket=home / "bake.sock"), FakeVmm())
-        try:
-            await runtime.snapshots.create(SnapshotRequest(tag=tag, memory_mib=1), _image(home.parent),
-                                           lambda _line: None)
-        finally:
-            await runtime.stop()
-    asyncio.run(asyncio.wait_for(make(), START_BOUND_S))
 
 
 @dataclass
@@ -92,10 +77,13 @@ class ForkdNode:
 
     def start_daemon(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        _fake_image(self.root / "cache")
         env = {**os.environ, "FORKD_HOME": str(self.home), "FORKD_CACHE": str(self.root / "cache"),
-               "FORKD_SOCKET": str(self.socket), "FORKD_TOKEN": self.token}
+               "FORKD_SOCKET": str(self.socket), "FORKD_TOKEN": self.token, "FORKD_VMM": "fake"}
+        for variable in ("FORKD_LISTEN", "FORKD_E2B_LISTEN", "FORKD_CONFIG"):
+            env.pop(variable, None)
         log = open(self.root / "daemon.log", "ab")  # noqa: SIM115 - the daemon writes it until it ends
-        self.daemon = subprocess.Popen(self.command(sys.executable, str(HERE / "fake_daemon.py"), "--listen",
+        self.daemon = subprocess.Popen(self.command(sys.executable, "-m", "forkd", "daemon", "--listen",
                                                     f"{self.ip}:{self.port}", "--max-sandboxes", str(SLOTS)),
                                        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -110,6 +98,11 @@ class ForkdNode:
                         raise RuntimeError(f"daemon {self.name} did not start: "
                                            f"{(self.root / 'daemon.log').read_text()[-2000:]}") from None
                     time.sleep(0.2)
+
+    def bake(self, tag: str) -> None:
+        """A snapshot made by this node's daemon (the fake backend boots the fake image)."""
+        with self.controller() as controller:
+            controller.create_snapshot(tag, memory_mib=SNAPSHOT_MIB, warm_modules=[])
 
     def vmm_pids(self) -> list[int]:
         """Processes started for this node's sandboxes (FakeVmm VMMs name their run directory)."""

@@ -1,5 +1,5 @@
 """Tier A of forkd on Ray (docs/scale-out.md). Every node has its own real ``forkd daemon`` process
-(FakeVmm behind the real app, its own FORKD_HOME, TCP with a token).
+on the fake VMM backend (``FORKD_VMM=fake``), with its own FORKD_HOME and TCP with a token.
 
 The map test stands hosts in with network namespaces on a bridge the test makes: a Ray head and three
 forkd nodes, each joined by ``forkd node start``; the snapshot on node 0 only; ``Cluster.map`` over 30
@@ -29,7 +29,7 @@ from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
 import cluster_driver  # noqa: E402
 from cluster_netns import bridge  # noqa: E402
-from cluster_nodes import HEALTH_CHECKS, HERE, SLOTS, ForkdNode, bake  # noqa: E402
+from cluster_nodes import HEALTH_CHECKS, HERE, SLOTS, ForkdNode  # noqa: E402
 from forkd.cluster import Cluster  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -104,7 +104,6 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
         for i in range(3):
             netns, address = net.add()
             forkd.append(ForkdNode(f"n{i}", root / f"n{i}", port=7070, ip=address, netns=netns))
-        bake(forkd[0].home, TAG)
         health = {f"RAY_{key}": str(value) for key, value in HEALTH_CHECKS.items()}
         started = subprocess.run(["ip", "netns", "exec", head_ns, str(Path(sys.executable).parent / "ray"), "start",
                                   "--head", "--node-ip-address", head, "--port", RAY_PORT, "--num-cpus", "0",
@@ -114,6 +113,7 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
         assert started.returncode == 0, started.stderr
         for node in forkd:
             join(node, head)
+        forkd[0].bake(TAG)
         ids = {node.name: node_id(node) for node in forkd}
 
         # `forkd cluster status` in the head's namespace sees the three nodes and what each holds
@@ -190,9 +190,9 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
 @pytest.fixture
 def nodes(root: Path) -> Iterator[tuple[RayCluster, list[ForkdNode]]]:
     forkd = [ForkdNode(f"n{i}", root / f"n{i}") for i in range(3)]
-    bake(forkd[0].home, TAG)
     for node in forkd:
         node.start_daemon()
+    forkd[0].bake(TAG)
     ray_cluster = RayCluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"forkd": 1}, "env_vars": forkd[0].env, "_system_config": HEALTH_CHECKS})
     try:
