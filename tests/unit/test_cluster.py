@@ -30,7 +30,7 @@ from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 import cluster_driver  # noqa: E402
 from cluster_netns import bridge  # noqa: E402
 from cluster_nodes import HEALTH_CHECKS, HERE, SLOTS, ForkdNode  # noqa: E402
-from forkd.cluster import Cluster  # noqa: E402
+from forkd.cluster import Cluster, PlacementError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 TAG = "base"
@@ -238,6 +238,8 @@ def test_create_fork_spill_replicate_and_reap(nodes: tuple[RayCluster, list[Fork
     # create: the SDK's Sandbox, bound to the only holder; fork beyond its free slots spills elsewhere
     sandbox = cluster.create(TAG)
     assert sandbox.api.url == forkd[0].url and sandbox.is_running()
+    with pytest.raises(PlacementError, match=f"no room for .* of {3 * SLOTS} forks of {sandbox.sandbox_id}"):
+        cluster.fork(sandbox, 3 * SLOTS)  # the parent holds one of the cluster's slots
     children = cluster.fork(sandbox, SLOTS + 2)
     assert len(children) == SLOTS + 2 and all(child.is_running() for child in children)
     where = [child.api.url for child in children]

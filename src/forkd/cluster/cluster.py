@@ -24,6 +24,7 @@ from forkd.cluster.actor import NodeAgent, owner_of
 from forkd.cluster.fanout import Fanout, Outcome
 from forkd.cluster.placement import Directory, NodeState, PlacementError, Pull, SnapshotCopy
 from forkd.sdk.connection import ConnectionConfig
+from forkd.sdk.errors import ForkdError
 from forkd.sdk.sandbox import Sandbox
 
 log = logging.getLogger("forkd.cluster")
@@ -194,14 +195,20 @@ class Cluster:
 
     def create(self, template: str, timeout_s: float | None = 300.0) -> Sandbox:
         """One sandbox of ``template`` (tag or digest) on the best node: the SDK's own ``Sandbox``, bound to it."""
+        self.refresh()  # the free slots now, not at the last map
         digest = self.resolve(template)
         self.replicate_for(digest, 1)
-        return self._fork_on(self._best(digest), digest, 1, timeout_s)[0]
+        return self._fork_shares(digest, [(self._best(digest), 1)], timeout_s)[0]
 
     def fork(self, sandbox: Sandbox, n: int, timeout_s: float | None = 300.0) -> list[Sandbox]:
         """``n`` forks of a running sandbox: BRANCH it on its node, fork the branch there, and spill to
         other nodes (replicating the branch to them) when its node has fewer free slots than ``n``."""
+        self.refresh()
         home = self._node_of(sandbox)
+        room = sum(s.slots_free for s in self.directory.alive if s.compat_key == home.compat_key)
+        if room < n:  # refused before a BRANCH is made for nothing
+            raise PlacementError(f"no room for {n - room} of {n} forks of {sandbox.sandbox_id}: the nodes that can "
+                                 f"restore it have {room} free slots ({self.describe_nodes()})")
         tag = sandbox.api.branch(sandbox.sandbox_id)["tag"]
         self.refresh()
         home = self.directory.nodes[home.ray_node_id]
@@ -217,7 +224,7 @@ class Cluster:
                 left -= take
         if left:
             raise PlacementError(f"no room for {left} of {n} forks of {sandbox.sandbox_id} ({self.describe_nodes()})")
-        return [child for node, count in shares for child in self._fork_on(node, digest, count, timeout_s)]
+        return self._fork_shares(digest, shares, timeout_s)
 
     def _best(self, digest: str) -> NodeState:
         holders = [s for s in self.directory.holders(digest) if s.slots_free > 0]
@@ -225,12 +232,31 @@ class Cluster:
             raise PlacementError(f"every node holding {digest[:12]} is full ({self.describe_nodes()})")
         return holders[0]
 
-    def _fork_on(self, node: NodeState, digest: str, n: int, timeout_s: float | None) -> list[Sandbox]:
-        key = f"{self.owner}.{secrets.token_hex(8)}"
-        ids = ray.get(self.agents[node.ray_node_id].fork.remote(digest, n, key, self.owner, timeout_s),
-                      timeout=CALL_TIMEOUT_S)
-        connection = ConnectionConfig(url=node.url, token=node.token)
-        return [Sandbox.connect(sandbox_id, connection=connection) for sandbox_id in ids]
+    def _fork_shares(self, digest: str, shares: list[tuple[NodeState, int]], timeout_s: float | None) -> list[Sandbox]:
+        """Fork each node's share in parallel; all of them or none (the started ones are killed)."""
+        refs = [(node, self.agents[node.ray_node_id].fork.remote(digest, count, f"{self.owner}.{secrets.token_hex(8)}",
+                                                                  self.owner, timeout_s), count)
+                for node, count in shares]
+        children: list[Sandbox] = []
+        failures: list[str] = []
+        for node, ref, count in refs:
+            try:
+                ids = ray.get(ref, timeout=CALL_TIMEOUT_S)
+            except ray.exceptions.RayError as exc:  # its last line is the agent's own error
+                failures.append(f"{node.name}: {(str(exc).strip().splitlines() or [type(exc).__name__])[-1]}")
+                continue
+            connection = ConnectionConfig(url=node.url, token=node.token)
+            children += [Sandbox.connect(sandbox_id, connection=connection) for sandbox_id in ids]
+            if len(ids) < count:
+                failures.append(f"{node.name}: {count - len(ids)} of {count} children did not start")
+        if failures:
+            for child in children:
+                with contextlib.suppress(ForkdError):
+                    child.kill()
+                child.close()
+            raise PlacementError(f"{sum(c for _, c in shares)} forks of {digest[:12]} failed, "
+                                 f"the ones started were killed: {'; '.join(failures)}")
+        return children
 
     def _node_of(self, sandbox: Sandbox) -> NodeState:
         url = sandbox.api.url
