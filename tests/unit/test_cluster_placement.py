@@ -49,6 +49,16 @@ def test_a_dead_node_neither_holds_nor_takes_work() -> None:
     assert [p.target.node_id for p in nodes.replication_plan(D1, 8)] == ["c"]
 
 
+def test_a_node_that_refused_a_fork_gets_no_more_than_it_runs() -> None:
+    nodes = directory(node("a", 4, (D1,)), node("b", 4, (D1,)))
+    nodes.limit_slots("ray-a", 1)
+    assert [(s.node_id, s.slots_free) for s in nodes.holders(D1)] == [("b", 4), ("a", 1)]
+    alone = directory(node("a", 4, (D1,)), node("c", 4))
+    assert alone.replication_plan(D1, 4) == []
+    alone.limit_slots("ray-a", 1)
+    assert [p.target.node_id for p in alone.replication_plan(D1, 4)] == ["c"]  # so the items go elsewhere
+
+
 def test_an_unknown_digest_names_the_nodes_asked() -> None:
     nodes = directory(node("a", 4, (D1,)), node("b", 4))
     with pytest.raises(PlacementError, match=r"held by none of the alive nodes \(a .*b ") as refused:

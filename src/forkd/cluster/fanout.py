@@ -140,8 +140,10 @@ class Fanout:
             error = exc.as_instanceof_cause() if isinstance(exc, RayTaskError) else exc
             return self._deliver(Outcome(index, self.items[index], error=error, node_id=node_id,
                                          attempts=self.stats.attempts[index]))
-        if "refused" in answer:
+        if "refused" in answer:  # the node is fuller than it said (other drivers): use only what it runs for us
             self.stats.refused += 1
+            running = sum(1 for a in self._inflight.values() if a.ray_node_id == attempt.ray_node_id)
+            self.cluster.directory.limit_slots(attempt.ray_node_id, running)
             self._retry(index, answer["refused"])
             return None
         return self._deliver(Outcome(index, self.items[index], value=answer["value"], node_id=node_id,

@@ -159,6 +159,11 @@ class Directory:
             have += target.slots_free
         return pulls
 
+    def limit_slots(self, ray_node_id: str, slots: int) -> None:
+        """Record that a node has no more than ``slots`` free (it refused a fork) until the next refresh."""
+        state = self.nodes[ray_node_id]
+        self.nodes[ray_node_id] = replace(state, slots_free=min(state.slots_free, max(0, slots)))
+
     def with_copy(self, ray_node_id: str, copy: SnapshotCopy) -> None:
         """Record that a node now holds ``copy`` (after a pull) without asking it again."""
         state = self.nodes[ray_node_id]
