@@ -26,8 +26,10 @@ def square(sandbox: Any, item: dict[str, Any]) -> int:
 
 
 def refuse(sandbox: Any, item: Any) -> None:
-    """Work that fails: its error is the item's answer."""
-    raise ValueError(f"item {item} refused in {sandbox.sandbox_id}")
+    """Work that fails with an SDK error: its error is the item's answer, as itself."""
+    from forkd.sdk.errors import NotFoundException
+
+    raise NotFoundException(404, "file_not_found", f"item {item} refused in {sandbox.sandbox_id}")
 
 
 def say(**event: Any) -> None:

@@ -31,6 +31,7 @@ import cluster_driver  # noqa: E402
 from cluster_netns import bridge  # noqa: E402
 from cluster_nodes import HEALTH_CHECKS, HERE, SLOTS, ForkdNode  # noqa: E402
 from forkd.cluster import Cluster, PlacementError  # noqa: E402
+from forkd.sdk.errors import NotFoundException  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 TAG = "base"
@@ -232,7 +233,7 @@ def test_create_fork_spill_replicate_and_reap(nodes: tuple[RayCluster, list[Fork
     digest = cluster.resolve(TAG)
 
     # what the work raises is the item's answer: map raises the first item's error once every item finished
-    with pytest.raises(ValueError, match="item 0 refused in sb-"):
+    with pytest.raises(NotFoundException, match="item 0 refused in sb-"):
         cluster.map(TAG, [0, 1], cluster_driver.refuse)
 
     # create: the SDK's Sandbox, bound to the only holder; fork beyond its free slots spills elsewhere
