@@ -75,13 +75,19 @@ class ForkdNode:
         """The daemon through its Unix socket: reachable from this process whatever its network namespace."""
         return Controller(url=f"unix://{self.socket}", timeout=30.0)
 
-    def start_daemon(self) -> None:
+    def daemon_env(self) -> dict[str, str]:
+        """The environment of the node's daemon (and of `forkd node start` when it starts the daemon)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        _fake_image(self.root / "cache")
+        if not (self.root / "cache").exists():
+            _fake_image(self.root / "cache")
         env = {**os.environ, "FORKD_HOME": str(self.home), "FORKD_CACHE": str(self.root / "cache"),
                "FORKD_SOCKET": str(self.socket), "FORKD_TOKEN": self.token, "FORKD_VMM": "fake"}
-        for variable in ("FORKD_LISTEN", "FORKD_E2B_LISTEN", "FORKD_CONFIG"):
+        for variable in ("FORKD_LISTEN", "FORKD_E2B_LISTEN", "FORKD_CONFIG", "FORKD_URL"):
             env.pop(variable, None)
+        return env
+
+    def start_daemon(self) -> None:
+        env = self.daemon_env()
         log = open(self.root / "daemon.log", "ab")  # noqa: SIM115 - the daemon writes it until it ends
         self.daemon = subprocess.Popen(self.command(sys.executable, "-m", "forkd", "daemon", "--listen",
                                                     f"{self.ip}:{self.port}", "--max-sandboxes", str(SLOTS)),

@@ -80,15 +80,17 @@ class Driver:
         self.process.wait(30)
 
 
-def join(node: ForkdNode, head: str) -> None:
-    """The node's daemon, then ``forkd node start`` in its namespace (Ray's files kept apart per node)."""
-    node.start_daemon()
-    env = {**os.environ, "FORKD_TOKEN": node.token, "FORKD_HOME": str(node.home), "FORKD_SOCKET": str(node.socket)}
+def join(node: ForkdNode, head: str, start_daemon: bool = True) -> None:
+    """``forkd node start`` in the node's namespace, attaching the daemon the test started (``--url``) or
+    starting it itself (``--listen``); Ray's files kept apart per node."""
+    if start_daemon:
+        node.start_daemon()
+    where = ["--url", node.url] if start_daemon else ["--listen", f"{node.ip}:{node.port}"]
     done = subprocess.run(node.command(sys.executable, "-m", "forkd", "node", "start", "--ray-address",
-                                       f"{head}:{RAY_PORT}", "--url", node.url, "--", "--node-ip-address", node.ip,
+                                       f"{head}:{RAY_PORT}", *where, "--", "--node-ip-address", node.ip,
                                        "--num-cpus", "1", "--temp-dir", str(node.root / "ray"),
                                        "--disable-usage-stats"),
-                          env=env, capture_output=True, text=True, timeout=180)
+                          env=node.daemon_env(), capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -169,9 +171,10 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
                 assert node.vmm_pids() == [], f"{node.name} left VMM processes"
                 assert not any((node.home / "sandboxes").glob("*")), f"{node.name} left run directories"
 
-            # node 2 comes back (a replaced host: a fresh FORKD_HOME), rejoins, pulls and takes work
+            # node 2 comes back (a replaced host: a fresh FORKD_HOME; `forkd node start` starts its daemon),
+            # rejoins, pulls and takes work
             back = ForkdNode("n2b", root / "n2b", port=7070, ip=forkd[2].ip, netns=forkd[2].netns)
-            join(back, head)
+            join(back, head, start_daemon=False)
             back_id = node_id(back)
             driver.send(f"again {3 * SLOTS}")
             again: dict[int, str] = {}
