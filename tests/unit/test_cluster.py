@@ -197,8 +197,9 @@ def nodes(root: Path) -> Iterator[tuple[RayCluster, list[ForkdNode]]]:
     for node in forkd:
         node.start_daemon()
     forkd[0].bake(TAG)
-    ray_cluster = RayCluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"forkd": 1}, "env_vars": forkd[0].env, "_system_config": HEALTH_CHECKS})
+    ray_cluster = RayCluster(initialize_head=True, head_node_args={  # Ray's files under root, not /tmp/ray
+        "num_cpus": 1, "resources": {"forkd": 1}, "env_vars": forkd[0].env, "_system_config": HEALTH_CHECKS,
+        "temp_dir": str(root / "ray")})
     try:
         forkd[0].ray_node = ray_cluster.head_node
         for node in forkd[1:]:
