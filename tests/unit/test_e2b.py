@@ -20,19 +20,20 @@ from forkd.config import Paths
 from forkd.e2b import connect
 from forkd.e2b.app import E2BFront, sandbox_target
 from forkd.e2b.errors import ConnectError
-from forkd.e2b.keys import Credentials, KeyFileError, load_api_keys
+from forkd.e2b.keys import Credentials, KeyFileError, Principal, load_api_keys
 from forkd.e2b.process import ProcessService, _Process
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.qemu import QemuVmm
 
 KEY = "e2b_" + "ab12" * 10
+SECRET = b"s" * 32
 
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory) -> E2BFront:
     root = tmp_path_factory.mktemp("e2b")
     runtime = Runtime(Paths(home=root / "home", cache=root / "cache", socket=root / "sock"), QemuVmm(accelerator="tcg"))
-    return E2BFront(runtime, Credentials(frozenset({KEY}), b"test-secret"))
+    return E2BFront(runtime, Credentials({KEY: Principal("ops", admin=True)}, SECRET))
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,10 @@ def client(front: E2BFront) -> TestClient:
 
 def test_key_file_is_made_private_with_one_key_and_bad_lines_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "e2b" / "api-keys"
-    (key,) = load_api_keys(path)
+    ((key, principal),) = load_api_keys(path).items()
     assert key.startswith("e2b_") and len(key) == 44 and path.stat().st_mode & 0o777 == 0o600
-    assert load_api_keys(path) == {key}  # made once, then read
+    assert principal == Principal("default", admin=True)
+    assert load_api_keys(path) == {key: principal}  # made once, then read
     path.write_text(f"# comment\n{key}\nnot-a-key\n")
     with pytest.raises(KeyFileError, match=":3: not an E2B API key"):
         load_api_keys(path)
@@ -53,12 +55,13 @@ def test_key_file_is_made_private_with_one_key_and_bad_lines_are_refused(tmp_pat
 
 
 def test_access_tokens_are_per_sandbox_and_checked() -> None:
-    credentials = Credentials(frozenset({KEY}), b"secret")
-    token = credentials.access_token("sb-one")
-    assert credentials.access_token_valid("sb-one", token)
-    assert not credentials.access_token_valid("sb-two", token)
-    assert not credentials.access_token_valid("sb-one", None)
-    assert credentials.api_key_valid(KEY) and not credentials.api_key_valid("e2b_" + "0" * 40)
+    credentials = Credentials({KEY: Principal("team-a")}, SECRET)
+    token = credentials.access_token("sb-one", "n1")
+    assert credentials.access_token_valid("sb-one", "n1", token)
+    assert not credentials.access_token_valid("sb-two", "n1", token)
+    assert not credentials.access_token_valid("sb-one", "n2", token)  # a re-created name has a new nonce
+    assert not credentials.access_token_valid("sb-one", "n1", None)
+    assert credentials.principal(KEY) == Principal("team-a") and credentials.principal("e2b_" + "0" * 40) is None
 
 
 async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
@@ -128,12 +131,9 @@ def test_sandbox_traffic_needs_its_token_and_a_gone_sandbox_is_not_found(client:
     rpc = "/process.Process/List"
     missing = client.post(rpc, headers=_sandbox_headers("49983"), json={})
     assert missing.status_code == 401 and missing.json()["code"] == "unauthenticated"
-    wrong = client.get("/files?path=/etc/hostname", headers=_sandbox_headers("49983", "0" * 64))
-    assert wrong.status_code == 401 and "wrong X-Access-Token" in wrong.json()["message"]
-    token = front.credentials.access_token("sb-nothere0000")
-    gone = client.post(rpc, headers=_sandbox_headers("49983", token), json={})
+    gone = client.post(rpc, headers=_sandbox_headers("49983", "0" * 64), json={})
     assert gone.status_code == 502 and "was not found" in gone.json()["message"]
-    closed = client.get("/", headers=_sandbox_headers("8080", token))
+    closed = client.get("/", headers=_sandbox_headers("8080", "0" * 64))
     assert closed.status_code == 502 and "port 8080 is not open" in closed.json()["message"]
     execute = client.post("/execute", headers=_sandbox_headers("49999"), json={"code": "1"})
     assert execute.status_code == 401

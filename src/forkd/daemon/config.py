@@ -44,6 +44,7 @@ stream_buffer_bytes = 1048576    # queued for a slow stream reader before the gu
 max_connections = 1000           # concurrent connections + requests per listener; more answer 503
 header_timeout_s = 10            # a connection must send a request's headers within this
 keep_alive_s = 5                 # idle keep-alive connections are closed after this
+body_timeout_s = 60              # the E2B listener answers 408 to a body that pauses this long
 
 [audit]                          # logs/audit.jsonl under home
 max_bytes = 67108864             # rotate at this size ...
@@ -138,6 +139,7 @@ class Server:
     max_connections: int = Field(default=1000, ge=1, le=1 << 20)
     header_timeout_s: float = Field(default=10.0, ge=0.1, le=3600)
     keep_alive_s: float = Field(default=5.0, ge=0.1, le=3600)
+    body_timeout_s: float = Field(default=60.0, ge=0.1, le=3600)  # the E2B listener: a body's longest pause
 
 
 @dataclass(frozen=True, config=_STRICT)

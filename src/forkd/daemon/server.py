@@ -30,8 +30,9 @@ from forkd.daemon.middleware.audit import AuditLog, AuditMiddleware
 from forkd.daemon.middleware.auth import TokenAuth, check_token
 from forkd.daemon.middleware.body_limit import BodyLimit
 from forkd.daemon.config import DaemonConfig, Server
+from forkd.e2b import app as e2b_app
 from forkd.e2b.app import E2BFront
-from forkd.e2b.keys import Credentials, KeyFileError
+from forkd.e2b.keys import Credentials, CredentialsError
 from forkd.runtime.runtime import Runtime
 from forkd.safetext import visible
 from forkd.vmm.backends import create_vmm
@@ -221,7 +222,9 @@ async def serve(config: DaemonConfig) -> None:
         log.info("listening on %s://%s:%d (bearer token required)%s", scheme, tcp.host, tcp.port,
                  "" if tcp.loopback or tcp.tls_cert else "; WARNING: no TLS on a non-loopback address")
     if e2b_address is not None and credentials is not None:
-        servers.append(_server(AuditMiddleware(E2BFront(runtime, credentials), audit, "e2b"), "off", config.server))
+        front = BodyLimit(E2BFront(runtime, credentials), is_upload=e2b_app.is_upload, is_stream=e2b_app.is_stream,
+                          body_timeout_s=config.server.body_timeout_s, shape=e2b_app.refusal_shape)
+        servers.append(_server(AuditMiddleware(front, audit, "e2b"), "off", config.server))
         log.info("E2B front on http://%s:%d (keys in %s)%s", *e2b_address, e2b_keys_file(config),
                  "" if is_loopback(e2b_address[0]) else "; WARNING: no TLS on a non-loopback address")
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, audit.reopen)
@@ -247,7 +250,7 @@ def e2b_credentials(config: DaemonConfig) -> Credentials:
     try:
         return Credentials.load(e2b_keys_file(config), config.paths.home / "e2b" / "token-secret",
                                 create_keys=config.e2b.keys_file is None)
-    except (KeyFileError, OSError) as exc:
+    except (CredentialsError, OSError) as exc:
         raise ListenerError(str(exc)) from None
 
 

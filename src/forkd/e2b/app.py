@@ -3,8 +3,10 @@
 E2B's SDKs send everything for a sandbox to ``E2B_SANDBOX_URL`` with the ``E2b-Sandbox-Id`` and
 ``E2b-Sandbox-Port`` headers (49983: envd, 49999: the code interpreter); without that variable they
 use a host name ``{port}-{sandboxID}.{domain}``, which is routed the same way. Everything else is
-the control plane (``E2B_API_URL``). The control plane needs ``X-API-KEY``; sandbox traffic needs
-the sandbox's ``X-Access-Token`` (see ``docs/e2b.md`` for the code interpreter's context routes).
+the control plane (``E2B_API_URL``). The control plane needs ``X-API-KEY`` and sees only its
+owner's objects; every sandbox route but envd's ``/health`` needs the sandbox's token, as
+``X-Access-Token`` (what the SDKs send envd) or ``E2B-Traffic-Access-Token`` (what they send the
+code interpreter's context routes).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from forkd.e2b.control import control_app
+from forkd.e2b.control import PRINCIPAL_STATE, control_app
 from forkd.e2b.envd import Envd
 from forkd.e2b.errors import ConnectError, E2BError
 from forkd.e2b.interpreter import Interpreter
@@ -26,6 +28,7 @@ from forkd.runtime.runtime import Runtime
 ENVD_PORT = 49983
 INTERPRETER_PORT = 49999
 OPEN_CONTROL_PATHS = frozenset({"/health", "/openapi.json"})
+TOKEN_HEADERS = (b"x-access-token", b"e2b-traffic-access-token")
 _HOST = re.compile(r"^(\d{1,5})-([A-Za-z0-9_-]{1,64})\.")
 
 
@@ -45,6 +48,23 @@ def sandbox_target(scope: dict[str, Any]) -> tuple[str, str] | None:
     return (match.group(2), match.group(1)) if match else None
 
 
+def is_upload(scope: dict[str, Any]) -> bool:
+    """envd's file upload: the one E2B body that may be large (it streams to the guest)."""
+    target = sandbox_target(scope)
+    return target is not None and target[1] == str(ENVD_PORT) and scope["method"] == "POST" \
+        and scope["path"] == "/files"
+
+
+def is_stream(scope: dict[str, Any]) -> bool:
+    """A client-streaming RPC: its body is typed input that may pause as long as its user does."""
+    return sandbox_target(scope) is not None and scope["path"] == "/process.Process/StreamInput"
+
+
+def refusal_shape(status: int, _: str, message: str) -> dict[str, Any]:
+    """A refused body (too large, too slow) in E2B's HTTP error shape."""
+    return {"code": status, "message": message}
+
+
 class E2BFront:
     def __init__(self, runtime: Runtime, credentials: Credentials) -> None:
         self.credentials = credentials
@@ -58,8 +78,10 @@ class E2BFront:
             return  # no lifespan or websockets here: the daemon's main app owns the runtime's life
         target = sandbox_target(scope)
         if target is None:
-            if scope["path"] in OPEN_CONTROL_PATHS or self.credentials.api_key_valid(_header(scope, b"x-api-key")):
-                await self.control(scope, receive, send)
+            principal = self.credentials.principal(_header(scope, b"x-api-key"))
+            if principal is not None or scope["path"] in OPEN_CONTROL_PATHS:
+                await self.control({**scope, "state": {**scope.get("state", {}), PRINCIPAL_STATE: principal}},
+                                   receive, send)
                 return
             response: Response = JSONResponse(
                 {"code": 401, "message": "Invalid API key: send X-API-KEY (E2B_API_KEY) with a key from the daemon's "
@@ -75,8 +97,11 @@ class E2BFront:
             if port not in (str(ENVD_PORT), str(INTERPRETER_PORT)):
                 raise E2BError(502, f"The sandbox {sandbox_id} is running but port {port or '(none)'} is not open: "
                                     f"forkd serves envd ({ENVD_PORT}) and the code interpreter ({INTERPRETER_PORT})")
-            self._authorize(request, sandbox_id, port)
-            live = self.sandboxes.running(sandbox_id)
+            tokens = [value.decode("latin-1") for key, value in request.scope["headers"] if key in TOKEN_HEADERS]
+            if not tokens and not (port == str(ENVD_PORT) and path == "/health"):
+                raise E2BError(401, f"missing X-Access-Token for sandbox {sandbox_id}: use the envdAccessToken "
+                                    "the API returned when the sandbox was created or connected")
+            live = self.sandboxes.running(sandbox_id, tokens)
         except E2BError as exc:
             if rpc_call and exc.status == 401:
                 error = ConnectError("unauthenticated", exc.message)
@@ -85,17 +110,3 @@ class E2BFront:
         if port == str(ENVD_PORT):
             return await self.envd.handle(request, live)
         return await self.interpreter.handle(request, live)
-
-    def _authorize(self, request: Request, sandbox_id: str, port: str) -> None:
-        """envd wants the token on everything but /health; the interpreter on /execute (the SDKs
-        send no token with their context calls, so a missing one is let through there, a wrong one never)."""
-        token = request.headers.get("x-access-token")
-        path = request.url.path
-        if port == str(ENVD_PORT) and path == "/health":
-            return
-        optional = port == str(INTERPRETER_PORT) and path.startswith("/contexts")
-        if token is None and optional:
-            return
-        if not self.credentials.access_token_valid(sandbox_id, token):
-            raise E2BError(401, f"{'wrong' if token else 'missing'} X-Access-Token for sandbox {sandbox_id}: use the "
-                                "envdAccessToken the API returned when the sandbox was created or connected")

@@ -22,18 +22,36 @@ STREAM_TYPE = "application/connect+json"
 FLAG_COMPRESSED = 0x01
 FLAG_END_STREAM = 0x02
 MAX_MESSAGE_BYTES = 8 << 20  # the largest input message (SendInput data) a client may send
+MAX_DEPTH = 32  # nesting of objects and lists in a message; envd's messages need 4
 _HEADER = struct.Struct(">BI")
 
 
 def decode_message(data: bytes) -> dict[str, Any]:
-    """One JSON message: an object, else ``invalid_argument``."""
+    """One JSON message: an object nested at most ``MAX_DEPTH`` deep, else ``invalid_argument``."""
     try:
         message = json.loads(data or b"{}")
     except (UnicodeDecodeError, ValueError) as exc:
         raise ConnectError("invalid_argument", f"the message is not valid JSON: {exc}") from None
+    except RecursionError:  # nesting deeper than the parser's stack
+        raise ConnectError("invalid_argument", f"the message nests over {MAX_DEPTH} levels deep") from None
     if not isinstance(message, dict):
         raise ConnectError("invalid_argument", "a message must be a JSON object")
+    if _depth(message) > MAX_DEPTH:
+        raise ConnectError("invalid_argument", f"the message nests over {MAX_DEPTH} levels deep")
     return message
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and lists nest in ``value`` (without recursion: the value is the client's)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        current, depth = pending.pop()
+        if isinstance(current, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_DEPTH:  # deeper is refused anyway: stop walking
+                children = current.values() if isinstance(current, dict) else current
+                pending.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def envelope(message: dict[str, Any], flags: int = 0) -> bytes:

@@ -1,7 +1,8 @@
 """E2B's control plane (the API ``E2B_API_URL`` points at): sandboxes and templates.
 
 Paths, bodies and answers follow E2B's published OpenAPI document; every route but ``/health``
-needs ``X-API-KEY``. Request fields forkd has no use for (auto-pause, network, MCP, volumes) are
+needs ``X-API-KEY``, whose principal (owner, admin) the front puts in the request's state: every
+route sees only that owner's objects (all of them for an admin key). Request fields forkd has no use for (auto-pause, network, MCP, volumes) are
 accepted and ignored, so the SDKs can send what they always send.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import urllib.parse
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,12 +19,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forkd import __version__
 from forkd.e2b.errors import CONTROL_ERRORS, E2BError, to_http
+from forkd.e2b.keys import Principal
 from forkd.e2b.sandboxes import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, E2BSandboxes
 
 Timeout = Annotated[int, Field(ge=0, le=MAX_TIMEOUT_S, description="seconds from now")]
 Labels = Annotated[dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
                    Field(max_length=64)]
 SandboxId = Annotated[str, Field(min_length=1, max_length=64)]
+PRINCIPAL_STATE = "e2b_principal"  # where the front leaves the caller's principal in the ASGI scope's state
+
+
+def _principal(request: Request) -> Principal:
+    principal = getattr(request.state, PRINCIPAL_STATE, None)
+    if principal is None:  # the front authenticates before routing; reaching here without is a bug
+        raise E2BError(401, "no API key: send X-API-KEY (E2B_API_KEY)")
+    return principal
+
+
+Caller = Annotated[Principal, Depends(_principal)]
 
 
 class Loose(BaseModel):
@@ -73,24 +86,25 @@ def control_router(sandboxes: E2BSandboxes) -> APIRouter:
     async def health() -> dict[str, Any]:
         return {"ok": True, "forkd": __version__}
 
-    async def create(body: NewSandbox) -> JSONResponse:
-        created = await sandboxes.create(body.templateID, body.timeout, body.metadata or {}, body.envVars or {})
+    async def create(body: NewSandbox, caller: Caller) -> JSONResponse:
+        created = await sandboxes.create(caller, body.templateID, body.timeout, body.metadata or {}, body.envVars or {})
         return JSONResponse(created, status_code=201)
 
     router.post("/sandboxes", status_code=201)(create)
     router.post("/v2/sandboxes", status_code=201)(create)
 
     @router.get("/sandboxes")
-    async def list_v1(metadata: Annotated[str | None, Query(max_length=8192)] = None) -> list[dict[str, Any]]:
-        return sandboxes.list(_metadata_query(metadata), {"running"})
+    async def list_v1(caller: Caller, metadata: Annotated[str | None, Query(max_length=8192)] = None) \
+            -> list[dict[str, Any]]:
+        return sandboxes.list(caller, _metadata_query(metadata), {"running"})
 
     @router.get("/v2/sandboxes")
-    async def list_v2(response: Response, metadata: Annotated[str | None, Query(max_length=8192)] = None,
+    async def list_v2(response: Response, caller: Caller, metadata: Annotated[str | None, Query(max_length=8192)] = None,
                       state: Annotated[str | None, Query(max_length=64, pattern=r"^(running|paused)(,(running|paused))*$")] = None,
                       nextToken: Annotated[str | None, Query(max_length=12, pattern=r"^[0-9]+$")] = None,
                       limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
         states = set(state.split(",")) if state else {"running", "paused"}
-        found = sorted(sandboxes.list(_metadata_query(metadata), states), key=lambda s: s["startedAt"], reverse=True)
+        found = sorted(sandboxes.list(caller, _metadata_query(metadata), states), key=lambda s: s["startedAt"], reverse=True)
         start = int(nextToken or 0)
         page = found[start:start + limit]
         if start + limit < len(found):
@@ -99,46 +113,51 @@ def control_router(sandboxes: E2BSandboxes) -> APIRouter:
         return page
 
     @router.get("/sandboxes/{sandboxID}")
-    async def get_sandbox(sandboxID: SandboxId) -> dict[str, Any]:
-        return sandboxes.describe(sandboxes.resolve(sandboxID), detail=True)
+    async def get_sandbox(sandboxID: SandboxId, caller: Caller) -> dict[str, Any]:
+        return sandboxes.describe(sandboxes.resolve(sandboxID, caller), detail=True)
 
     @router.delete("/sandboxes/{sandboxID}", status_code=204)
-    async def kill(sandboxID: SandboxId) -> Response:
-        await sandboxes.kill(sandboxID)
+    async def kill(sandboxID: SandboxId, caller: Caller) -> Response:
+        await sandboxes.kill(caller, sandboxID)
         return Response(status_code=204)
 
     @router.post("/sandboxes/{sandboxID}/timeout", status_code=204)
-    async def set_timeout(sandboxID: SandboxId, body: TimeoutRequest) -> Response:
-        await sandboxes.set_timeout(sandboxID, body.timeout)
+    async def set_timeout(sandboxID: SandboxId, body: TimeoutRequest, caller: Caller) -> Response:
+        await sandboxes.set_timeout(caller, sandboxID, body.timeout)
         return Response(status_code=204)
 
-    async def connect(sandboxID: SandboxId, body: ConnectRequest) -> JSONResponse:
-        status, answer = await sandboxes.connect(sandboxID, body.timeout)
+    async def connect(sandboxID: SandboxId, body: ConnectRequest, caller: Caller) -> JSONResponse:
+        status, answer = await sandboxes.connect(caller, sandboxID, body.timeout)
         return JSONResponse(answer, status_code=status)
 
     router.post("/sandboxes/{sandboxID}/connect", status_code=200)(connect)
     router.post("/v2/sandboxes/{sandboxID}/connect", status_code=200)(connect)
 
     @router.post("/sandboxes/{sandboxID}/resume", status_code=201)
-    async def resume(sandboxID: SandboxId, body: ConnectRequest | None = None) -> JSONResponse:
-        if sandboxes.resolve(sandboxID).live is not None:
+    async def resume(sandboxID: SandboxId, caller: Caller, body: ConnectRequest | None = None) -> JSONResponse:
+        if sandboxes.resolve(sandboxID, caller).live is not None:
             raise E2BError(409, f"sandbox {sandboxID} is already running")
-        status, answer = await sandboxes.connect(sandboxID, (body or ConnectRequest()).timeout)
+        status, answer = await sandboxes.connect(caller, sandboxID, (body or ConnectRequest()).timeout)
         return JSONResponse(answer, status_code=status)
 
     @router.post("/sandboxes/{sandboxID}/pause", status_code=204)
-    async def pause(sandboxID: SandboxId) -> Response:
-        await sandboxes.pause(sandboxID)
+    async def pause(sandboxID: SandboxId, caller: Caller) -> Response:
+        await sandboxes.pause(caller, sandboxID)
         return Response(status_code=204)
 
+    @router.post("/sandboxes/{sandboxID}/token", status_code=200)
+    async def rotate_token(sandboxID: SandboxId, caller: Caller) -> dict[str, Any]:
+        """forkd's own: a new access token for the sandbox (running or paused); the old one stops working."""
+        return await sandboxes.rotate_token(caller, sandboxID)
+
     @router.post("/sandboxes/{sandboxID}/fork", status_code=201)
-    async def fork(sandboxID: SandboxId, body: ForkRequest | None = None) -> JSONResponse:
+    async def fork(sandboxID: SandboxId, caller: Caller, body: ForkRequest | None = None) -> JSONResponse:
         body = body or ForkRequest()
-        return JSONResponse(await sandboxes.fork(sandboxID, body.count, body.timeout), status_code=201)
+        return JSONResponse(await sandboxes.fork(caller, sandboxID, body.count, body.timeout), status_code=201)
 
     @router.get("/templates")
-    async def templates() -> list[dict[str, Any]]:
-        return sandboxes.templates()
+    async def templates(caller: Caller) -> list[dict[str, Any]]:
+        return sandboxes.templates(caller)
 
     return router
 

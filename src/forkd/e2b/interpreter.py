@@ -26,7 +26,7 @@ from forkd.runtime.sandboxes import LiveSandbox
 DEFAULT_CONTEXT = "default"
 MAX_CODE_BYTES = 4 << 20
 LANGUAGES = ("python",)
-_QUEUE_ITEMS = 4096
+QUEUE_BYTES = 16 << 20  # output of one /execute waiting for its client (a chart's PNG may take several MiB)
 _CONTEXT_KEYS = ("id", "language", "cwd")
 
 
@@ -106,19 +106,25 @@ class Interpreter:
         return StreamingResponse(self._run(live, context, code), media_type="application/x-ndjson")
 
     async def _run(self, live: LiveSandbox, context: str, code: str) -> AsyncIterator[bytes]:
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()  # bounded by `dropped` below
-        dropped = 0
+        queue: asyncio.Queue[tuple[dict[str, Any], int] | None] = asyncio.Queue()  # bounded by `queued` below
+        dropped, queued = 0, 0
 
         def on_event(name: str, data: dict[str, Any]) -> None:
-            # Never blocks (that would stall the sandbox's agent connection): past _QUEUE_ITEMS unread
-            # lines, output is dropped and counted, and the stream says so.
-            nonlocal dropped
-            if queue.qsize() >= _QUEUE_ITEMS:
-                dropped += 1
-            elif name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR):
-                queue.put_nowait({"type": name, "text": str(data.get("text", "")), "timestamp": _now()})
+            # Never blocks (that would stall the sandbox's agent connection): past QUEUE_BYTES of unread
+            # output (one item always fits), output is dropped and counted, and the stream says so.
+            nonlocal dropped, queued
+            if name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR):
+                item = {"type": name, "text": str(data.get("text", "")), "timestamp": _now()}
             elif name == protocol.EVENT_RESULT:
-                queue.put_nowait({**data, "type": "result"})
+                item = {**data, "type": "result"}
+            else:
+                return
+            size = sum(len(v) for v in item.values() if isinstance(v, str))
+            if queued and queued + size > QUEUE_BYTES:
+                dropped += 1
+                return
+            queued += size
+            queue.put_nowait((item, size))
 
         async def run() -> None:
             try:
@@ -127,24 +133,27 @@ class Interpreter:
                 counts = self.counts(live)
                 counts[context] = counts.get(context, 0) + 1
                 if dropped:
-                    await queue.put({"type": "stderr", "timestamp": _now(),
-                                     "text": f"[forkd: {dropped} output items dropped: the client read too slowly]\n"})
+                    note = f"[forkd: {dropped} output items dropped: the client read too slowly]\n"
+                    await queue.put(({"type": "stderr", "timestamp": _now(), "text": note}, 0))
                 error = result.get("error")
                 if error:
-                    await queue.put({"type": "error", "name": error.get("name", ""), "value": error.get("value", ""),
-                                     "traceback": error.get("traceback", "")})
-                await queue.put({"type": "number_of_executions", "execution_count": counts[context]})
-                await queue.put({"type": "end_of_execution"})
+                    await queue.put(({"type": "error", "name": error.get("name", ""), "value": error.get("value", ""),
+                                     "traceback": error.get("traceback", "")}, 0))
+                await queue.put(({"type": "number_of_executions", "execution_count": counts[context]}, 0))
+                await queue.put(({"type": "end_of_execution"}, 0))
             except Exception as exc:  # the agent refused or lost the cell: say so in the stream
                 error = to_http(exc)
-                await queue.put({"type": "error", "name": type(exc).__name__, "value": error.message, "traceback": ""})
-                await queue.put({"type": "unexpected_end_of_execution"})
+                await queue.put(({"type": "error", "name": type(exc).__name__, "value": error.message,
+                                  "traceback": ""}, 0))
+                await queue.put(({"type": "unexpected_end_of_execution"}, 0))
             finally:
                 await queue.put(None)
 
         task = asyncio.get_running_loop().create_task(run())
         try:
-            while (item := await queue.get()) is not None:
+            while (entry := await queue.get()) is not None:
+                item, size = entry
+                queued -= size
                 yield _line(item)
         finally:
             if not task.done():

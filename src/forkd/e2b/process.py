@@ -2,14 +2,15 @@
 
 A command started here outlives the request that started it (as in E2B, a client may disconnect
 and ``Connect`` again later): the agent call runs in a task owned by the sandbox's process table,
-which fans its events out to every attached stream. Each stream has a bounded queue; a client
-that stops reading is dropped, not buffered without end.
+which fans its events out to every attached stream. Each stream has a bounded outbox (bytes of
+output waiting for its client) and a process takes a bounded number of streams; a client that
+stops reading is dropped, not buffered without end.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import signal as signals
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,10 +22,37 @@ from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentError
 from forkd.runtime.sandboxes import LiveSandbox
 
-QUEUE_EVENTS = 4096  # per attached stream; at most 64 KiB of output each
+STREAM_BUFFER_BYTES = 1 << 20  # output waiting for one attached stream's client
+MAX_STREAMS = 8  # streams attached to one process at once (Start, then each Connect)
+_EVENT_OVERHEAD = 64  # what a message costs besides its data
 FINISHED_KEPT = 64
 _SIGNALS = {"SIGNAL_SIGKILL": signals.SIGKILL, "SIGNAL_SIGTERM": signals.SIGTERM}
 _END = object()
+
+
+class _Outbox:
+    """One attached stream's queue, bounded by the bytes it holds rather than by a count of events."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[Any, int]] = asyncio.Queue()
+        self.bytes = 0
+
+    def offer(self, item: Any, size: int) -> bool:
+        """Queue ``item`` if its ``size`` fits in the budget."""
+        if self.bytes + size > STREAM_BUFFER_BYTES:
+            return False
+        self.force(item, size)
+        return True
+
+    def force(self, item: Any, size: int = 0) -> None:
+        """The end of a stream always fits (it is the last item)."""
+        self.bytes += size
+        self.queue.put_nowait((item, size))
+
+    async def get(self) -> Any:
+        item, size = await self.queue.get()
+        self.bytes -= size
+        return item
 
 
 @dataclass
@@ -36,26 +64,27 @@ class _Process:
     started: asyncio.Event = field(default_factory=asyncio.Event)
     end: Message | None = None
     failure: BaseException | None = None
-    streams: set[asyncio.Queue[Any]] = field(default_factory=set)
+    streams: set[_Outbox] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
 
     def publish(self, item: Any) -> None:
-        for queue in list(self.streams):
-            try:
-                queue.put_nowait(item)
-            except asyncio.QueueFull:  # a client that stopped reading loses its stream, not our memory
-                self.streams.discard(queue)
-                with contextlib.suppress(asyncio.QueueFull):
-                    queue.get_nowait()
-                    queue.put_nowait(ConnectError("resource_exhausted", "the client read the output too slowly"))
+        size = _EVENT_OVERHEAD + (len(json.dumps(item)) if isinstance(item, dict) else 0)
+        for outbox in list(self.streams):
+            if not outbox.offer(item, size):  # a client that stopped reading loses its stream, not our memory
+                self.streams.discard(outbox)
+                outbox.force(ConnectError("resource_exhausted", f"the client read the output too slowly: over "
+                                                                f"{STREAM_BUFFER_BYTES} bytes were waiting for it"))
 
-    def attach(self) -> asyncio.Queue[Any]:
-        queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE_EVENTS)
+    def attach(self) -> _Outbox:
+        outbox = _Outbox()
         if self.end is not None or self.failure is not None:
-            queue.put_nowait(_END)
+            outbox.force(_END)
+        elif len(self.streams) >= MAX_STREAMS:
+            raise ConnectError("resource_exhausted", f"{MAX_STREAMS} streams are attached to this process already; "
+                                                     "close one before connecting again")
         else:
-            self.streams.add(queue)
-        return queue
+            self.streams.add(outbox)
+        return outbox
 
 
 def _event(**event: Any) -> Message:
@@ -173,7 +202,7 @@ class ProcessService:
             process.streams.clear()
             table.forget_finished()
 
-    async def _stream(self, process: _Process, queue: asyncio.Queue[Any], call: Call) -> AsyncIterator[Message]:
+    async def _stream(self, process: _Process, queue: _Outbox, call: Call) -> AsyncIterator[Message]:
         """The process's events; keepalives only once the first (``start``) went out: the SDKs
         take the first message of a stream as the start event (a slow guest delays it)."""
         keepalive, started = _keepalive_seconds(call), False
@@ -198,7 +227,7 @@ class ProcessService:
         if process is None or process.end is not None or process.failure is not None:
             raise ConnectError("not_found", f"process {pid} is not running or was not started through the E2B API")
         queue = process.attach()
-        queue.put_nowait(_event(start={"pid": pid}))  # first, as envd sends it
+        queue.force(_event(start={"pid": pid}))  # first, as envd sends it
         return self._stream(process, queue, call)
 
     async def list(self, call: Call, message: Message) -> Message:

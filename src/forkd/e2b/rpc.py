@@ -75,10 +75,14 @@ async def serve(methods: dict[str, Method], path: str, call: Call) -> Response:
         except Exception as exc:
             body = connect.end_stream(_logged(exc, path))
         return Response(body, media_type=connect.STREAM_TYPE)
-    try:  # server stream: the request is one enveloped message
-        messages = [m async for m in connect.read_envelopes(call.request.stream())]
-        if len(messages) != 1:
-            raise ConnectError("invalid_argument", f"a server-streaming call takes one request message, not {len(messages)}")
+    try:  # server stream: the request is one enveloped message, refused as soon as a second one comes
+        messages: list[Message] = []
+        async for message in connect.read_envelopes(call.request.stream()):
+            if messages:
+                raise ConnectError("invalid_argument", "a server-streaming call takes one request message, not more")
+            messages.append(message)
+        if not messages:
+            raise ConnectError("invalid_argument", "a server-streaming call takes one request message, not none")
     except ConnectError as exc:
         return StreamingResponse(iter([connect.end_stream(exc)]), media_type=connect.STREAM_TYPE)
     return StreamingResponse(_frames(method.handler(call, messages[0]), path),  # type: ignore[arg-type]

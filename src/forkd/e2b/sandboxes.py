@@ -5,11 +5,17 @@ the sandbox into a workspace named after it and suspends that (a diff BRANCH, th
 killed, so its memory is freed); resuming forks the workspace's last layer. The E2B id stays the
 same across pause/resume while the forkd sandbox behind it changes, so every request resolves
 the id first. Fork is a BRANCH of the running sandbox plus N children of that snapshot.
+
+Ownership and the token nonce are labels of the forkd sandbox (``forkd.e2b-owner``,
+``forkd.e2b-nonce``): the registry keeps them with the sandbox, a pause carries them into the
+workspace and a resume back, so they survive both and daemon restarts. Every control-plane call
+resolves with the caller's :class:`Principal`: another owner's object answers as absent.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import secrets
 import time
 from collections.abc import Mapping
@@ -17,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from forkd.e2b.errors import E2BError, sandbox_gone
-from forkd.e2b.keys import Credentials
-from forkd.store.registry import WorkspaceRecord
+from forkd.e2b.keys import Credentials, Principal
+from forkd.store.registry import SnapshotRecord, WorkspaceRecord
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
 from forkd.store.errors import SnapshotConflict, SnapshotError
@@ -31,6 +37,19 @@ CLIENT_ID = "forkd"
 DEFAULT_TIMEOUT_S = 15  # E2B's default when a request names none
 MAX_TIMEOUT_S = 30 * 24 * 3600
 _WORKSPACE_LABEL = "workspace"  # the label a workspace's sandboxes carry (runtime/workspaces.py)
+OWNER_LABEL = "forkd.e2b-owner"
+NONCE_LABEL = "forkd.e2b-nonce"
+FORK_PREFIX = "e2b-fork-"
+_DERIVED_META = ("source_sandbox", "compacted_from")  # a snapshot holding some sandbox's state
+
+
+def reserved_label(key: str) -> bool:
+    return key == _WORKSPACE_LABEL or key.startswith("forkd.")
+
+
+def fork_prefix(owner: str) -> str:
+    """Fork snapshots name their owner (hashed: owners may be long) so a listing can filter them."""
+    return f"{FORK_PREFIX}{hashlib.sha256(owner.encode()).hexdigest()[:16]}-"
 
 
 def rfc3339(seconds: float) -> str:
@@ -45,6 +64,25 @@ class Resolved:
     live: LiveSandbox | None
     workspace: WorkspaceRecord | None
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """Every label, reserved ones included: the running sandbox's, else the paused workspace's."""
+        if self.live is not None:
+            return dict(self.live.record.meta.get("metadata") or {})
+        return dict((self.workspace.meta.get("labels") if self.workspace else None) or {})
+
+    @property
+    def owner(self) -> str | None:
+        return self.labels.get(OWNER_LABEL)
+
+    @property
+    def nonce(self) -> str:
+        """The token nonce; a workspace made outside the front (none stored) uses its creation time."""
+        stored = self.labels.get(NONCE_LABEL)
+        if stored:
+            return stored
+        return repr(self.workspace.created_at) if self.workspace is not None else ""
+
 
 class E2BSandboxes:
     def __init__(self, runtime: Runtime, credentials: Credentials) -> None:
@@ -53,8 +91,15 @@ class E2BSandboxes:
 
     # ids
 
-    def resolve(self, e2b_id: str) -> Resolved:
-        """The sandbox or paused workspace behind ``e2b_id``; 404 in E2B's shape when there is none."""
+    def resolve(self, e2b_id: str, principal: Principal | None = None) -> Resolved:
+        """The sandbox or paused workspace behind ``e2b_id``; 404 in E2B's shape when there is none or
+        it belongs to another owner than ``principal``'s (None: sandbox traffic, the token decides)."""
+        resolved = self._resolve(e2b_id)
+        if principal is not None and not principal.sees(resolved.owner):
+            raise E2BError(404, f"sandbox {e2b_id} was not found; list running ones with Sandbox.list()")
+        return resolved
+
+    def _resolve(self, e2b_id: str) -> Resolved:
         workspace = self.runtime.registry.get_workspace(e2b_id) if _plausible(e2b_id) else None
         if workspace is not None:
             if workspace.state == "suspended":
@@ -68,12 +113,16 @@ class E2BSandboxes:
             raise E2BError(404, f"sandbox {e2b_id} was not found; list running ones with Sandbox.list()")
         return Resolved(e2b_id, live, None)
 
-    def running(self, e2b_id: str) -> LiveSandbox:
-        """The running sandbox for sandbox traffic; E2B's proxy answer (502 "was not found") otherwise."""
+    def running(self, e2b_id: str, tokens: list[str]) -> LiveSandbox:
+        """The running sandbox for sandbox traffic carrying ``tokens`` (401 unless every one is its
+        token); E2B's proxy answer (502 "was not found") when it is not running."""
         try:
             resolved = self.resolve(e2b_id)
         except E2BError:
             raise sandbox_gone(e2b_id) from None
+        if not all([self.credentials.access_token_valid(e2b_id, resolved.nonce, t) for t in tokens]):
+            raise E2BError(401, f"wrong access token for sandbox {e2b_id}: use the envdAccessToken the API "
+                                "returned when the sandbox was created or connected")
         if resolved.live is None:
             raise sandbox_gone(e2b_id, "it is paused; resume it with Sandbox.connect()")
         return resolved.live
@@ -95,10 +144,12 @@ class E2BSandboxes:
 
     # shapes
 
-    def created(self, e2b_id: str, template: str) -> dict[str, Any]:
-        """E2B's ``Sandbox``: what create, connect and fork answer."""
+    def created(self, e2b_id: str, template: str, nonce: str) -> dict[str, Any]:
+        """E2B's ``Sandbox``: what create, connect and fork answer. The SDKs send ``envdAccessToken``
+        to envd and ``trafficAccessToken`` to the code interpreter's context routes: one token here."""
+        token = self.credentials.access_token(e2b_id, nonce)
         return {"sandboxID": e2b_id, "templateID": template, "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
-                "envdAccessToken": self.credentials.access_token(e2b_id), "domain": None}
+                "envdAccessToken": token, "trafficAccessToken": token, "domain": None}
 
     def _resources(self, tag: str) -> dict[str, int]:
         record = self.runtime.registry.get_snapshot(tag)
@@ -106,46 +157,57 @@ class E2BSandboxes:
         return {"cpuCount": int(boot.get("vcpus") or 1), "memoryMB": int(boot.get("memory_mib") or 0),
                 "diskSizeMB": 0}
 
-    def _labels(self, meta: Mapping[str, Any]) -> dict[str, str]:
-        return {k: v for k, v in (meta.get("metadata") or {}).items() if k != _WORKSPACE_LABEL}
+    @staticmethod
+    def _labels(labels: Mapping[str, str]) -> dict[str, str]:
+        """The labels an E2B user set: forkd's own (owner, nonce, workspace) are not theirs to see."""
+        return {k: v for k, v in labels.items() if not reserved_label(k)}
+
+    def _new_labels(self, principal: Principal, metadata: Mapping[str, str]) -> dict[str, str]:
+        reserved = sorted(k for k in metadata if reserved_label(k))
+        if reserved:
+            raise E2BError(400, f"metadata keys {', '.join(reserved)} are reserved (\"workspace\" and \"forkd.*\"); "
+                                "rename them")
+        return {**metadata, OWNER_LABEL: principal.owner, NONCE_LABEL: secrets.token_hex(16)}
 
     def describe(self, resolved: Resolved, detail: bool = False) -> dict[str, Any]:
         """E2B's ``ListedSandbox`` (``SandboxDetail`` with ``detail``)."""
         if resolved.live is not None:
             record = resolved.live.record
             started, end_at = record.created_at, record.end_at
-            template, labels, state = record.snapshot_tag, self._labels(record.meta), "running"
+            template, state = record.snapshot_tag, "running"
         else:
             workspace = resolved.workspace
             assert workspace is not None
             started, end_at = workspace.created_at, None
-            template, labels, state = workspace.meta.get("base_tag", workspace.snapshot_tag), \
-                dict(workspace.meta.get("labels", {})), "paused"
+            template, state = workspace.meta.get("base_tag", workspace.snapshot_tag), "paused"
         if resolved.workspace is not None:
             started = resolved.workspace.created_at
             template = resolved.workspace.meta.get("base_tag", template)
         info = {"sandboxID": resolved.e2b_id, "templateID": template, "clientID": CLIENT_ID,
                 "startedAt": rfc3339(started), "endAt": rfc3339(end_at if end_at is not None else started + MAX_TIMEOUT_S),
-                "state": state, "envdVersion": ENVD_VERSION, "metadata": labels, **self._resources(template)}
+                "state": state, "envdVersion": ENVD_VERSION, "metadata": self._labels(resolved.labels),
+                **self._resources(template)}
         if detail:
-            info["envdAccessToken"] = self.credentials.access_token(resolved.e2b_id)
+            info["envdAccessToken"] = self.credentials.access_token(resolved.e2b_id, resolved.nonce)
             info["domain"] = None
         return info
 
     # lifecycle
 
-    async def create(self, template: str, timeout_s: int, metadata: dict[str, str],
+    async def create(self, principal: Principal, template: str, timeout_s: int, metadata: dict[str, str],
                      envs: dict[str, str]) -> dict[str, Any]:
-        if self.runtime.registry.get_snapshot(template) is None:
+        record = self.runtime.registry.get_snapshot(template)
+        if record is None or not template_visible(record, principal):
             raise E2BError(404, f"template {template!r} not found: templates are forkd snapshots; list them with "
                                 "GET /templates or `forkd snapshots`")
-        options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=metadata)
+        labels = self._new_labels(principal, metadata)
+        options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=labels)
         (outcome,) = await self.runtime.sandboxes.fork(template, 1, options)
         if outcome.sandbox is None:
             raise E2BError(500, f"the sandbox did not start: {outcome.error}")
-        return self.created(outcome.sandbox["id"], template)
+        return self.created(outcome.sandbox["id"], template, labels[NONCE_LABEL])
 
-    def list(self, metadata: dict[str, str], states: set[str]) -> list[dict[str, Any]]:
+    def list(self, principal: Principal, metadata: dict[str, str], states: set[str]) -> list[dict[str, Any]]:
         found: list[Resolved] = []
         if "running" in states:
             for live in self.runtime.sandboxes.live():
@@ -155,11 +217,11 @@ class E2BSandboxes:
                     found.append(Resolved(e2b_id, live, workspace))
         if "paused" in states:
             found += [Resolved(w.name, None, w) for w in self.runtime.registry.list_workspaces() if w.state == "suspended"]
-        described = [self.describe(r) for r in found]
+        described = [self.describe(r) for r in found if principal.sees(r.owner)]
         return [d for d in described if all(d["metadata"].get(k) == v for k, v in metadata.items())]
 
-    async def set_timeout(self, e2b_id: str, timeout_s: int, extend_only: bool = False) -> None:
-        live = self.resolve(e2b_id).live
+    async def set_timeout(self, principal: Principal, e2b_id: str, timeout_s: int, extend_only: bool = False) -> None:
+        live = self.resolve(e2b_id, principal).live
         if live is None:
             raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
         current = live.record.end_at
@@ -167,18 +229,19 @@ class E2BSandboxes:
             return
         await self.runtime.sandboxes.set_timeout(live.record.id, timeout_s)
 
-    async def connect(self, e2b_id: str, timeout_s: int) -> tuple[int, dict[str, Any]]:
+    async def connect(self, principal: Principal, e2b_id: str, timeout_s: int) -> tuple[int, dict[str, Any]]:
         """Resume a paused sandbox (201) or extend a running one's deadline (200)."""
-        resolved = self.resolve(e2b_id)
+        resolved = self.resolve(e2b_id, principal)
         status = 200
         if resolved.live is None:
             await self.runtime.workspaces.resume(e2b_id)
             status = 201
-        await self.set_timeout(e2b_id, timeout_s, extend_only=status == 200)
-        return status, self.created(e2b_id, self.describe(self.resolve(e2b_id))["templateID"])
+        await self.set_timeout(principal, e2b_id, timeout_s, extend_only=status == 200)
+        resolved = self.resolve(e2b_id, principal)
+        return status, self.created(e2b_id, self.describe(resolved)["templateID"], resolved.nonce)
 
-    async def kill(self, e2b_id: str) -> None:
-        resolved = self.resolve(e2b_id)
+    async def kill(self, principal: Principal, e2b_id: str) -> None:
+        resolved = self.resolve(e2b_id, principal)
         if resolved.workspace is not None:
             await self.runtime.workspaces.remove(e2b_id)
         elif resolved.live is not None:
@@ -187,8 +250,18 @@ class E2BSandboxes:
             except SandboxNotFound:
                 raise E2BError(404, f"sandbox {e2b_id} was not found") from None
 
-    async def pause(self, e2b_id: str) -> None:
-        resolved = self.resolve(e2b_id)
+    async def rotate_token(self, principal: Principal, e2b_id: str) -> dict[str, Any]:
+        """A new nonce, stored with the sandbox or paused workspace: its old token stops working."""
+        resolved = self.resolve(e2b_id, principal)
+        labels = {**resolved.labels, NONCE_LABEL: secrets.token_hex(16)}
+        if resolved.workspace is not None:
+            await self.runtime.workspaces.set_labels(e2b_id, labels)
+        elif resolved.live is not None:
+            await self.runtime.sandboxes.set_labels(resolved.live.record.id, labels)
+        return self.created(e2b_id, self.describe(resolved)["templateID"], labels[NONCE_LABEL])
+
+    async def pause(self, principal: Principal, e2b_id: str) -> None:
+        resolved = self.resolve(e2b_id, principal)
         if resolved.live is None:
             raise E2BError(409, f"sandbox {e2b_id} is already paused")
         if resolved.workspace is None:
@@ -198,32 +271,46 @@ class E2BSandboxes:
         except (SnapshotConflict, SnapshotError) as exc:
             raise E2BError(409, f"sandbox {e2b_id} could not be paused: {exc}") from None
 
-    async def fork(self, e2b_id: str, count: int, timeout_s: int) -> list[dict[str, Any]]:
-        """BRANCH the running sandbox (diff layer), then start ``count`` children of it; one result each."""
-        live = self.resolve(e2b_id).live
+    async def fork(self, principal: Principal, e2b_id: str, count: int, timeout_s: int) -> list[dict[str, Any]]:
+        """BRANCH the running sandbox (diff layer), then start ``count`` children of it; one result each.
+        The snapshot and the children belong to the caller."""
+        resolved = self.resolve(e2b_id, principal)
+        live = resolved.live
         if live is None:
             raise E2BError(409, f"sandbox {e2b_id} is paused; resume it before forking")
-        tag = f"e2b-fork-{secrets.token_hex(6)}"
+        tag = fork_prefix(principal.owner) + secrets.token_hex(6)
         await self.runtime.branches.branch(live.record.id, tag, mode="diff", wait=True)
-        options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}),
-                              metadata=self._labels(live.record.meta))
+        labels = self._new_labels(principal, self._labels(resolved.labels))
+        options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}), metadata=labels)
         outcomes = await self.runtime.sandboxes.fork(tag, count, options)
-        return [{"sandbox": self.created(o.sandbox["id"], tag)} if o.sandbox is not None
+        return [{"sandbox": self.created(o.sandbox["id"], tag, labels[NONCE_LABEL])} if o.sandbox is not None
                 else {"error": {"code": 500, "message": o.error or "the fork did not start"}} for o in outcomes]
 
-    def templates(self) -> list[dict[str, Any]]:
-        """E2B's ``Template`` for every ready forkd snapshot."""
+    def templates(self, principal: Principal) -> list[dict[str, Any]]:
+        """E2B's ``Template`` for every ready forkd snapshot the caller may start sandboxes from."""
         out = []
         for record in self.runtime.registry.list_snapshots():
-            if record.status != "ready":
+            if record.status != "ready" or not template_visible(record, principal):
                 continue
             when = rfc3339(record.created_at)
-            out.append({"templateID": record.tag, "buildID": record.tag, "public": False, "aliases": [record.tag],
+            out.append({"templateID": record.tag, "buildID": record.tag, "public": base_template(record),
+                        "aliases": [record.tag],
                         "names": [record.tag], "createdAt": when, "updatedAt": when, "createdBy": None,
                         "lastSpawnedAt": None, "spawnCount": self.runtime.sandboxes.count_of(record.tag),
                         "buildCount": 1, "envdVersion": ENVD_VERSION, "buildStatus": "ready",
                         **self._resources(record.tag)})
         return out
+
+
+def base_template(record: SnapshotRecord) -> bool:
+    """A snapshot the operator made from an image (not a BRANCH, compaction or pause layer of some
+    sandbox, which hold that sandbox's memory): every key may start sandboxes from it."""
+    return record.parent_tag is None and not any(key in record.meta for key in _DERIVED_META)
+
+
+def template_visible(record: SnapshotRecord, principal: Principal) -> bool:
+    """Admin keys see every snapshot; other keys the base templates and their own fork snapshots."""
+    return principal.admin or base_template(record) or record.tag.startswith(fork_prefix(principal.owner))
 
 
 def _plausible(name: str) -> bool:

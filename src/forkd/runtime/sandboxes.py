@@ -459,6 +459,12 @@ class SandboxService:
     def live(self) -> list[LiveSandbox]:
         return list(self._live.values())
 
+    async def set_labels(self, sandbox_id: str, labels: dict[str, str]) -> None:
+        """Replace a running sandbox's labels, in its record too, so a restarted daemon has them."""
+        live = self.get(sandbox_id)
+        live.record.meta["metadata"] = dict(labels)
+        await asyncio.to_thread(self.registry.set_labels, sandbox_id, dict(labels))
+
     def count_of(self, tag: str) -> int:
         """Children of ``tag`` running or being restored."""
         return self._forking[tag] + sum(1 for s in self._live.values() if s.record.snapshot_tag == tag)

@@ -126,6 +126,16 @@ class WorkspaceService:
             await asyncio.to_thread(self.registry.put_workspace, record)
             return record
 
+    async def set_labels(self, name: str, labels: dict[str, str]) -> None:
+        """Replace the labels of the workspace: its running sandbox's, or those its resume starts with."""
+        async with self._locks[name]:
+            record = self.get(name)
+            if record.state == "running":
+                await self.sandboxes.set_labels(record.sandbox_id or "", {**labels, "workspace": name})
+                return
+            record.meta["labels"] = {k: v for k, v in labels.items() if k != "workspace"}
+            await asyncio.to_thread(self.registry.put_workspace, record)
+
     async def remove(self, name: str) -> list[str]:
         """Stop its sandbox and remove its layers; returns the snapshot tags removed."""
         async with self._locks[name]:

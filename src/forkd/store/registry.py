@@ -359,6 +359,11 @@ class Registry:
     def set_readopted(self, sandbox_id: str, at: float) -> None:
         self._execute("UPDATE sandboxes SET readopted_at = ? WHERE id = ?", (at, sandbox_id))
 
+    def set_labels(self, sandbox_id: str, labels: dict[str, str]) -> None:
+        """Replace a sandbox's labels (``meta.metadata``) in place, the rest of its meta untouched."""
+        self._execute("UPDATE sandboxes SET meta = json_set(meta, '$.metadata', json(?)) WHERE id = ?",
+                      (json.dumps(labels), sandbox_id))
+
     def set_vmm_state(self, sandbox_id: str, vmm_state: dict[str, Any]) -> None:
         """The backend's state of a running VMM changed (a BRANCH moved its disk to a new overlay)."""
         self._execute("UPDATE sandboxes SET vmm_state = ? WHERE id = ?", (json.dumps(vmm_state), sandbox_id))
