@@ -8,20 +8,21 @@ usage: cluster_driver.py RAY_ADDRESS SNAPSHOT LOG N   (then "again M" on stdin r
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
 
 
 def square(sandbox: Any, item: dict[str, Any]) -> int:
-    """The work of one item: logs that it started (so a retried item shows twice), runs a command in its
-    own sandbox (the FakeVmm's agent answers it without output) and holds the sandbox long enough for a
-    node to die with items in flight."""
-    with open(item["log"], "a") as log:
-        log.write(f"{item['i']}\n")
+    """The work of one item: logs that it started and where (so a retried item shows twice), runs a
+    command in its own sandbox (the fake backend answers it without output) and holds the sandbox long
+    enough for a node to be killed with the item in flight."""
+    with open(item["log"], "a") as log:  # which item started where (the node's daemon URL)
+        log.write(f"{item['i']} {os.environ.get('FORKD_URL', '')}\n")
     answer = sandbox.api.exec(sandbox.sandbox_id, f"echo {item['i']}")
     assert answer["exit_code"] == 0 and sandbox.is_running()
-    time.sleep(0.5)
+    time.sleep(1.5)
     return int(item["i"]) ** 2
 
 

@@ -94,6 +94,18 @@ def join(node: ForkdNode, head: str, start_daemon: bool = True) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def wait_for_work(log: Path, url: str, done: set[int]) -> int:
+    """An item whose work started on the node at ``url`` and has not answered (waited for, bounded)."""
+    deadline = time.monotonic() + LINE_BOUND_S
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            index, where = line.split()
+            if where == url and int(index) not in done:
+                return int(index)
+        time.sleep(0.05)
+    raise AssertionError(f"no work started on {url} within {LINE_BOUND_S:.0f} s")
+
+
 def node_id(node: ForkdNode) -> str:
     with node.controller() as controller:
         return str(controller.request("GET", "/v1/node")["node_id"])
@@ -145,7 +157,8 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
                 assert line["error"] is None, line["error"]
                 assert line["index"] not in results  # exactly once
                 results[line["index"]] = line["value"]
-                if len(results) == 8:  # every process of node 2: raylet, workers, daemon, VMMs
+                if len(results) == 8:  # every process of node 2 (raylet, workers, daemon, VMMs) once it runs one
+                    busy = wait_for_work(log, forkd[2].url, done=set(results))
                     killed_at = time.monotonic()
                     assert net.kill_all(forkd[2].netns or "")
             summary = line
@@ -155,8 +168,8 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
             assert killed_at is not None and summary["dead"] == [ids["n2"]]
             assert summary["deaths"][ids["n2"]] - killed_at <= DEATH_BOUND_S
             assert summary["lost"] >= 1 and summary["retried"]
-            starts = [int(i) for i in log.read_text().split()]
-            assert {i for i in starts if starts.count(i) > 1}, "no item ran twice"
+            starts = [int(line.split()[0]) for line in log.read_text().splitlines()]
+            assert starts.count(busy) >= 2, f"item {busy}, killed mid-run on node 2, did not run again"
 
             # node 1 pulled the snapshot from node 0 by digest and lists the digest it computed itself
             assert any(p["target"] == ids["n1"] and p["source"] == ids["n0"] and p["digest"] == digest

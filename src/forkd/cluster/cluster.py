@@ -52,6 +52,7 @@ class Cluster:
         self.agents: dict[str, ActorHandle] = {}
         self.deaths: dict[str, float] = {}  # Ray node id -> when this driver saw it dead (monotonic)
         self.pulls: list[dict[str, Any]] = []  # every replication: target, source, digest, the target's answer
+        self.failed_pulls: set[tuple[str, str]] = set()  # (Ray node id, digest) pulls that failed: not asked again
         self.refresh()
 
     # the directory
@@ -130,8 +131,10 @@ class Cluster:
     # replication
 
     def replicate_for(self, digest: str, n: int) -> list[dict[str, Any]]:
-        """Replicate ``digest`` (in parallel) to as many of the next best nodes as ``n`` sandboxes need."""
-        return self._run_pulls(self.directory.replication_plan(digest, n))
+        """Replicate ``digest`` (in parallel) to as many of the next best nodes as ``n`` sandboxes need
+        (a node whose pull of it failed before is not asked again by this driver)."""
+        plan = self.directory.replication_plan(digest, n)
+        return self._run_pulls([p for p in plan if (p.target.ray_node_id, digest) not in self.failed_pulls])
 
     def replicate(self, snapshot: str, to: int) -> list[dict[str, Any]]:
         """Make ``to`` alive compatible nodes hold ``snapshot`` (a tag or digest); answers the pulls made."""
@@ -165,10 +168,11 @@ class Cluster:
             except ray.exceptions.RayError as exc:
                 log.warning("node %s could not pull %s from %s: %s", pull.target.name, pull.digest[:12],
                             pull.source.name, exc)
-                continue
+                answer = None
             if answer is None:
-                log.warning("node %s did not finish pulling %s within %.0f s", pull.target.name, pull.digest[:12],
-                            PULL_TIMEOUT_S)
+                log.warning("node %s did not pull %s (within %.0f s); not asked again", pull.target.name,
+                            pull.digest[:12], PULL_TIMEOUT_S)
+                self.failed_pulls.add((pull.target.ray_node_id, pull.digest))
                 continue
             self.directory.with_copy(pull.target.ray_node_id, SnapshotCopy(tag=answer["tag"], digest=answer["digest"]))
             record = {"target": pull.target.node_id, "source": pull.source.node_id, "digest": pull.digest, **answer}
