@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -99,9 +100,9 @@ def wait_for_work(log: Path, url: str, done: set[int]) -> int:
     deadline = time.monotonic() + LINE_BOUND_S
     while time.monotonic() < deadline:
         for line in log.read_text().splitlines():
-            index, where = line.split()
-            if where == url and int(index) not in done:
-                return int(index)
+            fields = line.split()
+            if len(fields) == 2 and fields[1] == url and int(fields[0]) not in done:  # a whole line of url's
+                return int(fields[0])
         time.sleep(0.05)
     raise AssertionError(f"no work started on {url} within {LINE_BOUND_S:.0f} s")
 
@@ -243,7 +244,11 @@ def forkd_cli(address: str, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
-def test_create_fork_spill_replicate_and_reap(nodes: tuple[RayCluster, list[ForkdNode]]) -> None:
+def by_url(cluster: Cluster, node: ForkdNode) -> Any:
+    return next(state for state in cluster.directory.alive if state.url == node.url)
+
+
+def test_create_fork_spill_replicate_and_reap(nodes: tuple[RayCluster, list[ForkdNode]], root: Path) -> None:
     ray_cluster, forkd = nodes
     ray.init(address=ray_cluster.address, namespace="forkd")
     cluster = Cluster()
@@ -299,4 +304,22 @@ def test_create_fork_spill_replicate_and_reap(nodes: tuple[RayCluster, list[Fork
                    for child in ray.get(ray.get_actor(f"forkd-node-{state.ray_node_id}").reap_dead_drivers.remote())]
         time.sleep(0.5)
     assert orphan in reaped
+
+    # an agent whose process dies (its node alive) is restarted by Ray; its items run again, once each
+    agent = ray.get_actor(f"forkd-node-{by_url(cluster, forkd[1]).ray_node_id}")
+    first_pid = ray.get(agent.pid.remote())
+    log = root / "agent.log"
+    log.touch()
+    killer = threading.Thread(target=lambda: (wait_for_work(log, forkd[1].url, set()),
+                                              os.kill(first_pid, signal.SIGKILL)))
+    killer.start()  # the agent dies with an item's work running on it
+    fanout = cluster.map_iter(TAG, [{"i": i, "log": str(log)} for i in range(2 * SLOTS)], cluster_driver.square)
+    results = {}
+    for outcome in fanout:
+        assert outcome.error is None and outcome.index not in results
+        results[outcome.index] = outcome.value
+    killer.join(LINE_BOUND_S)
+    assert results == {i: i * i for i in range(2 * SLOTS)}
+    assert fanout.stats.retried and fanout.stats.dead_nodes == []
+    assert ray.get(agent.pid.remote(), timeout=60) != first_pid
     cluster.close()
