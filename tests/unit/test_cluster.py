@@ -244,6 +244,12 @@ def forkd_cli(address: str, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
+def test_a_ray_address_nothing_answers_on_is_refused_at_once() -> None:
+    for command in (["cluster", "status"], ["node", "start"]):
+        done = forkd_cli("127.0.0.1:1", *command)
+        assert done.returncode == 1 and "nothing answers at the Ray address 127.0.0.1:1" in done.stderr
+
+
 def by_url(cluster: Cluster, node: ForkdNode) -> Any:
     return next(state for state in cluster.directory.alive if state.url == node.url)
 

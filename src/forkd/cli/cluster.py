@@ -37,10 +37,27 @@ def _cluster_module() -> Any:
 
 def _connect(ray_address: str | None) -> Any:
     cluster = _cluster_module()
+    where = ray_address or os.environ.get("RAY_ADDRESS")
+    if where:
+        _check_reachable(where)
     try:
         return cluster.Cluster(ray_address)
     except ConnectionError as exc:
-        raise click.ClickException(f"cannot reach the Ray cluster at {ray_address or '$RAY_ADDRESS'}: {exc}") from None
+        raise click.ClickException(f"cannot reach the Ray cluster at {where}: {exc}" if where else
+                                   "no Ray cluster found on this host: pass --ray-address HOST:PORT "
+                                   "(the head's) or set RAY_ADDRESS") from None
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse at once a HOST:PORT nothing answers on (Ray itself would wait for minutes)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return  # "auto", a ray:// client address: Ray's own to resolve
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise click.ClickException(f"nothing answers at the Ray address {address} ({exc.strerror or exc}): "
+                                   f"give the head's GCS address, HOST:PORT (6379 by default)") from None
 
 
 @click.group("node")
@@ -69,6 +86,7 @@ def node_start(ray_address: str, listen: str, advertised: str | None, token_file
     with --listen. The Ray node gets the `forkd` resource and the `forkd-node` label; its workers find
     the daemon in FORKD_URL and FORKD_TOKEN, which is how the cluster's node agent reaches it. Options
     after `--` go to `ray start` as they are (e.g. `-- --num-cpus 8 --temp-dir /var/tmp/ray`)."""
+    _check_reachable(ray_address)
     paths = paths_from_env()
     token = _token(token_file or paths.home / "node-token")
     env_url = os.environ.get("FORKD_URL", "")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -39,13 +40,14 @@ DEATH_WAIT_S = 30.0  # how long an agent failure waits for Ray to say whether it
 
 class Cluster:
     """Places forks across the forkd nodes of the Ray cluster at ``address`` (default: the one this
-    process is in, or ``RAY_ADDRESS``)."""
+    process is in, else ``RAY_ADDRESS``, else one running on this host; never a new one)."""
 
     def __init__(self, address: str | None = None, *, item_timeout_s: float | None = 600.0,
                  max_attempts: int = 4) -> None:
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
+            ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE,
+                     logging_level=logging.WARNING)
         self.owner = owner_of(ray.get_runtime_context().get_job_id())
         self.item_timeout_s, self.max_attempts = item_timeout_s, max_attempts
         self.directory = Directory()
