@@ -27,15 +27,13 @@ from pathlib import Path
 import pytest
 
 from forkd.config import Paths, paths_from_env
+from forkd.guest.protocol import AGENT_VERSION
+from forkd.image.store import INITRD_FILE, KERNEL_FILE, ROOTFS_FILE, write_manifest
 from forkd.runtime.isolation import Isolation
-from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.sandboxes import SandboxService
-from forkd.runtime.snapshots import SnapshotService
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
-from forkd.store.files import DigestCache
 from forkd.store.registry import Registry
-from forkd.store.snapshots import SnapshotStore
 from forkd.vmm.backends import create_vmm
 
 VM_SNAPSHOT = "vmtest"
@@ -158,6 +156,42 @@ def stop_daemon(process: subprocess.Popen[bytes], controller: Controller, home: 
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert not leaked, f"the stopped daemon left VMM processes running: {leaked}"
+
+
+def _fake_image(cache: Path) -> None:
+    """An image the fake backend boots: its files are never executed, only linked and hashed."""
+    directory = Paths(home=cache, cache=cache, socket=cache / "s").images / "default"
+    directory.mkdir(parents=True)
+    for name in (KERNEL_FILE, INITRD_FILE, ROOTFS_FILE):
+        (directory / name).write_bytes(name.encode())
+    write_manifest(directory, {"name": "default", "key": "fake", "kernel_version": "6.12", "kernel_sha256": "0" * 64,
+                               "agent_version": AGENT_VERSION, "created_at": 0.0, "size_bytes": 3,
+                               "disk_size_mib": 1, "spec": {}, "inputs": {}})
+
+
+@contextlib.contextmanager
+def fake_daemon_on(home: Path, config: str = "") -> Iterator[Controller]:
+    """A whole daemon process on the fake VMM backend (``vmm = "fake"``) with its own image, on ``home``
+    (short: agent sockets live under it), its config file holding ``config``; stopped at the end."""
+    env = vm_env_for(home)
+    for variable in ("FORKD_LISTEN", "FORKD_E2B_LISTEN"):
+        env.pop(variable, None)
+    (home / "forkd.toml").write_text(config)
+    env.update(FORKD_VMM="fake", FORKD_CACHE=str(home / "cache"), FORKD_CONFIG=str(home / "forkd.toml"))
+    _fake_image(home / "cache")
+    process, controller = start_daemon(home, env)
+    try:
+        yield controller
+    finally:
+        stop_daemon(process, controller, home)  # fails if a fake VMM process outlived the daemon
+
+
+@pytest.fixture
+def fake_home() -> Iterator[Path]:
+    """Short: agent sockets live under it and a Unix socket path has at most 107 bytes."""
+    directory = Path(tempfile.mkdtemp(prefix="fkd-", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -290,7 +324,7 @@ def typescript_sdk() -> Path:
         pytest.fail("node is not installed: `bash scripts/setup` installs nodejs and builds sdk/typescript")
     built = TYPESCRIPT_SDK / "dist" / "src" / "index.js"
     sources = [*TYPESCRIPT_SDK.glob("src/**/*.ts"), *TYPESCRIPT_SDK.glob("test/**/*.ts"),
-               *TYPESCRIPT_SDK.glob("examples/**/*.ts"),
+               *TYPESCRIPT_SDK.glob("examples/**/*.ts"), *TYPESCRIPT_SDK.glob("scripts/*.mjs"),
                Path(__file__).resolve().parents[1] / "docs" / "openapi.json"]
     if not built.is_file():
         pytest.fail(f"{built} is missing: build the TypeScript SDK (`bash scripts/setup`, or `npm run build` in "
@@ -321,8 +355,6 @@ def qemu_sandbox_service() -> Callable[[Paths, Registry], SandboxService]:
 
     def make(paths: Paths, registry: Registry) -> SandboxService:
         vmm = create_vmm("qemu")
-        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
-        return SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
-                              Isolation.from_options(registry, RuntimeOptions()))
+        return SandboxService(paths, registry, vmm, Isolation.from_options(registry, RuntimeOptions()))
 
     return make

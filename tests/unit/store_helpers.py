@@ -22,8 +22,8 @@ MEMORY_BYTES = 8 << 20
 
 
 def make_runtime(root: Path) -> Runtime:
-    return Runtime(Paths(home=root / "home", cache=root / "cache", socket=root / "forkd.sock"),
-                   QemuVmm(accelerator="tcg"))
+    return asyncio.run(Runtime.open(Paths(home=root / "home", cache=root / "cache", socket=root / "forkd.sock"),
+                                    QemuVmm(accelerator="tcg")))
 
 
 def qemu_img(*args: str, cwd: Path) -> None:

@@ -44,3 +44,10 @@ def test_opting_out_runs_no_vm_test_and_says_so() -> None:
     assert done.returncode == 0, output
     assert "VM tests run: 0 (FORKD_TESTS=unit)" in output
     assert "deselected" in output
+
+
+def test_every_test_file_name_is_unique_across_the_suite() -> None:
+    """Test directories are not packages, so pytest imports each file by its base name: a second file of the
+    same name in another directory stops the whole run at collection (which a unit-only run never sees)."""
+    names = sorted(path.name for path in (REPO / "tests").rglob("test_*.py") if "node_modules" not in path.parts)
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})

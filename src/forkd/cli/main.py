@@ -31,7 +31,9 @@ from forkd.cli.isolation import describe_limits, describe_net, fork_options, iso
 from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
 from forkd.cli.workspaces import workspace
+from forkd.errors import Failure
 from forkd.safetext import for_rich
+from forkd.validation import SANDBOX_ID_PREFIX
 
 CP_CHUNK_BYTES = 1 << 20
 
@@ -219,7 +221,7 @@ def fork(tag: str, count: int, timeout_s: float | None, envs: tuple[str, ...], l
                     console.print("    " + describe_timings(child.get("timings") or {}))
             else:
                 failed += 1
-                err_console.print(f"[red]failed:[/red] {for_rich(child.get('error'))}")
+                err_console.print(f"[red]failed:[/red] {for_rich(Failure.from_answer(child.get('error')))}")
                 if verbose:
                     err_console.print("    " + describe_timings(child.get("timings") or {}))
     console.print(f"{answered}/{count} children answering, {time.monotonic() - started:.2f} s in all")
@@ -363,7 +365,7 @@ def cp(src: str, dst: str) -> None:
     Both ways stream: memory use does not grow with the file (a guest file can be as large as it likes).
     """
     controller = daemon()
-    if ":" in src and src.startswith("sb-"):
+    if ":" in src and src.startswith(SANDBOX_ID_PREFIX):
         sandbox_id, path = src.split(":", 1)
         chunks = controller.read_file_chunks(sandbox_id, path)
         first = next(chunks, b"")  # a missing file fails here, before dst is created
@@ -371,7 +373,7 @@ def cp(src: str, dst: str) -> None:
             out.write(first)
             for chunk in chunks:
                 out.write(chunk)
-    elif ":" in dst and dst.startswith("sb-"):
+    elif ":" in dst and dst.startswith(SANDBOX_ID_PREFIX):
         sandbox_id, path = dst.split(":", 1)
         with open(src, "rb") if src != "-" else contextlib.nullcontext(sys.stdin.buffer) as f:
             controller.write_file(sandbox_id, path, iter(functools.partial(f.read, CP_CHUNK_BYTES), b""))

@@ -22,7 +22,7 @@ import ray
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import DaemonUnreachable, ForkdError
-from forkd.sdk.sandbox import Sandbox
+from forkd.sdk.sandbox_sync import Sandbox
 
 log = logging.getLogger("forkd.cluster")
 

@@ -26,7 +26,7 @@ from forkd.cluster.fanout import Fanout, Outcome
 from forkd.cluster.placement import Directory, NodeState, PlacementError, Pull, SnapshotCopy
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import ForkdError
-from forkd.sdk.sandbox import Sandbox
+from forkd.sdk.sandbox_sync import Sandbox
 
 log = logging.getLogger("forkd.cluster")
 

@@ -9,7 +9,7 @@ import click
 
 from forkd import __version__
 from forkd.mcp.server import build_server
-from forkd.sdk.controller import Controller
+from forkd.sdk.async_controller import AsyncController
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -36,9 +36,13 @@ def main(transport: str, host: str, port: int, allow_remote: bool) -> None:
     if transport == "http" and not allow_remote and not _is_loopback(host):
         raise click.UsageError(f"{host} is not a loopback address and the MCP endpoint has no authentication; "
                                "pass --allow-remote if every host that can reach it may run code in your sandboxes")
-    with Controller() as controller:
-        server = build_server(controller)
-        if transport == "stdio":
-            anyio.run(server.run_stdio_async)
-        else:
-            anyio.run(lambda: server.run_streamable_http_async(host=host, port=port))
+
+    async def serve() -> None:
+        async with AsyncController() as controller:
+            server = build_server(controller)
+            if transport == "stdio":
+                await server.run_stdio_async()
+            else:
+                await server.run_streamable_http_async(host=host, port=port)
+
+    anyio.run(serve)

@@ -21,6 +21,12 @@ class ForkdError(RuntimeError):
         self.code = code
         self.message = message
 
+    @property
+    def kind(self) -> str:
+        """The daemon's code is the error's kind (``forkd.errors.kind_for`` reads it); client-side codes such
+        as ``fork_failed`` or ``command_exit`` are not in the table and count as internal there."""
+        return self.code
+
     def __reduce__(self) -> tuple[Any, ...]:
         """Rebuilt as itself, with its fields, across a pickle (a Ray task, a process pool), whatever its
         subclass's ``__init__`` takes: ``DaemonUnreachable``'s differs."""

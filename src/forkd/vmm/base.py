@@ -30,9 +30,13 @@ CONSOLE_KEEP_BYTES = 64 << 10  # what a cut console keeps of its end: the guest'
 class VmmError(RuntimeError):
     """A VMM operation failed; the message says which and what to check."""
 
+    kind = "vmm_error"
+
 
 class SnapshotMismatch(VmmError):
     """A snapshot was saved under a different VMM/machine identity than the one restoring it."""
+
+    kind = "snapshot_mismatch"
 
 
 @dataclass(frozen=True)
@@ -241,7 +245,6 @@ class MemoryStats:
     rss_kib: int
     pss_kib: int
     private_dirty_kib: int
-    shared_clean_kib: int
 
 
 class Vmm(Protocol):

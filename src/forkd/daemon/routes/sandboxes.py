@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -15,7 +14,7 @@ from forkd.host.cgroups import Limits
 from forkd.host.netpolicy import NetRequest, allow_rule, egress_policy
 from forkd.runtime.driver_forks import fingerprint
 from forkd.runtime.isolation import SandboxOptions
-from forkd.runtime.sandboxes import ForkOptions, ForkOutcome
+from forkd.runtime.spawning import ForkOptions, ForkOutcome
 
 router = APIRouter()
 OwnerQuery = Annotated[str | None, Query(pattern=schemas.LABEL_PATTERN, description="only this owner's children")]
@@ -33,13 +32,13 @@ def isolation_of(body: schemas.SandboxCreate) -> SandboxOptions:
 MAYBE_FORK_STREAM: dict[int | str, dict[str, Any]] = {
     201: {"model": schemas.ForkResult, "description": "every child's sandbox or error"},
     200: {"content": {NDJSON: {"schema": {"type": "string", "description": (
-        "with \"stream\": true, one {\"child\": {index, sandbox | error, timings}} line per child as it "
-        "answers or fails, then {\"result\": ForkResult}")}}}, "description": "NDJSON, with \"stream\": true"}}
+        "with \"stream\": true, one {\"child\": {index, sandbox | error: {code, message}, timings}} line per "
+        "child as it answers or fails, then {\"result\": ForkResult}")}}}, "description": "NDJSON, with \"stream\": true"}}
 
 
 def fork_answer(outcomes: list[ForkOutcome]) -> dict[str, Any]:
     return {"sandboxes": [o.sandbox for o in outcomes if o.sandbox is not None],
-            "errors": [o.error for o in outcomes if o.error is not None]}
+            "errors": [{"index": o.index, **o.error.as_dict()} for o in outcomes if o.error is not None]}
 
 
 def child_line(outcome: ForkOutcome) -> dict[str, Any]:
@@ -47,8 +46,8 @@ def child_line(outcome: ForkOutcome) -> dict[str, Any]:
     line: dict[str, Any] = {"index": outcome.index, "timings": outcome.timings}
     if outcome.sandbox is not None:
         line["sandbox"] = outcome.sandbox
-    else:
-        line["error"] = outcome.error
+    elif outcome.error is not None:
+        line["error"] = outcome.error.as_dict()
     return line
 
 
@@ -60,10 +59,10 @@ async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, An
     async def snapshot() -> str:
         if body.snapshot_tag is not None:
             return body.snapshot_tag
-        return (await asyncio.to_thread(runtime.store.get_digest, body.snapshot_digest)).tag  # type: ignore[arg-type]
+        return (await runtime.snapshot_by_digest(body.snapshot_digest)).tag  # type: ignore[arg-type]
 
     async def answer() -> dict[str, Any]:  # a retried keyed fork is answered without looking the snapshot up again
-        return fork_answer(await runtime.sandboxes.fork(await snapshot(), body.n, options))
+        return fork_answer(await runtime.spawner.fork(await snapshot(), body.n, options))
 
     if body.idempotency_key is not None:
         request = body.model_dump(exclude={"idempotency_key", "stream"})
@@ -71,7 +70,7 @@ async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, An
     if not body.stream:
         return await answer()
     # A tag that cannot be forked is an error status here, before any line is streamed.
-    children = await runtime.sandboxes.start_fork(await snapshot(), body.n, options)
+    children = await runtime.spawner.start_fork(await snapshot(), body.n, options)
 
     async def work(emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         outcomes = []
