@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.sdk.controller import Controller, DaemonUnreachable
-from test_fake_daemon import _fake_image
+from conftest import _fake_image
 
 HERE = Path(__file__).resolve().parent
 SNAPSHOT_MIB = 128  # the baked snapshot's RAM: the least the API takes (sparse), its pulls are quick
