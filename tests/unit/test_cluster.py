@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
 import signal
 import subprocess
@@ -29,16 +28,16 @@ ray = pytest.importorskip("ray", reason="the cluster tests need the forkd[ray] e
 from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
 import cluster_driver  # noqa: E402
+from cluster_harness import (  # noqa: E402
+    LINE_BOUND_S, RAY_PORT, Driver, join, node_id, start_head, started, wait_for_work)
 from cluster_netns import bridge  # noqa: E402
-from cluster_nodes import HEALTH_CHECKS, HERE, SLOTS, ForkdNode  # noqa: E402
+from cluster_nodes import HEALTH_CHECKS, SLOTS, ForkdNode  # noqa: E402
 from forkd.cluster import Cluster, PlacementError  # noqa: E402
 from forkd.sdk.errors import NotFoundException  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 TAG = "base"
 DEATH_BOUND_S = 10.0  # the issue's bound on noticing node 2's death, with the health checks tuned
-LINE_BOUND_S = 120.0  # the longest the driver may stay silent
-RAY_PORT = "6379"
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="network namespaces need root and iproute2")
 
@@ -50,83 +49,14 @@ def root() -> Iterator[Path]:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-class Driver:
-    """``cluster_driver.py`` running in the head's namespace: its JSON lines, each awaited with a bound."""
-
-    def __init__(self, command: list[str]) -> None:
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if line.startswith("{"):
-                self.lines.put(json.loads(line))
-        self.lines.put(None)
-
-    def next(self) -> dict[str, Any]:
-        line = self.lines.get(timeout=LINE_BOUND_S)
-        assert line is not None, f"the driver ended (exit {self.process.wait(10)})"
-        return line
-
-    def send(self, text: str) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(text + "\n")
-        self.process.stdin.flush()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(30)
-
-
-def join(node: ForkdNode, head: str, start_daemon: bool = True) -> None:
-    """``forkd node start`` in the node's namespace, attaching the daemon the test started (``--url``) or
-    starting it itself (``--listen``); Ray's files kept apart per node."""
-    if start_daemon:
-        node.start_daemon()
-    where = ["--url", node.url] if start_daemon else ["--listen", f"{node.ip}:{node.port}"]
-    done = subprocess.run(node.command(sys.executable, "-m", "forkd", "node", "start", "--ray-address",
-                                       f"{head}:{RAY_PORT}", *where, "--", "--node-ip-address", node.ip,
-                                       "--num-cpus", "1", "--temp-dir", str(node.root / "ray"),
-                                       "--disable-usage-stats"),
-                          env=node.daemon_env(), capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-def wait_for_work(log: Path, url: str, done: set[int]) -> int:
-    """An item whose work started on the node at ``url`` and has not answered (waited for, bounded)."""
-    deadline = time.monotonic() + LINE_BOUND_S
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            fields = line.split()
-            if len(fields) == 2 and fields[1] == url and int(fields[0]) not in done:  # a whole line of url's
-                return int(fields[0])
-        time.sleep(0.05)
-    raise AssertionError(f"no work started on {url} within {LINE_BOUND_S:.0f} s")
-
-
-def node_id(node: ForkdNode) -> str:
-    with node.controller() as controller:
-        return str(controller.request("GET", "/v1/node")["node_id"])
-
-
 @needs_root
 def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -> None:
     with bridge() as net:
-        head_ns, head = net.add()
+        head_ns, head = start_head(net, root)
         forkd = []
         for i in range(3):
             netns, address = net.add()
             forkd.append(ForkdNode(f"n{i}", root / f"n{i}", port=7070, ip=address, netns=netns))
-        health = {f"RAY_{key}": str(value) for key, value in HEALTH_CHECKS.items()}
-        started = subprocess.run(["ip", "netns", "exec", head_ns, str(Path(sys.executable).parent / "ray"), "start",
-                                  "--head", "--node-ip-address", head, "--port", RAY_PORT, "--num-cpus", "0",
-                                  "--include-dashboard=false", "--disable-usage-stats",
-                                  "--temp-dir", str(root / "ray-head")],
-                                 env={**os.environ, **health}, capture_output=True, text=True, timeout=180)
-        assert started.returncode == 0, started.stderr
         for node in forkd:
             join(node, head)
         forkd[0].bake(TAG)
@@ -144,8 +74,7 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
         assert not shown[forkd[1].url]["snapshots"] and not shown[forkd[2].url]["snapshots"]
 
         log = root / "started.log"
-        driver = Driver(["ip", "netns", "exec", head_ns, sys.executable, str(HERE / "cluster_driver.py"),
-                         f"{head}:{RAY_PORT}", TAG, str(log), "30"])
+        driver = Driver(head_ns, head, TAG, str(log), "30")
         try:
             assert driver.next()["event"] == "nodes"
             refused = driver.next()  # bad input: a digest nobody holds, refused naming the nodes asked
@@ -169,7 +98,7 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
             assert killed_at is not None and summary["dead"] == [ids["n2"]]
             assert summary["deaths"][ids["n2"]] - killed_at <= DEATH_BOUND_S
             assert summary["lost"] >= 1 and summary["retried"]
-            starts = [int(line.split()[0]) for line in log.read_text().splitlines()]
+            starts = [item for item, _, _ in started(log)]
             assert starts.count(busy) >= 2, f"item {busy}, killed mid-run on node 2, did not run again"
 
             # node 1 pulled the snapshot from node 0 by digest and lists the digest it computed itself

@@ -1,7 +1,7 @@
-"""Real forkd nodes for the cluster tests: a ``forkd daemon`` process per node on the fake VMM backend
-(``FORKD_VMM=fake``: real processes answer the guest protocol, no VM), with its own FORKD_HOME and
-FORKD_CACHE (holding an image the fake backend boots) and TCP with a token, in this network namespace
-or its own.
+"""Real forkd nodes for the cluster tests: a ``forkd daemon`` process per node with its own FORKD_HOME
+and TCP with a token, in this network namespace or its own. Tier A runs them on the fake VMM backend
+(``FORKD_VMM=fake``: real processes answer the guest protocol, no VM; each node's FORKD_CACHE holds an
+image it boots); tier B (tests/vm) on QEMU, sharing the machine's FORKD_CACHE and its built guest image.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class ForkdNode:
     netns: str | None = None  # the network namespace it runs in (None: this one)
     daemon: subprocess.Popen[bytes] | None = None
     ray_node: Any = None
+    vmm: str = "fake"  # the daemon's FORKD_VMM: "fake" (tier A) or "qemu" (tier B)
+    slots: int = SLOTS
 
     @property
     def home(self) -> Path:
@@ -78,10 +80,12 @@ class ForkdNode:
     def daemon_env(self) -> dict[str, str]:
         """The environment of the node's daemon (and of `forkd node start` when it starts the daemon)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        if not (self.root / "cache").exists():
-            _fake_image(self.root / "cache")
-        env = {**os.environ, "FORKD_HOME": str(self.home), "FORKD_CACHE": str(self.root / "cache"),
-               "FORKD_SOCKET": str(self.socket), "FORKD_TOKEN": self.token, "FORKD_VMM": "fake"}
+        env = {**os.environ, "FORKD_HOME": str(self.home), "FORKD_SOCKET": str(self.socket),
+               "FORKD_TOKEN": self.token, "FORKD_VMM": self.vmm}
+        if self.vmm == "fake":
+            if not (self.root / "cache").exists():
+                _fake_image(self.root / "cache")
+            env["FORKD_CACHE"] = str(self.root / "cache")
         for variable in ("FORKD_LISTEN", "FORKD_E2B_LISTEN", "FORKD_CONFIG", "FORKD_URL"):
             env.pop(variable, None)
         return env
@@ -90,7 +94,7 @@ class ForkdNode:
         env = self.daemon_env()
         log = open(self.root / "daemon.log", "ab")  # noqa: SIM115 - the daemon writes it until it ends
         self.daemon = subprocess.Popen(self.command(sys.executable, "-m", "forkd", "daemon", "--listen",
-                                                    f"{self.ip}:{self.port}", "--max-sandboxes", str(SLOTS)),
+                                                    f"{self.ip}:{self.port}", "--max-sandboxes", str(self.slots)),
                                        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + START_BOUND_S
@@ -105,10 +109,10 @@ class ForkdNode:
                                            f"{(self.root / 'daemon.log').read_text()[-2000:]}") from None
                     time.sleep(0.2)
 
-    def bake(self, tag: str) -> None:
-        """A snapshot made by this node's daemon (the fake backend boots the fake image)."""
+    def bake(self, tag: str, memory_mib: int = SNAPSHOT_MIB) -> None:
+        """A snapshot of the default image made by this node's daemon, nothing warmed."""
         with self.controller() as controller:
-            controller.create_snapshot(tag, memory_mib=SNAPSHOT_MIB, warm_modules=[])
+            controller.create_snapshot(tag, memory_mib=memory_mib, warm_modules=[])
 
     def vmm_pids(self) -> list[int]:
         """Processes started for this node's sandboxes (FakeVmm VMMs name their run directory)."""

@@ -1,8 +1,9 @@
 """A cluster driver for the tests. The network-namespace test runs it inside the head node's namespace
 (the test's own process cannot reach the namespaces' addresses): it reports JSON lines on stdout and
-takes its next step from stdin. ``square`` is the work every cluster test maps.
+takes its next step from stdin. ``square`` is the work the fake-backend tests map, ``square_in_guest``
+the work of the QEMU test (tests/vm/test_cluster_vm.py): the guest's own Python computes the answer.
 
-usage: cluster_driver.py RAY_ADDRESS SNAPSHOT LOG N   (then "again M" on stdin runs M more items)
+usage: cluster_driver.py RAY_ADDRESS SNAPSHOT LOG N [WORK]   (then "again M" on stdin runs M more items)
 """
 
 from __future__ import annotations
@@ -14,16 +15,30 @@ import time
 from typing import Any
 
 
+def started(sandbox: Any, item: dict[str, Any]) -> None:
+    """Logs which item started where (the node's daemon URL) in which sandbox: a retried item shows twice."""
+    with open(item["log"], "a") as log:
+        log.write(f"{item['i']} {os.environ.get('FORKD_URL', '')} {sandbox.sandbox_id}\n")
+
+
 def square(sandbox: Any, item: dict[str, Any]) -> int:
-    """The work of one item: logs that it started and where (so a retried item shows twice), runs a
-    command in its own sandbox (the fake backend answers it without output) and holds the sandbox long
-    enough for a node to be killed with the item in flight."""
-    with open(item["log"], "a") as log:  # which item started where (the node's daemon URL)
-        log.write(f"{item['i']} {os.environ.get('FORKD_URL', '')}\n")
+    """The work of one item: runs a command in its own sandbox (the fake backend answers it without
+    output) and holds the sandbox long enough for a node to be killed with the item in flight."""
+    started(sandbox, item)
     answer = sandbox.api.exec(sandbox.sandbox_id, f"echo {item['i']}")
     assert answer["exit_code"] == 0 and sandbox.is_running()
     time.sleep(1.5)
     return int(item["i"]) ** 2
+
+
+def square_in_guest(sandbox: Any, item: dict[str, Any]) -> int:
+    """The work of one item in a real guest: its Python squares the item; the answer is what it printed."""
+    started(sandbox, item)
+    answer = sandbox.api.exec(sandbox.sandbox_id, ["python3", "-c", f"print({int(item['i'])} ** 2)"],
+                              timeout_s=120)
+    assert answer["exit_code"] == 0, answer
+    time.sleep(1.5)
+    return int(answer["stdout"])
 
 
 def refuse(sandbox: Any, item: Any) -> None:
@@ -33,12 +48,15 @@ def refuse(sandbox: Any, item: Any) -> None:
     raise NotFoundException(404, "file_not_found", f"item {item} refused in {sandbox.sandbox_id}")
 
 
+WORK = {"square": square, "square_in_guest": square_in_guest}
+
+
 def say(**event: Any) -> None:
     print(json.dumps(event), flush=True)
 
 
-def run_map(cluster: Any, snapshot: str, log: str, n: int) -> None:
-    fanout = cluster.map_iter(snapshot, [{"i": i, "log": log} for i in range(n)], square)
+def run_map(cluster: Any, snapshot: str, log: str, n: int, work: Any = square) -> None:
+    fanout = cluster.map_iter(snapshot, [{"i": i, "log": log} for i in range(n)], work)
     for outcome in fanout:
         say(event="result", index=outcome.index, value=outcome.value, node=outcome.node_id,
             error=None if outcome.error is None else repr(outcome.error))
@@ -49,7 +67,7 @@ def run_map(cluster: Any, snapshot: str, log: str, n: int) -> None:
     cluster.kill_children()
 
 
-def main(address: str, snapshot: str, log: str, n: int) -> None:
+def main(address: str, snapshot: str, log: str, n: int, work: str = "square") -> None:
     from forkd.cluster import Cluster, PlacementError
 
     cluster = Cluster(address)
@@ -59,7 +77,7 @@ def main(address: str, snapshot: str, log: str, n: int) -> None:
         cluster.map_iter("f" * 64, [0], square)
     except PlacementError as exc:
         say(event="refused", message=str(exc))
-    run_map(cluster, snapshot, log, n)
+    run_map(cluster, snapshot, log, n, WORK[work])
     for line in sys.stdin:
         if line.startswith("again "):
             run_map(cluster, snapshot, log, int(line.split()[1]))
@@ -67,4 +85,4 @@ def main(address: str, snapshot: str, log: str, n: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:6])
