@@ -102,6 +102,14 @@ def wait_for_work(log: Path, url: str, done: set[int]) -> int:
     raise AssertionError(f"no work started on {url} within {LINE_BOUND_S:.0f} s")
 
 
+def moved(log: Path, url: str, answered_by: dict[int, str], dead: str) -> dict[int, int]:
+    """Items whose work started on the dead node at ``url`` but which another node answered: how many
+    times each one's work started. (Not "the item running when the node was killed": its answer may
+    already have been on its way.)"""
+    starts = [item for item, _, _ in started(log)]
+    return {item: starts.count(item) for item, where, _ in started(log) if where == url and answered_by[item] != dead}
+
+
 def node_id(node: ForkdNode) -> str:
     with node.controller() as controller:
         return str(controller.request("GET", "/v1/node")["node_id"])

@@ -29,7 +29,7 @@ from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
 import cluster_driver  # noqa: E402
 from cluster_harness import (  # noqa: E402
-    LINE_BOUND_S, RAY_PORT, Driver, join, node_id, start_head, started, wait_for_work)
+    LINE_BOUND_S, RAY_PORT, Driver, join, moved, node_id, start_head, wait_for_work)
 from cluster_netns import bridge  # noqa: E402
 from cluster_nodes import HEALTH_CHECKS, SLOTS, ForkdNode  # noqa: E402
 from forkd.cluster import Cluster, PlacementError  # noqa: E402
@@ -82,13 +82,15 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
             assert all(name in refused["message"] for name in ids.values())
 
             results: dict[int, int] = {}
+            answered_by: dict[int, str] = {}
             killed_at = None
             while (line := driver.next())["event"] == "result":
                 assert line["error"] is None, line["error"]
                 assert line["index"] not in results  # exactly once
                 results[line["index"]] = line["value"]
+                answered_by[line["index"]] = line["node"]
                 if len(results) == 8:  # every process of node 2 (raylet, workers, daemon, VMMs) once it runs one
-                    busy = wait_for_work(log, forkd[2].url, done=set(results))
+                    wait_for_work(log, forkd[2].url, done=set(results))
                     killed_at = time.monotonic()
                     assert net.kill_all(forkd[2].netns or "")
             summary = line
@@ -98,8 +100,8 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
             assert killed_at is not None and summary["dead"] == [ids["n2"]]
             assert summary["deaths"][ids["n2"]] - killed_at <= DEATH_BOUND_S
             assert summary["lost"] >= 1 and summary["retried"]
-            starts = [item for item, _, _ in started(log)]
-            assert starts.count(busy) >= 2, f"item {busy}, killed mid-run on node 2, did not run again"
+            rerun = moved(log, forkd[2].url, answered_by, ids["n2"])
+            assert rerun and all(n >= 2 for n in rerun.values()), f"node 2's lost items did not run again: {rerun}"
 
             # node 1 pulled the snapshot from node 0 by digest and lists the digest it computed itself
             assert any(p["target"] == ids["n1"] and p["source"] == ids["n0"] and p["digest"] == digest

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("ray", reason="the cluster tests need the forkd[ray] extra (scripts/setup installs it)")
 
-from cluster_harness import Driver, join, node_id, start_head, started, wait_for_work  # noqa: E402
+from cluster_harness import Driver, join, moved, node_id, start_head, started, wait_for_work  # noqa: E402
 from cluster_netns import bridge  # noqa: E402
 from cluster_nodes import ForkdNode  # noqa: E402
 from forkd.host.netns import NETNS_DIR, netns_name  # noqa: E402
@@ -75,13 +75,14 @@ def test_map_on_qemu_children_survives_a_node_dying(root: Path) -> None:
                 assert driver.next()["event"] == "refused"
 
                 results: dict[int, int] = {}
-                busy = None
+                answered_by: dict[int, str] = {}
                 while (line := driver.next())["event"] == "result":
                     assert line["error"] is None, line["error"]
                     assert line["index"] not in results  # exactly once
                     results[line["index"]] = line["value"]
+                    answered_by[line["index"]] = line["node"]
                     if len(results) == KILL_AFTER:  # every process of node 2 once it runs an item
-                        busy = wait_for_work(log, forkd[2].url, done=set(results))
+                        wait_for_work(log, forkd[2].url, done=set(results))
                         assert net.kill_all(forkd[2].netns or "")
                 summary = line
             finally:
@@ -92,7 +93,8 @@ def test_map_on_qemu_children_survives_a_node_dying(root: Path) -> None:
             assert results == {i: i * i for i in range(ITEMS)}
             assert summary["dead"] == [ids["n2"]]
             assert summary["lost"] >= 1 and summary["retried"]
-            assert [item for item, _, _ in started(log)].count(busy) >= 2, f"item {busy} did not run again"
+            rerun = moved(log, forkd[2].url, answered_by, ids["n2"])
+            assert rerun and all(n >= 2 for n in rerun.values()), f"node 2's lost items did not run again: {rerun}"
 
             # nodes 1 and 2 pulled the snapshot from node 0 by digest; node 1 lists the digest it computed
             for target in ("n1", "n2"):
