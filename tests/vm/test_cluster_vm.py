@@ -115,6 +115,7 @@ def test_map_on_qemu_children_survives_a_node_dying(root: Path) -> None:
         finally:
             for node in forkd:
                 node.stop_daemon()
-            for sandbox_id in sandboxes_by_node(root / "started.log", forkd).get("n2", []):  # node 2 died holding them: its children's namespaces
+            # node 2 died holding its children's namespaces (their mounts went with its processes)
+            for sandbox_id in sandboxes_by_node(root / "started.log", forkd).get("n2", []):
                 subprocess.run(["ip", "netns", "del", netns_name(sandbox_id)], capture_output=True, timeout=30)
                 (NETNS_DIR / netns_name(sandbox_id)).unlink(missing_ok=True)
