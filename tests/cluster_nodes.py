@@ -65,8 +65,11 @@ class ForkdNode:
         return self.root / "forkd.sock"
 
     def command(self, *argv: str) -> list[str]:
-        """``argv`` run in the node's network namespace."""
-        return ["ip", "netns", "exec", self.netns, *argv] if self.netns else list(argv)
+        """``argv`` run in the node's network namespace. ``nsenter``, not ``ip netns exec``: that one also
+        gives the process a mount namespace of its own with a fresh /sys (no cgroup hierarchy under it,
+        which QEMU children's limits need) where the children's namespaces, mounted under /run/netns,
+        stay invisible to the host's checks."""
+        return ["nsenter", f"--net=/run/netns/{self.netns}", *argv] if self.netns else list(argv)
 
     @property
     def env(self) -> dict[str, str]:
