@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.sdk.controller import Controller, DaemonUnreachable
-from conftest import _fake_image
+from conftest import _fake_image, vmm_processes_under
 
 HERE = Path(__file__).resolve().parent
 SNAPSHOT_MIB = 128  # the baked snapshot's RAM: the least the API takes (sparse), its pulls are quick
@@ -118,8 +118,8 @@ class ForkdNode:
             controller.create_snapshot(tag, memory_mib=memory_mib, warm_modules=[])
 
     def vmm_pids(self) -> list[int]:
-        """Processes started for this node's sandboxes (FakeVmm VMMs name their run directory)."""
-        return [pid for pid, cmdline in processes() if str(self.home) in cmdline and pid != self.daemon_pid]
+        """Live processes started for this node's sandboxes (VMMs name their run directory or snapshot)."""
+        return [pid for pid in vmm_processes_under(self.home) if pid != self.daemon_pid]
 
     @property
     def daemon_pid(self) -> int | None:
@@ -133,16 +133,4 @@ class ForkdNode:
             except subprocess.TimeoutExpired:
                 self.daemon.kill()
                 self.daemon.wait(10)
-
-
-def processes() -> list[tuple[int, str]]:
-    """(pid, command line) of every process this host runs."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
-            except OSError:
-                continue
-    return found
 
