@@ -96,9 +96,9 @@ def test_map_on_qemu_children_survives_a_node_dying(root: Path) -> None:
             assert summary["lost"] >= 1 and summary["retried"]
             rerun = moved(log, forkd[2].url, answered_by, ids["n2"])
             assert rerun and all(n >= 2 for n in rerun.values()), f"node 2's lost items did not run again: {rerun}"
-            print(f"\ncluster on QEMU: {ITEMS} items, {len(started(log))} starts "
-                  f"({ {name: len(ids) for name, ids in ran.items()} } per node), node 2's lost items and their "
-                  f"starts {rerun}, {summary['lost']} children lost", file=sys.stderr)
+            spread = {name: len(sandboxes) for name, sandboxes in ran.items()}
+            print(f"\ncluster on QEMU: {ITEMS} items, {len(started(log))} starts ({spread} per node), node 2's lost "
+                  f"items and their starts {rerun}, {summary['lost']} children lost", file=sys.stderr)
 
             # nodes 1 and 2 pulled the snapshot from node 0 by digest; node 1 lists the digest it computed
             for target in ("n1", "n2"):
