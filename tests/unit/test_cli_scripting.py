@@ -153,3 +153,26 @@ def test_dash_h_is_help_everywhere(forkd) -> None:
         shown = forkd(*args)
         assert shown.exit_code == 0 and shown.stdout.startswith("Usage:"), (args, shown.output)
     assert "-i, --interactive" in forkd("exec", "-h").stdout
+
+
+def test_resource_groups_and_the_old_names_hidden_but_working(forkd, controller: Controller) -> None:
+    assert forkd("snapshot", "ls", "-q").stdout == f"{LONG_TAG}\n"
+    assert json.loads(forkd("snapshot", "info", LONG_TAG, "--json").stdout)["depth"] == 0
+    sandbox = forkd("fork", "--tag", LONG_TAG, "-q").stdout.strip()
+    assert forkd("ps", "-q").stdout == forkd("sandbox", "ls", "-q").stdout == forkd("ls", "-q").stdout == f"{sandbox}\n"
+    inspected = json.loads(forkd("sandbox", "inspect", sandbox).stdout)
+    assert inspected["id"] == sandbox and inspected["snapshot_tag"] == LONG_TAG
+    for tag in ("layer-1", "layer-2"):
+        assert forkd("branch", sandbox, "--tag", tag).exit_code == 0
+    assert forkd("snapshot", "rm", "layer-2").stdout == "removed snapshot layer-2\n"  # layer-1 is its parent
+    assert forkd("rmi", "layer-1").stdout == "removed snapshot layer-1\n"
+    assert forkd("sandbox", "rm", sandbox).stdout == f"killed {sandbox}\n"
+    assert json.loads(forkd("sandbox", "inspect", sandbox).stdout)["status"] != "running"  # its record stays
+
+    shown = forkd("-h").stdout
+    listed = {line.split()[0] for line in shown.split("Commands:")[1].splitlines() if line.strip()}
+    assert {"snapshot", "sandbox", "ps", "fork", "exec", "kill"} <= listed
+    assert not {"snapshots", "images", "rmi", "snapshot-info", "snapshot-diff", "snapshot-compact", "ls"} & listed
+    for old in (["snapshots"], ["images"], ["snapshot-info", LONG_TAG]):  # hidden, still there
+        assert forkd(*old).exit_code == 0, old
+    assert forkd("snapshot-compact", "-h").stdout.startswith("Usage:")

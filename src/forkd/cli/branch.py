@@ -1,4 +1,4 @@
-"""``forkd branch`` and the snapshot-chain commands (``snapshot-info``)."""
+"""``forkd branch`` and the snapshot-chain verbs of ``forkd snapshot``: ``info``, ``compact``, ``diff``."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ def branch(sandbox_id: str, tag: str, mode: str, no_wait: bool, as_json: bool, v
         if verbose:
             console.print("    " + describe_timings(info.get("timings") or {}))
     else:
-        console.print(f"{tag}: {info['status']} (watch it with `forkd snapshot-info {tag}`)")
+        console.print(f"{tag}: {info['status']} (watch it with `forkd snapshot info {tag}`)")
 
 
-@click.command("snapshot-info")
+@click.command("info")
 @click.argument("tag")
 @json_option
 @reports_errors
@@ -51,7 +51,7 @@ def snapshot_info(tag: str, as_json: bool) -> None:
         console.print(f"  error: {for_rich(info['error'])}")
 
 
-@click.command("snapshot-compact")
+@click.command("compact")
 @click.option("--from", "from_tag", required=True, help="the top of the chain to flatten")
 @click.option("--to", "to_tag", required=True, help="name of the standalone snapshot")
 @json_option
@@ -66,7 +66,7 @@ def snapshot_compact(from_tag: str, to_tag: str, as_json: bool) -> None:
                   f"in {info['compact_seconds']:.1f} s")
 
 
-@click.command("snapshot-diff")
+@click.command("diff")
 @click.option("--from", "base_tag", required=True, help="snapshot to start from")
 @click.option("--tag", required=True, help="name of the new diff snapshot")
 @click.option("--exec", "cmd", required=True, help="shell command whose changes the snapshot keeps")
@@ -83,4 +83,5 @@ def snapshot_diff(base_tag: str, tag: str, cmd: str, timeout_s: float, as_json: 
                   f"({info['sizes']['memory.layer'] / 2**20:.1f} MiB layer)")
 
 
-BRANCH_COMMANDS = (branch, snapshot_info, snapshot_compact, snapshot_diff)
+BRANCH_COMMANDS = (branch,)
+SNAPSHOT_VERBS = (snapshot_info, snapshot_compact, snapshot_diff)

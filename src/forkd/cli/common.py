@@ -7,6 +7,7 @@ here, never from each other, so the command modules form no import circle.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import sys
@@ -51,6 +52,13 @@ def reports_errors(func: F) -> F:
         except ForkdError as exc:
             fail(exc, bool(kwargs.get("as_json")))
     return wrapper  # type: ignore[return-value]
+
+
+def alias(command: click.Command, name: str, hidden: bool = True) -> click.Command:
+    """``command`` under another name: an older spelling that keeps working, hidden from help unless told."""
+    other = copy.copy(command)
+    other.name, other.hidden = name, hidden
+    return other
 
 
 def json_option(func: F) -> F:
