@@ -176,3 +176,17 @@ def test_resource_groups_and_the_old_names_hidden_but_working(forkd, controller:
     for old in (["snapshots"], ["images"], ["snapshot-info", LONG_TAG]):  # hidden, still there
         assert forkd(*old).exit_code == 0, old
     assert forkd("snapshot-compact", "-h").stdout.startswith("Usage:")
+
+
+def test_exec_status_follows_the_errno_the_guest_sent() -> None:
+    from forkd.cli.execute import status_for
+    from forkd.sdk.errors import ForkdError
+
+    def failed(message: str, **details: object) -> ForkdError:
+        return ForkdError(404, "not_found", message, details)
+
+    assert status_for(failed("[Errno 2] No such file or directory: 'nope'", errno="ENOENT"), None) == 127
+    assert status_for(failed("[Errno 2] No such file or directory: '/w'", errno="ENOENT"), "/w") == 126
+    assert status_for(failed("[Errno 2] No such file or directory: 'nope'", errno="ENOENT"), "/w") == 127
+    assert status_for(failed("[Errno 13] Permission denied: '/tmp/x'", errno="EACCES"), None) == 126
+    assert status_for(failed("no running sandbox 'sb-000000000000'"), None) == 125  # no errno: forkd's own
