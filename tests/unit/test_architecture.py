@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-BASE = {"config", "validation", "errors", "hostpaths", "safetext"}  # small shared modules every room may use
+BASE = {"config", "validation", "errors", "hostpaths", "safetext", "listeners"}  # small shared modules every room may use
 FACE = {"forkd"}  # the package itself: its version and public names
 MAX_LINES = 500
 
@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "hostpaths": {"validation"},
     "safetext": set(),
+    "listeners": set(),
     "vmm": {"guest.protocol", "guest.netconf"} | BASE,  # netconf: the guest network the command line sets up
     "store": {"guest.protocol", "vmm.base", "vmm.disk"} | BASE,
     "host": {"guest.netconf", "vmm"} | BASE,
