@@ -18,7 +18,7 @@ import fnmatch
 import hashlib
 import os
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import SplitResult, unquote, urljoin, urlsplit, urlunsplit
@@ -154,8 +154,9 @@ def check_advertised(path: Path, sha256: str | None, size: int | None, progress:
 
 
 async def download(url: str, destination: Path, sha256: str | None, size: int | None, progress: Progress,
-                   policy: UrlPolicy = UrlPolicy()) -> str:
-    """Stream ``url`` into ``destination``; refuses more bytes than advertised or another digest."""
+                   policy: UrlPolicy = UrlPolicy(), written: Callable[[int], None] = lambda _n: None) -> str:
+    """Stream ``url`` into ``destination``; refuses more bytes than advertised or another digest.
+    ``written`` is told each chunk's size as it lands (a free-space watch may raise to stop it)."""
     limit = size if size is not None else MAX_FILE_BYTES
     digest = hashlib.sha256()
     received = 0
@@ -172,6 +173,7 @@ async def download(url: str, destination: Path, sha256: str | None, size: int | 
                         raise PackError(f"{shown(url)} sent more than the {limit} bytes advertised; refused")
                     digest.update(chunk)
                     out.write(chunk)
+                    written(len(chunk))
                     meter.advance(len(chunk))
                 out.flush()
                 os.fsync(out.fileno())

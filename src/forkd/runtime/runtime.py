@@ -20,6 +20,7 @@ from forkd.image.builder import (
 )
 from forkd.packs.peer import PeerPuller
 from forkd.packs.service import PackService
+from forkd.packs.space import SpaceFloor
 from forkd.packs.transfer import UrlPolicy
 from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
@@ -55,8 +56,10 @@ class Runtime:
                                         Isolation.from_options(self.registry, self.options), self.options)
         if self.options.host_roots is not None:
             self.options.host_roots.create()
-        self.packs = PackService(self.store, self.sandboxes.count_of, self.options.host_roots,
-                                 UrlPolicy(self.options.transfer_hosts))
+        roots = self.options.host_roots
+        self.packs = PackService(self.store, self.sandboxes.count_of, roots, UrlPolicy(self.options.transfer_hosts),
+                                 SpaceFloor(self.options.pack_free_floor_bytes, roots.packs if roots else None),
+                                 self.options.allow_unpinned_pulls)
         self.peers = PeerPuller(self.packs)
         self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options)
         self.driver_forks = DriverForks(self.registry, self.sandboxes)
@@ -77,6 +80,7 @@ class Runtime:
         console bounds."""
         await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
         recovery = await recover(self.sandboxes, self.store)
+        await asyncio.to_thread(self.packs.remove_partials)
         self.sandboxes.pool.start()
         loop = asyncio.get_running_loop()
         self._keepers = [loop.create_task(self.sandboxes.expire_forever()),
