@@ -7,10 +7,12 @@ removed at startup. Real store, real archives, real HTTP; the bombs are zstd fra
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import http.server
 import io
 import json
+import os
 import struct
 import tarfile
 import threading
@@ -333,3 +335,16 @@ def test_startup_removes_partial_packs_and_keeps_everything_else(tmp_path: Path)
     assert [p for p in partials if p.exists()] == []
     assert all(p.exists() for p in kept) and link.is_symlink() and directory.is_dir()
     assert outside.read_bytes() == b"keep"
+
+
+def test_running_out_of_space_midway_is_disk_full_and_leaves_nothing(runtime: Runtime, good_pack: Path,
+                                                                    tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer may take the space after the check: ENOSPC is then disk_full, not an internal error."""
+    def full(*_args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(archive, "_pwrite_all", full)
+    before = store_state(runtime)
+    with pytest.raises(SnapshotDiskFull, match="disk full under .* while unpacking .*forkd rmi TAG"):
+        unpack(runtime, good_pack, tag="copy")
+    assert store_state(runtime) == before

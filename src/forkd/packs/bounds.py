@@ -24,7 +24,8 @@ _LAYER_HEADER_BYTES = 64  # a memory layer's fixed header, generously (store/lay
 
 def disk_layer_bound(base_disk_bytes: int) -> int:
     """The most a disk layer over a base disk of ``base_disk_bytes`` holds: every cluster of it, plus
-    the format's tables (qcow2's are about 1/4096 of the disk; 1/64 and 64 MiB leave room)."""
+    the disk format's tables (a copy-on-write format's are well under 1/1000 of the disk; 1/64 and 64 MiB
+    leave room)."""
     return base_disk_bytes + base_disk_bytes // 64 + (64 << 20)
 
 

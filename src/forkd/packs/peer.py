@@ -221,7 +221,8 @@ class PeerPuller:
         work = self.store.build_dir("peer")
         try:
             pack = work / "chain.tar.zst"
-            size = await self._download(url, pack, limit, token, peer)
+            with self.packs.space.reported(work, f"pulling {digest[:12]} from {peer}"):
+                size = await self._download(url, pack, limit, token, peer)
             try:
                 manifest = await asyncio.to_thread(self.packs.inspect_file, pack)
             except PackError as exc:

@@ -139,7 +139,8 @@ class PackService:
         await asyncio.to_thread(self.space.check, output.parent, needed, f"a pack of {tag!r}")
         sources = [archive.SourceSnapshot(tag=r.tag, directory=r.path, image=r.image, created_at=r.created_at,
                                           parent_tag=r.parent_tag) for r in chain]
-        written = await asyncio.to_thread(archive.write_pack, output, sources, progress, force)
+        with self.space.reported(output.parent, f"writing a pack of {tag!r}"):
+            written = await asyncio.to_thread(archive.write_pack, output, sources, progress, force)
         return {"path": str(written.path), "size": written.size, "sha256": written.sha256,
                 "seconds": round(time.monotonic() - started, 3), **archive.manifest_summary(written.manifest)}
 
@@ -233,7 +234,8 @@ class PackService:
             async with self._lock:
                 work = self.store.build_dir("unpack")
                 try:
-                    return await blocking(self._unpack, claim, work, source, tag, force, progress)
+                    with self.space.reported(self.store.directory, "unpacking"):
+                        return await blocking(self._unpack, claim, work, source, tag, force, progress)
                 finally:
                     await remove_tree(work)
 
@@ -360,8 +362,9 @@ class PackService:
                 pack = work / "pack.tar.zst"
                 what = f"the download of {transfer.shown(source.url)}"
                 await asyncio.to_thread(self.space.check, work, source.size or 0, what)
-                digest = await transfer.download(source.url, pack, source.sha256, source.size, progress, self.urls,
-                                                 self.space.watch(work, what))
+                with self.space.reported(work, what):
+                    digest = await transfer.download(source.url, pack, source.sha256, source.size, progress,
+                                                     self.urls, self.space.watch(work, what))
             progress(f"pack SHA-256 {digest}" + (" matches the advertised digest" if source.sha256 else ""))
             result = await self.unpack_file(pack, source.tag, force, progress)
         finally:

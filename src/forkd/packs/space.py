@@ -7,8 +7,10 @@ free; a download of unknown size checks again as it grows. The floor is ``[packs
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,20 @@ class SpaceFloor:
             f"disk full: {what} needs up to {_mib(needed)} MiB under {directory} and the daemon keeps "
             f"{_mib(self.floor_bytes)} MiB free (`[packs] min_free_mib`), but only {_mib(free)} MiB are free; "
             f"free space there (unused snapshots with `forkd rmi TAG`{packs}) and try again")
+
+    @contextlib.contextmanager
+    def reported(self, directory: Path, what: str) -> Iterator[None]:
+        """Running out of space anyway (another writer took it meanwhile) is ``disk_full`` too, not an
+        internal error; the caller has already removed what it wrote."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            packs = f", old pack files under {self.packs_dir}" if self.packs_dir is not None else ""
+            raise SnapshotDiskFull(f"disk full under {directory} while {what} ({exc.strerror}); nothing was kept. "
+                                   f"Free space there (unused snapshots with `forkd rmi TAG`{packs}) and try "
+                                   "again") from None
 
     def watch(self, directory: Path, what: str) -> Callable[[int], None]:
         """A callback for a stream of unknown length: given each chunk's size, it checks the floor again
