@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -27,14 +28,10 @@ import pytest
 
 from forkd.config import Paths, paths_from_env
 from forkd.runtime.isolation import Isolation
-from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.sandboxes import SandboxService
-from forkd.runtime.snapshots import SnapshotService
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
-from forkd.store.files import DigestCache
 from forkd.store.registry import Registry
-from forkd.store.snapshots import SnapshotStore
 from forkd.vmm.backends import create_vmm
 
 VM_SNAPSHOT = "vmtest"
@@ -278,14 +275,48 @@ def workloads_snapshot(daemon: Controller, workloads_image: str) -> str:
     return WORKLOADS_SNAPSHOT
 
 
+TYPESCRIPT_SDK = Path(__file__).resolve().parents[1] / "sdk" / "typescript"
+
+
+@pytest.fixture(scope="session")
+def typescript_sdk() -> Path:
+    """sdk/typescript, built by scripts/setup (npm ci, then openapi-typescript and tsc): fails, never skips,
+    when node is missing or the build is missing or older than a source file."""
+    if shutil.which("node") is None:
+        pytest.fail("node is not installed: `bash scripts/setup` installs nodejs and builds sdk/typescript")
+    built = TYPESCRIPT_SDK / "dist" / "src" / "index.js"
+    sources = [*TYPESCRIPT_SDK.glob("src/**/*.ts"), *TYPESCRIPT_SDK.glob("test/**/*.ts"),
+               *TYPESCRIPT_SDK.glob("examples/**/*.ts"),
+               Path(__file__).resolve().parents[1] / "docs" / "openapi.json"]
+    if not built.is_file():
+        pytest.fail(f"{built} is missing: build the TypeScript SDK (`bash scripts/setup`, or `npm run build` in "
+                    f"{TYPESCRIPT_SDK})")
+    stale = [str(path) for path in sources if path.stat().st_mtime > built.stat().st_mtime]
+    if stale:
+        pytest.fail(f"the TypeScript SDK build is older than {', '.join(stale[:3])}: run `npm run build` in "
+                    f"{TYPESCRIPT_SDK} (scripts/setup does)")
+    return TYPESCRIPT_SDK
+
+
+def node_tests(sdk: Path, directory: str, env: dict[str, str], timeout_s: float) -> None:
+    """Run the compiled node tests in dist/test/DIRECTORY; fail with their report unless every one passed."""
+    done = subprocess.run(["node", "--test", "--test-concurrency=1", "--test-reporter=spec",
+                           f"dist/test/{directory}/"], cwd=sdk, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    report = done.stdout + done.stderr
+    counts = dict(re.findall(r"^ℹ (tests|pass|fail|skipped|todo|cancelled) (\d+)$", report, re.MULTILINE))
+    print(report)  # shown with -s or -rA: every node test by name
+    passed = int(counts.get("pass", "0"))
+    assert done.returncode == 0 and passed > 0 and counts.get("tests") == str(passed), \
+        f"node --test exited {done.returncode} ({counts}: every test must pass, none skipped):\n{report[-12000:]}"
+
+
 @pytest.fixture
 def qemu_sandbox_service() -> Callable[[Paths, Registry], SandboxService]:
     """A factory: the real SandboxService over ``paths`` and ``registry``, with the QEMU backend (never started)."""
 
     def make(paths: Paths, registry: Registry) -> SandboxService:
         vmm = create_vmm("qemu")
-        store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
-        return SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
-                              Isolation.from_options(registry, RuntimeOptions()))
+        return SandboxService(paths, registry, vmm, Isolation.from_options(registry, RuntimeOptions()))
 
     return make

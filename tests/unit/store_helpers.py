@@ -23,8 +23,8 @@ MEMORY_BYTES = 8 << 20
 
 
 def make_runtime(root: Path, options: RuntimeOptions | None = None) -> Runtime:
-    return Runtime(Paths(home=root / "home", cache=root / "cache", socket=root / "forkd.sock"),
-                   QemuVmm(accelerator="tcg"), options)
+    return asyncio.run(Runtime.open(Paths(home=root / "home", cache=root / "cache", socket=root / "forkd.sock"),
+                                    QemuVmm(accelerator="tcg"), options))
 
 
 def qemu_img(*args: str, cwd: Path) -> None:

@@ -1,5 +1,6 @@
 """The REST boundary with a real runtime and registry (no VM is started by these requests)."""
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from forkd.vmm.qemu import QemuVmm
 @pytest.fixture
 def api(tmp_path: Path) -> TestClient:
     paths = Paths(home=tmp_path / "home", cache=tmp_path / "cache", socket=tmp_path / "forkd.sock")
-    return TestClient(create_app(Runtime(paths, QemuVmm(accelerator="tcg"))), raise_server_exceptions=False)
+    runtime = asyncio.run(Runtime.open(paths, QemuVmm(accelerator="tcg")))
+    return TestClient(create_app(runtime), raise_server_exceptions=False)
 
 
 @pytest.mark.parametrize("tag", ["../etc", "a/b", "", "x" * 65, "white space"])

@@ -1,8 +1,10 @@
 """The layer rules of docs/architecture.md, checked against the code's own imports.
 
-Each room (a package under ``src/forkd``, or a top-level module) may import only the rooms its rule
-names; no two files may import each other in a loop. Imports under ``if TYPE_CHECKING:`` count too:
-a type a room needs is a dependency of that room.
+Each room (a package under ``src/forkd``, or a top-level module) may import only what its rule
+names: whole rooms, or single modules of a room (``guest.protocol``); no two files may import each
+other in a loop. Imports under ``if TYPE_CHECKING:`` count too: a type a room needs is a dependency
+of that room. The fronts reach the runtime only through its front surface, and no file grows past
+500 lines.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 BASE = {"config", "validation", "errors", "hostpaths", "safetext"}  # small shared modules every room may use
 FACE = {"forkd"}  # the package itself: its version and public names
+MAX_LINES = 500
 
-#: room -> the rooms it may import (besides itself). Keep in step with docs/architecture.md.
+#: room -> what it may import besides itself: rooms, or ``room.module`` for one module of a room.
+#: Keep in step with the room table of docs/architecture.md.
 ALLOWED: dict[str, set[str]] = {
     "guest": set(),  # runs inside the VM on the guest's Python: stdlib only
     "config": set(),
@@ -23,15 +27,15 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "hostpaths": {"validation"},
     "safetext": set(),
-    "store": {"guest", "vmm"} | BASE,
-    "vmm": {"guest"} | BASE,
-    "host": {"guest", "vmm"} | BASE,
+    "vmm": {"guest.protocol", "guest.netconf"} | BASE,  # netconf: the guest network the command line sets up
+    "store": {"guest.protocol", "vmm.base", "vmm.disk"} | BASE,
+    "host": {"guest.netconf", "vmm"} | BASE,
     "image": {"guest", "store", "host"} | BASE,
     "packs": {"store", "vmm", "guest"} | BASE | FACE,
     "runtime": {"vmm", "host", "store", "image", "packs", "guest"} | BASE,
     "e2b": {"runtime", "vmm", "host", "store", "image", "guest"} | BASE | FACE,
     "daemon": {"runtime", "e2b", "vmm", "host", "store", "image", "packs", "guest"} | BASE | FACE,
-    "sdk": {"guest"} | BASE,
+    "sdk": {"guest.protocol"} | BASE,
     # daemon: `forkd daemon` runs it; host: the preflight before any daemon exists; packs: `forkd index add`
     # edits an index file on the client's own disk
     "cli": {"sdk", "daemon", "host", "packs"} | BASE | FACE,
@@ -39,6 +43,8 @@ ALLOWED: dict[str, set[str]] = {
     "forkd": {"sdk"} | BASE,
     "__main__": {"cli"},
 }
+#: The fronts that serve a Runtime; they use only its FRONT_SURFACE (forkd.runtime.runtime).
+FRONTS = ("daemon", "e2b")
 
 
 def module_name(path: Path) -> str:
@@ -54,7 +60,8 @@ def room_of(module: str) -> str:
 
 
 def imports(path: Path) -> Iterator[str]:
-    """Every ``forkd`` module ``path`` imports, absolute or relative."""
+    """Every ``forkd`` module ``path`` imports, absolute or relative (``from forkd.guest import protocol``
+    is an import of ``forkd.guest.protocol``)."""
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -65,8 +72,12 @@ def imports(path: Path) -> Iterator[str]:
                 target = ".".join([*base, node.module] if node.module else base)
             else:
                 target = node.module or ""
-            if target.split(".")[0] == "forkd":
-                yield target
+            if target.split(".")[0] != "forkd":
+                continue
+            for alias in node.names:
+                submodule = SRC.joinpath(*f"{target}.{alias.name}".split("."))
+                is_module = submodule.with_suffix(".py").is_file() or (submodule / "__init__.py").is_file()
+                yield f"{target}.{alias.name}" if is_module else target
 
 
 def graph() -> dict[str, set[str]]:
@@ -88,10 +99,60 @@ def test_every_room_has_a_rule() -> None:
     assert rooms <= set(ALLOWED), f"rooms without a rule in this test and docs/architecture.md: {rooms - set(ALLOWED)}"
 
 
+def allowed(room: str, target: str) -> bool:
+    """Whether ``room`` may import module ``target``: its own, or a room or module its rule names."""
+    parts = target.split(".")[1:] or ["forkd"]
+    return room_of(target) == room or any(".".join(parts[:n]) in ALLOWED[room] for n in range(1, len(parts) + 1))
+
+
 def test_rooms_import_only_what_their_rule_allows() -> None:
     broken = sorted(f"{name} -> {target}" for name, targets in graph().items() for target in targets
-                    if room_of(target) != room_of(name) and room_of(target) not in ALLOWED[room_of(name)])
+                    if not allowed(room_of(name), target))
     assert broken == []
+
+
+def test_the_rule_reads_modules_and_rooms() -> None:
+    """The checker itself: a module rule admits that module only, a room rule the whole room."""
+    assert allowed("store", "forkd.guest.protocol") and not allowed("store", "forkd.guest.agent")
+    assert allowed("runtime", "forkd.store.registry") and not allowed("runtime", "forkd.daemon.app")
+    assert allowed("daemon", "forkd") and not allowed("runtime", "forkd")
+    assert "forkd.guest.protocol" in set(imports(SRC / "forkd" / "store" / "layout.py")) | set(
+        imports(SRC / "forkd" / "store" / "snapshots.py"))
+
+
+def runtime_uses(tree: ast.AST) -> Iterator[ast.Attribute]:
+    """``runtime.X`` and ``self.runtime.X``: what a front takes from the Runtime it serves."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "runtime") or \
+                    (isinstance(base, ast.Attribute) and base.attr == "runtime"):
+                yield node
+
+
+def test_fronts_use_only_the_runtime_front_surface() -> None:
+    """Routes and the E2B front use the runtime's services and facade methods, never its registry,
+    store, VMM or the pool's internals (``runtime.sandboxes.pool``)."""
+    from forkd.runtime.runtime import FRONT_SURFACE, Runtime
+
+    assert all(hasattr(Runtime, name) or name in Runtime.__init__.__code__.co_names for name in FRONT_SURFACE)
+    offenders = []
+    for front in FRONTS:
+        for path in sorted((SRC / "forkd" / front).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            offenders += [f"{path.relative_to(SRC)}:{use.lineno} runtime.{use.attr}" for use in runtime_uses(tree)
+                          if use.attr not in FRONT_SURFACE]
+            offenders += [f"{path.relative_to(SRC)}:{node.lineno} .{node.attr}" for node in ast.walk(tree)
+                          if isinstance(node, ast.Attribute) and node.attr in {"pool", "registry", "store"}
+                          and isinstance(node.value, ast.Attribute) and node.value.attr in {"runtime", "sandboxes"}]
+    assert offenders == []
+
+
+def test_no_file_over_the_line_limit() -> None:
+    """One concept per module keeps modules short: past MAX_LINES a file is split by concept."""
+    long = sorted(f"{path.relative_to(SRC)}: {lines}" for path in (SRC / "forkd").rglob("*.py")
+                  if (lines := len(path.read_text().splitlines())) > MAX_LINES)
+    assert long == []
 
 
 def test_no_import_cycles() -> None:

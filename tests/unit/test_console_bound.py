@@ -15,6 +15,7 @@ import pytest
 from test_runtime_fake_vmm import _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
+from forkd.runtime.keepers import console_keeper
 from forkd.vmm import qemu_machine
 from forkd.vmm.base import CONSOLE_KEEP_BYTES, CONSOLE_LOG, BootSpec, VmHandle
 from forkd.vmm.fake import FakeVmm
@@ -58,12 +59,12 @@ def test_the_daemon_keeps_a_flooding_sandboxs_console_bounded(tmp_path: Path) ->
         runtime = await _runtime(tmp_path, FakeVmm())
         keeper: asyncio.Task[None] | None = None
         try:
-            [outcome] = await runtime.sandboxes.fork("base", 1)
+            [outcome] = await runtime.spawner.fork("base", 1)
             console = runtime.sandboxes.get(outcome.sandbox["id"]).vm.run_dir / CONSOLE_LOG
             guest = _appender(console)
             try:
                 os.write(guest, b"z" * (3 * MIB))
-                keeper = asyncio.create_task(runtime.sandboxes.bound_logs_forever(interval_s=0.01, max_bytes=MIB))
+                keeper = asyncio.create_task(console_keeper(runtime.sandboxes, interval_s=0.01, max_bytes=MIB))
                 for _ in range(1000):  # bounded: at most ~10 s
                     if console.stat().st_size < MIB:
                         break

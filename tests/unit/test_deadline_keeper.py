@@ -8,6 +8,7 @@ from pathlib import Path
 from test_runtime_fake_vmm import _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
+from forkd.runtime.keepers import deadline_keeper
 from forkd.vmm.fake import FakeVmm
 
 
@@ -24,7 +25,7 @@ def test_keeper_survives_a_failing_round(tmp_path: Path) -> None:
             return []
 
         runtime.sandboxes.expire = flaky_expire  # type: ignore[method-assign]
-        keeper = asyncio.create_task(runtime.sandboxes.expire_forever(interval_s=0.001))
+        keeper = asyncio.create_task(deadline_keeper(runtime.sandboxes, interval_s=0.001))
         try:
             for _ in range(2000):  # bounded: at most ~2 s
                 if rounds >= 3 or keeper.done():

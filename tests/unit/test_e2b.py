@@ -32,7 +32,8 @@ SECRET = b"s" * 32
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory) -> E2BFront:
     root = tmp_path_factory.mktemp("e2b")
-    runtime = Runtime(Paths(home=root / "home", cache=root / "cache", socket=root / "sock"), QemuVmm(accelerator="tcg"))
+    runtime = asyncio.run(Runtime.open(Paths(home=root / "home", cache=root / "cache", socket=root / "sock"),
+                                       QemuVmm(accelerator="tcg")))
     return E2BFront(runtime, Credentials({KEY: Principal("ops", admin=True)}, SECRET))
 
 

@@ -88,7 +88,7 @@ def test_each_owner_sees_and_controls_only_its_own_objects_and_ownership_outlive
                 assert made.status_code == 201, made.text
                 sa = made.json()["sandboxID"]
                 assert made.json()["trafficAccessToken"] == made.json()["envdAccessToken"]
-                (rest,) = await runtime.sandboxes.fork("base", 1)  # made through REST: no owner
+                (rest,) = await runtime.spawner.fork("base", 1)  # made through REST: no owner
                 assert rest.sandbox is not None
                 sr = rest.sandbox["id"]
                 reserved = await client.post("/sandboxes", headers=_key(A),
@@ -140,7 +140,7 @@ def test_each_owner_sees_and_controls_only_its_own_objects_and_ownership_outlive
             # The daemon restarts: a new runtime adopts the running sandboxes, their owners with them.
             await runtime.sandboxes.detach_all()
             runtime.registry.close()
-            restarted = Runtime(runtime.paths, vmm)
+            restarted = await Runtime.open(runtime.paths, vmm)
             await recover(restarted.sandboxes, restarted.store)
             runtime = restarted
             async with _client(_front(restarted)) as client:

@@ -75,8 +75,8 @@ def test_rest_refuses_host_paths_and_urls_a_token_should_not_reach(tmp_path: Pat
     file = tmp_path / "forkd.toml"
     file.write_text(f'home = "{home}"\n[transfers]\nallow_hosts = ["127.0.0.1"]\n')
     config = load_config(file, env={})
-    runtime = Runtime(Paths(home=home, cache=tmp_path / "cache", socket=home / "forkd.sock"), QemuVmm(),
-                      config.runtime_options)
+    runtime = asyncio.run(Runtime.open(Paths(home=home, cache=tmp_path / "cache", socket=home / "forkd.sock"),
+                                       QemuVmm(), config.runtime_options))
     api = TestClient(create_app(runtime), raise_server_exceptions=False)
 
     def refused(path: str, body: dict, needle: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 from forkd.host.netns import create_child_network, leftover_networks, release_network
 from forkd.host.netpolicy import AddressPool, EgressPolicy
 from forkd.host.nftrules import ChildNetwork
-from forkd.runtime.sandboxes import new_sandbox_id
+from forkd.validation import new_sandbox_id
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
                                 reason="needs root and nftables")

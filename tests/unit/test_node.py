@@ -88,8 +88,8 @@ async def _stop(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
 @contextlib.asynccontextmanager
 async def node(root: Path, vmm: FakeVmm | None = None, options: RuntimeOptions | None = None) -> AsyncIterator[Node]:
     """A daemon on loopback TCP with its own FORKD_HOME under ``root`` and its own token."""
-    runtime = Runtime(Paths(home=root / "home", cache=root / "cache", socket=root / "forkd.sock"), vmm or FakeVmm(),
-                      options)
+    runtime = await Runtime.open(Paths(home=root / "home", cache=root / "cache", socket=root / "forkd.sock"),
+                                 vmm or FakeVmm(), options)
     token = secrets.token_hex(32)
     server, task, url = await _serve(TokenAuth(create_app(runtime), token))
     api = AsyncController(url, token)

@@ -6,6 +6,7 @@ and runtime; no answer may be a 5xx or fail to match the documented schema.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
+from fastapi.testclient import TestClient
 
 from forkd.config import Paths
 from forkd.daemon.app import create_app
@@ -57,7 +60,8 @@ def test_every_reference_in_the_document_resolves() -> None:
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     root = tmp_path_factory.mktemp("schemathesis")
-    runtime = Runtime(Paths(home=root / "home", cache=root / "cache", socket=root / "sock"), QemuVmm(accelerator="tcg"))
+    runtime = asyncio.run(Runtime.open(Paths(home=root / "home", cache=root / "cache", socket=root / "sock"),
+                                       QemuVmm(accelerator="tcg")))
     return create_app(runtime)
 
 
@@ -83,3 +87,16 @@ def test_no_server_errors_and_answers_match_the_schema(app) -> None:  # type: ig
                                                      response_schema_conformance))
 
         fuzz()
+
+
+def test_the_document_needs_no_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rendering the schema opens no state.db and makes no VMM: the app describes itself without a runtime."""
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("rendering the OpenAPI document opened the runtime")
+
+    monkeypatch.setattr("forkd.store.registry.Registry.__init__", refused)
+    monkeypatch.setattr("forkd.runtime.runtime.Runtime.__init__", refused)
+    monkeypatch.setattr("forkd.vmm.qemu.QemuVmm.__init__", refused)
+    assert json.loads(render())["paths"]
+    with pytest.raises(RuntimeError, match="without a runtime"), TestClient(create_app()):
+        pass  # its lifespan refuses to serve

@@ -325,10 +325,10 @@ def test_startup_removes_partial_packs_and_keeps_everything_else(tmp_path: Path)
     link.symlink_to(outside)
     directory = roots.packs / ".dir.partial-0123abcd"
     directory.mkdir()
-    runtime = Runtime(Paths(home=home, cache=tmp_path / "cache", socket=tmp_path / "s.sock"), FakeVmm(),
-                      RuntimeOptions(host_roots=roots))
 
     async def restart() -> None:
+        runtime = await Runtime.open(Paths(home=home, cache=tmp_path / "cache", socket=tmp_path / "s.sock"),
+                                     FakeVmm(), RuntimeOptions(host_roots=roots))
         await runtime.start()
         await runtime.stop()
     asyncio.run(restart())

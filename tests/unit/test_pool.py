@@ -56,7 +56,7 @@ class StandInVmm:
         self.running.discard(vm.name)
 
     def memory_stats(self, vm: VmHandle) -> MemoryStats:
-        return MemoryStats(rss_kib=10, pss_kib=8, private_dirty_kib=6, shared_clean_kib=0)
+        return MemoryStats(rss_kib=10, pss_kib=8, private_dirty_kib=6)
 
 
 class Snapshots:
@@ -131,7 +131,7 @@ def test_fill_take_give_back_trim_discard_stop(pool) -> None:
         await service.discard("hot")  # rmi
         await settle(service)
         assert service.describe("hot")["ready"] == 0 and "hot" not in registry.pool_sizes()
-        service.start()  # the config's pool
+        await service.start()  # the config's pool
         await settle(service)
         assert [p["tag"] for p in service.list()] == ["cfg"]
         await service.stop()
@@ -152,7 +152,7 @@ def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path:
     async def scenario() -> None:
         vmm = FakeVmm()
         runtime = await _runtime(tmp_path, vmm, options=RuntimeOptions(warm_pools=warm))
-        pool = runtime.sandboxes.pool
+        pool = runtime.pools
         await pool.set_size("base", 2)
         await settle(pool)
         members = set(pool.describe("base")["members"])
@@ -166,7 +166,7 @@ def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path:
                                protocol.OP_RUN_CODE, protocol.OP_CONTEXTS_DELETE, protocol.OP_PING]
         else:  # no guest code has run
             assert not any(name in members for name, _ in vmm.requests)
-        children = [o async for o in await runtime.sandboxes.start_fork("base", 3)]  # one more than the pool
+        children = [o async for o in await runtime.spawner.start_fork("base", 3)]  # one more than the pool
         assert all(o.sandbox is not None for o in children), [o.error for o in children]
         pooled = {o.sandbox["id"] for o in children if "pool" in o.timings}  # type: ignore[index]
         assert pooled == members and sorted(o.index for o in children) == [0, 1, 2]
@@ -180,7 +180,7 @@ def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path:
         assert pool.describe("base")["ready"] == 2  # refilled once the batch was done
         leftovers = set(pool.describe("base")["members"])
         # The daemon dies (nothing stopped): a new one reaps the members (run directories without a record).
-        restarted = Runtime(runtime.paths, FakeVmm())
+        restarted = await Runtime.open(runtime.paths, FakeVmm())
         recovered = await recover(restarted.sandboxes, restarted.store)
         assert leftovers <= set(recovered.reaped)
         assert not any((runtime.paths.sandboxes / m).exists() for m in leftovers)

@@ -17,12 +17,10 @@ import pytest
 
 from forkd.config import Paths
 from forkd.runtime.isolation import Isolation
-from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
 from forkd.store.registry import Registry, SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
-from forkd.runtime.snapshots import SnapshotService
 from forkd.store.snapshots import SnapshotStore
 from forkd.store.files import DigestCache
 from forkd.vmm import qemu, qemu_machine
@@ -120,8 +118,7 @@ def test_recovery_reaps_a_stalled_vmm_and_finishes(short_dir: Path, monkeypatch:
         vmm = QemuVmm(accelerator="tcg")
         vmm.program = "tail"
         store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
-        service = SandboxService(paths, registry, vmm, SnapshotService(paths, store, vmm), Metrics(),
-                                 Isolation.from_options(registry, RuntimeOptions()))
+        service = SandboxService(paths, registry, vmm, Isolation.from_options(registry, RuntimeOptions()))
         try:
             result = await recover(service, store)
             await asyncio.wait_for(process.wait(), 5)

@@ -14,7 +14,9 @@ from pathlib import Path
 from forkd.config import Paths
 from forkd.runtime.recovery import recover
 from forkd.runtime.sandboxes import SandboxService
+from forkd.store.files import DigestCache
 from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
+from forkd.store.snapshots import SnapshotStore
 
 
 def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path, qemu_sandbox_service: Callable[[Paths, Registry], SandboxService]) -> None:
@@ -44,7 +46,8 @@ def test_records_without_a_vmm_and_orphans_are_released(tmp_path: Path, qemu_san
         raise OSError("this resource cannot be freed")
 
     service.releasers.insert(0, broken)  # one failing releaser does not stop the others
-    result = asyncio.run(recover(service, service.snapshots.store))
+    store = SnapshotStore(paths.snapshots, registry, DigestCache(), service.vmm.identity, service.vmm.disk)
+    result = asyncio.run(recover(service, store))
 
     assert result.adopted == []
     assert sorted(result.reaped) == ["sb-norecord0000", "sb-recorded0000"]

@@ -68,7 +68,7 @@ def _image(tmp_path: Path) -> Image:
 
 async def _runtime(tmp_path: Path, vmm: FakeVmm, tag: str | None = "base",
                    options: RuntimeOptions | None = None) -> Runtime:
-    runtime = Runtime(_paths(tmp_path), vmm, options)
+    runtime = await Runtime.open(_paths(tmp_path), vmm, options)
     if tag is not None:
         await runtime.snapshots.create(SnapshotRequest(tag=tag, memory_mib=1, warm_modules=("numpy",)),
                                        _image(tmp_path), lambda _line: None)
@@ -88,12 +88,28 @@ def test_a_warmed_snapshot_is_saved_with_its_default_context_forked(tmp_path: Pa
     assert vmm.evals == ["None"]
 
 
+def test_the_runtime_is_wired_without_io_and_opened_explicitly(tmp_path: Path) -> None:
+    """Constructing a Runtime only wires its services (nothing on disk, no state.db); ``Runtime.open`` makes
+    the state directories and opens state.db, and the pool reads its stored sizes only when it starts."""
+    paths = _paths(tmp_path)
+    # A bare object as the registry: any read of it while wiring (the pool's sizes, say) would raise.
+    Runtime(paths, FakeVmm(), registry=object(), isolation=object())  # type: ignore[arg-type]
+    assert not paths.home.exists()
+
+    async def scenario() -> tuple[bool, bool]:
+        runtime = await Runtime.open(paths, FakeVmm())
+        runtime.registry.close()
+        return paths.db.is_file(), paths.sandboxes.is_dir()
+
+    assert run(scenario) == (True, True)
+
+
 def test_fork_spawns_distinct_reseeded_children(tmp_path: Path) -> None:
     async def scenario() -> tuple[list[Any], list[str], list[Any]]:
         vmm = FakeVmm()
         runtime = await _runtime(tmp_path, vmm)
         try:
-            outcomes = await runtime.sandboxes.fork("base", 3)
+            outcomes = await runtime.spawner.fork("base", 3)
             records = runtime.registry.list_sandboxes()
             return outcomes, vmm.reseeds, records
         finally:
@@ -112,7 +128,7 @@ def test_a_child_whose_kernel_rng_was_not_reseeded_fails_its_spawn(tmp_path: Pat
         vmm = FakeVmm(FakeBehaviour(kernel_rng_reseeded=False))
         runtime = await _runtime(tmp_path, vmm)
         try:
-            outcomes = await runtime.sandboxes.fork("base", 2)
+            outcomes = await runtime.spawner.fork("base", 2)
             return outcomes, runtime.sandboxes.live(), list(runtime.paths.sandboxes.iterdir())
         finally:
             await runtime.stop()
@@ -131,7 +147,7 @@ def test_a_child_that_answers_its_reseed_slowly_is_still_spawned(tmp_path: Path,
     async def scenario() -> list[Any]:
         runtime = await _runtime(tmp_path, FakeVmm(FakeBehaviour(reseed_delay_s=0.35)))
         try:
-            return await runtime.sandboxes.fork("base", 1)
+            return await runtime.spawner.fork("base", 1)
         finally:
             await runtime.stop()
 
@@ -143,7 +159,7 @@ def test_a_failed_restore_is_reported_and_cleaned_up(tmp_path: Path) -> None:
     async def scenario() -> tuple[list[Any], list[Any]]:
         runtime = await _runtime(tmp_path, FakeVmm(FakeBehaviour(fail_restore="state does not load")))
         try:
-            return await runtime.sandboxes.fork("base", 1), runtime.registry.list_sandboxes()
+            return await runtime.spawner.fork("base", 1), runtime.registry.list_sandboxes()
         finally:
             await runtime.stop()
 
@@ -165,7 +181,7 @@ def test_a_child_failing_with_an_unexpected_error_keeps_its_siblings_ids(tmp_pat
     async def scenario() -> tuple[list[Any], list[str], list[str]]:
         runtime = await _runtime(tmp_path, SecondRestoreBreaks())
         try:
-            outcomes = await runtime.sandboxes.fork("base", 3)
+            outcomes = await runtime.spawner.fork("base", 3)
             return (outcomes, sorted(r.id for r in runtime.registry.list_sandboxes()),
                     sorted(p.name for p in runtime.paths.sandboxes.iterdir()))
         finally:
@@ -210,7 +226,7 @@ async def _written_source(tmp_path: Path, offset: int) -> tuple[Runtime, LiveSan
     vmm = FakeVmm()
     runtime = await _runtime(tmp_path, vmm)
     try:
-        [outcome] = await runtime.sandboxes.fork("base", 1)
+        [outcome] = await runtime.spawner.fork("base", 1)
         source = runtime.sandboxes.get(outcome.sandbox["id"])
         vmm.write_guest_memory(source.vm, offset, b"written by the source")
     except BaseException:
@@ -229,7 +245,7 @@ def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_pa
             # What a restarted daemon adopts is the overlay the source writes now, not the frozen one.
             assert persisted is not None and persisted.vmm_state == source.vm.state
             assert source.vm.state["disk"] != disk_before
-            [child] = await runtime.sandboxes.fork("b1", 1)
+            [child] = await runtime.spawner.fork("b1", 1)
             vm = runtime.sandboxes.get(child.sandbox["id"]).vm
             with open(vm.state["ram"], "rb") as ram:
                 ram.seek(3 * PAGE_SIZE)
@@ -313,13 +329,13 @@ def test_a_restarted_daemon_adopts_answering_vmms_and_reaps_a_stalled_one(tmp_pa
         behaviour = FakeBehaviour()
         vmm = FakeVmm(behaviour)
         first = await _runtime(tmp_path, vmm)
-        outcomes = await first.sandboxes.fork("base", 2)
+        outcomes = await first.spawner.fork("base", 2)
         kept, stalled = (o.sandbox["id"] for o in outcomes)
         stalled_process = first.sandboxes.get(stalled).vm.process
         await first.sandboxes.detach_all()  # the daemon goes; its VMMs stay
         first.registry.close()
         behaviour.stalled.add(stalled)
-        second = Runtime(first.paths, vmm)
+        second = await Runtime.open(first.paths, vmm)
         try:
             recovery = await recover(second.sandboxes, second.store)
             ids = [s.record.id for s in second.sandboxes.live()]
@@ -351,14 +367,14 @@ def test_recovery_finishes_whatever_one_record_raises(tmp_path: Path) -> None:
         behaviour = FakeBehaviour()
         vmm = AdoptBreaks(behaviour)
         first = await _runtime(tmp_path, vmm)
-        ids = [o.sandbox["id"] for o in await first.sandboxes.fork("base", 3)]
+        ids = [o.sandbox["id"] for o in await first.spawner.fork("base", 3)]
         processes = {i: first.sandboxes.get(i).vm.process for i in ids}
         await first.sandboxes.detach_all()
         first.registry.close()
         kept, broken, unreleasable = ids
         vmm.broken = broken
         behaviour.stalled.add(unreleasable)
-        second = Runtime(first.paths, vmm)
+        second = await Runtime.open(first.paths, vmm)
         release = second.sandboxes.release
 
         async def failing_release(sandbox_id: str, run_dir: Path) -> None:
@@ -400,7 +416,7 @@ def test_a_backend_without_branching_is_refused_with_a_clear_error(tmp_path: Pat
     async def scenario() -> None:
         runtime = await _runtime(tmp_path, NoBranching())
         try:
-            [outcome] = await runtime.sandboxes.fork("base", 1)
+            [outcome] = await runtime.spawner.fork("base", 1)
             await runtime.branches.branch(outcome.sandbox["id"], "b1")
         finally:
             await runtime.stop()
@@ -415,7 +431,7 @@ def test_a_backend_without_branching_compacts_through_its_disk_format(tmp_path: 
         runtime = await _runtime(tmp_path, NoBranching())
         try:
             flat = await runtime.compaction.compact("base", "flat")
-            outcomes = await runtime.sandboxes.fork("flat", 1)
+            outcomes = await runtime.spawner.fork("flat", 1)
             return flat, [str(o.error) for o in outcomes if o.error]
         finally:
             await runtime.stop()

@@ -133,7 +133,7 @@ def test_ndjson_results_errors_and_truncation_read_alike() -> None:
 @pytest.fixture
 def app(tmp_path: Path) -> Any:
     paths = Paths(home=tmp_path / "home", cache=tmp_path / "cache", socket=tmp_path / "forkd.sock")
-    return create_app(Runtime(paths, QemuVmm(accelerator="tcg")))
+    return create_app(asyncio.run(Runtime.open(paths, QemuVmm(accelerator="tcg"))))
 
 
 def test_async_sandbox_against_the_real_daemon_app(app: Any) -> None:

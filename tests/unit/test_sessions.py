@@ -22,7 +22,8 @@ from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError
 from forkd.runtime.options import OutputLimits
 from forkd.runtime.sandboxes import SandboxEnded
-from forkd.runtime.sessions import WRITE_CHUNK_BYTES, CellSpec, CommandSpec, Output, Sessions, Started
+from forkd.runtime.results import CellSpec, CommandSpec, Output, Started
+from forkd.runtime.sessions import WRITE_CHUNK_BYTES, Sessions
 
 CHUNK = b"x" * 4096
 

@@ -255,7 +255,7 @@ def test_each_way_to_make_a_snapshot_wins_alone_against_all_the_others(winner: s
         vmm = FakeVmm()
         runtime = await fake_runtime(home, vmm)
         try:
-            [outcome] = await runtime.sandboxes.fork("base", 1)
+            [outcome] = await runtime.spawner.fork("base", 1)
             source = outcome.sandbox["id"]
             ways = {
                 "create": lambda: runtime.snapshots.create(SnapshotRequest(tag=TAG, memory_mib=1), fake_image(home),
@@ -266,7 +266,7 @@ def test_each_way_to_make_a_snapshot_wins_alone_against_all_the_others(winner: s
             }
             order = [winner, *(w for w in FAKE_CONTENDERS if w != winner)]
             results = await asyncio.gather(*(ways[w]() for w in order), return_exceptions=True)
-            [child] = await runtime.sandboxes.fork(TAG, 1)  # the winner's snapshot is whole and forks
+            [child] = await runtime.spawner.fork(TAG, 1)  # the winner's snapshot is whole and forks
             return dict(zip(order, results)), child.error or "", runtime.store.get(TAG).meta
         finally:
             await runtime.stop()

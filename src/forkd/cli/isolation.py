@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from forkd.host.netpolicy import parse_allow_spec
+from forkd.host.netpolicy import NET_MODES, parse_allow_spec
 from forkd.validation import ValidationError
 
 F = Callable[..., Any]
@@ -15,7 +15,7 @@ F = Callable[..., Any]
 
 def isolation_options(func: F) -> F:
     options = [
-        click.option("--net", type=click.Choice(["none", "nat"]), default=None,
+        click.option("--net", type=click.Choice(NET_MODES), default=None,
                      help="none (default): no network; nat: own namespace, NAT out of the host"),
         click.option("--egress", type=click.Choice(["allow", "deny"]), default=None,
                      help="with --net nat: let everything out (default) or only --allow"),

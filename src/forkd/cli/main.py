@@ -31,6 +31,7 @@ from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
 from forkd.cli.workspaces import workspace
 from forkd.safetext import for_rich
+from forkd.validation import SANDBOX_ID_PREFIX
 
 CP_CHUNK_BYTES = 1 << 20
 
@@ -362,7 +363,7 @@ def cp(src: str, dst: str) -> None:
     Both ways stream: memory use does not grow with the file (a guest file can be as large as it likes).
     """
     controller = daemon()
-    if ":" in src and src.startswith("sb-"):
+    if ":" in src and src.startswith(SANDBOX_ID_PREFIX):
         sandbox_id, path = src.split(":", 1)
         chunks = controller.read_file_chunks(sandbox_id, path)
         first = next(chunks, b"")  # a missing file fails here, before dst is created
@@ -370,7 +371,7 @@ def cp(src: str, dst: str) -> None:
             out.write(first)
             for chunk in chunks:
                 out.write(chunk)
-    elif ":" in dst and dst.startswith("sb-"):
+    elif ":" in dst and dst.startswith(SANDBOX_ID_PREFIX):
         sandbox_id, path = dst.split(":", 1)
         with open(src, "rb") if src != "-" else contextlib.nullcontext(sys.stdin.buffer) as f:
             controller.write_file(sandbox_id, path, iter(functools.partial(f.read, CP_CHUNK_BYTES), b""))

@@ -16,14 +16,21 @@ from forkd import __version__
 from forkd.daemon import errors, schemas
 from forkd.daemon.middleware.metrics import RequestMetrics
 from forkd.daemon.routes import ROUTERS
+from forkd.runtime.metrics import Metrics
 from forkd.runtime.runtime import Runtime
 
 log = logging.getLogger("forkd.daemon")
 
 
-def create_app(runtime: Runtime) -> FastAPI:
+def create_app(runtime: Runtime | None = None) -> FastAPI:
+    """The API over an open ``runtime`` (``Runtime.open``), started and stopped with the app's lifespan.
+
+    Without one, the app only describes itself (its OpenAPI document): nothing is opened or started.
+    """
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if runtime is None:
+            raise RuntimeError("this app was made without a runtime: it only renders its OpenAPI document")
         # Shutdown runs here, not after uvicorn returns: uvicorn re-raises SIGTERM once it has
         # served, which would end the process before any later cleanup.
         recovered = await runtime.start()
@@ -43,6 +50,6 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.state.runtime = runtime
     for router in ROUTERS:
         app.include_router(router)
-    app.add_middleware(RequestMetrics, metrics=runtime.metrics)
+    app.add_middleware(RequestMetrics, metrics=runtime.metrics if runtime is not None else Metrics())
     errors.install(app)
     return app

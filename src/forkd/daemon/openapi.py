@@ -7,26 +7,14 @@ a unit test fails when the two differ, so the published contract cannot drift fr
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from forkd.config import Paths
 from forkd.daemon.app import create_app
-from forkd.runtime.runtime import Runtime
-from forkd.vmm.backends import BackendOptions, create_vmm
 
 
 def document() -> dict[str, Any]:
-    """The schema of a daemon app (its runtime is only constructed, never started)."""
-    with tempfile.TemporaryDirectory(prefix="forkd-openapi-") as scratch:
-        root = Path(scratch)
-        runtime = Runtime(Paths(home=root / "home", cache=root / "cache", socket=root / "sock"),
-                          create_vmm(options=BackendOptions(accelerator="tcg")))
-        try:
-            return create_app(runtime).openapi()
-        finally:
-            runtime.registry.close()
+    """The schema of the daemon's app, rendered without a runtime (no state directory, no VMM)."""
+    return create_app().openapi()
 
 
 def render() -> str:

@@ -211,7 +211,7 @@ async def serve(config: DaemonConfig) -> None:
         paths.socket.unlink(missing_ok=True)
         raise
     vmm = create_vmm(config.vmm, config.backend_options)
-    runtime = Runtime(paths, vmm, config.runtime_options)
+    runtime = await Runtime.open(paths, vmm, config.runtime_options)
     audit = AuditLog(paths.audit_log, max_bytes=config.audit.max_bytes, backups=config.audit.backups)
     api = BodyLimit(create_app(runtime))
     # The Unix listener runs the app's lifespan (start, and on shutdown kill every child).

@@ -26,7 +26,8 @@ from forkd.e2b.errors import E2BError, sandbox_gone
 from forkd.e2b.keys import Credentials, Principal
 from forkd.store.registry import SnapshotRecord, WorkspaceRecord
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.sandboxes import ForkOptions, LiveSandbox, SandboxNotFound
+from forkd.runtime.sandboxes import LiveSandbox, SandboxNotFound
+from forkd.runtime.spawning import ForkOptions
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.validation import ValidationError, check_sandbox_id
 
@@ -100,7 +101,7 @@ class E2BSandboxes:
         return resolved
 
     def _resolve(self, e2b_id: str) -> Resolved:
-        workspace = self.runtime.registry.get_workspace(e2b_id) if _plausible(e2b_id) else None
+        workspace = self.runtime.workspaces.find(e2b_id) if _plausible(e2b_id) else None
         if workspace is not None:
             if workspace.state == "suspended":
                 return Resolved(e2b_id, None, workspace)
@@ -137,7 +138,7 @@ class E2BSandboxes:
         """A workspace's sandbox answers to the workspace's name, every other one to its own id."""
         name = live.record.meta.get("metadata", {}).get(_WORKSPACE_LABEL)
         if name:
-            workspace = self.runtime.registry.get_workspace(name)
+            workspace = self.runtime.workspaces.find(name)
             if workspace is not None and workspace.sandbox_id == live.record.id:
                 return name
         return live.record.id
@@ -152,7 +153,7 @@ class E2BSandboxes:
                 "envdAccessToken": token, "trafficAccessToken": token, "domain": None}
 
     def _resources(self, tag: str) -> dict[str, int]:
-        record = self.runtime.registry.get_snapshot(tag)
+        record = self.runtime.snapshot(tag)
         boot = (record.meta.get("boot") or {}) if record is not None else {}
         return {"cpuCount": int(boot.get("vcpus") or 1), "memoryMB": int(boot.get("memory_mib") or 0),
                 "diskSizeMB": 0}
@@ -196,13 +197,13 @@ class E2BSandboxes:
 
     async def create(self, principal: Principal, template: str, timeout_s: int, metadata: dict[str, str],
                      envs: dict[str, str]) -> dict[str, Any]:
-        record = self.runtime.registry.get_snapshot(template)
+        record = self.runtime.snapshot(template)
         if record is None or not template_visible(record, principal):
             raise E2BError(404, f"template {template!r} not found: templates are forkd snapshots; list them with "
                                 "GET /templates or `forkd snapshots`")
         labels = self._new_labels(principal, metadata)
         options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=labels)
-        (outcome,) = await self.runtime.sandboxes.fork(template, 1, options)
+        (outcome,) = await self.runtime.spawner.fork(template, 1, options)
         if outcome.sandbox is None:
             raise E2BError(500, f"the sandbox did not start: {outcome.error}")
         return self.created(outcome.sandbox["id"], template, labels[NONCE_LABEL])
@@ -213,10 +214,10 @@ class E2BSandboxes:
             for live in self.runtime.sandboxes.live():
                 if live.record.status == "running" and not live.killing:
                     e2b_id = self._e2b_id(live)
-                    workspace = self.runtime.registry.get_workspace(e2b_id) if e2b_id != live.record.id else None
+                    workspace = self.runtime.workspaces.find(e2b_id) if e2b_id != live.record.id else None
                     found.append(Resolved(e2b_id, live, workspace))
         if "paused" in states:
-            found += [Resolved(w.name, None, w) for w in self.runtime.registry.list_workspaces() if w.state == "suspended"]
+            found += [Resolved(w.name, None, w) for w in self.runtime.workspaces.records() if w.state == "suspended"]
         described = [self.describe(r) for r in found if principal.sees(r.owner)]
         return [d for d in described if all(d["metadata"].get(k) == v for k, v in metadata.items())]
 
@@ -282,21 +283,21 @@ class E2BSandboxes:
         await self.runtime.branches.branch(live.record.id, tag, mode="diff", wait=True)
         labels = self._new_labels(principal, self._labels(resolved.labels))
         options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}), metadata=labels)
-        outcomes = await self.runtime.sandboxes.fork(tag, count, options)
+        outcomes = await self.runtime.spawner.fork(tag, count, options)
         return [{"sandbox": self.created(o.sandbox["id"], tag, labels[NONCE_LABEL])} if o.sandbox is not None
                 else {"error": {"code": 500, "message": o.error or "the fork did not start"}} for o in outcomes]
 
     def templates(self, principal: Principal) -> list[dict[str, Any]]:
         """E2B's ``Template`` for every ready forkd snapshot the caller may start sandboxes from."""
         out = []
-        for record in self.runtime.registry.list_snapshots():
+        for record in self.runtime.snapshot_records():
             if record.status != "ready" or not template_visible(record, principal):
                 continue
             when = rfc3339(record.created_at)
             out.append({"templateID": record.tag, "buildID": record.tag, "public": base_template(record),
                         "aliases": [record.tag],
                         "names": [record.tag], "createdAt": when, "updatedAt": when, "createdBy": None,
-                        "lastSpawnedAt": None, "spawnCount": self.runtime.sandboxes.count_of(record.tag),
+                        "lastSpawnedAt": None, "spawnCount": self.runtime.spawner.count_of(record.tag),
                         "buildCount": 1, "envdVersion": ENVD_VERSION, "buildStatus": "ready",
                         **self._resources(record.tag)})
         return out

@@ -21,7 +21,6 @@ import builtins
 import collections
 import io
 import itertools
-import json
 import linecache
 import os
 import select
@@ -33,16 +32,11 @@ import time
 import traceback
 from typing import Any
 
-from . import charts, protocol, reseed
+from . import protocol, reseed
+from .formats import formats_of, is_figure, json_or_none, safe_repr
 
 #: Largest text chunk carried by one output event.
 OUTPUT_CHUNK_CHARS = 64 * 1024
-
-#: value_json is dropped (null) above this encoded size; ``value`` still carries the repr.
-VALUE_JSON_MAX_BYTES = 1024 * 1024
-
-#: One rich format larger than this is left out of its result (and named in ``extra``).
-FORMAT_MAX_BYTES = 4 * 1024 * 1024
 
 #: The sources of the latest cells kept for tracebacks: a context serving evals for days must not grow
 #: with every one it ran. A traceback through an older cell names its file and line, without the text.
@@ -50,31 +44,6 @@ CELL_SOURCES_KEPT = 10_000
 CELL_SOURCES_MAX_CHARS = 16 * 1024 * 1024
 
 
-#: IPython's display-method names and the E2B result keys they fill.
-_REPR_METHODS = (
-    ("_repr_html_", "html"),
-    ("_repr_markdown_", "markdown"),
-    ("_repr_svg_", "svg"),
-    ("_repr_png_", "png"),
-    ("_repr_jpeg_", "jpeg"),
-    ("_repr_pdf_", "pdf"),
-    ("_repr_latex_", "latex"),
-    ("_repr_json_", "json"),
-    ("_repr_javascript_", "javascript"),
-)
-_MIME_KEYS = {
-    "text/plain": "text",
-    "text/html": "html",
-    "text/markdown": "markdown",
-    "image/svg+xml": "svg",
-    "image/png": "png",
-    "image/jpeg": "jpeg",
-    "application/pdf": "pdf",
-    "text/latex": "latex",
-    "application/json": "json",
-    "application/javascript": "javascript",
-}
-_BINARY_KEYS = frozenset({"png", "jpeg", "pdf"})
 _INTERNAL_FILES = frozenset({__file__, ast.__file__})
 
 
@@ -214,78 +183,6 @@ class _OutputStream(io.TextIOBase):
 # --------------------------------------------------------------------------------------------
 
 
-def _format_value(key: str, value: Any) -> Any:
-    if key in _BINARY_KEYS and isinstance(value, (bytes, bytearray)):
-        return base64.b64encode(value).decode("ascii")
-    if key == "json":
-        return value if _json_or_none(value) is not None or value is None else None
-    return value if isinstance(value, str) else None
-
-
-def _figure_png(figure: Any) -> str:
-    buf = io.BytesIO()
-    figure.savefig(buf, format="png", bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _is_figure(obj: Any) -> bool:
-    figure_module = sys.modules.get("matplotlib.figure")
-    return figure_module is not None and isinstance(obj, figure_module.Figure)
-
-
-def formats_of(obj: Any) -> dict[str, Any]:
-    """Every representation ``obj`` offers, by E2B result key; a failing ``_repr_*_`` is skipped."""
-    found: dict[str, Any] = {}
-    dropped: list[str] = []
-    if _is_figure(obj):
-        found["png"] = _figure_png(obj)  # first: drawing lays out the tick labels the chart reads
-        chart = None
-        try:
-            chart = charts.chart_of(obj)
-        except charts.TooLarge:
-            dropped.append("chart")
-        except Exception:  # a figure this code cannot read is still shown as an image
-            pass
-        if chart is not None:
-            found["chart"] = chart
-    bundle = getattr(obj, "_repr_mimebundle_", None)
-    if callable(bundle) and not isinstance(obj, type):
-        try:
-            data = bundle()
-            data = data[0] if isinstance(data, tuple) else data
-            for mime, value in (data or {}).items():
-                key = _MIME_KEYS.get(mime)
-                if key is not None and (formatted := _format_value(key, value)) is not None:
-                    found.setdefault(key, formatted)
-        except Exception:
-            pass
-    for method, key in _REPR_METHODS:
-        repr_method = getattr(obj, method, None)
-        if key in found or not callable(repr_method) or isinstance(obj, type):
-            continue
-        try:
-            value = repr_method()
-        except Exception:
-            continue
-        value = value[0] if isinstance(value, tuple) else value  # (data, metadata) is allowed
-        if (formatted := _format_value(key, value)) is not None:
-            found[key] = formatted
-    found.setdefault("text", _safe_repr(obj))
-    oversized = [key for key, value in found.items() if len(json.dumps(value)) > FORMAT_MAX_BYTES]
-    for key in oversized:
-        del found[key]
-    if oversized or dropped:
-        found["extra"] = {"dropped_formats": dropped + oversized, "format_max_bytes": FORMAT_MAX_BYTES}
-    return found
-
-
-def _safe_repr(obj: Any) -> str:
-    try:
-        return repr(obj)
-    except Exception as exc:
-        return f"<repr failed: {type(exc).__name__}: {exc}>"
-
-
 def display(*objs: Any, **_: Any) -> None:
     """IPython's ``display()``: each object becomes a result of the running cell."""
     run = _current
@@ -365,25 +262,13 @@ def describe_exception(exc: BaseException) -> dict[str, str]:
     }
 
 
-#: Made once: json.dumps with an argument builds a new encoder per call (costly under TCG).
-_STRICT_JSON = json.JSONEncoder(allow_nan=False)
-
-
-def _json_or_none(value: Any) -> Any:
-    try:
-        encoded = _STRICT_JSON.encode(value)
-    except (TypeError, ValueError, RecursionError):
-        return None
-    return value if len(encoded) <= VALUE_JSON_MAX_BYTES else None
-
-
 def _type_name(value: Any) -> str:
     cls = type(value)
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _value_result(value: Any) -> dict[str, Any]:
-    return {"value": None if value is None else _safe_repr(value), "value_json": _json_or_none(value), "error": None}
+    return {"value": None if value is None else safe_repr(value), "value_json": json_or_none(value), "error": None}
 
 
 def _failure_result(exc: BaseException) -> dict[str, Any]:
@@ -512,7 +397,7 @@ class Kernel:
                 value = eval(compile(ast.Expression(last.value), filename, "eval"), self.namespace)
             _hook_matplotlib()
             pyplot = sys.modules.get("matplotlib.pyplot")
-            if pyplot is not None and _is_figure(value):
+            if pyplot is not None and is_figure(value):
                 pyplot.close(value)  # shown once, as the cell's value
             _show_figures()  # figures left open at the end of a cell are shown, as in Jupyter
             if value is not None and _current is not None:

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 from . import protocol, warmexec
 from .channel import write_all
 from .dispatch import AgentError, Handler, Request, inline
-from .interpreters import TemplateProcess
+from .template_process import TemplateProcess
 
 #: Largest stdout/stderr chunk carried by one event; keeps frames far below MAX_FRAME_BYTES.
 OUTPUT_CHUNK_BYTES = 64 * 1024

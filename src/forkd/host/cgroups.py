@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from forkd.validation import SANDBOX_ID_PREFIX
+
 CGROUP_FS = Path("/sys/fs/cgroup")
 PARENT = "forkd"
 CONTROLLERS = ("memory", "cpu", "pids")
@@ -97,7 +99,7 @@ class CgroupLayout:
         found: set[str] = set()
         for parent in self.parents.values():
             if parent.is_dir():
-                found.update(d.name for d in parent.iterdir() if d.is_dir() and d.name.startswith("sb-"))
+                found.update(d.name for d in parent.iterdir() if d.is_dir() and d.name.startswith(SANDBOX_ID_PREFIX))
         return sorted(found)
 
 

@@ -40,6 +40,7 @@ from forkd.host.nftrules import (
     namespace_ruleset,
 )
 from forkd.host.netpolicy import AddressPool
+from forkd.validation import SANDBOX_ID_PREFIX
 
 log = logging.getLogger("forkd.net")
 
@@ -259,7 +260,7 @@ def _release_network(sandbox_id: str) -> list[str]:
 
 
 def _sandbox_of_link(ifname: str) -> str:
-    return "sb-" + ifname.removeprefix(LINK_PREFIX)
+    return SANDBOX_ID_PREFIX + ifname.removeprefix(LINK_PREFIX)
 
 
 def leftover_networks() -> list[Leftover]:

@@ -15,17 +15,18 @@ from dataclasses import dataclass
 
 from forkd.guest import netconf
 from forkd.host.netpolicy import AllowRule, EgressPolicy, Lease
+from forkd.validation import SANDBOX_ID_PREFIX
 
 TAP = "tap0"
 NS_VETH = "veth0"
-LINK_PREFIX = "fkd"  # host-side veth: fkd + the 12 characters of the sandbox id = 15, the kernel's limit
+LINK_PREFIX = "fkd"  # host-side veth: fkd + the SANDBOX_ID_CHARS (12) of the sandbox id = 15, the kernel's limit
 NS_TABLE = "forkd"
 HOST_TABLE_PREFIX = "forkd_"
 LINK_LOCAL = ipaddress.IPv4Network("169.254.0.0/16")  # cloud metadata (169.254.169.254) and link-local hosts
 
 
 def host_link(sandbox_id: str) -> str:
-    return LINK_PREFIX + sandbox_id.removeprefix("sb-")
+    return LINK_PREFIX + sandbox_id.removeprefix(SANDBOX_ID_PREFIX)
 
 
 def host_table(sandbox_id: str) -> str:

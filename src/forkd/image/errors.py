@@ -23,10 +23,6 @@ class MirrorNotFound(ImageError):
     """No Debian mirror is configured for the suite the image needs."""
 
 
-class PackageNotFound(ImageError):
-    """The mirror does not offer a package the image needs."""
-
-
 class ToolError(ImageError):
     """A host tool (apt-get, debootstrap, mkfs.ext4, ...) is missing or failed."""
 

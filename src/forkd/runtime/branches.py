@@ -23,6 +23,7 @@ from forkd.config import Paths
 from forkd.guest import protocol
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.sandboxes import LiveSandbox, SandboxService
+from forkd.runtime.spawning import Spawner
 from forkd.runtime.timings import Timings
 from forkd.store import layers as memory_layers
 from forkd.store.chains import ChainMemory, chain_memory
@@ -59,7 +60,7 @@ class _SourceState:
 
 
 class BranchService:
-    def __init__(self, paths: Paths, store: SnapshotStore, vmm: Vmm, sandboxes: SandboxService,
+    def __init__(self, paths: Paths, store: SnapshotStore, vmm: Vmm, sandboxes: SandboxService, spawner: Spawner,
                  max_concurrent: int, metrics: Metrics) -> None:
         self.paths = paths
         self.metrics = metrics
@@ -67,6 +68,7 @@ class BranchService:
         self.registry: Registry = store.registry
         self.vmm = vmm
         self.sandboxes = sandboxes
+        self.spawner = spawner  # diff_exec forks the child it runs its command in
         self.max_concurrent = max_concurrent
         self._builds: dict[str, asyncio.Task[SnapshotRecord]] = {}  # builds under way, by tag (claimed in the store)
         self._sources: dict[str, _SourceState] = {}
@@ -202,7 +204,7 @@ class BranchService:
         """Fork a child of ``base_tag``, run ``command`` in it, branch it as diff layer ``tag``, kill it."""
         claim = self.store.claim(tag, "branched")  # held from before the fork until the layer is published
         try:
-            [outcome] = await self.sandboxes.fork(base_tag, 1)
+            [outcome] = await self.spawner.fork(base_tag, 1)
         except BaseException:
             claim.release()
             raise

@@ -42,7 +42,7 @@ MAX_POOL_SIZE = 32  # per snapshot; each idle member holds a QEMU process (docs/
 FILL_RETRY_S = 30.0  # after a member failed to start, wait this long before trying again
 log = logging.getLogger("forkd.pool")
 
-# Frees a sandbox's files and host resources by id (SandboxService.release).
+# Frees a sandbox's files and host resources by id (SandboxService.release, runtime/sandboxes.py).
 Release = Callable[[str, Path], Awaitable[None]]
 NewId = Callable[[], str]
 
@@ -80,7 +80,7 @@ class PoolService:
         self._new_id = new_id
         self.warm = warm  # members run a fork's first calls, then wait stopped (runtime/warmup.py)
         self._configured = dict(configured or {})  # sizes from the daemon's config file
-        self._stored = registry.pool_sizes()  # sizes set through the API, written through to the registry
+        self._stored: dict[str, int] = {}  # sizes set through the API, written through to the registry (read at start)
         self._members: dict[str, list[Member]] = defaultdict(list)
         self._starting: Counter[str] = Counter()
         self._fillers: dict[str, asyncio.Task[None]] = {}
@@ -108,8 +108,9 @@ class PoolService:
         self.refill(tag)
         return self.describe(tag)
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Fill every pool with a size (after recovery, so leftovers of a dead daemon are gone first)."""
+        self._stored = {**await asyncio.to_thread(self.registry.pool_sizes), **self._stored}
         for tag in {*self._configured, *self._stored}:
             self.refill(tag)
 

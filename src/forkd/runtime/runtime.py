@@ -1,6 +1,12 @@
 """The runtime: one object owning the registry, the VMM backend, images, snapshots and sandboxes.
 
-The daemon is a thin HTTP layer over this; nothing else starts VMs.
+The daemon is a thin HTTP layer over this; nothing else starts VMs. ``await Runtime.open(...)``
+makes the state directories and opens ``state.db``; the constructor only wires the services
+together (no I/O), and ``start()`` recovers what a previous daemon left and starts the keepers.
+
+The fronts (daemon routes, the E2B front, MCP through the daemon) use only its services and the
+few methods below (``FRONT_SURFACE``), never the registry, the store, the VMM or the pool's owner:
+tests/unit/test_architecture.py checks it.
 """
 
 from __future__ import annotations
@@ -8,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from forkd.config import Paths
 from forkd.image.builder import (
@@ -26,38 +33,51 @@ from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
 from forkd.runtime.driver_forks import DriverForks
 from forkd.runtime.isolation import Isolation
+from forkd.runtime.keepers import console_keeper, deadline_keeper
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.node import NodeService
 from forkd.runtime.options import RuntimeOptions
+from forkd.runtime.pool import PoolService
 from forkd.runtime.recovery import Recovery, recover
-from forkd.store.registry import Registry, SnapshotRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.sessions import Sessions
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
+from forkd.runtime.spawning import Spawner
 from forkd.runtime.workspaces import WorkspaceService
+from forkd.store.chains import describe_chain
 from forkd.store.files import DigestCache
 from forkd.store.io import blocking
+from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
-from forkd.vmm.base import Vmm
+from forkd.validation import new_sandbox_id
+from forkd.vmm.base import Capabilities, Vmm
+
+# What a front may use of a Runtime: its services and the methods that answer for the store and the VMM.
+FRONT_SURFACE = frozenset({
+    "sandboxes", "spawner", "pools", "sessions", "branches", "workspaces", "packs", "snapshots", "compaction",
+    "peers", "node", "driver_forks", "metrics", "paths", "start", "stop", "images", "build_image", "remove_image",
+    "confine_image_sources", "create_snapshot", "remove_snapshot", "snapshot", "snapshot_by_digest",
+    "snapshot_records", "snapshot_listing", "describe_snapshot", "capabilities"})
 
 
 class Runtime:
-    def __init__(self, paths: Paths, vmm: Vmm, options: RuntimeOptions | None = None) -> None:
-        for directory in (paths.home, paths.snapshots, paths.sandboxes, paths.uploads):
-            directory.mkdir(parents=True, exist_ok=True)
+    def __init__(self, paths: Paths, vmm: Vmm, registry: Registry, isolation: Isolation,
+                 options: RuntimeOptions | None = None) -> None:
+        """Wire the services over an open ``registry`` (``Runtime.open`` makes one); no I/O here."""
         self.paths = paths
         self.vmm = vmm
-        self.registry = Registry(paths.db)
-        self.store = SnapshotStore(paths.snapshots, self.registry, DigestCache(), vmm.identity, vmm.disk)
-        self.snapshots = SnapshotService(paths, self.store, vmm)
+        self.registry = registry
         self.options = options or RuntimeOptions()
+        self.store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
+        self.snapshots = SnapshotService(paths, self.store, vmm)
         self.metrics = Metrics()
-        self.sandboxes = SandboxService(paths, self.registry, vmm, self.snapshots, self.metrics,
-                                        Isolation.from_options(self.registry, self.options), self.options)
-        if self.options.host_roots is not None:
-            self.options.host_roots.create()
+        self.sandboxes = SandboxService(paths, registry, vmm, isolation)
+        self.pools = PoolService(paths, registry, vmm, self.store, isolation, self.sandboxes.release, new_sandbox_id,
+                                 self.options.pool_sizes, warm=self.options.warm_pools)
+        self.spawner = Spawner(paths, registry, vmm, self.store, self.sandboxes, self.pools, isolation, self.metrics,
+                               self.options)
         roots = self.options.host_roots
-        self.packs = PackService(self.store, self.sandboxes.count_of, roots, UrlPolicy(self.options.transfer_hosts),
+        self.packs = PackService(self.store, self.spawner.count_of, roots, UrlPolicy(self.options.transfer_hosts),
                                  SpaceFloor(self.options.pack_free_floor_bytes, roots.packs if roots else None),
                                  self.options.allow_unpinned_pulls)
         self.peers = PeerPuller(self.packs)
@@ -65,14 +85,36 @@ class Runtime:
         self.driver_forks = DriverForks(self.registry, self.sandboxes)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
-        self.metrics.watch_pools(self.sandboxes.pool.list)
+        self.metrics.watch_pools(self.pools.list)
         self.compaction = CompactService(self.store, vmm.disk)
-        self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.options.max_concurrent_branches,
-                                      self.metrics)
+        self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.spawner,
+                                      self.options.max_concurrent_branches, self.metrics)
         self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads)
-        self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.branches, self.remove_snapshot)
+        self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.spawner, self.branches,
+                                           self.remove_snapshot)
         self._image_lock = asyncio.Lock()
         self._keepers: list[asyncio.Task[None]] = []
+
+    @classmethod
+    async def open(cls, paths: Paths, vmm: Vmm, options: RuntimeOptions | None = None) -> Runtime:
+        """The runtime over ``paths``: its directories made, ``state.db`` opened (and migrated), the host's
+        network and cgroup setup read. Nothing is started: that is ``start()``."""
+        options = options or RuntimeOptions()
+
+        def state() -> tuple[Registry, Isolation]:
+            for directory in (paths.home, paths.snapshots, paths.sandboxes, paths.uploads):
+                directory.mkdir(parents=True, exist_ok=True)
+            if options.host_roots is not None:
+                options.host_roots.create()
+            registry = Registry(paths.db)
+            try:
+                return registry, Isolation.from_options(registry, options)
+            except BaseException:
+                registry.close()
+                raise
+
+        registry, isolation = await asyncio.to_thread(state)
+        return cls(paths, vmm, registry, isolation, options)
 
     async def start(self) -> Recovery:
         """Re-adopt the sandboxes a previous daemon left running, reap the rest, half-built snapshots and
@@ -81,10 +123,10 @@ class Runtime:
         await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
         recovery = await recover(self.sandboxes, self.store)
         await asyncio.to_thread(self.packs.remove_partials)
-        self.sandboxes.pool.start()
+        await self.pools.start()
         loop = asyncio.get_running_loop()
-        self._keepers = [loop.create_task(self.sandboxes.expire_forever()),
-                         loop.create_task(self.sandboxes.bound_logs_forever())]
+        self._keepers = [loop.create_task(deadline_keeper(self.sandboxes)),
+                         loop.create_task(console_keeper(self.sandboxes))]
         return recovery
 
     async def stop(self) -> None:
@@ -93,10 +135,35 @@ class Runtime:
         for keeper in self._keepers:
             keeper.cancel()
         await self.branches.wait_all()
-        await self.sandboxes.pool.stop()  # idle members are never left for the next daemon
+        await self.pools.stop()  # idle members are never left for the next daemon
         leave = self.sandboxes.detach_all() if self.options.keep_sandboxes_on_stop else self.sandboxes.kill_all()
         await asyncio.gather(leave, self.snapshots.abort_all())
         self.registry.close()
+
+    def capabilities(self) -> Capabilities:
+        """What the VMM backend and the host offer (``GET /v1/system``)."""
+        return self.vmm.capabilities()
+
+    def snapshot(self, tag: str) -> SnapshotRecord | None:
+        return self.registry.get_snapshot(tag)
+
+    async def snapshot_by_digest(self, digest: str) -> SnapshotRecord:
+        """The snapshot with content digest ``digest`` on this node (DigestNotFound if none); off the loop."""
+        return await asyncio.to_thread(self.store.get_digest, digest)
+
+    def snapshot_records(self) -> list[SnapshotRecord]:
+        return self.registry.list_snapshots()
+
+    async def snapshot_listing(self) -> list[dict[str, Any]]:
+        """Every snapshot with its disk usage (a walk of the store, on its own threads)."""
+        return await self.store.listing()
+
+    def describe_snapshot(self, tag: str) -> dict[str, Any]:
+        """One snapshot with its chain: depth, ancestors, dependents, sizes."""
+        record = self.registry.get_snapshot(tag)
+        if record is None:
+            raise LookupError(f"no snapshot {tag!r}; list them with `forkd snapshots`")
+        return {**record.to_dict(), **describe_chain(self.registry, record)}
 
     def confine_image_sources(self, spec: ImageSpec) -> ImageSpec:
         """``spec`` with its root tree or OCI tarball confined to the imports directory (when the daemon has one)."""
@@ -133,7 +200,7 @@ class Runtime:
 
     async def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> list[str]:
         """Remove snapshots (refused while children of them start or run) and kill their pools' members."""
-        removed = await self.store.remove(tag, self.sandboxes.count_of, cascade=cascade, force=force)
+        removed = await self.store.remove(tag, self.spawner.count_of, cascade=cascade, force=force)
         for gone in removed:
-            await self.sandboxes.pool.discard(gone)
+            await self.pools.discard(gone)
         return removed

@@ -16,7 +16,8 @@ from typing import Any
 
 from forkd.runtime.agent_client import AgentUnavailable
 from forkd.runtime.branches import BranchService
-from forkd.runtime.sandboxes import ForkOptions, SandboxEnded, SandboxNotFound, SandboxService
+from forkd.runtime.sandboxes import SandboxEnded, SandboxNotFound, SandboxService
+from forkd.runtime.spawning import ForkOptions, Spawner
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.registry import Registry, WorkspaceRecord
 from forkd.validation import ValidationError, check_tag
@@ -30,10 +31,11 @@ class WorkspaceNotFound(LookupError):
 
 
 class WorkspaceService:
-    def __init__(self, registry: Registry, sandboxes: SandboxService, branches: BranchService,
+    def __init__(self, registry: Registry, sandboxes: SandboxService, spawner: Spawner, branches: BranchService,
                  remove_snapshot: Any) -> None:
         self.registry = registry
         self.sandboxes = sandboxes
+        self.spawner = spawner
         self.branches = branches
         self._remove_snapshot = remove_snapshot  # await Runtime.remove_snapshot(tag, cascade=...)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # one change at a time
@@ -43,6 +45,12 @@ class WorkspaceService:
         if record is None:
             raise WorkspaceNotFound(f"no workspace {name!r}; list them with `forkd workspace ls`")
         return record
+
+    def find(self, name: str) -> WorkspaceRecord | None:
+        return self.registry.get_workspace(name)
+
+    def records(self) -> list[WorkspaceRecord]:
+        return self.registry.list_workspaces()
 
     def describe(self, record: WorkspaceRecord) -> dict[str, Any]:
         """The record, with ``lost`` when its sandbox ended without a suspend (killed, timed out)."""
@@ -152,7 +160,7 @@ class WorkspaceService:
     async def _start(self, name: str, snapshot_tag: str, labels: dict[str, str] | None = None,
                      envs: dict[str, str] | None = None) -> str:
         options = ForkOptions(metadata={**(labels or {}), "workspace": name}, envs=envs or {})
-        (outcome,) = await self.sandboxes.fork(snapshot_tag, 1, options)
+        (outcome,) = await self.spawner.fork(snapshot_tag, 1, options)
         if outcome.sandbox is None:
             raise SnapshotError(f"the workspace's sandbox did not start: {outcome.error}")
         return outcome.sandbox["id"]

@@ -241,7 +241,6 @@ class MemoryStats:
     rss_kib: int
     pss_kib: int
     private_dirty_kib: int
-    shared_clean_kib: int
 
 
 class Vmm(Protocol):

@@ -211,7 +211,7 @@ class FakeVmm:
 
     def memory_stats(self, vm: VmHandle) -> MemoryStats:
         size = Path(vm.state[RAM_KEY]).stat().st_size >> 10
-        return MemoryStats(rss_kib=size, pss_kib=size, private_dirty_kib=0, shared_clean_kib=size)
+        return MemoryStats(rss_kib=size, pss_kib=size, private_dirty_kib=0)
 
     def write_guest_memory(self, vm: VmHandle, offset: int, data: bytes) -> None:
         """What a guest writing its RAM does to a child's (private) memory."""

@@ -159,5 +159,4 @@ def read_memory_stats(pid: int) -> MemoryStats:
         rss_kib=fields.get("Rss", 0),
         pss_kib=fields.get("Pss", 0),
         private_dirty_kib=fields.get("Private_Dirty", 0),
-        shared_clean_kib=fields.get("Shared_Clean", 0),
     )

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from forkd.daemon.middleware import StatusSeen
+from forkd.validation import find_sandbox_id
 
-_SANDBOX_ID = re.compile(r"\bsb-[a-z0-9]{12}\b")
 _PEEK_BYTES = 64 << 10  # bodies this small are read for the snapshot tag they name
 MAX_FIELD_CHARS = 256  # a path, method or tag longer than this is cut (and marked)
 DEFAULT_MAX_BYTES = 64 << 20
@@ -110,7 +109,6 @@ class AuditMiddleware:
     def entry(self, scope: dict[str, Any], status: int, seconds: float, head: bytes) -> dict[str, Any]:
         client = scope.get("client")
         params = scope.get("path_params") or {}
-        sandbox = _SANDBOX_ID.search(scope["path"])
         return {
             "time": round(time.time(), 3),
             "client": f"{client[0]}:{client[1]}" if client and self.transport == "tcp" else self.transport,
@@ -118,7 +116,7 @@ class AuditMiddleware:
             "path": bounded(scope["path"]),
             "status": status,
             "latency_ms": round(seconds * 1000, 2),
-            "sandbox_id": sandbox.group(0) if sandbox else None,
+            "sandbox_id": find_sandbox_id(scope["path"]),
             "snapshot_tag": bounded(params.get("tag") or _tag_in_body(head)),
         }
 

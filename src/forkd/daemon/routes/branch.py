@@ -9,7 +9,6 @@ from fastapi.responses import JSONResponse
 
 from forkd.daemon import schemas
 from forkd.daemon.deps import RuntimeDep, SandboxId
-from forkd.store.chains import describe_chain
 
 router = APIRouter()
 
@@ -23,10 +22,7 @@ async def branch(sandbox_id: SandboxId, body: schemas.BranchRequest, runtime: Ru
 
 @router.get("/v1/snapshots/{tag}")
 async def snapshot_info(tag: str, runtime: RuntimeDep) -> dict[str, Any]:
-    record = runtime.registry.get_snapshot(tag)
-    if record is None:
-        raise LookupError(f"no snapshot {tag!r}; list them with `forkd snapshots`")
-    return {**record.to_dict(), **describe_chain(runtime.registry, record)}
+    return runtime.describe_snapshot(tag)
 
 
 @router.post("/v1/snapshots/compact", status_code=201)

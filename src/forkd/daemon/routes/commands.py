@@ -17,7 +17,9 @@ from forkd.daemon import schemas
 from forkd.daemon.errors import ClientGone
 from forkd.daemon.deps import Pid, SandboxId, SessionsDep
 from forkd.daemon.ndjson import NDJSONResponse, attached, json_or_ndjson
-from forkd.runtime.sessions import CellSpec, CommandSpec, Execution, Notice, Output, Sessions, Started
+from forkd.runtime.execution import Execution
+from forkd.runtime.results import CellSpec, CommandSpec, Notice, Output, Started
+from forkd.runtime.sessions import Sessions
 
 router = APIRouter()
 T = TypeVar("T")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -15,7 +14,7 @@ from forkd.host.cgroups import Limits
 from forkd.host.netpolicy import NetRequest, allow_rule, egress_policy
 from forkd.runtime.driver_forks import fingerprint
 from forkd.runtime.isolation import SandboxOptions
-from forkd.runtime.sandboxes import ForkOptions, ForkOutcome
+from forkd.runtime.spawning import ForkOptions, ForkOutcome
 
 router = APIRouter()
 OwnerQuery = Annotated[str | None, Query(pattern=schemas.LABEL_PATTERN, description="only this owner's children")]
@@ -60,10 +59,10 @@ async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, An
     async def snapshot() -> str:
         if body.snapshot_tag is not None:
             return body.snapshot_tag
-        return (await asyncio.to_thread(runtime.store.get_digest, body.snapshot_digest)).tag  # type: ignore[arg-type]
+        return (await runtime.snapshot_by_digest(body.snapshot_digest)).tag  # type: ignore[arg-type]
 
     async def answer() -> dict[str, Any]:  # a retried keyed fork is answered without looking the snapshot up again
-        return fork_answer(await runtime.sandboxes.fork(await snapshot(), body.n, options))
+        return fork_answer(await runtime.spawner.fork(await snapshot(), body.n, options))
 
     if body.idempotency_key is not None:
         request = body.model_dump(exclude={"idempotency_key", "stream"})
@@ -71,7 +70,7 @@ async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, An
     if not body.stream:
         return await answer()
     # A tag that cannot be forked is an error status here, before any line is streamed.
-    children = await runtime.sandboxes.start_fork(await snapshot(), body.n, options)
+    children = await runtime.spawner.start_fork(await snapshot(), body.n, options)
 
     async def work(emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         outcomes = []

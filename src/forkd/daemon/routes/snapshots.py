@@ -16,7 +16,7 @@ router = APIRouter()
 
 @router.get("/v1/snapshots", response_model=schemas.SnapshotList)
 async def snapshots(runtime: RuntimeDep) -> dict[str, Any]:
-    return {"snapshots": await runtime.store.listing()}  # walks the store on its own threads
+    return {"snapshots": await runtime.snapshot_listing()}  # walks the store on its own threads
 
 
 @router.post("/v1/snapshots", response_class=NDJSONResponse, responses=NDJSON_ANSWER)

@@ -30,7 +30,7 @@ async def metrics(runtime: RuntimeDep) -> PlainTextResponse:
 
 @router.get("/v1/version")
 async def version(runtime: RuntimeDep) -> dict[str, Any]:
-    caps = runtime.vmm.capabilities()
+    caps = runtime.capabilities()
     return {"forkd": __version__, "vmm": caps.kind, "vmm_version": caps.version,
             "accelerator": caps.accelerator, "accelerator_reason": caps.accelerator_reason,
             "capabilities": {"shared_memory_snapshots": caps.shared_memory_snapshots, "vmgenid": caps.vmgenid,

@@ -26,7 +26,7 @@ async def create_workspace(body: schemas.WorkspaceCreate, service: Workspaces) -
 
 @router.get("/v1/workspaces")
 async def list_workspaces(service: Workspaces) -> dict[str, Any]:
-    return {"workspaces": [service.describe(w) for w in service.registry.list_workspaces()]}
+    return {"workspaces": [service.describe(w) for w in service.records()]}
 
 
 @router.get("/v1/workspaces/{name}")

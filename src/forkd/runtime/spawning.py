@@ -1,0 +1,285 @@
+"""Spawning: admission, restore and reseed, from a fork request to live children.
+
+A child counts as spawned when its guest agent has been reseeded and has answered — not when the
+VMM process starts; from then on it belongs to the sandboxes' lifecycle (``runtime/sandboxes.py``:
+watch, release, kill, timeouts). In a batch, one failed child is reported, not fatal. Children
+take ready VMMs from their snapshot's pool (``runtime/pool.py``, handed in) before starting their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from forkd.config import Paths
+from forkd.guest import protocol
+from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_answering
+from forkd.runtime.isolation import Isolation, IsolationError, Prepared, SandboxOptions, sandbox_meta
+from forkd.runtime.metrics import Metrics
+from forkd.runtime.options import RuntimeOptions
+from forkd.runtime.pool import Member, PoolService
+from forkd.runtime.sandboxes import LiveSandbox, SandboxService
+from forkd.runtime.timings import Timings
+from forkd.runtime.warmup import reseed_args
+from forkd.store.registry import Registry, SandboxRecord
+from forkd.store.snapshots import SnapshotStore
+from forkd.validation import new_sandbox_id
+from forkd.vmm.base import BootSpec, SavedVm, Vmm, VmHandle, VmmError
+from forkd.vmm.process import start_time
+
+RESTORE_ANSWER_TIMEOUT_S = 60.0
+log = logging.getLogger("forkd.spawning")
+
+
+class SandboxLimitReached(RuntimeError):
+    """The daemon's ``max_sandboxes`` limit is reached; this child is refused, the others are not."""
+
+
+class ReseedFailed(AgentError):
+    """The child's guest kernel RNG was not reseeded, so it would share its randomness with its siblings."""
+
+    def __init__(self, sandbox_id: str, answer: dict[str, Any]) -> None:
+        skipped = ", ".join(answer.get("skipped") or []) or "none reported"
+        super().__init__("reseed_failed", f"child {sandbox_id} did not reseed its kernel RNG (skipped: {skipped}); "
+                         "it would share random numbers with its siblings, so it was killed. Check that the "
+                         "image's agent runs as root (PID 1's child) and rebuild it with `forkd image build --force`")
+
+
+class DeadlinePassed(RuntimeError):
+    """The caller's own deadline for a fork passed before this child answered; it was not kept."""
+
+
+# What spawning one child raises when it fails for a reason, not a bug: admission (SandboxLimitReached,
+# DeadlinePassed), host setup (IsolationError, OSError), the VMM (VmmError), the guest's answers
+# (AgentError, ReseedFailed among them).
+SPAWN_FAILURES = (SandboxLimitReached, DeadlinePassed, IsolationError, OSError, VmmError, AgentError)
+
+
+def child_error(exc: Exception) -> str:
+    """A failed child's error in its batch: the failure's own message; for anything else (a bug, whose
+    traceback goes to the log) the class too, as the daemon's error table reports an internal error."""
+    return str(exc) if isinstance(exc, SPAWN_FAILURES) else f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _remaining(deadline: float | None) -> float:
+    """Seconds left until a monotonic ``deadline`` (a day when there is none; at least a moment)."""
+    return 86400.0 if deadline is None else max(0.001, deadline - time.monotonic())
+
+
+@dataclass(frozen=True)
+class ForkOptions:
+    """What a fork request sets per child besides the snapshot: lifetime, default env, labels."""
+
+    timeout_s: float | None = None  # the daemon kills the child this long after it answered
+    envs: dict[str, str] = field(default_factory=dict)  # defaults for every command run in it
+    metadata: dict[str, str] = field(default_factory=dict)  # caller's labels, returned as given
+    isolation: SandboxOptions = field(default_factory=SandboxOptions)  # network and resource limits
+    deadline_s: float | None = None  # the caller waits no longer: children not answering by then are dropped
+    owner: str | None = None  # the driver's label, stored with each child: its children are listed and reaped by it
+
+
+@dataclass
+class ForkOutcome:
+    """One child of a fork request: either a sandbox or the reason it failed, and where its time went."""
+
+    index: int = 0  # the child's place in its request
+    sandbox: dict[str, Any] | None = None
+    error: str | None = None
+    seconds_to_answer: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # ms per spawn stage (runtime/timings.py)
+
+
+class Spawner:
+    """Turns fork requests into live children, handing each to ``sandboxes`` once it answered."""
+
+    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, store: SnapshotStore, sandboxes: SandboxService,
+                 pool: PoolService, isolation: Isolation, metrics: Metrics,
+                 options: RuntimeOptions | None = None) -> None:
+        self.paths = paths
+        self.registry = registry
+        self.vmm = vmm
+        self.store = store
+        self.sandboxes = sandboxes
+        self.pool = pool
+        self.isolation = isolation
+        self.metrics = metrics
+        self.options = options or RuntimeOptions()
+        self._forking: Counter[str] = Counter()  # children being restored, per snapshot tag
+        self._restoring = 0
+        self._restore_slots = asyncio.Semaphore(self.options.restore_slots())
+        self._batches: set[asyncio.Future[Any]] = set()
+
+    def count_of(self, tag: str) -> int:
+        """Children of ``tag`` running or being restored."""
+        return self._forking[tag] + self.sandboxes.running_of(tag)
+
+    async def fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> list[ForkOutcome]:
+        """Restore ``count`` children of snapshot ``tag``; per-child outcome, in request order."""
+        outcomes: list[ForkOutcome | None] = [None] * count
+        async for outcome in await self.start_fork(tag, count, options):
+            outcomes[outcome.index] = outcome
+        return [o for o in outcomes if o is not None]
+
+    async def start_fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> AsyncIterator[ForkOutcome]:
+        """Start restoring ``count`` children of ``tag``; iterate the result for each one's outcome as it comes.
+
+        A snapshot that cannot be forked raises here, before any child starts.
+
+        Every child gets an outcome, whatever a sibling raised: ids of children that started are
+        never lost. Children take ready VMMs from the snapshot's pool first, then start their own;
+        all queue for the restore slots (admission), and the pool is refilled once the batch is done.
+        If the consumer stops early, the children still finish starting (``forkd ls`` shows them).
+        """
+        started = time.monotonic()
+        deadline = None if options.deadline_s is None else started + options.deadline_s
+        # Counted before the first await, so `rmi` of this tag is refused while its children start.
+        self._forking[tag] += count
+        try:
+            record, saved, spec = await asyncio.to_thread(self.store.open, tag)
+        except BaseException:
+            self._forking[tag] -= count
+            raise
+        members: list[Member | None] = [*self.pool.take(record.tag, count, options.isolation)]
+        members += [None] * (count - len(members))
+        done: asyncio.Queue[ForkOutcome] = asyncio.Queue()
+
+        async def one(index: int, member: Member | None) -> None:
+            timings = Timings(started)
+            try:
+                sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline)
+            except Exception as exc:  # one child's failure, a bug's included, never takes its siblings with it
+                self.metrics.spawn_failures.inc()
+                if not isinstance(exc, SPAWN_FAILURES):
+                    log.exception("spawning a child of %s failed", tag)
+                done.put_nowait(ForkOutcome(index=index, error=child_error(exc), timings=timings.as_ms()))
+                return
+            finally:
+                self._forking[tag] -= 1
+            self.metrics.spawn_seconds.observe(timings.total)
+            timings.observe(self.metrics.spawn_stage_seconds)
+            done.put_nowait(ForkOutcome(index=index, sandbox=self.sandboxes.describe(sandbox),
+                                        seconds_to_answer=timings.total, timings=timings.as_ms()))
+
+        batch = asyncio.gather(*(one(i, m) for i, m in enumerate(members)))
+        self._batches.add(batch)  # runs to the end even when nobody iterates any more
+        batch.add_done_callback(lambda _: (self._batches.discard(batch), self.pool.refill(record.tag)))
+
+        async def outcomes() -> AsyncIterator[ForkOutcome]:
+            for _ in range(count):
+                yield await done.get()
+
+        return outcomes()
+
+    async def _spawn(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions, timings: Timings,
+                     member: Member | None, deadline: float | None) -> LiveSandbox:
+        limit = self.options.max_sandboxes
+        if limit is not None and len(self.sandboxes.live()) + self._restoring >= limit:
+            if member is not None:
+                self.pool.give_back(tag, member)
+            raise SandboxLimitReached(f"the daemon runs its limit of {limit} sandboxes (max_sandboxes); kill some "
+                                      "with `forkd kill` or raise the limit in the daemon's config")
+        self._restoring += 1
+        try:
+            try:
+                await asyncio.wait_for(self._restore_slots.acquire(), _remaining(deadline))
+            except asyncio.TimeoutError:
+                if member is not None:
+                    self.pool.give_back(tag, member)
+                raise DeadlinePassed(f"the request's deadline of {deadline - timings.start:.1f} s passed while this "  # type: ignore[operator]
+                                     "child waited for a restore slot; fork fewer at once or give more time") from None
+            try:
+                timings.mark("queued")
+                return await self._restore(tag, saved, spec, options, timings, member, deadline)
+            finally:
+                self._restore_slots.release()
+        finally:
+            self._restoring -= 1
+
+    async def _restore(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions, timings: Timings,
+                       member: Member | None, deadline: float | None) -> LiveSandbox:
+        """Restore one child (from a pool member if given); its record is written once, when it answers.
+
+        Until then a crash leaves only its run directory, which recovery reaps with its VMM
+        (found by the directory its command line names) and every releaser.
+        """
+        vm: VmHandle | None = None
+        agent: AgentClient | None = None
+        prepared: Prepared | None = None
+        if member is not None:
+            sandbox_id, run_dir, prepared, vm = member.sandbox_id, member.vm.run_dir, member.prepared, member.vm
+            agent = member.agent  # a warm member: state loaded, first calls run, guest stopped
+            timings.mark("pool")
+        else:
+            sandbox_id = new_sandbox_id()
+            run_dir = self.paths.sandboxes / sandbox_id
+            run_dir.mkdir(parents=True)
+        try:
+            if vm is None:
+                prepared = await asyncio.to_thread(self.isolation.prepare, sandbox_id, options.isolation)
+                timings.mark("isolation")
+                try:
+                    vm = await self.vmm.prepare_restore(sandbox_id, saved, spec, run_dir,
+                                                        dataclasses.replace(prepared.setup(), on_stage=timings.mark))
+                finally:
+                    prepared.close_tap()
+            answer_s = min(RESTORE_ANSWER_TIMEOUT_S, _remaining(deadline))
+            if agent is None:
+                await self.vmm.complete_restore(vm, saved, timings.mark)
+                agent = await self._reseed(vm, sandbox_id, answer_s)
+            else:
+                await self.vmm.resume(vm)
+                timings.mark("cont")
+                await self._check_reseeded(agent, sandbox_id, await agent.call(
+                    protocol.OP_RESEED, reseed_args(sandbox_id), timeout=answer_s))
+            timings.mark("reseed")
+            assert prepared is not None
+            record = self._running_record(sandbox_id, tag, vm, options, prepared, timings)
+            await asyncio.to_thread(self.registry.add_sandbox, record)
+            timings.mark("recorded")
+        except BaseException:
+            if agent is not None:
+                await agent.close()
+            if vm is not None:
+                await self.vmm.kill(vm)
+            await self.sandboxes.release(sandbox_id, run_dir)
+            raise
+        agent.on_roundtrip = lambda op, seconds: self.metrics.agent_roundtrip_seconds.labels(op).observe(seconds)
+        live = self.sandboxes.watch(record, vm, agent, prepared)
+        live.record.meta["timings"] = timings.as_ms()  # shown with the sandbox; the record has them up to "recorded"
+        return live
+
+    @staticmethod
+    async def _reseed(vm: VmHandle, sandbox_id: str, timeout_s: float) -> AgentClient:
+        """The first answer a child gives is to its reseed: nothing runs on a copied RNG or clock.
+
+        ``timeout_s`` counts from this child's own restore, not from the request.
+        """
+        agent, reseeded = await connect_when_answering(vm, timeout_s, protocol.OP_RESEED, reseed_args(sandbox_id))
+        await Spawner._check_reseeded(agent, sandbox_id, reseeded)
+        return agent
+
+    @staticmethod
+    async def _check_reseeded(agent: AgentClient, sandbox_id: str, reseeded: dict[str, Any]) -> None:
+        if reseeded.get("kernel_rng") is not True:
+            await agent.close()
+            raise ReseedFailed(sandbox_id, reseeded)
+
+    @staticmethod
+    def _running_record(sandbox_id: str, tag: str, vm: VmHandle, options: ForkOptions, prepared: Prepared,
+                        timings: Timings) -> SandboxRecord:
+        """Everything about a child that just answered, in the one record written for it."""
+        answered = round(timings.total, 4)
+        meta = {"hostname": sandbox_id, "envs": options.envs, "metadata": options.metadata,
+                "seconds_to_answer": answered, "timings": timings.as_ms(),
+                **sandbox_meta(options.isolation, prepared.lease)}
+        return SandboxRecord(id=sandbox_id, snapshot_tag=tag, status="running", pid=vm.pid, run_dir=vm.run_dir,
+                             created_at=time.time(), meta=meta, vmm_started=start_time(vm.pid),
+                             vmm_state=vm.state,
+                             end_at=None if options.timeout_s is None else round(time.time() + options.timeout_s, 3),
+                             owner=options.owner)
