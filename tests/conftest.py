@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 
 from forkd.config import Paths, paths_from_env
+from forkd.guest.protocol import AGENT_VERSION
+from forkd.image.store import INITRD_FILE, KERNEL_FILE, ROOTFS_FILE, write_manifest
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.sandboxes import SandboxService
@@ -52,6 +54,33 @@ def vm_prerequisites_missing() -> list[str]:
     if shutil.which("nft") is None:
         missing.append("nftables (`bash scripts/setup` installs the nftables package)")
     return missing
+
+
+#: the package that provides each host tool a root-only unit test runs
+TOOL_PACKAGES = {"nft": "nftables", "ip": "iproute2", "setpriv": "util-linux", "unshare": "util-linux"}
+
+
+def missing_host_tools(*tools: str) -> list[str]:
+    """The tools of ``tools`` not on PATH, each with the package to install."""
+    return [f"`{tool}` (install {TOOL_PACKAGES[tool]})" for tool in tools if shutil.which(tool) is None]
+
+
+def require_root(*tools: str) -> None:
+    """Fail (never skip) a test that needs root and host tools on a host without them: a root-only test
+    that skips proves nothing, and CI runs the suite as root."""
+    missing = ([] if os.geteuid() == 0 else ["root (run the suite as root, as CI does: bash .ci/run)"])
+    missing += missing_host_tools(*tools)
+    if missing:
+        pytest.fail("this test needs " + "; ".join(missing)
+                    + ". To leave the root-only unit tests out on purpose, deselect them with -m 'not root'.",
+                    pytrace=False)
+
+
+@pytest.hookimpl(tryfirst=True)  # before fixtures are set up: they may already need root
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("root")
+    if marker is not None:
+        require_root(*marker.args)
 
 
 def _is_vm(item: pytest.Item) -> bool:
@@ -154,6 +183,42 @@ def stop_daemon(process: subprocess.Popen[bytes], controller: Controller, home: 
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert not leaked, f"the stopped daemon left VMM processes running: {leaked}"
+
+
+def _fake_image(cache: Path) -> None:
+    """An image the fake backend boots: its files are never executed, only linked and hashed."""
+    directory = Paths(home=cache, cache=cache, socket=cache / "s").images / "default"
+    directory.mkdir(parents=True)
+    for name in (KERNEL_FILE, INITRD_FILE, ROOTFS_FILE):
+        (directory / name).write_bytes(name.encode())
+    write_manifest(directory, {"name": "default", "key": "fake", "kernel_version": "6.12", "kernel_sha256": "0" * 64,
+                               "agent_version": AGENT_VERSION, "created_at": 0.0, "size_bytes": 3,
+                               "disk_size_mib": 1, "spec": {}, "inputs": {}})
+
+
+@contextlib.contextmanager
+def fake_daemon_on(home: Path, config: str = "") -> Iterator[Controller]:
+    """A whole daemon process on the fake VMM backend (``vmm = "fake"``) with its own image, on ``home``
+    (short: agent sockets live under it), its config file holding ``config``; stopped at the end."""
+    env = vm_env_for(home)
+    for variable in ("FORKD_LISTEN", "FORKD_E2B_LISTEN"):
+        env.pop(variable, None)
+    (home / "forkd.toml").write_text(config)
+    env.update(FORKD_VMM="fake", FORKD_CACHE=str(home / "cache"), FORKD_CONFIG=str(home / "forkd.toml"))
+    _fake_image(home / "cache")
+    process, controller = start_daemon(home, env)
+    try:
+        yield controller
+    finally:
+        stop_daemon(process, controller, home)  # fails if a fake VMM process outlived the daemon
+
+
+@pytest.fixture
+def fake_home() -> Iterator[Path]:
+    """Short: agent sockets live under it and a Unix socket path has at most 107 bytes."""
+    directory = Path(tempfile.mkdtemp(prefix="fkd-", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -286,7 +351,7 @@ def typescript_sdk() -> Path:
         pytest.fail("node is not installed: `bash scripts/setup` installs nodejs and builds sdk/typescript")
     built = TYPESCRIPT_SDK / "dist" / "src" / "index.js"
     sources = [*TYPESCRIPT_SDK.glob("src/**/*.ts"), *TYPESCRIPT_SDK.glob("test/**/*.ts"),
-               *TYPESCRIPT_SDK.glob("examples/**/*.ts"),
+               *TYPESCRIPT_SDK.glob("examples/**/*.ts"), *TYPESCRIPT_SDK.glob("scripts/*.mjs"),
                Path(__file__).resolve().parents[1] / "docs" / "openapi.json"]
     if not built.is_file():
         pytest.fail(f"{built} is missing: build the TypeScript SDK (`bash scripts/setup`, or `npm run build` in "

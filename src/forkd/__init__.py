@@ -12,8 +12,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Sandbox": "forkd.sdk.sandbox",
-    "AsyncSandbox": "forkd.sdk.async_sandbox",
+    "Sandbox": "forkd.sdk.sandbox_sync",
+    "AsyncSandbox": "forkd.sdk.sandbox_async",
     "Controller": "forkd.sdk.controller",
     "ConnectionConfig": "forkd.sdk.connection",
     "CommandExitException": "forkd.sdk.models",
@@ -21,6 +21,8 @@ _EXPORTS = {
     "Execution": "forkd.sdk.models",
     "ForkFailed": "forkd.sdk.models",
     "ForkOutcome": "forkd.sdk.models",
+    "ChildOutcome": "forkd.sdk.models",
+    "Failure": "forkd.errors",
     "ForkdError": "forkd.sdk.errors",
     "SandboxException": "forkd.sdk.errors",
     "NotFoundException": "forkd.sdk.errors",

@@ -5,13 +5,17 @@ The daemon answers ``{"error": {"code", "message"}}`` with the kind's status; cl
 so a code means the same thing on every side of the API. A message says what went wrong in this
 case; the kind's ``next_step`` says what to do about any error of that kind.
 
+Every exception forkd raises on purpose carries its kind: a ``kind`` attribute holding one of
+these codes (a class attribute, or a property where the code comes with the error, as the guest
+agent's do). ``kind_for`` reads it; the daemon, the E2B front and MCP all map exceptions through it.
+
 Stdlib only and importing nothing from forkd: every layer may depend on it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 #: Which client exception family a kind belongs to (the SDK names its classes after E2B's).
 Family = Literal["invalid_argument", "authentication", "not_found", "conflict", "timeout", "rate_limit", "other"]
@@ -64,6 +68,10 @@ _KINDS = (
     ErrorKind("vmm_error", 500, "other", "check `forkd doctor` and the daemon log, then retry"),
     ErrorKind("agent_unavailable", 502, "other",
               "the sandbox's guest agent is gone: kill the sandbox and spawn a new one"),
+    ErrorKind("reseed_failed", 500, "other", "rebuild the image (`forkd image build --force`) so its agent runs "
+              "as root, then recreate the snapshot"),
+    ErrorKind("isolation_error", 500, "other",
+              "check `forkd doctor` (network namespaces, cgroups) and the daemon log, then retry"),
     ErrorKind("peer_error", 502, "other",
               "check the peer's URL, its token (source_token) and its daemon's log, or pull from another node"),
     ErrorKind("busy", 503, "rate_limit", "retry in a moment: the daemon is over a concurrency cap"),
@@ -89,3 +97,50 @@ def kind_for_status(status: int) -> ErrorKind:
     if status == 404:
         return KINDS["no_route"]
     return next((kind for kind in _KINDS if kind.status == status), INTERNAL)
+
+
+def kind_for(exc: BaseException) -> ErrorKind:
+    """The kind an exception carries (its ``kind`` code); a bare ``LookupError`` is not_found, anything else internal."""
+    code = getattr(exc, "kind", None)
+    if isinstance(code, str):
+        return kind_of(code)
+    return KINDS["not_found"] if isinstance(exc, LookupError) else INTERNAL
+
+
+def message_for(exc: BaseException) -> str:
+    """What to tell a caller about ``exc``: the message it came with (the guest agent's errors carry one),
+    else its text, with the class named when it is unexpected."""
+    message = getattr(exc, "message", None)
+    if isinstance(message, str):
+        return message
+    return f"{type(exc).__name__}: {exc}" if kind_for(exc) is INTERNAL else str(exc)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An error reported as data instead of raised (one failed child of a fork batch): a code of this
+    table and what happened. ``str()`` is the message, so it reads well in a sentence."""
+
+    code: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        return cls(kind_for(exc).code, message_for(exc))
+
+    @classmethod
+    def from_answer(cls, error: Any) -> Failure:
+        """A ``{"code", "message"}`` object from an answer; an older daemon's bare string is internal."""
+        if isinstance(error, dict):
+            return cls(str(error.get("code") or INTERNAL.code), str(error.get("message") or "failed"))
+        return cls(INTERNAL.code, str(error or "failed"))
+
+    @property
+    def kind(self) -> ErrorKind:
+        return kind_of(self.code)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}
+
+    def __str__(self) -> str:
+        return self.message

@@ -26,6 +26,8 @@ _SANDBOX_ID_IN_TEXT = re.compile(rf"\b{_SANDBOX_ID_BODY}\b")
 class ValidationError(ValueError):
     """Input refused at the boundary; the message says what is accepted."""
 
+    kind = "invalid_request"
+
 
 def check_tag(tag: object, what: str = "tag") -> str:
     """Return ``tag`` if it is a safe name (``[A-Za-z0-9_-]{1,64}``), else raise."""

@@ -123,3 +123,38 @@ def test_a_sandbox_that_ended_mid_call_is_a_409(api: TestClient) -> None:
     assert any(issubclass(SandboxEnded, cls) for cls in HANDLED_ERRORS)
     status, body = error_body(SandboxEnded("sandbox sb-x ended while the call ran"))
     assert status == 409 and body["error"]["code"] == "sandbox_ended"
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [cls, *(sub for direct in cls.__subclasses__() for sub in _subclasses(direct))]
+
+
+def test_every_exception_carries_a_kind_of_the_one_table() -> None:
+    """Each class declares its kind (``forkd.errors.kind_for`` reads it); a code outside the table would be
+    answered as internal, so every declared one must be in it, and the specific classes keep their own."""
+    from forkd.daemon.errors import HANDLED_ERRORS
+    from forkd.errors import KINDS, kind_for
+    from forkd.image.errors import ImageNotFound
+    from forkd.runtime.agent_client import AgentError, AgentUnavailable
+    from forkd.runtime.branches import BranchBusy
+    from forkd.runtime.isolation import IsolationError
+    from forkd.runtime.sandboxes import SandboxNotFound
+    from forkd.runtime.spawning import DeadlinePassed, SandboxLimitReached
+    from forkd.packs.peer import PeerError
+    from forkd.runtime.driver_forks import IdempotencyConflict
+    from forkd.store.errors import DigestNotFound, SnapshotCorrupt, SnapshotDiskFull
+    from forkd.vmm.base import SnapshotMismatch
+
+    declared = {cls for base in (*HANDLED_ERRORS, IsolationError, SandboxLimitReached, DeadlinePassed)
+                for cls in _subclasses(base) if isinstance(getattr(cls, "kind", None), str)}
+    assert len(declared) > 15
+    assert all(cls.kind in KINDS for cls in declared), [cls for cls in declared if cls.kind not in KINDS]
+    expected = {ImageNotFound("x"): "not_found", BranchBusy("x"): "busy", SnapshotCorrupt("x"): "snapshot_corrupt",
+                SnapshotDiskFull("x"): "disk_full", SnapshotMismatch("x"): "snapshot_mismatch",
+                SandboxNotFound("x"): "not_found", SandboxLimitReached("x"): "busy", DeadlinePassed("x"): "timeout",
+                AgentUnavailable("x"): "agent_unavailable", AgentError("os_error", "x"): "os_error",
+                DigestNotFound("x"): "snapshot_not_found", PeerError("x"): "peer_error",
+                IdempotencyConflict("x"): "idempotency_conflict", LookupError("x"): "not_found",
+                ValueError("x"): "internal"}
+    assert {type(exc).__name__: kind_for(exc).code for exc in expected} == \
+        {type(exc).__name__: code for exc, code in expected.items()}

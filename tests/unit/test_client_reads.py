@@ -3,6 +3,7 @@ cannot grow the client's memory. A real HTTP server stands in for the daemon's f
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import threading
 import tracemalloc
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from forkd.mcp.server import file_contains
+from forkd.sdk.async_controller import AsyncController
 from forkd.sdk.controller import Controller, ForkdError
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,6 +55,15 @@ def controller() -> Iterator[Controller]:
     httpd.server_close()
 
 
+def contains(controller: Controller, *args: object) -> bool:
+    """The MCP tool's scan (``file_contains``), through an async client of the same daemon."""
+    async def scan() -> bool:
+        async with AsyncController(connection=controller.connection) as client:
+            return await file_contains(client, *args)  # type: ignore[arg-type]
+
+    return asyncio.run(scan())
+
+
 def test_read_file_with_a_limit_stops_an_endless_file(controller: Controller) -> None:
     tracemalloc.start()
     try:
@@ -68,16 +79,16 @@ def test_read_file_with_a_limit_stops_an_endless_file(controller: Controller) ->
 def test_waiting_for_text_scans_a_bounded_stream_and_finds_a_split_marker(controller: Controller) -> None:
     tracemalloc.start()
     try:
-        assert file_contains(controller, "sb-aaaaaaaaaaaa", "/tmp/zero", b"never there", 8 << 20) is False
+        assert contains(controller, "sb-aaaaaaaaaaaa", "/tmp/zero", b"never there", 8 << 20) is False
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20, peak  # one chunk at a time, not 8 MiB
-    assert file_contains(controller, "sb-aaaaaaaaaaaa", "/tmp/split", b"marker found", 1 << 20) is True
+    assert contains(controller, "sb-aaaaaaaaaaaa", "/tmp/split", b"marker found", 1 << 20) is True
 
 
 def test_a_scan_stops_at_its_deadline(controller: Controller) -> None:
     """1 TiB of an endless file would take far past the module's timeout; the deadline ends it."""
     import time
 
-    assert file_contains(controller, "sb-aaaaaaaaaaaa", "/tmp/zero", b"never", 1 << 40, time.monotonic() + 0.5) is False
+    assert contains(controller, "sb-aaaaaaaaaaaa", "/tmp/zero", b"never", 1 << 40, time.monotonic() + 0.5) is False

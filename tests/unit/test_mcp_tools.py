@@ -13,7 +13,8 @@ from mcp_types import CallToolResult, ImageContent, TextContent, Tool
 
 from forkd.mcp.errors import readable
 from forkd.mcp.server import build_server
-from forkd.sdk.controller import Controller, ForkdError
+from forkd.sdk.async_controller import AsyncController
+from forkd.sdk.errors import ForkdError
 
 REQUIRED = {
     "list_snapshots": [],
@@ -33,13 +34,13 @@ NOWHERE = "unix:///nonexistent/forkd.sock"
 
 
 async def _tools(mode: str = "auto") -> dict[str, Tool]:
-    with Controller(url=NOWHERE) as controller:
+    async with AsyncController(url=NOWHERE) as controller:
         async with Client(build_server(controller), mode=mode) as client:
             return {tool.name: tool for tool in (await client.list_tools()).tools}
 
 
 async def _call(name: str, arguments: dict) -> CallToolResult:
-    with Controller(url=NOWHERE) as controller:
+    async with AsyncController(url=NOWHERE) as controller:
         async with Client(build_server(controller)) as client:
             return await client.call_tool(name, arguments)
 
@@ -118,11 +119,11 @@ def test_error_messages_name_the_next_step() -> None:
 
 
 class _CellAnswers:
-    """Stands in for the Controller behind build_server: answers run_code as the daemon does."""
+    """Stands in for the AsyncController behind build_server: answers run_code as the daemon does."""
 
     PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n-not-a-real-image").decode()
 
-    def run_code(self, sandbox_id: str, code: str, context: str, timeout_s: float | None) -> dict:
+    async def run_code(self, sandbox_id: str, code: str, context: str, timeout_s: float | None) -> dict:
         return {"value": "<Figure>", "value_json": None, "error": None, "stdout": "drawn\n", "stderr": "",
                 "truncated": False, "results": [
                     {"png": self.PNG, "text": "<Figure size 640x480 with 1 Axes>", "is_main_result": False,

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import pytest
 
 from forkd.config import Paths
+from forkd.errors import Failure
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import Image
 from forkd.runtime import agent_client
@@ -135,7 +136,7 @@ def test_a_child_whose_kernel_rng_was_not_reseeded_fails_its_spawn(tmp_path: Pat
 
     outcomes, live, leftovers = run(scenario)
     assert [o.sandbox for o in outcomes] == [None, None]
-    assert all("did not reseed its kernel RNG" in (o.error or "") for o in outcomes)
+    assert all(o.error.code == "reseed_failed" and "did not reseed its kernel RNG" in o.error.message for o in outcomes)
     assert live == [] and leftovers == []  # killed and released, nothing left behind
 
 
@@ -164,7 +165,7 @@ def test_a_failed_restore_is_reported_and_cleaned_up(tmp_path: Path) -> None:
             await runtime.stop()
 
     outcomes, records = run(scenario)
-    assert outcomes[0].error == "state does not load" and records == []
+    assert outcomes[0].error == Failure("vmm_error", "state does not load") and records == []
 
 
 def test_a_child_failing_with_an_unexpected_error_keeps_its_siblings_ids(tmp_path: Path) -> None:
@@ -190,7 +191,8 @@ def test_a_child_failing_with_an_unexpected_error_keeps_its_siblings_ids(tmp_pat
     outcomes, records, run_dirs = run(scenario)
     started = sorted(o.sandbox["id"] for o in outcomes if o.sandbox)
     assert len(outcomes) == 3 and len(started) == 2
-    assert [o.error for o in outcomes if o.sandbox is None] == ["internal error: RuntimeError: a bug in one child's restore"]
+    assert [o.error for o in outcomes if o.sandbox is None] == [
+        Failure("internal", "RuntimeError: a bug in one child's restore")]
     assert records == started and run_dirs == started  # the broken child was released, the others recorded
 
 

@@ -14,16 +14,17 @@ import pytest
 from fastapi.testclient import TestClient
 
 from forkd.config import Paths
+from forkd.errors import Failure
 from forkd.daemon.app import create_app
 from forkd.runtime.runtime import Runtime
 from forkd.sdk.async_controller import AsyncController
-from forkd.sdk.async_sandbox import AsyncSandbox
+from forkd.sdk.sandbox_async import AsyncSandbox
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import ForkdError, InvalidArgumentException, NotFoundException
 from forkd.sdk.models import CommandExitException, ForkFailed, ForkOutcome
 from forkd.sdk.operations import Call
-from forkd.sdk.sandbox import Sandbox
+from forkd.sdk.sandbox_sync import Sandbox
 from forkd.vmm.qemu import QemuVmm
 
 BASE = "http://forkd"
@@ -204,7 +205,8 @@ def fork_handler(killed: list[str]) -> Handler:
             return httpx.Response(200, json={})
         assert json.loads(request.read())["stream"] is True
         return ndjson({"child": {"index": 1, "sandbox": {"id": "sb-111111111111"}, "timings": {"restore": 0.2}}},
-                      {"child": {"index": 0, "error": "out of memory", "timings": {}}},
+                      {"child": {"index": 0, "error": {"code": "vmm_error", "message": "out of memory"},
+                                 "timings": {}}},
                       {"result": {"sandboxes": [], "errors": []}})
 
     return handler
@@ -214,22 +216,23 @@ def test_fork_reports_each_child_and_kills_the_started_ones_on_failure() -> None
     killed: list[str] = []
     sync, asynchronous = clients(fork_handler(killed))
     parent = Sandbox._attach(MISSING)
-    parent._controller = sync
+    parent._api = sync
     with pytest.raises(ForkFailed) as failed:
         parent.fork(2)
     with pytest.raises(ForkFailed) as failed_async:
         asyncio.run(AsyncSandbox(MISSING, asynchronous).fork(2))
     for outcome in (failed.value.outcome, failed_async.value.outcome):
         assert [(c.index, c.sandbox_id, c.error) for c in outcome.children] == [
-            (0, None, "out of memory"), (1, "sb-111111111111", None)]
+            (0, None, Failure("vmm_error", "out of memory")), (1, "sb-111111111111", None)]
         assert outcome.children[1].timings == {"restore": 0.2}
     assert killed == ["sb-111111111111", "sb-111111111111"]
-    assert "child 0: out of memory" in str(failed.value)
+    assert "child 0 (vmm_error): out of memory" in str(failed.value)
 
 
 def test_fork_outcome_orders_children_and_splits_started_from_failed() -> None:
+    """A bare string is how daemons before typed per-child errors reported one: it reads as internal."""
     outcome = ForkOutcome.from_children([{"index": 2, "sandbox": {"id": "sb-2"}, "timings": {}},
                                          {"index": 0, "error": "x"}, {"index": 1, "sandbox": {"id": "sb-1"}}])
     assert [c.index for c in outcome.children] == [0, 1, 2]
     assert [c.sandbox_id for c in outcome.started] == ["sb-1", "sb-2"]
-    assert [c.error for c in outcome.failed] == ["x"]
+    assert [c.error for c in outcome.failed] == [Failure("internal", "x")]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from forkd.sdk.models import Logs
-from forkd.sdk.sandbox import _execution
+from forkd.sdk.sandbox.main import _execution
 
 
 def test_rich_results_become_e2b_results() -> None:

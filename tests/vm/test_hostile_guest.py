@@ -17,6 +17,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 from forkd.mcp.server import file_contains
+from forkd.sdk.async_controller import AsyncController
 from forkd.sdk.controller import Controller, ForkdError
 from forkd.vmm.base import CONSOLE_KEEP_BYTES, CONSOLE_LOG, VmHandle
 from conftest import vmm_processes_under
@@ -85,8 +86,13 @@ def test_a_huge_guest_file_cannot_grow_a_client(daemon: Controller, children: li
     assert made["exit_code"] == 0, (made, made.get("stderr"))
     with pytest.raises(ForkdError, match="holds more than 1048576 bytes"):
         daemon.read_file(sandbox, "/tmp/zero", max_bytes=1 << 20)
-    assert file_contains(daemon, sandbox, "/tmp/zero", b"never", 8 << 20) is False
-    assert file_contains(daemon, sandbox, "/tmp/log", b"done", 8 << 20) is True
+
+    async def scan(path: str, marker: bytes) -> bool:  # as MCP's wait_for_text does, on the async client
+        async with AsyncController(connection=daemon.connection) as client:
+            return await file_contains(client, sandbox, path, marker, 8 << 20)
+
+    assert anyio.run(scan, "/tmp/zero", b"never") is False
+    assert anyio.run(scan, "/tmp/log", b"done") is True
 
     env = {"FORKD_URL": f"unix://{vm_env['FORKD_SOCKET']}"}
     if "PYTHONPATH" in os.environ:

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 from forkd.cli.branch import BRANCH_COMMANDS
+from forkd.cli.cluster import CLUSTER_COMMANDS
 from forkd.cli.common import (
     console,
     daemon,
@@ -30,6 +31,7 @@ from forkd.cli.isolation import describe_limits, describe_net, fork_options, iso
 from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
 from forkd.cli.workspaces import workspace
+from forkd.errors import Failure
 from forkd.safetext import for_rich
 from forkd.validation import SANDBOX_ID_PREFIX
 
@@ -219,7 +221,7 @@ def fork(tag: str, count: int, timeout_s: float | None, envs: tuple[str, ...], l
                     console.print("    " + describe_timings(child.get("timings") or {}))
             else:
                 failed += 1
-                err_console.print(f"[red]failed:[/red] {for_rich(child.get('error'))}")
+                err_console.print(f"[red]failed:[/red] {for_rich(Failure.from_answer(child.get('error')))}")
                 if verbose:
                     err_console.print("    " + describe_timings(child.get("timings") or {}))
     console.print(f"{answered}/{count} children answering, {time.monotonic() - started:.2f} s in all")
@@ -423,7 +425,7 @@ def files_mkdir(sandbox_id: str, path: str) -> None:
 cli.add_command(quickstart)
 cli.add_command(daemon_command)
 cli.add_command(doctor)
-for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, workspace):
+for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, *CLUSTER_COMMANDS, workspace):
     cli.add_command(_command)
 
 

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from forkd.config import paths_from_env
 from forkd.host import packages
+from forkd.errors import Failure
 from forkd.safetext import for_rich
 from forkd.host.doctor import IP_FORWARD_CHECK, PACKAGE_CHECKS, enable_ip_forward, run_checks
 from forkd.sdk.autostart import ensure_daemon
@@ -77,7 +78,7 @@ def quickstart(yes: bool, count: int, keep: bool) -> None:
             console.print(f"  {child['id']}  first answer {child['seconds_to_answer'] * 1000:6.0f} ms   "
                           f"eval → {for_rich(answer['value'])}")
         for error in result["errors"]:
-            console.print(f"  [red]failed:[/red] {for_rich(error)}")
+            console.print(f"  [red]failed:[/red] {for_rich(Failure.from_answer(error))}")
         console.print(f"[bold]{len(result['sandboxes'])}/{count} children answering in {total:.2f} s[/bold]")
         if not keep:
             for child in result["sandboxes"]:

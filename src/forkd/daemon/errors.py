@@ -1,4 +1,4 @@
-"""Exceptions to API error bodies: which kind of ``forkd.errors`` each runtime exception is.
+"""Exceptions to API error bodies, by the kind of ``forkd.errors`` each carries (``kind_for``).
 
 Every error the daemon answers has the documented body ``{"error": {"code", "message"}}`` with its
 kind's status, including the ones FastAPI and Starlette raise themselves (a malformed JSON body, an
@@ -15,43 +15,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from forkd.errors import KINDS, ErrorKind, kind_for_status, kind_of
+from forkd.errors import KINDS, ErrorKind, kind_for, kind_for_status, message_for
 from forkd.daemon.middleware.body_limit import BodyTooLarge
-from forkd.image.builder import ImageError, ImageNotFound
+from forkd.image.builder import ImageError
 from forkd.packs.format import PackError
-from forkd.packs.peer import IncompatibleSnapshot, PeerError, PeerSnapshotNotFound
+from forkd.packs.peer import IncompatibleSnapshot
 from forkd.runtime.driver_forks import IdempotencyConflict
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
-from forkd.runtime.branches import BranchBusy
-from forkd.runtime.sandboxes import SandboxEnded, SandboxNotFound
-from forkd.store.errors import DigestNotFound, SnapshotConflict, SnapshotCorrupt, SnapshotDiskFull, SnapshotError
+from forkd.runtime.sandboxes import SandboxEnded
+from forkd.store.errors import SnapshotError
 from forkd.validation import ValidationError
-from forkd.vmm.base import SnapshotMismatch, VmmError
+from forkd.vmm.base import VmmError
 
-# Most specific first: the first matching class decides the kind.
-_KIND_OF_CLASS: list[tuple[type[BaseException], str]] = [
-    (ValidationError, "invalid_request"),
-    (SandboxNotFound, "not_found"),
-    (DigestNotFound, "snapshot_not_found"),
-    (PeerSnapshotNotFound, "snapshot_not_found"),
-    (IncompatibleSnapshot, "incompatible_snapshot"),
-    (IdempotencyConflict, "idempotency_conflict"),
-    (PeerError, "peer_error"),
-    (SandboxEnded, "sandbox_ended"),
-    (SnapshotConflict, "conflict"),
-    (SnapshotMismatch, "snapshot_mismatch"),
-    (SnapshotCorrupt, "snapshot_corrupt"),
-    (SnapshotDiskFull, "disk_full"),
-    (BranchBusy, "busy"),
-    (AgentUnavailable, "agent_unavailable"),
-    (SnapshotError, "snapshot_error"),
-    (PackError, "pack_refused"),
-    (ImageNotFound, "not_found"),
-    (ImageError, "image_error"),
-    (VmmError, "vmm_error"),
-    (LookupError, "not_found"),
-]
-# Registered per class (not for Exception, which Starlette re-raises after answering).
+# Registered per class (not for Exception, which Starlette re-raises after answering); each carries its
+# kind (``forkd.errors.kind_for``), which gives the status and code.
 HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError, PackError,
                   SandboxEnded, IncompatibleSnapshot, IdempotencyConflict)
 
@@ -60,19 +37,12 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready; the call was ended (answered 499, seen by no one)."""
 
 
-def kind_for(exc: BaseException) -> ErrorKind:
-    if isinstance(exc, AgentError) and not isinstance(exc, AgentUnavailable):
-        return kind_of(exc.code)  # the agent's codes (bad_request, not_found, timeout, ...) are kinds too
-    return next((KINDS[code] for cls, code in _KIND_OF_CLASS if isinstance(exc, cls)), KINDS["internal"])
-
-
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """HTTP status and JSON body for an exception raised by the runtime."""
     kind = kind_for(exc)
     if isinstance(exc, AgentError) and not isinstance(exc, AgentUnavailable):
         return kind.status, kind.body(exc.message, **exc.details)
-    message = f"{type(exc).__name__}: {exc}" if kind.code == "internal" else str(exc)
-    return kind.status, kind.body(message)
+    return kind.status, kind.body(message_for(exc))
 
 
 def answer(kind: ErrorKind, message: str) -> JSONResponse:

@@ -326,9 +326,18 @@ class KilledList(Open):
     killed: list[str]
 
 
+class ChildError(Open):
+    """Why one child of a fork failed: its kind's code (the error table in docs/api.md) and what happened."""
+
+    index: int = Field(ge=0, le=MAX_CHILDREN_PER_REQUEST - 1, description="the child's place in the request (0-based)")
+    code: str = Field(description="the error's kind, e.g. busy (max_sandboxes reached), timeout (deadline_s passed), "
+                                  "vmm_error, agent_unavailable")
+    message: str
+
+
 class ForkResult(Open):
     sandboxes: list[Sandbox]
-    errors: list[str] = Field(description="one message per child that failed; the others still started")
+    errors: list[ChildError] = Field(description="one per child that failed, in request order; the others started")
 
 
 class PoolResize(Strict):

@@ -4,21 +4,20 @@ Three shapes, one per kind of traffic: the control plane and envd's HTTP routes 
 ``{"code": <http status>, "message": ...}``; Connect RPCs answer ``{"code": "<connect code>",
 "message": ...}`` with the status Connect assigns that code (or, inside a stream, the same object
 in the end-of-stream frame). A sandbox that is gone is answered the way E2B's proxy does: a 502
-whose message says it "was not found", which the SDKs turn into their not-running error.
+whose message says it "was not found", which the SDKs turn into their not-running error. A runtime
+error is translated by the kind it carries (``forkd.errors.kind_for``), as the daemon's own API does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from forkd.errors import KINDS
-from forkd.guest import protocol
+from forkd.errors import ErrorKind, kind_for, message_for
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
-from forkd.runtime.branches import BranchBusy
-from forkd.runtime.sandboxes import SandboxEnded, SandboxNotFound
-from forkd.store.errors import SnapshotConflict, SnapshotError
+from forkd.runtime.sandboxes import SandboxEnded
+from forkd.store.errors import SnapshotError
 from forkd.validation import ValidationError
-from forkd.vmm.base import SnapshotMismatch, VmmError
+from forkd.vmm.base import VmmError
 
 # Connect code → HTTP status, from the Connect protocol specification.
 CONNECT_STATUS = {
@@ -30,8 +29,9 @@ CONNECT_STATUS = {
 _ERRNO_CODES = {"EEXIST": "already_exists", "EACCES": "permission_denied", "EPERM": "permission_denied",
                 "ENOTDIR": "invalid_argument", "EISDIR": "invalid_argument", "ENOTEMPTY": "failed_precondition",
                 "ENOSPC": "resource_exhausted"}
-_AGENT_CODES = {protocol.ERR_NOT_FOUND: "not_found", protocol.ERR_BAD_REQUEST: "invalid_argument",
-                protocol.ERR_TIMEOUT: "deadline_exceeded", protocol.ERR_UNKNOWN_OP: "unimplemented"}
+# forkd's kinds (``forkd.errors``) as Connect codes; any other kind is "internal".
+_CONNECT_CODES = {"not_found": "not_found", "invalid_request": "invalid_argument", "bad_request": "invalid_argument",
+                  "timeout": "deadline_exceeded", "unknown_op": "unimplemented", "agent_unavailable": "unavailable"}
 
 
 class E2BError(Exception):
@@ -75,32 +75,30 @@ def to_connect(exc: BaseException) -> ConnectError:
         return ConnectError("unavailable" if exc.status == 502 else "invalid_argument", exc.message)
     if isinstance(exc, AgentUnavailable):
         return ConnectError("unavailable", f"the sandbox's agent cannot be reached: {exc.message}")
-    if isinstance(exc, AgentError):
-        code = _ERRNO_CODES.get(str(exc.details.get("errno")), "") or _AGENT_CODES.get(exc.code, "internal")
-        return ConnectError(code, exc.message)
-    if isinstance(exc, SandboxNotFound):
-        return ConnectError("not_found", str(exc))
-    if isinstance(exc, ValidationError):
-        return ConnectError("invalid_argument", str(exc))
-    return ConnectError("internal", f"{type(exc).__name__}: {exc}")
+    kind = kind_for(exc)
+    errno_code = _ERRNO_CODES.get(str(exc.details.get("errno")), "") if isinstance(exc, AgentError) else ""
+    return ConnectError(errno_code or _CONNECT_CODES.get(kind.code, "internal"), message_for(exc))
 
 
-# Runtime failures of lifecycle calls (create, fork, pause), by forkd's error kind: its status is E2B's code.
-_LIFECYCLE_KINDS: list[tuple[type[BaseException], str]] = [
-    (SandboxEnded, "sandbox_ended"), (SnapshotMismatch, "snapshot_mismatch"), (SnapshotConflict, "conflict"),
-    (BranchBusy, "busy"), (SnapshotError, "snapshot_error"), (VmmError, "vmm_error"),
-]
+# Kinds of runtime failures of lifecycle calls (create, fork, pause): the kind's status is E2B's code.
+_LIFECYCLE_KINDS = frozenset({"sandbox_ended", "snapshot_mismatch", "snapshot_corrupt", "conflict", "busy",
+                              "snapshot_error", "disk_full", "vmm_error", "isolation_error"})
 #: What the control plane answers in E2B's shape rather than as an unexpected failure.
-CONTROL_ERRORS = (ValidationError, LookupError, AgentError, OSError, *(cls for cls, _ in _LIFECYCLE_KINDS))
+CONTROL_ERRORS = (ValidationError, LookupError, AgentError, OSError, SandboxEnded, SnapshotError, VmmError)
+
+
+def lifecycle_error(kind: ErrorKind, message: str) -> E2BError:
+    """A lifecycle failure of ``kind`` in E2B's shape, with what to do next."""
+    return E2BError(kind.status, f"{message}; {kind.next_step}")
 
 
 def to_http(exc: BaseException) -> E2BError:
     """The E2B HTTP error (control plane, envd's file routes, the code interpreter) for a runtime exception."""
     if isinstance(exc, E2BError):
         return exc
-    for cls, code in _LIFECYCLE_KINDS:
-        if isinstance(exc, cls):
-            return E2BError(KINDS[code].status, f"{exc}; {KINDS[code].next_step}")
+    kind = kind_for(exc)
+    if kind.code in _LIFECYCLE_KINDS:
+        return lifecycle_error(kind, message_for(exc))
     connect = to_connect(exc)
     status = {"unavailable": 502, "deadline_exceeded": 504}.get(connect.code, connect.status)
     return E2BError(status, connect.message)

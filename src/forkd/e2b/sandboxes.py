@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from forkd.e2b.errors import E2BError, sandbox_gone
+from forkd.e2b.errors import E2BError, lifecycle_error, sandbox_gone
 from forkd.e2b.keys import Credentials, Principal
 from forkd.store.registry import SnapshotRecord, WorkspaceRecord
 from forkd.runtime.runtime import Runtime
@@ -205,7 +205,7 @@ class E2BSandboxes:
         options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=labels)
         (outcome,) = await self.runtime.spawner.fork(template, 1, options)
         if outcome.sandbox is None:
-            raise E2BError(500, f"the sandbox did not start: {outcome.error}")
+            raise lifecycle_error(outcome.error.kind, f"the sandbox did not start: {outcome.error}")
         return self.created(outcome.sandbox["id"], template, labels[NONCE_LABEL])
 
     def list(self, principal: Principal, metadata: dict[str, str], states: set[str]) -> list[dict[str, Any]]:
@@ -285,7 +285,7 @@ class E2BSandboxes:
         options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}), metadata=labels)
         outcomes = await self.runtime.spawner.fork(tag, count, options)
         return [{"sandbox": self.created(o.sandbox["id"], tag, labels[NONCE_LABEL])} if o.sandbox is not None
-                else {"error": {"code": 500, "message": o.error or "the fork did not start"}} for o in outcomes]
+                else {"error": {"code": o.error.kind.status, "message": str(o.error)}} for o in outcomes]
 
     def templates(self, principal: Principal) -> list[dict[str, Any]]:
         """E2B's ``Template`` for every ready forkd snapshot the caller may start sandboxes from."""

@@ -10,9 +10,13 @@ from __future__ import annotations
 class ImageError(Exception):
     """Building, finding or loading a guest image failed."""
 
+    kind = "image_error"
+
 
 class ImageNotFound(ImageError, LookupError):
     """No image of that name has been built."""
+
+    kind = "not_found"
 
 
 class ImageDamaged(ImageError):

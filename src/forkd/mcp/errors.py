@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from mcp.server.mcpserver.exceptions import ToolError
 
-from forkd.errors import KINDS
+from forkd.errors import KINDS, kind_for
 from forkd.sdk.controller import ForkdError
 
 _NO_ROUTE_STATUSES = (404, 405)
@@ -20,8 +20,9 @@ def readable(exc: ForkdError) -> str:
         # A bare HTTP error, or the daemon saying it has no such route: it is older than this client.
         return (f"the forkd daemon does not offer this operation (HTTP {exc.status}); it is older than this "
                 "forkd-mcp: upgrade forkd and restart the daemon")
-    kind = KINDS.get(exc.code)
-    return f"{exc.message.rstrip('.')}. Next: {kind.next_step}" if kind else exc.message
+    if exc.code not in KINDS:  # a client-side code (fork_failed, code_error): the message says it all
+        return exc.message
+    return f"{exc.message.rstrip('.')}. Next: {kind_for(exc).next_step}"
 
 
 def tool_error(exc: ForkdError) -> ToolError:

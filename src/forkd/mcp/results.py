@@ -9,9 +9,15 @@ from mcp_types import ContentBlock, ImageContent, TextContent
 from pydantic import BaseModel, Field
 
 
+class ChildError(BaseModel):
+    index: int = Field(description="the child's place in the request (0-based)")
+    code: str = Field(description="the error's kind, e.g. busy (the daemon's max_sandboxes), vmm_error, timeout")
+    message: str
+
+
 class SpawnResult(BaseModel):
     sandboxes: list[dict[str, Any]] = Field(description="the new sandboxes; use their 'id' in other tools")
-    errors: list[dict[str, Any]] = Field(description="children that failed to start (the others still run)")
+    errors: list[ChildError] = Field(description="children that failed to start (the others still run)")
 
 
 class ExecResult(BaseModel):

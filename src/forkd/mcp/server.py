@@ -1,21 +1,18 @@
-"""The forkd MCP tools: each is one daemon call (or a bounded loop of them) through ``Controller``.
+"""The forkd MCP tools: each is one daemon call (or a bounded loop of them) through ``AsyncController``.
 
-Controller is synchronous, so every call runs on a worker thread; the event loop stays free for
-other sessions and for progress notifications. Parameters carry descriptions and bounds because
-the model reads them to decide how to call a tool.
+The client is native asyncio, so a call never holds the event loop (nor a worker thread) while the
+daemon works; other sessions and progress notifications go on meanwhile. Parameters carry
+descriptions and bounds because the model reads them to decide how to call a tool.
 """
 
 from __future__ import annotations
 
 import base64
-import functools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
-import anyio.from_thread
-import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import CallToolResult, ToolAnnotations
@@ -32,7 +29,8 @@ from forkd.mcp.results import (
     WaitResult,
     code_content,
 )
-from forkd.sdk.controller import Controller, ForkdError
+from forkd.sdk.async_controller import AsyncController
+from forkd.sdk.errors import ForkdError
 
 T = TypeVar("T")
 
@@ -52,10 +50,10 @@ MAX_READ_BYTES = 64 << 20
 MAX_SCAN_BYTES = 64 << 20  # how much of a file wait_for_text searches on each poll
 
 
-async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run a Controller call on a worker thread; daemon errors become readable tool errors."""
+async def _call(answer: Awaitable[T]) -> T:
+    """A daemon call's answer; daemon errors become readable tool errors."""
     try:
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+        return await answer
     except ForkdError as exc:
         raise tool_error(exc) from None
 
@@ -83,8 +81,8 @@ def _encode(content: str, encoding: str) -> bytes:
         raise ToolError("content is not valid base64: send text with encoding='text'") from None
 
 
-def file_contains(controller: Controller, sandbox_id: str, path: str, marker: bytes, limit: int,
-                  deadline: float | None = None) -> bool:
+async def file_contains(controller: AsyncController, sandbox_id: str, path: str, marker: bytes, limit: int,
+                        deadline: float | None = None) -> bool:
     """Whether the file's first ``limit`` bytes hold ``marker``, streamed: only one chunk and the end of
     the one before are held, so a guest file that never ends costs nothing; the scan also stops at
     ``deadline`` (``time.monotonic()``), so a huge file cannot hold the caller past its timeout."""
@@ -92,7 +90,7 @@ def file_contains(controller: Controller, sandbox_id: str, path: str, marker: by
     tail, seen = b"", 0
     chunks = controller.read_file_chunks(sandbox_id, path)
     try:
-        for chunk in chunks:
+        async for chunk in chunks:
             window = tail + chunk[: limit - seen]
             if marker in window:
                 return True
@@ -101,7 +99,7 @@ def file_contains(controller: Controller, sandbox_id: str, path: str, marker: by
                 return False
             tail = window[len(window) - keep:] if keep else b""
     finally:
-        chunks.close()
+        await chunks.aclose()
     return False
 
 
@@ -115,7 +113,7 @@ def _file_mode(mode: str | None) -> int | None:
     return None if mode is None else int(mode, 8)
 
 
-def build_server(controller: Controller) -> MCPServer:
+def build_server(controller: AsyncController) -> MCPServer:
     """An MCP server whose tools act on the daemon ``controller`` talks to."""
     server = MCPServer("forkd", version=__version__, instructions=INSTRUCTIONS)
     read_only = ToolAnnotations(read_only_hint=True)
@@ -123,7 +121,7 @@ def build_server(controller: Controller) -> MCPServer:
     @server.tool(annotations=read_only)
     async def list_snapshots() -> list[dict[str, Any]]:
         """List the snapshots sandboxes can be spawned from (tag, image, memory, warm modules, ...)."""
-        return await _call(controller.snapshots)
+        return await _call(controller.snapshots())
 
     @server.tool()
     async def create_snapshot(
@@ -153,12 +151,12 @@ def build_server(controller: Controller) -> MCPServer:
             options["warmup_cmd"] = warmup_cmd
         steps = 0
 
-        def on_progress(line: str) -> None:
+        async def on_progress(line: str) -> None:
             nonlocal steps
             steps += 1
-            anyio.from_thread.run(ctx.report_progress, steps, None, line)
+            await ctx.report_progress(steps, None, line)
 
-        return await _call(controller.create_snapshot, tag, on_progress=on_progress, **options)
+        return await _call(controller.create_snapshot(tag, on_progress=on_progress, **options))
 
     @server.tool()
     async def spawn(
@@ -167,21 +165,21 @@ def build_server(controller: Controller) -> MCPServer:
     ) -> SpawnResult:
         """Fork new sandboxes from a snapshot: each is its own VM, resumed from the snapshot's warm state
         (no boot), with its own copy-on-write memory and disk."""
-        result = await _call(controller.fork, snapshot_tag, count)
+        result = await _call(controller.fork(snapshot_tag, count))
         if not result["sandboxes"]:
-            reasons = "; ".join(str(e.get("message", e)) for e in result["errors"]) or "no reason given"
+            reasons = "; ".join(f"{e['code']}: {e['message']}" for e in result["errors"]) or "no reason given"
             raise ToolError(f"no sandbox started: {reasons}")
         return SpawnResult(**result)
 
     @server.tool(annotations=read_only)
     async def list_sandboxes() -> list[dict[str, Any]]:
         """List the running sandboxes (id, snapshot tag, VMM pid, start time, ...)."""
-        return await _call(controller.sandboxes)
+        return await _call(controller.sandboxes())
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True))
     async def kill(sandbox_id: SandboxId) -> dict[str, str]:
         """Stop a sandbox's VM and release everything it held; its changes are discarded."""
-        await _call(controller.kill, sandbox_id)
+        await _call(controller.kill(sandbox_id))
         return {"killed": sandbox_id}
 
     @server.tool(name="exec")
@@ -200,8 +198,8 @@ def build_server(controller: Controller) -> MCPServer:
             "keep at most this many trailing characters of stdout and of stderr"))] = 100_000,
     ) -> ExecResult:
         """Run a shell command in a sandbox and return its stdout, stderr and exit code."""
-        result = await _call(controller.exec, sandbox_id, command, env=env, cwd=cwd, stdin=stdin,
-                             timeout_s=timeout_s)
+        result = await _call(controller.exec(sandbox_id, command, env=env, cwd=cwd, stdin=stdin,
+                                             timeout_s=timeout_s))
         stdout, cut_out = _tail(result["stdout"], max_output_chars)
         stderr, cut_err = _tail(result["stderr"], max_output_chars)
         return ExecResult(**{**result, "stdout": stdout, "stderr": stderr,
@@ -218,7 +216,7 @@ def build_server(controller: Controller) -> MCPServer:
         """Run Python in a sandbox like a notebook cell: variables persist in the context between calls;
         an exception is returned in 'error', not raised. Charts (matplotlib figures, PNG results) come
         back as images, HTML/Markdown/JSON results as text."""
-        result, blocks = code_content(await _call(controller.run_code, sandbox_id, code, context, timeout_s))
+        result, blocks = code_content(await _call(controller.run_code(sandbox_id, code, context, timeout_s)))
         return CallToolResult(content=blocks, structured_content=result.model_dump(mode="json"))
 
     @server.tool(name="eval")
@@ -228,7 +226,7 @@ def build_server(controller: Controller) -> MCPServer:
         context: ContextName = "default",
     ) -> CodeResult:
         """Evaluate one Python expression in a sandbox's context and return its value and type."""
-        return CodeResult(**await _call(controller.eval, sandbox_id, expr, context))
+        return CodeResult(**await _call(controller.eval(sandbox_id, expr, context)))
 
     @server.tool(annotations=read_only)
     async def read_file(
@@ -240,12 +238,12 @@ def build_server(controller: Controller) -> MCPServer:
             "refuse files larger than this"))] = 1 << 20,
     ) -> FileContent:
         """Read a file from a sandbox, as text or base64 for binary data."""
-        entry = await _call(controller.stat, sandbox_id, path)
+        entry = await _call(controller.stat(sandbox_id, path))
         if entry["type"] == "dir":
             raise ToolError(f"{path} is a directory: list it with exec 'ls -la {path}'")
         _check_size(path, entry["size"], max_bytes)  # before reading, for regular files
         # Symlinks, devices and /proc files report another size: the read itself stops past max_bytes.
-        data = await _call(controller.read_file, sandbox_id, path, max_bytes)
+        data = await _call(controller.read_file(sandbox_id, path, max_bytes))
         content, used = _decode(data, encoding)
         return FileContent(path=path, size=len(data), encoding=used, content=content)
 
@@ -260,8 +258,8 @@ def build_server(controller: Controller) -> MCPServer:
             "permission bits in octal, e.g. '755'"))] = None,
     ) -> FileWritten:
         """Create or replace a file in a sandbox (missing parent directories are created)."""
-        result = await _call(controller.write_file, sandbox_id, path, _encode(content, encoding),
-                             _file_mode(mode))
+        result = await _call(controller.write_file(sandbox_id, path, _encode(content, encoding),
+                                                   _file_mode(mode)))
         return FileWritten(path=result["path"], size=result["size"])
 
     @server.tool()
@@ -277,7 +275,7 @@ def build_server(controller: Controller) -> MCPServer:
     ) -> dict[str, Any]:
         """Save a running sandbox (memory, processes, files) as a new snapshot, without stopping it; spawn
         from the new tag to get copies of the sandbox as it is now."""
-        return await _call(controller.branch, sandbox_id, tag=tag, mode=mode, wait=wait)
+        return await _call(controller.branch(sandbox_id, tag=tag, mode=mode, wait=wait))
 
     @server.tool(annotations=read_only)
     async def wait_for_text(
@@ -290,7 +288,7 @@ def build_server(controller: Controller) -> MCPServer:
         """Poll a file in a sandbox until it contains some text (e.g. a log line a background job
         prints when done), or until the timeout; a missing file counts as not yet. Only the file's
         first 64 MiB are searched, and a poll stops reading at the timeout."""
-        await _call(controller.sandbox, sandbox_id)  # a wrong id fails now, not at the timeout
+        await _call(controller.sandbox(sandbox_id))  # a wrong id fails now, not at the timeout
         started = time.monotonic()
         deadline = started + timeout_s
         polls = 0
@@ -298,8 +296,7 @@ def build_server(controller: Controller) -> MCPServer:
         while True:
             polls += 1
             try:
-                found = await anyio.to_thread.run_sync(file_contains, controller, sandbox_id, path, marker,
-                                                       MAX_SCAN_BYTES, deadline)
+                found = await file_contains(controller, sandbox_id, path, marker, MAX_SCAN_BYTES, deadline)
                 exists = True
             except ForkdError as exc:
                 if exc.status != 404:
@@ -310,7 +307,7 @@ def build_server(controller: Controller) -> MCPServer:
                 break
             await anyio.sleep(interval_s)
         if not exists:
-            await _call(controller.sandbox, sandbox_id)  # the 404s were the sandbox going away, not the file
+            await _call(controller.sandbox(sandbox_id))  # the 404s were the sandbox going away, not the file
         return WaitResult(found=found, path=path, elapsed_s=round(now - started, 3), polls=polls,
                           file_exists=exists)
 

@@ -40,6 +40,8 @@ FileName = Annotated[str, Field(pattern=FILE_NAME_PATTERN)]
 class PackError(ValueError):
     """A pack, index or download was refused; the message says which member or field and why."""
 
+    kind = "pack_refused"
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -59,13 +59,19 @@ Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 class PeerError(PackError):
     """A peer could not be reached, answered wrongly or sent a pack that failed verification (HTTP 502)."""
 
+    kind = "peer_error"
+
 
 class PeerSnapshotNotFound(LookupError):
     """The peer holds no snapshot with that digest (HTTP 404 ``snapshot_not_found``)."""
 
+    kind = "snapshot_not_found"
+
 
 class IncompatibleSnapshot(RuntimeError):
     """The peer's snapshots cannot be restored here: its compatibility key differs (HTTP 409)."""
+
+    kind = "incompatible_snapshot"
 
 
 class _Listed(BaseModel):

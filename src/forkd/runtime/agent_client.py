@@ -38,6 +38,11 @@ class AgentError(RuntimeError):
         self.message = message
         self.details = details or {}
 
+    @property
+    def kind(self) -> str:
+        """The agent's codes (bad_request, not_found, timeout, ...) are kinds of ``forkd.errors`` too."""
+        return self.code
+
 
 class AgentUnavailable(AgentError):
     def __init__(self, message: str) -> None:

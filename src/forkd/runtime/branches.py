@@ -50,6 +50,8 @@ STDERR_TAIL_BYTES = 4096  # of a diff command's stderr, for the error message wh
 class BranchBusy(SnapshotError):
     """Too many branches are being written at once; try again shortly."""
 
+    kind = "busy"
+
 
 @dataclass
 class _SourceState:

@@ -31,6 +31,8 @@ KEEP_S = 24 * 3600.0  # how long a key's answer is kept
 class IdempotencyConflict(RuntimeError):
     """An idempotency key was reused with a different request (HTTP 409 ``idempotency_conflict``)."""
 
+    kind = "idempotency_conflict"
+
 
 def fingerprint(request: dict[str, Any]) -> str:
     """A digest of what a fork asks for (canonical JSON), to tell a retry from a different request."""

@@ -32,6 +32,8 @@ END_OUT_OF_MEMORY = "out_of_memory"
 class IsolationError(RuntimeError):
     """A sandbox's network or cgroup could not be made; the message says why and what to do."""
 
+    kind = "isolation_error"
+
 
 @dataclass(frozen=True)
 class SandboxOptions:

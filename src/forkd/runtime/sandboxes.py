@@ -30,11 +30,13 @@ log = logging.getLogger("forkd.sandboxes")
 
 
 class SandboxNotFound(LookupError):
-    pass
+    kind = "not_found"
 
 
 class SandboxEnded(RuntimeError):
     """The sandbox ended (its timeout, a kill, its VMM exited) while an operation on it ran."""
+
+    kind = "sandbox_ended"
 
 
 # Frees one per-sandbox host resource (netns, cgroup, tap, ...) by sandbox id. Called whenever a

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forkd.config import Paths
+from forkd.errors import INTERNAL, Failure, kind_for
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_answering
-from forkd.runtime.isolation import Isolation, IsolationError, Prepared, SandboxOptions, sandbox_meta
+from forkd.runtime.isolation import Isolation, Prepared, SandboxOptions, sandbox_meta
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.pool import Member, PoolService
@@ -30,7 +31,7 @@ from forkd.runtime.warmup import reseed_args
 from forkd.store.registry import Registry, SandboxRecord
 from forkd.store.snapshots import SnapshotStore
 from forkd.validation import new_sandbox_id
-from forkd.vmm.base import BootSpec, SavedVm, Vmm, VmHandle, VmmError
+from forkd.vmm.base import BootSpec, SavedVm, Vmm, VmHandle
 from forkd.vmm.process import start_time
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
@@ -39,6 +40,8 @@ log = logging.getLogger("forkd.spawning")
 
 class SandboxLimitReached(RuntimeError):
     """The daemon's ``max_sandboxes`` limit is reached; this child is refused, the others are not."""
+
+    kind = "busy"
 
 
 class ReseedFailed(AgentError):
@@ -54,17 +57,7 @@ class ReseedFailed(AgentError):
 class DeadlinePassed(RuntimeError):
     """The caller's own deadline for a fork passed before this child answered; it was not kept."""
 
-
-# What spawning one child raises when it fails for a reason, not a bug: admission (SandboxLimitReached,
-# DeadlinePassed), host setup (IsolationError, OSError), the VMM (VmmError), the guest's answers
-# (AgentError, ReseedFailed among them).
-SPAWN_FAILURES = (SandboxLimitReached, DeadlinePassed, IsolationError, OSError, VmmError, AgentError)
-
-
-def child_error(exc: Exception) -> str:
-    """A failed child's error in its batch: the failure's own message; for anything else (a bug, whose
-    traceback goes to the log) the class too, as the daemon's error table reports an internal error."""
-    return str(exc) if isinstance(exc, SPAWN_FAILURES) else f"internal error: {type(exc).__name__}: {exc}"
+    kind = "timeout"
 
 
 def _remaining(deadline: float | None) -> float:
@@ -90,7 +83,7 @@ class ForkOutcome:
 
     index: int = 0  # the child's place in its request
     sandbox: dict[str, Any] | None = None
-    error: str | None = None
+    error: Failure | None = None  # its kind's code and message
     seconds_to_answer: float | None = None
     timings: dict[str, float] = field(default_factory=dict)  # ms per spawn stage (runtime/timings.py)
 
@@ -155,9 +148,9 @@ class Spawner:
                 sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline)
             except Exception as exc:  # one child's failure, a bug's included, never takes its siblings with it
                 self.metrics.spawn_failures.inc()
-                if not isinstance(exc, SPAWN_FAILURES):
+                if kind_for(exc) is INTERNAL:  # no kind: a bug, whose traceback the log keeps
                     log.exception("spawning a child of %s failed", tag)
-                done.put_nowait(ForkOutcome(index=index, error=child_error(exc), timings=timings.as_ms()))
+                done.put_nowait(ForkOutcome(index=index, error=Failure.of(exc), timings=timings.as_ms()))
                 return
             finally:
                 self._forking[tag] -= 1

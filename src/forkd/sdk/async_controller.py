@@ -1,36 +1,58 @@
 """``forkd.sdk.AsyncController``: the REST client for asyncio code, on ``httpx.AsyncClient``.
 
 The same operations as ``Controller`` (both inherit ``operations.Operations``), each a coroutine here;
-NDJSON answers are read line by line with ``aiter_lines`` and never block the event loop.
+NDJSON answers are read line by line with ``aiter_lines`` and never block the event loop. ``ASYNC`` is
+the async flavour: it runs the steps of ``Operations`` and of the sandbox core, awaiting each awaitable.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import dataclasses
 import inspect
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
 from forkd.sdk.connection import ConnectionConfig
-from forkd.sdk.errors import DaemonUnreachable
-from forkd.sdk.operations import (
-    Call,
-    Operations,
-    StreamState,
-    append_bounded,
-    fork_call,
-    raise_for,
-    read_file_call,
-    truncated,
-)
+from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, reaching, read_file_call, truncated
+from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
 
 
 async def maybe_await(outcome: Any) -> Any:
     """A callback's answer: awaited when the callback was a coroutine function."""
     return await outcome if inspect.isawaitable(outcome) else outcome
+
+
+async def run(steps: Steps[Any]) -> Any:
+    """Await what the steps yield; an error is thrown back in where it was yielded, so their
+    ``try``/``except``/``finally`` handle it as they would in the sync flavour."""
+    try:
+        pending = next(steps)
+        while True:
+            try:
+                answer = await maybe_await(pending)
+            except BaseException as exc:  # noqa: BLE001 - handed to the steps, which re-raise what they do not handle
+                pending = steps.throw(exc)
+            else:
+                pending = steps.send(answer)
+    except StopIteration as done:
+        return done.value
+
+
+async def _collect(items: AsyncIterator[Any]) -> list[Any]:
+    return [item async for item in items]
+
+
+async def _pieces(file: IO[Any]) -> AsyncIterator[bytes]:
+    """A file object's upload pieces, each read in a worker thread (a file read blocks)."""
+    while piece := await asyncio.to_thread(file.read, UPLOAD_PIECE_BYTES):
+        yield upload_piece(piece)
+
+
+ASYNC = Flavour(run=run, iterate=aiter, next=lambda iterator: anext(iterator, None), collect=_collect,
+                close=lambda iterator: iterator.aclose(), pieces=_pieces)
 
 
 class AsyncEventStream(StreamState):
@@ -46,13 +68,11 @@ class AsyncEventStream(StreamState):
     @classmethod
     async def open(cls, context: Any, url: str) -> AsyncEventStream:
         try:
-            response: httpx.Response = await context.__aenter__()
+            with reaching(url):
+                response: httpx.Response = await context.__aenter__()
             if not response.is_success:
                 await response.aread()
                 raise_for(response)
-        except httpx.TransportError as exc:
-            await _exit(context)
-            raise DaemonUnreachable(url, str(exc) or type(exc).__name__) from None
         except BaseException:
             await _exit(context)
             raise
@@ -60,13 +80,12 @@ class AsyncEventStream(StreamState):
 
     async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         try:
-            async for text in self._lines:
-                if (event := self.take(text)) is not None:
-                    yield event
-                elif self.done:
-                    return
-        except httpx.TransportError as exc:
-            raise DaemonUnreachable(self._url, str(exc) or type(exc).__name__) from None
+            with reaching(self._url):
+                async for text in self._lines:
+                    if (event := self.take(text)) is not None:
+                        yield event
+                    elif self.done:
+                        return
         finally:
             await self.close()
         raise truncated()
@@ -83,14 +102,8 @@ async def _exit(context: Any) -> None:
 class AsyncController(Operations):
     """Asynchronous client for the forkd REST API: ``await api.sandboxes()`` and every other operation."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, timeout: float | None = None, *,
-                 connection: ConnectionConfig | None = None, http: httpx.AsyncClient | None = None) -> None:
-        """As ``Controller``; ``http`` is a ready ``httpx.AsyncClient`` to send through instead."""
-        self.connection = ConnectionConfig.resolve(connection, url, token)
-        if timeout is not None:
-            self.connection = dataclasses.replace(self.connection, request_timeout=timeout)
-        self.url = self.connection.url
-        self._http = http or self.connection.async_client()
+    _flavour = ASYNC
+    _new_client = staticmethod(ConnectionConfig.async_client)
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -103,10 +116,8 @@ class AsyncController(Operations):
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Any:
         """Send one request and answer its JSON (for calls ``Operations`` does not name)."""
-        try:
+        with reaching(self.url):
             response = await self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise DaemonUnreachable(self.url, str(exc) or type(exc).__name__) from None
         raise_for(response)
         return response.json()
 
@@ -129,26 +140,13 @@ class AsyncController(Operations):
             if "child" in line:
                 yield line["child"]
 
-    async def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
-        """As ``Controller.read_file``: the whole file, refused past ``max_bytes``."""
-        data = bytearray()
-        chunks = self.read_file_chunks(sandbox_id, path)
-        try:
-            async for chunk in chunks:
-                append_bounded(data, chunk, max_bytes, path)
-        finally:
-            await chunks.aclose()  # stops the download where it is
-        return bytes(data)
-
     async def read_file_chunks(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
         """The file's bytes as they arrive (a large file is never held whole)."""
         call = read_file_call(sandbox_id, path)
-        try:
+        with reaching(self.url):
             async with self._http.stream(call.method, call.path, **call.options()) as response:
                 if not response.is_success:
                     await response.aread()
                     raise_for(response)
                 async for chunk in response.aiter_bytes():
                     yield chunk
-        except httpx.TransportError as exc:
-            raise DaemonUnreachable(self.url, str(exc) or type(exc).__name__) from None

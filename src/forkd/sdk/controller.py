@@ -2,32 +2,44 @@
 
 Which daemon and how is a ``ConnectionConfig`` (``FORKD_URL``, ``FORKD_TOKEN``, ``FORKD_CA_CERT``); the
 operations themselves (paths, bodies, answers) are ``operations.Operations``, shared with ``AsyncController``.
+This module only moves bytes on ``httpx.Client``, and defines the sync flavour (``SYNC``) that runs the
+steps of ``Operations`` and of the sandbox core straight through.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import DaemonUnreachable, ForkdError
-from forkd.sdk.operations import (
-    Call,
-    Operations,
-    StreamState,
-    append_bounded,
-    fork_call,
-    raise_for,
-    read_file_call,
-    truncated,
-)
+from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, reaching, read_file_call, truncated
+from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
 
-__all__ = ["Controller", "DaemonUnreachable", "EventStream", "ForkdError"]
+__all__ = ["SYNC", "Controller", "DaemonUnreachable", "EventStream", "ForkdError"]
+
+
+def run(steps: Steps[Any]) -> Any:
+    """Each yielded value is already the answer: send it straight back."""
+    try:
+        answer = next(steps)
+        while True:
+            answer = steps.send(answer)
+    except StopIteration as done:
+        return done.value
+
+
+def _pieces(file: IO[Any]) -> Iterator[bytes]:
+    while piece := file.read(UPLOAD_PIECE_BYTES):
+        yield upload_piece(piece)
+
+
+SYNC = Flavour(run=run, iterate=iter, next=lambda iterator: next(iterator, None), collect=list,
+               close=lambda iterator: iterator.close(), pieces=_pieces)
 
 
 class EventStream(StreamState):
@@ -40,13 +52,11 @@ class EventStream(StreamState):
         self._context = context
         self._url = url
         try:
-            self._response: httpx.Response = context.__enter__()
+            with reaching(url):
+                self._response: httpx.Response = context.__enter__()
             if not self._response.is_success:
                 self._response.read()
                 raise_for(self._response)
-        except httpx.TransportError as exc:
-            self.close()
-            raise DaemonUnreachable(url, str(exc) or type(exc).__name__) from None
         except BaseException:
             self.close()
             raise
@@ -55,13 +65,12 @@ class EventStream(StreamState):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
-            for text in self._lines:
-                if (event := self.take(text)) is not None:
-                    yield event
-                elif self.done:
-                    return
-        except httpx.TransportError as exc:
-            raise DaemonUnreachable(self._url, str(exc) or type(exc).__name__) from None
+            with reaching(self._url):
+                for text in self._lines:
+                    if (event := self.take(text)) is not None:
+                        yield event
+                    elif self.done:
+                        return
         finally:
             self.close()
         raise truncated()
@@ -74,15 +83,8 @@ class EventStream(StreamState):
 class Controller(Operations):
     """Synchronous client for the forkd REST API (every operation: see ``Operations``)."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, timeout: float | None = None, *,
-                 connection: ConnectionConfig | None = None, http: httpx.Client | None = None) -> None:
-        """Talk to ``connection`` (default: the environment's daemon, see ``ConnectionConfig.from_env``);
-        ``url``/``token``/``timeout`` override it. ``http`` is a ready client to send through instead."""
-        self.connection = ConnectionConfig.resolve(connection, url, token)
-        if timeout is not None:
-            self.connection = dataclasses.replace(self.connection, request_timeout=timeout)
-        self.url = self.connection.url
-        self._http = http or self.connection.client()
+    _flavour = SYNC
+    _new_client = staticmethod(ConnectionConfig.client)
 
     def close(self) -> None:
         self._http.close()
@@ -95,10 +97,8 @@ class Controller(Operations):
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         """Send one request and answer its JSON (for calls ``Operations`` does not name)."""
-        try:
+        with reaching(self.url):
             response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise DaemonUnreachable(self.url, str(exc) or type(exc).__name__) from None
         raise_for(response)
         return response.json()
 
@@ -117,33 +117,19 @@ class Controller(Operations):
 
     def fork_iter(self, tag: str, n: int = 1, **options: Any) -> Iterator[dict[str, Any]]:
         """Fork like :meth:`fork`, yielding each child as it answers or fails, in that order:
-        ``{"index": i, "sandbox": {...}, "timings": {...}}`` or ``{"index": i, "error": "...", ...}``."""
+        ``{"index": i, "sandbox": {...}, "timings": {...}}`` or ``{"index": i, "error": {code, message}, ...}``."""
         for line in self._open_stream(fork_call(tag, n, options).streamed()):
             if "child" in line:
                 yield line["child"]
 
-    def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
-        """The whole file; with ``max_bytes``, refused (413 ``too_large``) as soon as it holds more."""
-        data = bytearray()
-        chunks = self.read_file_chunks(sandbox_id, path)
-        try:
-            for chunk in chunks:
-                append_bounded(data, chunk, max_bytes, path)
-        finally:
-            chunks.close()  # stops the download where it is
-        return bytes(data)
-
     def read_file_chunks(self, sandbox_id: str, path: str) -> Generator[bytes, None, None]:
         """The file's bytes as they arrive (a large file is never held whole)."""
         call = read_file_call(sandbox_id, path)
-        try:
-            with self._http.stream(call.method, call.path, **call.options()) as response:
-                if not response.is_success:
-                    response.read()
-                    raise_for(response)
-                yield from response.iter_bytes()
-        except httpx.TransportError as exc:
-            raise DaemonUnreachable(self.url, str(exc) or type(exc).__name__) from None
+        with reaching(self.url), self._http.stream(call.method, call.path, **call.options()) as response:
+            if not response.is_success:
+                response.read()
+                raise_for(response)
+            yield from response.iter_bytes()
 
     def wait_snapshot(self, tag: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> dict[str, Any]:
         """Poll until snapshot ``tag`` is no longer ``writing``; returns it (``ready`` or ``failed``)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from forkd.errors import Failure
 from forkd.sdk.errors import ForkdError
 
 
@@ -209,12 +210,13 @@ class CodeError(ForkdError):
 
 @dataclass
 class ChildOutcome:
-    """One child of a fork: its ``sandbox`` (the daemon's record) or the ``error`` that stopped it, and
-    ``timings`` (seconds per spawn stage) either way. ``index`` is its place in the request (0-based)."""
+    """One child of a fork: its ``sandbox`` (the daemon's record) or the ``error`` that stopped it (a
+    ``Failure``: ``code``, a kind of ``forkd.errors``, and ``message``), and ``timings`` (seconds per spawn
+    stage) either way. ``index`` is its place in the request (0-based)."""
 
     index: int
     sandbox: dict[str, Any] | None = None
-    error: str | None = None
+    error: Failure | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -225,7 +227,7 @@ class ChildOutcome:
     def from_daemon(cls, child: dict[str, Any]) -> ChildOutcome:
         """A ``{"index", "sandbox" | "error", "timings"}`` line of a streamed fork."""
         return cls(index=int(child["index"]), sandbox=child.get("sandbox"),
-                   error=None if child.get("sandbox") is not None else str(child.get("error") or "failed"),
+                   error=None if child.get("sandbox") is not None else Failure.from_answer(child.get("error")),
                    timings=dict(child.get("timings") or {}))
 
 
@@ -263,6 +265,7 @@ class ForkFailed(ForkdError):
 
     def __init__(self, outcome: ForkOutcome) -> None:
         failed = outcome.failed
-        detail = "; ".join(f"child {child.index}: {child.error}" for child in failed) or "no child started"
+        detail = "; ".join(f"child {child.index} ({child.error.code}): {child.error}"
+                           for child in failed if child.error is not None) or "no child started"
         super().__init__(500, "fork_failed", f"{len(failed)} of {len(outcome.children)} children failed: {detail}")
         self.outcome = outcome

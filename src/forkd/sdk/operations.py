@@ -8,16 +8,20 @@ here and nowhere else; the clients only move bytes. NDJSON line decoding and err
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from forkd.errors import KINDS, kind_of
-from forkd.sdk.errors import ForkdError, error_for
+from forkd.sdk.connection import ConnectionConfig
+from forkd.sdk.errors import DaemonUnreachable, ForkdError, error_for
+from forkd.sdk.sandbox.flavour import Flavour, Steps, operation
 
 LONG_TIMEOUT_S = 3600.0
 FORK_OPTIONS = ("timeout_s", "envs", "metadata", "net", "egress", "memory_limit_mib", "cpu_quota", "cpu_weight",
@@ -146,8 +150,34 @@ def call_timeout(timeout_s: float | None) -> float:
     return LONG_TIMEOUT_S if timeout_s is None else timeout_s + 60.0
 
 
+@contextlib.contextmanager
+def reaching(url: str) -> Iterator[None]:
+    """A transport failure talking to the daemon at ``url`` raised as ``DaemonUnreachable``."""
+    try:
+        yield
+    except httpx.TransportError as exc:
+        raise DaemonUnreachable(url, str(exc) or type(exc).__name__) from None
+
+
 class Operations:
-    """The REST API as methods; a subclass supplies the transport (sync: values, async: awaitables)."""
+    """The REST API as methods; a subclass supplies the transport (sync: values, async: awaitables)
+    and its flavour (``sandbox/flavour.py``), which runs the few operations written as steps."""
+
+    _flavour: Flavour
+
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float | None = None, *,
+                 connection: ConnectionConfig | None = None, http: Any = None) -> None:
+        """Talk to ``connection`` (default: the environment's daemon, see ``ConnectionConfig.from_env``);
+        ``url``/``token``/``timeout`` override it. ``http`` is a ready httpx client to send through instead."""
+        self.connection = ConnectionConfig.resolve(connection, url, token)
+        if timeout is not None:
+            self.connection = dataclasses.replace(self.connection, request_timeout=timeout)
+        self.url = self.connection.url
+        self._http = http or self._new_client(self.connection)
+
+    @staticmethod
+    def _new_client(connection: ConnectionConfig) -> Any:
+        raise NotImplementedError
 
     def _send(self, call: Call) -> Any:
         raise NotImplementedError
@@ -324,6 +354,22 @@ class Operations:
         return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}", void=True))
 
     # files
+
+    @operation
+    def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> Steps[bytes]:
+        """The whole file; with ``max_bytes``, refused (413 ``too_large``) as soon as it holds more."""
+        data = bytearray()
+        chunks = self.read_file_chunks(sandbox_id, path)
+        try:
+            while (chunk := (yield self._flavour.next(chunks))) is not None:
+                append_bounded(data, chunk, max_bytes, path)
+        finally:
+            yield self._flavour.close(chunks)  # stops the download where it is
+        return bytes(data)
+
+    def read_file_chunks(self, sandbox_id: str, path: str) -> Any:
+        """The file's bytes as they arrive (a large file is never held whole): an iterator or async iterator."""
+        raise NotImplementedError
 
     def write_file(self, sandbox_id: str, path: str, data: Any, mode: int | None = None) -> Any:
         """``data``: bytes, or an iterator (async client: also an async iterator) of byte pieces, streamed."""

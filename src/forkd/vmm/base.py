@@ -30,9 +30,13 @@ CONSOLE_KEEP_BYTES = 64 << 10  # what a cut console keeps of its end: the guest'
 class VmmError(RuntimeError):
     """A VMM operation failed; the message says which and what to check."""
 
+    kind = "vmm_error"
+
 
 class SnapshotMismatch(VmmError):
     """A snapshot was saved under a different VMM/machine identity than the one restoring it."""
+
+    kind = "snapshot_mismatch"
 
 
 @dataclass(frozen=True)

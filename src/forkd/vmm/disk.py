@@ -19,6 +19,8 @@ from typing import Protocol
 class UnsafeDisk(ValueError):
     """A disk file from elsewhere (a pack) is malformed or refers to a file outside its snapshot chain."""
 
+    kind = "pack_refused"
+
 
 class DiskFormat(Protocol):
     """How a backend keeps disks: names, layers over layers, export, flattening, checking."""

@@ -1,5 +1,5 @@
 /**
- * The SDK against a real daemon with real guests. tests/vm/test_typescript_sdk.py runs this with the daemon's
+ * The SDK against a real daemon with real guests. tests/vm/test_typescript_sdk_vm.py runs this with the daemon's
  * socket in FORKD_URL, its TCP listener in FORKD_TEST_TCP_URL (token in FORKD_TOKEN) and a warm snapshot in
  * FORKD_TEST_SNAPSHOT; without them every test fails (it never skips).
  */
@@ -21,7 +21,7 @@ let sbx: Sandbox;
 
 before(async () => {
   assert.ok(SNAPSHOT && TCP_URL && process.env.FORKD_URL?.startsWith("unix://"),
-    "FORKD_URL (unix://), FORKD_TEST_TCP_URL and FORKD_TEST_SNAPSHOT must be set (tests/vm/test_typescript_sdk.py does)");
+    "FORKD_URL (unix://), FORKD_TEST_TCP_URL and FORKD_TEST_SNAPSHOT must be set (tests/vm/test_typescript_sdk_vm.py does)");
   sbx = await Sandbox.create({ template: SNAPSHOT, via: controller, timeout_s: 1800 });
   sandboxes.push(sbx.id);
 });

@@ -32,13 +32,13 @@ def isolation_of(body: schemas.SandboxCreate) -> SandboxOptions:
 MAYBE_FORK_STREAM: dict[int | str, dict[str, Any]] = {
     201: {"model": schemas.ForkResult, "description": "every child's sandbox or error"},
     200: {"content": {NDJSON: {"schema": {"type": "string", "description": (
-        "with \"stream\": true, one {\"child\": {index, sandbox | error, timings}} line per child as it "
-        "answers or fails, then {\"result\": ForkResult}")}}}, "description": "NDJSON, with \"stream\": true"}}
+        "with \"stream\": true, one {\"child\": {index, sandbox | error: {code, message}, timings}} line per "
+        "child as it answers or fails, then {\"result\": ForkResult}")}}}, "description": "NDJSON, with \"stream\": true"}}
 
 
 def fork_answer(outcomes: list[ForkOutcome]) -> dict[str, Any]:
     return {"sandboxes": [o.sandbox for o in outcomes if o.sandbox is not None],
-            "errors": [o.error for o in outcomes if o.error is not None]}
+            "errors": [{"index": o.index, **o.error.as_dict()} for o in outcomes if o.error is not None]}
 
 
 def child_line(outcome: ForkOutcome) -> dict[str, Any]:
@@ -46,8 +46,8 @@ def child_line(outcome: ForkOutcome) -> dict[str, Any]:
     line: dict[str, Any] = {"index": outcome.index, "timings": outcome.timings}
     if outcome.sandbox is not None:
         line["sandbox"] = outcome.sandbox
-    else:
-        line["error"] = outcome.error
+    elif outcome.error is not None:
+        line["error"] = outcome.error.as_dict()
     return line
 
 
