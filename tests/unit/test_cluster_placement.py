@@ -80,3 +80,12 @@ def test_tags_resolve_to_one_digest_or_are_refused() -> None:
     with pytest.raises(PlacementError, match="no alive node has a snapshot tagged 'other'"):
         directory(node("a", 1, (D1,))).resolve("other")
 
+
+
+def test_a_node_without_a_sandbox_limit_counts_its_slots_by_free_memory() -> None:
+    """``max_sandboxes`` unset: ``/v1/node`` answers null for it and for ``slots_free`` (the contract allows it)."""
+    answer = {"node_id": "n", "compat_key": "k", "compat": {},
+              "capacity": {"max_sandboxes": None, "slots_free": None, "live": 3, "mem_available_bytes": 10 << 30},
+              "snapshots": []}
+    state = NodeState.from_answers("ray-n", "http://n:7070", None, answer)
+    assert (state.slots_free, state.max_sandboxes, state.live) == (160, 0, 3)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
+# A node without a max_sandboxes limit answers slots_free null: its slots are then what its free memory
+# holds at this much per child (a live child's private memory is ~45-60 MiB under TCG, docs/benchmarks.md).
+CHILD_BYTES_ESTIMATE = 64 << 20
 
 
 class PlacementError(LookupError):
@@ -32,6 +35,14 @@ class SnapshotCopy:
     status: str = "ready"
 
 
+def _slots_free(capacity: dict[str, Any]) -> int:
+    """Free slots as the node counts them, or, where it sets no limit (null), as its free memory allows."""
+    slots = capacity.get("slots_free")
+    if slots is None:
+        slots = int(capacity.get("mem_available_bytes") or 0) // CHILD_BYTES_ESTIMATE
+    return max(0, int(slots))
+
+
 @dataclass(frozen=True)
 class NodeState:
     """One forkd node: its Ray node, its daemon (URL and token) and what ``GET /v1/node`` said."""
@@ -43,7 +54,7 @@ class NodeState:
     compat_key: str
     compat: dict[str, Any]
     slots_free: int
-    max_sandboxes: int
+    max_sandboxes: int  # 0: the node sets no limit
     live: int
     snapshots: tuple[SnapshotCopy, ...] = ()
     alive: bool = True
@@ -57,8 +68,8 @@ class NodeState:
                        for s in node.get("snapshots", []) if s.get("digest"))
         return cls(ray_node_id=ray_node_id, node_id=str(node["node_id"]), url=url, token=token,
                    compat_key=str(node["compat_key"]), compat=dict(node.get("compat", {})),
-                   slots_free=max(0, int(capacity.get("slots_free", 0))),
-                   max_sandboxes=int(capacity.get("max_sandboxes", 0)), live=int(capacity.get("live", 0)),
+                   slots_free=_slots_free(capacity),
+                   max_sandboxes=int(capacity.get("max_sandboxes") or 0), live=int(capacity.get("live", 0)),
                    snapshots=copies)
 
     def holds(self, digest: str) -> bool:

@@ -92,10 +92,13 @@ async def read_limited(response: httpx.Response, limit: int, what: str) -> bytes
 
 
 def _split(url: str) -> SplitResult:
+    """``url``'s parts, refused here when the HTTP client could not send it (control characters, a host name
+    that is not IDNA), so a bad URL from a request is a 400 and never an exception deep in a transfer."""
     try:
+        httpx.URL(url)
         return urlsplit(url)
-    except ValueError as exc:  # an unbalanced IPv6 bracket, say
-        raise PackError(f"{shown(url)} is not a valid URL: {exc}") from None
+    except (ValueError, httpx.InvalidURL) as exc:  # an unbalanced IPv6 bracket, a control character, say
+        raise PackError(f"{shown(url)!r} is not a valid URL: {exc}") from None
 
 
 def shown(url: str) -> str:
