@@ -37,9 +37,11 @@ ALLOWED: dict[str, set[str]] = {
     "e2b": {"runtime", "vmm", "host", "store", "image", "guest"} | BASE | FACE,
     "daemon": {"runtime", "e2b", "vmm", "host", "store", "image", "packs", "guest"} | BASE | FACE,
     "sdk": {"guest.protocol"} | BASE,
+    # a client of the daemons across a Ray cluster (needs the forkd[ray] extra): the SDK and the node API only
+    "cluster": {"sdk"} | BASE | FACE,
     # daemon: `forkd daemon` runs it; host: the preflight before any daemon exists; packs: `forkd index add`
-    # edits an index file on the client's own disk
-    "cli": {"sdk", "daemon", "host", "packs"} | BASE | FACE,
+    # edits an index file on the client's own disk; cluster: `forkd cluster`, imported inside its commands
+    "cli": {"sdk", "daemon", "host", "packs", "cluster"} | BASE | FACE,
     "mcp": {"sdk"} | BASE | FACE,
     "forkd": {"sdk"} | BASE,
     "__main__": {"cli"},

@@ -13,7 +13,8 @@ use a member: the network namespace and cgroup limits are made before a VMM star
 Members are refilled in the background once a fork is done with them, one VMM start at a time per
 snapshot, never on a caller's path. A member has no registry record: a daemon that dies leaves its
 run directory, which recovery reaps with the VMM in it (running, stopped or half-warmed) like a
-child caught mid-restore; ``rmi``, daemon stop and a size lowered kill members at once.
+child caught mid-restore; ``rmi``, daemon stop and a size lowered kill members at once. A draining
+daemon pauses refills (``pause``): its idle members stay until it stops or is undrained.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class PoolService:
         self._disposing: set[asyncio.Task[None]] = set()
         self._generation: Counter[str] = Counter()  # bumped when a tag's pool is discarded
         self._stopped = False
+        self._paused = False  # draining: no member is started until ``resume``
 
     # sizes
 
@@ -139,7 +141,7 @@ class PoolService:
 
     def refill(self, tag: str) -> None:
         """Start filling ``tag``'s pool in the background, unless that already runs or it is full."""
-        if self._stopped or (tag in self._fillers and not self._fillers[tag].done()):
+        if self._stopped or self._paused or (tag in self._fillers and not self._fillers[tag].done()):
             return
         if len(self._members[tag]) + self._starting[tag] >= self.size(tag):
             return
@@ -148,7 +150,7 @@ class PoolService:
     async def _fill(self, tag: str) -> None:
         """Start members one at a time until the pool has its size: a refill takes one VMM start of CPU."""
         generation = self._generation[tag]
-        while not self._stopped and generation == self._generation[tag] and \
+        while not self._stopped and not self._paused and generation == self._generation[tag] and \
                 len(self._members[tag]) + self._starting[tag] < self.size(tag):
             try:
                 member = await self._start_member(tag)
@@ -210,6 +212,16 @@ class PoolService:
         self._configured.pop(tag, None)
         if self._stored.pop(tag, None) is not None:
             await asyncio.to_thread(self.registry.set_pool_size, tag, None)
+
+    def pause(self) -> None:
+        """Start no more members (the daemon drains); a member already starting finishes and waits."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Fill every pool with a size again."""
+        self._paused = False
+        for tag in {*self._configured, *self._stored}:
+            self.refill(tag)
 
     async def stop(self) -> None:
         """Kill every member and wait until all are released (daemon stop)."""
