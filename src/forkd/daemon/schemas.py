@@ -424,8 +424,8 @@ class NodePull(Strict):
     digest: Digest
     source: str = Field(min_length=8, max_length=2048, pattern=r"^https?://",
                         description="the peer daemon's http(s) URL, e.g. http://10.0.0.2:7000")
-    source_token: str | None = Field(default=None, min_length=1, max_length=1024,
-                                     description="the peer's bearer token (sent only to the peer)")
+    source_token: str | None = Field(default=None, min_length=1, max_length=1024, pattern=r"^[\x21-\x7e]+$",
+                                     description="the peer's bearer token, visible ASCII (sent only to the peer)")
 
 
 class NodeUsage(Open):

@@ -27,6 +27,7 @@ from forkd.image.builder import (
 )
 from forkd.packs.peer import PeerPuller
 from forkd.packs.service import PackService
+from forkd.packs.space import SpaceFloor
 from forkd.packs.transfer import UrlPolicy
 from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
@@ -76,8 +77,10 @@ class Runtime:
                                  self.options.pool_sizes, warm=self.options.warm_pools)
         self.spawner = Spawner(paths, registry, vmm, self.store, self.sandboxes, self.pools, isolation, self.metrics,
                                self.options)
-        self.packs = PackService(self.store, self.spawner.count_of, self.options.host_roots,
-                                 UrlPolicy(self.options.transfer_hosts))
+        roots = self.options.host_roots
+        self.packs = PackService(self.store, self.spawner.count_of, roots, UrlPolicy(self.options.transfer_hosts),
+                                 SpaceFloor(self.options.pack_free_floor_bytes, roots.packs if roots else None),
+                                 self.options.allow_unpinned_pulls)
         self.peers = PeerPuller(self.packs)
         self.drain = DrainService(self.spawner, self.pools, self.sandboxes)
         self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options, self.drain)
@@ -121,6 +124,7 @@ class Runtime:
         console bounds."""
         await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
         recovery = await recover(self.sandboxes, self.store)
+        await asyncio.to_thread(self.packs.remove_partials)
         await self.pools.start()
         loop = asyncio.get_running_loop()
         self._keepers = [loop.create_task(deadline_keeper(self.sandboxes)),
