@@ -64,6 +64,13 @@ class Bridge:
         return killed
 
 
+def left_behind(made: Bridge) -> bool:
+    """Whether a namespace, veth or bridge of ``made`` is still on the host."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=BOUND_S).stdout
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=BOUND_S).stdout
+    return made.prefix in links + names
+
+
 def pids_in(netns: str) -> list[int]:
     done = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=BOUND_S)
     return [int(pid) for pid in done.stdout.split()]

@@ -30,7 +30,7 @@ from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 import cluster_driver  # noqa: E402
 from cluster_harness import (  # noqa: E402
     LINE_BOUND_S, RAY_PORT, Driver, join, moved, node_id, start_head, wait_for_work)
-from cluster_netns import bridge  # noqa: E402
+from cluster_netns import bridge, left_behind  # noqa: E402
 from cluster_nodes import HEALTH_CHECKS, SLOTS, ForkdNode  # noqa: E402
 from forkd.cluster import Cluster, PlacementError  # noqa: E402
 from forkd.sdk.errors import NotFoundException  # noqa: E402
@@ -131,9 +131,7 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
             assert any(p["target"] == back_id and p["digest"] == digest for p in line["pulls"])
         finally:
             driver.close()
-    left = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    left += subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert net.prefix not in left, "a namespace, veth or bridge of the test was left behind"
+    assert not left_behind(net), "a namespace, veth or bridge of the test was left behind"
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("ray", reason="the cluster tests need the forkd[ray] extra (scripts/setup installs it)")
 
 from cluster_harness import Driver, join, moved, node_id, start_head, started, wait_for_work  # noqa: E402
-from cluster_netns import bridge  # noqa: E402
+from cluster_netns import bridge, left_behind  # noqa: E402
 from cluster_nodes import ForkdNode  # noqa: E402
 from forkd.host.netns import NETNS_DIR, netns_name  # noqa: E402
 
@@ -119,7 +119,8 @@ def test_map_on_qemu_children_survives_a_node_dying(root: Path) -> None:
         finally:
             for node in forkd:
                 node.stop_daemon()
-            # node 2 died holding its children's namespaces (their mounts went with its processes)
+            # node 2 died before it could remove its children's network namespaces
             for sandbox_id in sandboxes_by_node(root / "started.log", forkd).get("n2", []):
                 subprocess.run(["ip", "netns", "del", netns_name(sandbox_id)], capture_output=True, timeout=30)
                 (NETNS_DIR / netns_name(sandbox_id)).unlink(missing_ok=True)
+    assert not left_behind(net), "a namespace, veth or bridge of the test was left behind"
