@@ -65,10 +65,15 @@ class Bridge:
 
 
 def left_behind(made: Bridge) -> bool:
-    """Whether a namespace, veth or bridge of ``made`` is still on the host."""
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=BOUND_S).stdout
-    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=BOUND_S).stdout
-    return made.prefix in links + names
+    """Whether a namespace, veth or bridge of ``made`` is still on the host once the kernel has had its
+    time (bounded): a deleted namespace's veth ends go with the namespace's cleanup, which runs later."""
+    deadline = time.monotonic() + BOUND_S
+    while True:
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=BOUND_S).stdout
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=BOUND_S).stdout
+        if made.prefix not in links + names or time.monotonic() > deadline:
+            return made.prefix in links + names
+        time.sleep(0.2)
 
 
 def pids_in(netns: str) -> list[int]:
