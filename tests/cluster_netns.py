@@ -64,15 +64,16 @@ class Bridge:
         return killed
 
 
-def left_behind(made: Bridge) -> bool:
-    """Whether a namespace, veth or bridge of ``made`` is still on the host once the kernel has had its
-    time (bounded): a deleted namespace's veth ends go with the namespace's cleanup, which runs later."""
+def left_behind(made: Bridge) -> list[str]:
+    """The namespaces, veths and bridge of ``made`` still on the host once the kernel has had its time
+    (bounded): a deleted namespace's veth ends go with the namespace's cleanup, which runs later."""
     deadline = time.monotonic() + BOUND_S
     while True:
-        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=BOUND_S).stdout
-        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=BOUND_S).stdout
-        if made.prefix not in links + names or time.monotonic() > deadline:
-            return made.prefix in links + names
+        listed = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=BOUND_S).stdout
+        listed += subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=BOUND_S).stdout
+        left = [line[:120] for line in listed.splitlines() if made.prefix in line]
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.2)
 
 

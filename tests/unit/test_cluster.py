@@ -131,7 +131,7 @@ def test_map_survives_a_node_dying_and_a_restarted_node_takes_work(root: Path) -
             assert any(p["target"] == back_id and p["digest"] == digest for p in line["pulls"])
         finally:
             driver.close()
-    assert not left_behind(net), "a namespace, veth or bridge of the test was left behind"
+    assert not (left := left_behind(net)), f"namespaces, veths or the bridge of the test left behind: {left}"
 
 
 @pytest.fixture

@@ -123,4 +123,4 @@ def test_map_on_qemu_children_survives_a_node_dying(root: Path) -> None:
             for sandbox_id in sandboxes_by_node(root / "started.log", forkd).get("n2", []):
                 subprocess.run(["ip", "netns", "del", netns_name(sandbox_id)], capture_output=True, timeout=30)
                 (NETNS_DIR / netns_name(sandbox_id)).unlink(missing_ok=True)
-    assert not left_behind(net), "a namespace, veth or bridge of the test was left behind"
+    assert not (left := left_behind(net)), f"namespaces, veths or the bridge of the test left behind: {left}"
