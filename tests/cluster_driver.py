@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+HOLD_S = 3.0  # how long the work holds its sandbox: the kill of a node must land inside it, on a loaded machine too
+
 
 def started(sandbox: Any, item: dict[str, Any]) -> None:
     """Logs which item started where (the node's daemon URL) in which sandbox: a retried item shows twice."""
@@ -27,7 +29,7 @@ def square(sandbox: Any, item: dict[str, Any]) -> int:
     started(sandbox, item)
     answer = sandbox.api.exec(sandbox.sandbox_id, f"echo {item['i']}")
     assert answer["exit_code"] == 0 and sandbox.is_running()
-    time.sleep(1.5)
+    time.sleep(HOLD_S)
     return int(item["i"]) ** 2
 
 
@@ -37,7 +39,7 @@ def square_in_guest(sandbox: Any, item: dict[str, Any]) -> int:
     answer = sandbox.api.exec(sandbox.sandbox_id, ["python3", "-c", f"print({int(item['i'])} ** 2)"],
                               timeout_s=120)
     assert answer["exit_code"] == 0, answer
-    time.sleep(1.5)
+    time.sleep(HOLD_S)
     return int(answer["stdout"])
 
 
