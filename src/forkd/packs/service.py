@@ -5,7 +5,9 @@ store build directory and verified there (every digest, the chain and each link'
 parent's digests, the machine identity, every disk's backing reference, the store's own ancestors'
 files); only then does the store publish the directories and register them, parent links
 included, in one registry transaction, root first. On any failure the build directory is removed,
-a replaced snapshot is put back, and nothing is registered.
+a replaced snapshot is put back, and nothing is registered. An unpack that replaces a snapshot
+(``--force`` over a registered tag) runs inside the ``replacing`` hook the runtime hands in, which
+empties that tag's pool of ready VMMs first and refills it afterwards: they hold the old snapshot.
 
 Host paths and URLs come from API clients: with ``roots`` every pack file read or written (and a
 pull's local file or index) must lie in the packs directory, and every network URL must pass the
@@ -15,8 +17,10 @@ daemon's ``UrlPolicy``, index entries and redirects included.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,8 @@ from forkd.validation import check_tag
 from forkd.vmm.base import MachineIdentity
 
 Progress = Callable[[str], None]
+# Around an unpack that replaces the snapshot of a tag: what else holds that snapshot lets go of it.
+Replacing = Callable[[str], AbstractAsyncContextManager[object]]
 _REBUILD_HINT = "create the snapshot on this host with `forkd snapshot create` instead"
 
 
@@ -58,12 +64,14 @@ class PullSource:
 
 class PackService:
     def __init__(self, store: SnapshotStore, live_children: Callable[[str], int], roots: HostRoots | None = None,
-                 urls: transfer.UrlPolicy = transfer.UrlPolicy()) -> None:
+                 urls: transfer.UrlPolicy = transfer.UrlPolicy(),
+                 replacing: Replacing = lambda _tag: contextlib.nullcontext()) -> None:
         self.store = store
         self.registry = store.registry
         self.live_children = live_children
         self.roots = roots  # None: any host path (in-process use only; the daemon always confines)
         self.urls = urls
+        self._replacing = replacing
         self._lock = asyncio.Lock()  # one unpack at a time: two could plan against the same store
 
     def pack_input(self, path: Path, what: str = "pack") -> Path:
@@ -173,7 +181,9 @@ class PackService:
         if claim is None:
             claim = self.claim(await asyncio.to_thread(self._manifest, source), tag)
         with claim:
-            async with self._lock:
+            top = claim.tags[0]  # held: nobody else registers, replaces or removes it meanwhile
+            replaces = force and await asyncio.to_thread(self.registry.get_snapshot, top) is not None
+            async with self._lock, self._replacing(top) if replaces else contextlib.nullcontext():
                 work = self.store.build_dir("unpack")
                 try:
                     return await blocking(self._unpack, claim, work, source, tag, force, progress)

@@ -76,7 +76,7 @@ class Runtime:
         self.spawner = Spawner(paths, registry, vmm, self.store, self.sandboxes, self.pools, isolation, self.metrics,
                                self.options)
         self.packs = PackService(self.store, self.spawner.count_of, self.options.host_roots,
-                                 UrlPolicy(self.options.transfer_hosts))
+                                 UrlPolicy(self.options.transfer_hosts), replacing=self.pools.replacing)
         self.peers = PeerPuller(self.packs)
         self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options)
         self.driver_forks = DriverForks(self.registry, self.sandboxes)
