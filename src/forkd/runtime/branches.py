@@ -8,7 +8,9 @@ one it was last branched to — the one its disk and memory now derive from. Eve
 (``runtime/timings.py``): the answer's ``timings`` and the ``forkd_branch_stage_seconds`` histogram.
 
 The snapshot is registered as ``writing`` before the pause, so it is visible (and refused to fork,
-409) while it is built; it becomes ``ready`` or ``failed``.
+409) while it is built; it becomes ``ready`` or ``failed``. That record, naming its source
+(``meta.source_sandbox``), is also how a restarted daemon knows a stopped source was stopped by
+this pause and resumes it instead of reaping it (``runtime/recovery.py``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class BranchService:
         self.max_concurrent = max_concurrent
         self._builds: dict[str, asyncio.Task[SnapshotRecord]] = {}  # builds under way, by tag (claimed in the store)
         self._sources: dict[str, _SourceState] = {}
+
+    def refuse(self, sandbox_id: str, reason: str) -> None:
+        """Never branch ``sandbox_id`` again: its disk holds a layer no snapshot received (``reason``)."""
+        self._sources[sandbox_id] = _SourceState(lock=asyncio.Lock(), broken=reason)
 
     async def branch(self, sandbox_id: str, tag: str, mode: str = "diff", wait: bool = True,
                      claim: Claim | None = None) -> SnapshotRecord:
