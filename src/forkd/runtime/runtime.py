@@ -49,7 +49,7 @@ from forkd.store.io import blocking
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.validation import new_sandbox_id
-from forkd.vmm.base import Capabilities, Vmm
+from forkd.vmm.base import Capabilities, Vmm, VmHandle
 
 # What a front may use of a Runtime: its services and the methods that answer for the store and the VMM.
 FRONT_SURFACE = frozenset({
@@ -125,7 +125,7 @@ class Runtime:
         await self.pools.start()
         loop = asyncio.get_running_loop()
         self._keepers = [loop.create_task(deadline_keeper(self.sandboxes)),
-                         loop.create_task(console_keeper(self.sandboxes))]
+                         loop.create_task(console_keeper(self.consoles))]
         return recovery
 
     async def stop(self) -> None:
@@ -138,6 +138,10 @@ class Runtime:
         leave = self.sandboxes.detach_all() if self.options.keep_sandboxes_on_stop else self.sandboxes.kill_all()
         await asyncio.gather(leave, self.snapshots.abort_all())
         self.registry.close()
+
+    def consoles(self) -> list[VmHandle]:
+        """Every VMM whose guest writes a console the host keeps: live sandboxes and parents being baked."""
+        return [*(s.vm for s in self.sandboxes.live()), *self.snapshots.parents()]
 
     def capabilities(self) -> Capabilities:
         """What the VMM backend and the host offer (``GET /v1/system``)."""
