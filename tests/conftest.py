@@ -324,7 +324,7 @@ def typescript_sdk() -> Path:
         pytest.fail("node is not installed: `bash scripts/setup` installs nodejs and builds sdk/typescript")
     built = TYPESCRIPT_SDK / "dist" / "src" / "index.js"
     sources = [*TYPESCRIPT_SDK.glob("src/**/*.ts"), *TYPESCRIPT_SDK.glob("test/**/*.ts"),
-               *TYPESCRIPT_SDK.glob("examples/**/*.ts"),
+               *TYPESCRIPT_SDK.glob("examples/**/*.ts"), *TYPESCRIPT_SDK.glob("scripts/*.mjs"),
                Path(__file__).resolve().parents[1] / "docs" / "openapi.json"]
     if not built.is_file():
         pytest.fail(f"{built} is missing: build the TypeScript SDK (`bash scripts/setup`, or `npm run build` in "

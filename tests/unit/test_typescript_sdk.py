@@ -21,14 +21,16 @@ def test_node_unit_tests_pass(typescript_sdk: Path) -> None:
 
 
 def test_error_table_matches_forkd_errors(typescript_sdk: Path) -> None:
-    """Every code means the same status, family and next step in TypeScript as in src/forkd/errors.py."""
+    """Every code means the same status, family and next step in TypeScript as in src/forkd/errors.py (the
+    build generates the table from docs/openapi.json's x-error-kinds: this checks that whole path)."""
     script = ("import('./dist/src/errors.js').then(m => console.log(JSON.stringify("
               "[...m.KINDS.values()].map(k => [k.code, k.status, k.family, k.nextStep]))))")
     done = subprocess.run(["node", "-e", script], cwd=typescript_sdk, capture_output=True, text=True, timeout=60,
                           check=True)
     typescript = {code: (status, family, step) for code, status, family, step in json.loads(done.stdout)}
     python = {code: (kind.status, kind.family, kind.next_step) for code, kind in KINDS.items()}
-    assert typescript == python, "sdk/typescript/src/errors.ts differs from src/forkd/errors.py: " \
+    assert typescript == python, "the TypeScript SDK's error table differs from src/forkd/errors.py " \
+        "(regenerate docs/openapi.json, rebuild): " \
         f"only in Python {sorted(set(python) - set(typescript))}, only in TypeScript " \
         f"{sorted(set(typescript) - set(python))}, different " \
         f"{sorted(c for c in set(python) & set(typescript) if python[c] != typescript[c])}"

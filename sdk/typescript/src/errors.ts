@@ -2,9 +2,11 @@
  * The errors forkd reports, as typed exceptions.
  *
  * The daemon answers `{"error": {"code", "message"}}` with an HTTP status; the code's kind picks the class, so
- * callers catch `NotFoundError` without parsing messages. `KINDS` mirrors the Python table in
- * src/forkd/errors.py (code, status, family, next step); a unit test of the repository compares the two.
+ * callers catch `NotFoundError` without parsing messages. `KINDS` is the Python table in src/forkd/errors.py
+ * (code, status, family, next step), generated from the OpenAPI document's `x-error-kinds` at build time.
  */
+
+import { ERROR_KINDS } from "./generated/errors.js";
 
 /** Which exception class a kind belongs to (named after the Python SDK's, which are E2B's). */
 export type Family =
@@ -24,58 +26,7 @@ export interface ErrorKind {
   readonly nextStep: string;
 }
 
-const kind = (code: string, status: number, family: Family, nextStep: string): ErrorKind =>
-  ({ code, status, family, nextStep });
-
-const TABLE: readonly ErrorKind[] = [
-  kind("invalid_request", 400, "invalid_argument",
-    "fix the named field or value (the schema is in docs/api.md and /openapi.json) and send it again"),
-  kind("malformed_body", 400, "invalid_argument", "send the body as one JSON object"),
-  kind("bad_request", 400, "invalid_argument", "fix the argument the guest agent named"),
-  kind("os_error", 400, "invalid_argument", "check the path or command inside the sandbox (it failed there)"),
-  kind("unauthorized", 401, "authentication", "set FORKD_TOKEN to the daemon's bearer token"),
-  kind("not_found", 404, "not_found",
-    "list what exists (`forkd ls`, `forkd snapshots`, `forkd workspace ls`) and use one of those"),
-  kind("snapshot_not_found", 404, "not_found",
-    "GET /v1/node of each node lists the digests it holds: fork where it is held, or pull it from " +
-    "such a node first (POST /v1/node/pull)"),
-  kind("no_route", 404, "not_found", "this daemon does not offer that route: upgrade forkd and restart it"),
-  kind("method_not_allowed", 405, "invalid_argument", "use a method the route accepts (see docs/api.md)"),
-  kind("conflict", 409, "conflict", "pick another tag or name, or wait for the operation holding it to finish"),
-  kind("sandbox_ended", 409, "conflict",
-    "the sandbox ended (timeout or kill) while this ran: start a new one and try again"),
-  kind("snapshot_mismatch", 409, "conflict",
-    "recreate the snapshot on this host (it was saved by another VMM setup)"),
-  kind("incompatible_snapshot", 409, "conflict",
-    "move snapshots only between nodes with the same compat key (GET /v1/node), or create it on this node"),
-  kind("idempotency_conflict", 409, "conflict",
-    "send the same request again to get its answer, or use a new idempotency key for a new fork"),
-  kind("snapshot_corrupt", 409, "conflict", "remove the snapshot with `forkd rmi TAG` and recreate it"),
-  kind("body_too_large", 413, "invalid_argument",
-    "send less: upload big files with PUT /files, which streams them in chunks"),
-  kind("snapshot_error", 400, "invalid_argument", "fix what the message names and retry the snapshot operation"),
-  kind("pack_refused", 400, "invalid_argument", "use a pack made by forkd for this host's VMM setup"),
-  kind("image_error", 400, "invalid_argument", "fix the image spec the message names, then build again"),
-  kind("unknown_op", 400, "invalid_argument",
-    "the guest agent is older than this daemon: recreate the snapshot from a rebuilt image"),
-  kind("internal", 500, "other", "report it with the daemon log; retrying may work"),
-  kind("vmm_error", 500, "other", "check `forkd doctor` and the daemon log, then retry"),
-  kind("agent_unavailable", 502, "other",
-    "the sandbox's guest agent is gone: kill the sandbox and spawn a new one"),
-  kind("reseed_failed", 500, "other", "rebuild the image (`forkd image build --force`) so its agent runs " +
-    "as root, then recreate the snapshot"),
-  kind("isolation_error", 500, "other",
-    "check `forkd doctor` (network namespaces, cgroups) and the daemon log, then retry"),
-  kind("peer_error", 502, "other",
-    "check the peer's URL, its token (source_token) and its daemon's log, or pull from another node"),
-  kind("busy", 503, "rate_limit", "retry in a moment: the daemon is over a concurrency cap"),
-  kind("timeout", 504, "timeout", "raise timeout_s, or split the work into shorter calls"),
-  kind("disk_full", 507, "other", "free disk space under FORKD_HOME (remove snapshots with `forkd rmi`)"),
-  // Client side only: no daemon answered, or its stream ended early.
-  kind("unreachable", 0, "other",
-    "start the daemon with `forkd daemon` (as root), or point FORKD_URL at a running one"),
-  kind("truncated", 0, "other", "the daemon stopped mid-answer: check its log and retry"),
-];
+const TABLE: readonly ErrorKind[] = ERROR_KINDS;
 
 export const KINDS: ReadonlyMap<string, ErrorKind> = new Map(TABLE.map((k) => [k.code, k]));
 const INTERNAL = KINDS.get("internal")!;

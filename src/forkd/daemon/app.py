@@ -7,8 +7,10 @@ mapping of runtime exceptions to error bodies in ``errors.py``; this module only
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -16,6 +18,7 @@ from forkd import __version__
 from forkd.daemon import errors, schemas
 from forkd.daemon.middleware.metrics import RequestMetrics
 from forkd.daemon.routes import ROUTERS
+from forkd.errors import KINDS
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.runtime import Runtime
 
@@ -48,6 +51,14 @@ def create_app(runtime: Runtime | None = None) -> FastAPI:
     app = FastAPI(title="forkd", version=__version__, lifespan=lifespan, responses=schemas.ERROR_RESPONSES,
                   description="Fork warm microVMs copy-on-write; every forkd client speaks this API.")
     app.state.runtime = runtime
+
+    def openapi_with_error_kinds() -> dict[str, Any]:
+        """FastAPI's document plus the error table, so clients in other languages generate it, not copy it."""
+        if app.openapi_schema is None:
+            FastAPI.openapi(app)["x-error-kinds"] = [dataclasses.asdict(kind) for kind in KINDS.values()]
+        return app.openapi_schema  # type: ignore[return-value]  # set by FastAPI.openapi just above
+
+    app.openapi = openapi_with_error_kinds  # type: ignore[method-assign]  # FastAPI's documented hook
     for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(RequestMetrics, metrics=runtime.metrics if runtime is not None else Metrics())

@@ -52,10 +52,6 @@ class Layer:
     def data_start(self) -> int:
         return _HEADER.size + 8 * len(self.offsets)
 
-    @property
-    def data_bytes(self) -> int:
-        return self.page_size * len(self.offsets)
-
     def runs(self) -> Iterator[tuple[int, int, int]]:
         """``(guest offset, position in the file, length)`` of each run of adjacent pages."""
         return page_runs(self.offsets, self.page_size, self.data_start)
