@@ -475,10 +475,19 @@ def test_a_daemon_killed_inside_a_branch_pause_leaves_its_source_running(tmp_pat
             with pytest.raises(SnapshotConflict, match="stopped while branching it to 'half'"):
                 await second.branches.branch(source, "again")
             half = second.registry.get_snapshot("half")
-            return (recovery.adopted, recovery.resumed, ping["sandbox_id"], vmm.paused(live.vm),
-                    half.status if half else None, build.exists(), second.registry.get_snapshot("again"))
+            outcome = (recovery.adopted, recovery.resumed, ping["sandbox_id"], vmm.paused(live.vm),
+                       half.status if half else None, build.exists(), second.registry.get_snapshot("again"))
+            await second.sandboxes.detach_all()  # and the refusal outlives another restart
+            second.registry.close()
+            third = await Runtime.open(first.paths, vmm)
+            try:
+                assert (await third.start()).adopted == [source]
+                with pytest.raises(SnapshotConflict, match="stopped while branching it to 'half'"):
+                    await third.branches.branch(source, "again")
+            finally:
+                await third.stop()
+            return outcome
         finally:
-            await second.stop()
             if live.vm.process.returncode is None:
                 live.vm.process.kill()
 

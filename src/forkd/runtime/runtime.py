@@ -120,8 +120,8 @@ class Runtime:
         await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
         recovery = await recover(self.sandboxes, self.store)
         for sandbox_id, tag in recovery.resumed.items():
-            self.branches.refuse(sandbox_id, f"the daemon stopped while branching it to {tag!r}, so its disk may "
-                                             "hold a layer no snapshot received; fork a new sandbox to branch from")
+            await self.branches.refuse(sandbox_id, f"the daemon stopped while branching it to {tag!r}, so its "
+                                       "disk may hold a layer no snapshot received; fork a new sandbox to branch from")
         await self.pools.start()
         loop = asyncio.get_running_loop()
         self._keepers = [loop.create_task(deadline_keeper(self.sandboxes)),
