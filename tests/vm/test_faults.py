@@ -219,13 +219,13 @@ def qmp_status(monitor: Path) -> str:
 
 def test_daemon_sigkill_in_a_branch_pause_leaves_the_source_running(daemon: Daemon, fault_home: Path) -> None:
     """SIGKILL while BRANCH has its source stopped: the device state is written in the pause and the
-    private pages (here ~300 MiB of them) are read after it, so the kill lands inside the pause. The
+    private pages (here ~256 MiB of them) are read after it, so the kill lands inside the pause. The
     next daemon resumes the source instead of reaping it; the branch is failed and the source is not
     branched again."""
     client = daemon.controller
     [source] = client.fork(TAG, 1)["sandboxes"]
     sandbox_id = source["id"]
-    client.run_code(sandbox_id, "ballast = bytearray(b'\\x01') * (300 << 20); kept = 'alive'")
+    client.run_code(sandbox_id, "ballast = bytearray(b'\\x01') * (256 << 20); kept = 'alive'")
     client.branch(sandbox_id, "crashed", mode="diff", wait=False)
     builds = fault_home / "snapshots"
     wait_until(lambda: any((d / "state").exists() for d in builds.glob(".build-crashed-*")), bound_s=120,
