@@ -56,6 +56,33 @@ def vm_prerequisites_missing() -> list[str]:
     return missing
 
 
+#: the package that provides each host tool a root-only unit test runs
+TOOL_PACKAGES = {"nft": "nftables", "ip": "iproute2", "setpriv": "util-linux", "unshare": "util-linux"}
+
+
+def missing_host_tools(*tools: str) -> list[str]:
+    """The tools of ``tools`` not on PATH, each with the package to install."""
+    return [f"`{tool}` (install {TOOL_PACKAGES[tool]})" for tool in tools if shutil.which(tool) is None]
+
+
+def require_root(*tools: str) -> None:
+    """Fail (never skip) a test that needs root and host tools on a host without them: a root-only test
+    that skips proves nothing, and CI runs the suite as root."""
+    missing = ([] if os.geteuid() == 0 else ["root (run the suite as root, as CI does: bash .ci/run)"])
+    missing += missing_host_tools(*tools)
+    if missing:
+        pytest.fail("this test needs " + "; ".join(missing)
+                    + ". To leave the root-only unit tests out on purpose, deselect them with -m 'not root'.",
+                    pytrace=False)
+
+
+@pytest.hookimpl(tryfirst=True)  # before fixtures are set up: they may already need root
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("root")
+    if marker is not None:
+        require_root(*marker.args)
+
+
 def _is_vm(item: pytest.Item) -> bool:
     return item.get_closest_marker("vm") is not None
 

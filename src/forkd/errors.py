@@ -75,6 +75,7 @@ _KINDS = (
     ErrorKind("peer_error", 502, "other",
               "check the peer's URL, its token (source_token) and its daemon's log, or pull from another node"),
     ErrorKind("busy", 503, "rate_limit", "retry in a moment: the daemon is over a concurrency cap"),
+    ErrorKind("draining", 503, "other", "this node is draining: fork on another node"),
     ErrorKind("timeout", 504, "timeout", "raise timeout_s, or split the work into shorter calls"),
     ErrorKind("disk_full", 507, "other", "free disk space under FORKD_HOME (remove snapshots with `forkd rmi`)"),
     # Client side only: no daemon answered, or its stream ended early.

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from forkd.config import Paths
 from forkd.guest.protocol import AGENT_VERSION
+from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.runtime import Runtime
 from forkd.store.files import sha256_file, write_json_atomic
 from forkd.store.registry import SnapshotRecord
@@ -21,9 +22,9 @@ from forkd.vmm.qemu import QemuVmm
 MEMORY_BYTES = 8 << 20
 
 
-def make_runtime(root: Path) -> Runtime:
+def make_runtime(root: Path, options: RuntimeOptions | None = None) -> Runtime:
     return asyncio.run(Runtime.open(Paths(home=root / "home", cache=root / "cache", socket=root / "forkd.sock"),
-                                    QemuVmm(accelerator="tcg")))
+                                    QemuVmm(accelerator="tcg"), options))
 
 
 def qemu_img(*args: str, cwd: Path) -> None:
@@ -52,10 +53,10 @@ def make_snapshot(runtime: Runtime, tag: str, parent: str | None = None) -> Snap
         f.write(os.urandom(64 * 1024))
     (directory / "state").write_bytes(os.urandom(50_000))
     files += ["disk.qcow2", "memory", "state"]
-    spec = BootSpec(kernel=Path(), initrd=Path(), cmdline="", memory_mib=1024, vcpus=1, kernel_sha256="k" * 64,
-                    agent_version=AGENT_VERSION)
+    spec = BootSpec(kernel=Path(), initrd=Path(), cmdline="", memory_mib=MEMORY_BYTES >> 20, vcpus=1,
+                    kernel_sha256="k" * 64, agent_version=AGENT_VERSION)
     meta = {"identity": asdict(runtime.vmm.identity(spec)),
-            "boot": {"cmdline": "", "memory_mib": 1024, "vcpus": 1, "kernel_sha256": "k" * 64,
+            "boot": {"cmdline": "", "memory_mib": MEMORY_BYTES >> 20, "vcpus": 1, "kernel_sha256": "k" * 64,
                      "agent_version": AGENT_VERSION},
             "sha256": {name: sha256_file(directory / name) for name in sorted(files)}}
     if parent is not None:

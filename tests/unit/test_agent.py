@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from conftest import require_root
 from forkd.guest import agent as agent_module
 from forkd.guest import channel, processes, protocol
 
@@ -34,7 +35,6 @@ pytestmark = pytest.mark.timeout(60)
 
 GUEST_PACKAGE = Path(agent_module.__file__).parent
 IS_ROOT = os.geteuid() == 0
-HAVE_CAP_TOOLS = bool(shutil.which("setpriv") and shutil.which("unshare"))
 FRAME_TIMEOUT_S = 10.0
 
 
@@ -152,8 +152,8 @@ def agent() -> Iterator[AgentClient]:
 @pytest.fixture()
 def unprivileged_agent() -> Iterator[AgentClient]:
     """An agent that may not set the clock, the hostname or the kernel RNG."""
-    if IS_ROOT and not HAVE_CAP_TOOLS:
-        pytest.skip("needs setpriv to drop root's capabilities")
+    if IS_ROOT:
+        require_root("setpriv")  # to drop root's capabilities
     drop = "-sys_time,-sys_admin"
     prefix = ["setpriv", "--bounding-set", drop, "--inh-caps", drop] if IS_ROOT else []
     process = AgentProcess(prefix)
@@ -164,8 +164,7 @@ def unprivileged_agent() -> Iterator[AgentClient]:
 @pytest.fixture()
 def contained_agent() -> Iterator[AgentClient]:
     """A root agent in its own UTS namespace that may seed the kernel RNG but not set the clock."""
-    if not (IS_ROOT and HAVE_CAP_TOOLS):
-        pytest.skip("needs root, unshare and setpriv")
+    require_root("unshare", "setpriv")
     prefix = ["unshare", "--uts", "setpriv", "--bounding-set", "-sys_time", "--inh-caps", "-sys_time"]
     process = AgentProcess(prefix)
     yield process.client
@@ -372,7 +371,7 @@ def test_exec_bad_arguments(agent: AgentClient, args: dict[str, Any]) -> None:
     assert agent.error(protocol.OP_EXEC, args)["code"] == protocol.ERR_BAD_REQUEST
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="switching users needs root")
+@pytest.mark.root()  # switching users needs root
 def test_exec_as_user(agent: AgentClient) -> None:
     stdout, _, _, _ = run_exec(agent, {"shell": 'id -u; echo "$HOME $USER"', "user": "nobody"})
     uid, env = stdout.decode().splitlines()

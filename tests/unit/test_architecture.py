@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-BASE = {"config", "validation", "errors", "hostpaths", "safetext"}  # small shared modules every room may use
+BASE = {"config", "validation", "errors", "hostpaths", "safetext", "listeners"}  # small shared modules every room may use
 FACE = {"forkd"}  # the package itself: its version and public names
 MAX_LINES = 500
 
@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "hostpaths": {"validation"},
     "safetext": set(),
+    "listeners": set(),
     "vmm": {"guest.protocol", "guest.netconf"} | BASE,  # netconf: the guest network the command line sets up
     "store": {"guest.protocol", "vmm.base", "vmm.disk"} | BASE,
     "host": {"guest.netconf", "vmm"} | BASE,
@@ -36,9 +37,11 @@ ALLOWED: dict[str, set[str]] = {
     "e2b": {"runtime", "vmm", "host", "store", "image", "guest"} | BASE | FACE,
     "daemon": {"runtime", "e2b", "vmm", "host", "store", "image", "packs", "guest"} | BASE | FACE,
     "sdk": {"guest.protocol"} | BASE,
+    # a client of the daemons across a Ray cluster (needs the forkd[ray] extra): the SDK and the node API only
+    "cluster": {"sdk"} | BASE | FACE,
     # daemon: `forkd daemon` runs it; host: the preflight before any daemon exists; packs: `forkd index add`
-    # edits an index file on the client's own disk
-    "cli": {"sdk", "daemon", "host", "packs"} | BASE | FACE,
+    # edits an index file on the client's own disk; cluster: `forkd cluster`, imported inside its commands
+    "cli": {"sdk", "daemon", "host", "packs", "cluster"} | BASE | FACE,
     "mcp": {"sdk"} | BASE | FACE,
     "forkd": {"sdk"} | BASE,
     "__main__": {"cli"},

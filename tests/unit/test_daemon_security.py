@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forkd.daemon.middleware.auth import TokenRejected, check_token
+from forkd.listeners import TokenRejected, check_token
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import AuthenticationException
 

@@ -9,7 +9,7 @@ templates validated as core PodTemplateSpecs. Then what no schema sees: both hal
 nodes, the probe's route served without the token, every Secret, volume and variable referenced
 actually defined, and the environment variables the daemon and SDK really read. Last, the
 DaemonSet's container runs as a real daemon process (its command and environment, host paths in a
-temporary directory) and its preStop script runs against it.
+temporary directory, the fake VMM backend so it can fork here) and its preStop script drains it.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from conftest import _fake_image
 from forkd.daemon.config import ENV_KEYS
 from forkd.daemon.middleware.auth import OPEN_PATHS
 from forkd.daemon.routes import ROUTERS
 from forkd.sdk.connection import ConnectionConfig
+from forkd.sdk.controller import Controller, ForkdError
 
 CHART = Path(__file__).resolve().parents[2] / "packaging" / "helm" / "forkd"
 KUBERNETES_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 ships
@@ -291,7 +293,8 @@ def expand(env: list[dict[str, Any]], node_ip: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
     """The DaemonSet's container run as a real daemon process: its command and environment, host paths
-    under a temporary directory, the node's IP 127.0.0.1, the Secret's token as the mounted file."""
+    under a temporary directory, the node's IP 127.0.0.1, the Secret's token as the mounted file; its
+    VMM backend the fake one (``FORKD_VMM=fake``, with a fake guest image) so that it forks here."""
     root = tmp_path_factory.mktemp("node")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -304,7 +307,8 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, An
     [mount] = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "token"]
     env = {key: value.replace(mount, str(token_dir)) for key, value in expand(container["env"], "127.0.0.1").items()}
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("FORKD_")}, **env,
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "FORKD_VMM": "fake"}
+    _fake_image(Path(env["FORKD_CACHE"]))
     assert shutil.which(container["command"][0], path=env["PATH"]), "the image's forkd entry point"
     log = open(root / "daemon.out", "wb")
     process = subprocess.Popen(container["command"], env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -327,13 +331,18 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, An
     log.close()
 
 
-def pre_stop(container: dict[str, Any], env: dict[str, str]) -> str:
+def start_pre_stop(container: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
     """The preStop hook's command, reading the token from where the fixture put the mounted file."""
     hook = container["lifecycle"]["preStop"]["exec"]["command"]
     command = [part.replace("/etc/forkd/token/token", env["FORKD_TOKEN_FILE"]) for part in hook]
-    ran = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert ran.returncode == 0, ran.stderr
-    return ran.stdout.strip()
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def pre_stop(container: dict[str, Any], env: dict[str, str]) -> str:
+    hook = start_pre_stop(container, env)
+    stdout, stderr = hook.communicate(timeout=120)
+    assert hook.returncode == 0, stderr
+    return stdout.strip()
 
 
 def test_pods_daemon_serves_the_token_on_the_node_ip_and_drains(pod: tuple[dict[str, Any], dict[str, str]]) -> None:
@@ -343,6 +352,42 @@ def test_pods_daemon_serves_the_token_on_the_node_ip_and_drains(pod: tuple[dict[
     assert httpx.get(f"{url}/v1/sandboxes").status_code == 401
     assert httpx.get(f"{url}/v1/sandboxes", headers={"Authorization": f"Bearer {token}"}).json() == {"sandboxes": []}
     assert pre_stop(container, env) == "drain: no sandboxes left"
+    assert httpx.delete(f"{url}/v1/node/drain", headers={"Authorization": f"Bearer {token}"}).json()["draining"] is False
+
+
+def test_pre_stop_refuses_new_forks_and_waits_for_the_running_sandboxes(
+        pod: tuple[dict[str, Any], dict[str, str]]) -> None:
+    container, env = pod
+    token = Path(env["FORKD_TOKEN_FILE"]).read_text()
+    with Controller(f"http://{env['FORKD_LISTEN']}", token) as api:
+        api.create_snapshot("base", memory_mib=1024, warm_modules=[])
+        child = api.fork("base", 1)["sandboxes"][0]["id"]
+        hook = start_pre_stop(container, env)
+        try:
+            deadline = time.monotonic() + 60
+            while not api.node()["draining"]:
+                assert hook.poll() is None and time.monotonic() < deadline, "the preStop hook did not drain"
+                time.sleep(0.1)
+            with pytest.raises(ForkdError) as refused:
+                api.fork("base", 1)
+            assert (refused.value.status, refused.value.code) == (503, "draining")
+            assert api.exec(child, "true")["exit_code"] == 0  # the running sandbox is served while it waits
+            assert hook.poll() is None  # it waits for that sandbox
+            api.kill(child)
+            stdout, stderr = hook.communicate(timeout=120)
+        finally:
+            if hook.poll() is None:
+                hook.kill()
+        assert (hook.returncode, stdout.strip()) == (0, "drain: no sandboxes left"), stderr
+        # `forkd node drain` itself: a sandbox left after the wait is its exit status 3, which the hook reports.
+        api.undrain()
+        left = api.fork("base", 1)["sandboxes"][0]["id"]
+        cli_env = {**env, "FORKD_URL": f"http://{env['FORKD_LISTEN']}", "FORKD_TOKEN": token}
+        drained = subprocess.run(["forkd", "node", "drain"], env=cli_env, capture_output=True, text=True, timeout=120)
+        assert drained.returncode == 3, drained.stderr
+        assert f"drain: 1 sandboxes still running ({left}), 0 starting" in drained.stdout
+        api.kill(left)
+        api.undrain()
 
 
 def test_drain_lets_a_daemon_that_is_gone_stop(pod: tuple[dict[str, Any], dict[str, str]]) -> None:
@@ -353,7 +398,7 @@ def test_drain_lets_a_daemon_that_is_gone_stop(pod: tuple[dict[str, Any], dict[s
 def test_worker_command_matches_the_cli() -> None:
     from forkd.cli.main import cli
     node = cli.commands.get("node")
-    if node is None:
+    start = getattr(node, "commands", {}).get("start")
+    if start is None:
         pytest.skip("`forkd node start` is not on this branch yet (the cluster contract's command)")
-    start = node.commands["start"]  # type: ignore[attr-defined]
     assert "--ray-address" in {opt for param in start.params for opt in param.opts}

@@ -95,6 +95,11 @@ def test_rest_refuses_host_paths_and_urls_a_token_should_not_reach(tmp_path: Pat
     refused("/v1/packs/pull", {"index": "file:///etc/passwd", "name": "x"}, f"put the file under {packs}")
     refused("/v1/packs/pull", {"url": "http://169.254.169.254/latest/meta-data"}, "allow-list")
     refused("/v1/packs/push", {"tag": "base", "url": "https://attacker.example.net/x"}, "allow-list")
+    # What the live fuzz sent: a URL the HTTP client cannot send, a token no header can carry (were 500s).
+    digest = "9a" * 32
+    refused("/v1/node/pull", {"digest": digest, "source": "http://o\u00e6\x85\x1d\u00a7/(\t"}, "not a valid URL")
+    answer = api.post("/v1/node/pull", json={"digest": digest, "source": "http://127.0.0.1:9", "source_token": "\u00d5r"})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_request", answer.text
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -166,6 +171,6 @@ def test_an_index_body_is_refused_once_it_passes_the_limit_not_after_buffering_i
 
 
 def test_a_malformed_url_is_a_clear_refusal_not_a_crash() -> None:
-    for url in ("http://[::1/x", "https://[oops"):
+    for url in ("http://[::1/x", "https://[oops", "http://host\x1d/x"):
         with pytest.raises(PackError, match="not a valid URL"):
             UrlPolicy().check(url)

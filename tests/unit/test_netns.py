@@ -1,11 +1,10 @@
-"""A child's network objects made and removed for real (root only; no VM, no traffic)."""
+"""A child's network objects made and removed for real (root, ip and nft: without them these fail; no VM, no traffic)."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import os
-import shutil
 
 import pytest
 
@@ -14,8 +13,7 @@ from forkd.host.netpolicy import AddressPool, EgressPolicy
 from forkd.host.nftrules import ChildNetwork
 from forkd.validation import new_sandbox_id
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
-                                reason="needs root and nftables")
+pytestmark = pytest.mark.root("ip", "nft")
 POOL = AddressPool.parse("10.213.0.0/16")
 
 

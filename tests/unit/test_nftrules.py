@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import os
-import shutil
 import subprocess
 
 import pytest
@@ -70,7 +68,7 @@ def test_host_services_published_by_dnat_and_link_local_are_refused_in_forward()
         assert blocked < opened
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None, reason="nft -c needs root and nftables")
+@pytest.mark.root("nft")  # nft -c needs root
 def test_nft_accepts_the_rulesets() -> None:
     policy = egress_policy("deny", [parse_allow_spec("198.51.100.0/24:443/tcp"), parse_allow_spec("10.9.0.0/16:53")])
     for ruleset in (namespace_ruleset(_net(policy)), host_ruleset(_net(EgressPolicy()))):

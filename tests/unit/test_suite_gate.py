@@ -51,3 +51,20 @@ def test_every_test_file_name_is_unique_across_the_suite() -> None:
     same name in another directory stops the whole run at collection (which a unit-only run never sees)."""
     names = sorted(path.name for path in (REPO / "tests").rglob("test_*.py") if "node_modules" not in path.parts)
     assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+
+
+ROOT_ONLY = ("tests/unit/test_netns.py", "tests/unit/test_nftrules.py::test_nft_accepts_the_rulesets",
+             "tests/unit/test_agent.py::test_exec_as_user", "tests/unit/test_agent.py::test_reseed_with_privileges")
+
+
+def test_root_only_unit_tests_fail_without_root_and_name_what_to_install(tmp_path: Path) -> None:
+    """Netns, nft rules and the agent's privilege drop are unit tests that need root and host tools: as
+    an unprivileged user with none of the tools on PATH each fails saying what is missing, none skips."""
+    done = _pytest_unprivileged(*ROOT_ONLY, env_extra={"FORKD_TESTS": "unit", "PATH": str(tmp_path)})
+    output = done.stdout + done.stderr
+    assert done.returncode == pytest.ExitCode.TESTS_FAILED, output
+    assert "5 errors" in output and "skipped" not in output and "passed" not in output, output  # failed in setup
+    assert output.count("this test needs root (run the suite as root") == 5, output
+    for needed in ("`nft` (install nftables)", "`ip` (install iproute2)", "`setpriv` (install util-linux)",
+                   "`unshare` (install util-linux)", "-m 'not root'"):
+        assert needed in output, needed

@@ -319,7 +319,7 @@ def test_failed_child_does_not_fail_its_batch(fault_home: Path, fault_snapshot: 
     try:
         result = limited.controller.fork(TAG, 3)
         assert len(result["sandboxes"]) == 2 and len(result["errors"]) == 1
-        assert "max_sandboxes" in result["errors"][0]
+        assert result["errors"][0]["code"] == "busy" and "max_sandboxes" in result["errors"][0]["message"]
         for child in result["sandboxes"]:
             assert limited.controller.exec(child["id"], "echo ok")["stdout"] == "ok\n"
     finally:

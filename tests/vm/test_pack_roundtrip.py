@@ -151,12 +151,20 @@ def test_push_then_pull_through_an_index(daemon: Controller, snapshot_tag: str, 
     served = work_dir / "served" / "pushed.tar.zst"
     assert sha256_file(served) == pushed["sha256"] and served.stat().st_size == pushed["size"]
     add_to_index(work_dir / "served" / "index.json", served, "vmtest-hub", "pushed.tar.zst")
-    result = daemon.pull(index=f"{server}/index.json", name="vmtest-hub", tag="vmtest-pulled")
+    # An index over plain http pins nothing (anyone on the path could change its digests): refused, saying how.
+    with pytest.raises(ForkdError, match="without a SHA-256 pin.*--sha256 HEX"):
+        daemon.pull(index=f"{server}/index.json", name="vmtest-hub", tag="vmtest-pulled")
+    # A local index in the packs directory pins the pack it lists, downloaded over http.
+    local_index = forkd_home / "packs" / "vmtest-index.json"
+    local_index.unlink(missing_ok=True)
+    add_to_index(local_index, served, "vmtest-hub", f"{server}/pushed.tar.zst")
+    result = daemon.pull(index=str(local_index), name="vmtest-hub", tag="vmtest-pulled")
     try:
         assert result["pack_sha256"] == pushed["sha256"] and result["tag"] == "vmtest-pulled"
         assert _work_dirs_left(forkd_home) == []
     finally:
         daemon.remove_snapshot("vmtest-pulled")
+        local_index.unlink(missing_ok=True)
 
 
 def test_pull_refuses_a_mismatching_advertised_hash(daemon: Controller, server: str, work_dir: Path,

@@ -39,9 +39,9 @@ def daemon_command(config_file: Path | None, home: Path | None, cache: Path | No
     needs `Authorization: Bearer <token>`. With --e2b-listen it also serves E2B's API, so E2B's
     own SDKs drive it (see docs/e2b.md).
     """
-    from forkd.daemon.middleware.auth import TokenRejected
     from forkd.daemon.config import ConfigError, load_config
-    from forkd.daemon.server import DaemonAlreadyRunning, ListenerError, run
+    from forkd.daemon.server import DaemonAlreadyRunning, run
+    from forkd.listeners import ListenerError
     try:
         config = load_config(config_file, overrides={
             "home": home, "cache": cache, "socket": socket, "log_file": log_file, "vmm": vmm, "accelerator": accel,
@@ -51,5 +51,5 @@ def daemon_command(config_file: Path | None, home: Path | None, cache: Path | No
             "e2b.keys_file": e2b_keys_file,
         })
         run(config)
-    except (ConfigError, DaemonAlreadyRunning, ListenerError, TokenRejected) as exc:
+    except (ConfigError, DaemonAlreadyRunning, ListenerError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 from forkd.cli.branch import BRANCH_COMMANDS
+from forkd.cli.cluster import CLUSTER_COMMANDS
 from forkd.cli.common import (
     console,
     daemon,
@@ -27,6 +28,7 @@ from forkd.cli.common import (
 from forkd.cli.daemon import daemon_command
 from forkd.cli.doctor import doctor
 from forkd.cli.isolation import describe_limits, describe_net, fork_options, isolation_options
+from forkd.cli.node_drain import attach as attach_node_commands
 from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
 from forkd.cli.workspaces import workspace
@@ -424,8 +426,9 @@ def files_mkdir(sandbox_id: str, path: str) -> None:
 cli.add_command(quickstart)
 cli.add_command(daemon_command)
 cli.add_command(doctor)
-for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, workspace):
+for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, *CLUSTER_COMMANDS, workspace):
     cli.add_command(_command)
+attach_node_commands(cli)  # after the others: `forkd node` may be made by another module
 
 
 def main() -> None:

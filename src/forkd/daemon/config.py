@@ -59,6 +59,10 @@ keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api
 
 [transfers]
 allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any
+allow_unpinned = false           # true: pull from a URL with no SHA-256 pin (a pack is code: docs/packs.md)
+
+[packs]
+min_free_mib = 1024              # pack, unpack and pull refuse (disk_full) to leave less free than this
 ```
 """
 
@@ -79,6 +83,7 @@ from pydantic.dataclasses import dataclass
 from forkd.config import Paths
 from forkd.hostpaths import HostRoots
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
+from forkd.packs.space import DEFAULT_FLOOR_BYTES as DEFAULT_PACK_FLOOR_BYTES
 from forkd.runtime.options import DEFAULT_MAX_BRANCHES, OutputLimits, RuntimeOptions
 from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.validation import ValidationError as FieldError
@@ -157,6 +162,12 @@ class E2BSettings:
 @dataclass(frozen=True, config=_STRICT)
 class Transfers:
     allow_hosts: list[Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9*.-]+$")]] | None = None
+    allow_unpinned: bool = False
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Packs:
+    min_free_mib: int = Field(default=DEFAULT_PACK_FLOOR_BYTES >> 20, ge=0, le=1 << 30)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -186,6 +197,7 @@ class DaemonConfig:
     imports_dir: Path | None = None  # None: HOME/imports
     packs_dir: Path | None = None  # None: HOME/packs
     transfers: Transfers = field(default_factory=Transfers)
+    packs: Packs = field(default_factory=Packs)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -217,7 +229,9 @@ class DaemonConfig:
                               pool_sizes=dict(self.pools), warm_pools=self.warm_pools,
                               host_roots=self.host_roots,
                               transfer_hosts=(None if self.transfers.allow_hosts is None
-                                              else tuple(self.transfers.allow_hosts)))
+                                              else tuple(self.transfers.allow_hosts)),
+                              allow_unpinned_pulls=self.transfers.allow_unpinned,
+                              pack_free_floor_bytes=self.packs.min_free_mib << 20)
 
     @property
     def host_roots(self) -> HostRoots:

@@ -23,6 +23,7 @@ from forkd.packs.peer import IncompatibleSnapshot
 from forkd.runtime.driver_forks import IdempotencyConflict
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.sandboxes import SandboxEnded
+from forkd.runtime.spawning import Draining
 from forkd.store.errors import SnapshotError
 from forkd.validation import ValidationError
 from forkd.vmm.base import VmmError
@@ -30,7 +31,7 @@ from forkd.vmm.base import VmmError
 # Registered per class (not for Exception, which Starlette re-raises after answering); each carries its
 # kind (``forkd.errors.kind_for``), which gives the status and code.
 HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError, PackError,
-                  SandboxEnded, IncompatibleSnapshot, IdempotencyConflict)
+                  SandboxEnded, IncompatibleSnapshot, IdempotencyConflict, Draining)
 
 
 class ClientGone(Exception):

@@ -424,14 +424,14 @@ class NodePull(Strict):
     digest: Digest
     source: str = Field(min_length=8, max_length=2048, pattern=r"^https?://",
                         description="the peer daemon's http(s) URL, e.g. http://10.0.0.2:7000")
-    source_token: str | None = Field(default=None, min_length=1, max_length=1024,
-                                     description="the peer's bearer token (sent only to the peer)")
+    source_token: str | None = Field(default=None, min_length=1, max_length=1024, pattern=r"^[\x21-\x7e]+$",
+                                     description="the peer's bearer token, visible ASCII (sent only to the peer)")
 
 
 class NodeUsage(Open):
     max_sandboxes: int | None = Field(description="the daemon's limit; null: none")
     live: int
-    slots_free: int | None = Field(description="max_sandboxes - live; null: no limit")
+    slots_free: int | None = Field(description="max_sandboxes - live (0 while draining); null: no limit")
     mem_available_bytes: int
     cpus: int
     load1: float
@@ -450,6 +450,7 @@ class Node(Open):
     backend: str
     compat: dict[str, str] = Field(description="vmm, vmm_version, machine, accel, cpu_model, agent_version")
     compat_key: str = Field(description="sha256 of compat's canonical JSON")
+    draining: bool = Field(description="it takes no new forks (POST /v1/node/drain); its slots_free is 0")
     capacity: NodeUsage
     snapshots: list[NodeSnapshot]
 
@@ -459,3 +460,14 @@ class PullOutcome(Open):
     tag: str
     pulled_layers: int
     bytes: int
+
+
+class NodeDrain(Strict):
+    wait_s: float = Field(default=0.0, ge=0, le=3600,
+                          description="answer once no sandbox is left, or after this many seconds")
+
+
+class DrainOutcome(Open):
+    draining: bool
+    sandboxes: list[str] = Field(description="ids of the sandboxes still running")
+    starting: int = Field(description="children admitted before the drain, still starting")

@@ -10,13 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import logging
 import logging.handlers
 import os
 import signal
-import socket
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +24,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from forkd.daemon.app import create_app
 from forkd.daemon.middleware.audit import AuditLog, AuditMiddleware
-from forkd.daemon.middleware.auth import TokenAuth, check_token
+from forkd.daemon.middleware.auth import TokenAuth
 from forkd.daemon.middleware.body_limit import BodyLimit
 from forkd.daemon.config import DaemonConfig, Server
 from forkd.e2b import app as e2b_app
 from forkd.e2b.app import E2BFront
 from forkd.e2b.keys import Credentials, CredentialsError
+from forkd.listeners import (ListenerError, SocketInUse, bind_private_socket, bind_tcp, check_tls, check_token,
+                             is_loopback)
 from forkd.runtime.runtime import Runtime
 from forkd.safetext import visible
 from forkd.vmm.backends import create_vmm
@@ -42,10 +41,6 @@ log = logging.getLogger("forkd.daemon")
 
 class DaemonAlreadyRunning(RuntimeError):
     pass
-
-
-class ListenerError(ValueError):
-    """The TCP listener cannot be set up as asked; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -61,13 +56,7 @@ class TcpListener:
               tls_key: Path | None = None) -> TcpListener:
         """``HOST:PORT`` (``[v6]:PORT`` for IPv6) with a token fit for the network, and TLS files that load."""
         host, port = parse_address(address, "--listen", 7070)
-        if (tls_cert is None) != (tls_key is None):
-            raise ListenerError("TLS needs both --tls-cert and --tls-key")
-        if tls_cert is not None and tls_key is not None:
-            try:
-                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tls_cert, tls_key)
-            except (OSError, ssl.SSLError) as exc:
-                raise ListenerError(f"cannot load the TLS certificate {tls_cert} / key {tls_key}: {exc}") from None
+        check_tls(tls_cert, tls_key)
         return cls(host=host, port=port, token=check_token(token), tls_cert=tls_cert, tls_key=tls_key)
 
     @classmethod
@@ -97,49 +86,6 @@ def parse_address(address: str, flag: str, example_port: int) -> tuple[str, int]
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ListenerError(f"{flag} wants HOST:PORT (e.g. 127.0.0.1:{example_port}), not {address!r}")
     return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(host).is_loopback
-    return host == "localhost"
-
-
-def bind_private_socket(path: Path) -> socket.socket:
-    """Bind ``path`` with mode 0600 from the start (no window where others could connect)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()  # stale socket of a daemon that died
-        else:
-            raise DaemonAlreadyRunning(f"a forkd daemon already listens on {path}")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old_umask)
-    os.chmod(path, 0o600)
-    sock.listen(128)
-    return sock
-
-
-def bind_tcp(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ListenerError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(128)
-    return sock
 
 
 class HeadDeadline(H11Protocol):
@@ -199,7 +145,10 @@ async def serve(config: DaemonConfig) -> None:
     tcp = TcpListener.from_config(config)
     e2b_address = parse_address(config.e2b.listen, "--e2b-listen", 3000) if config.e2b.listen else None
     credentials = e2b_credentials(config) if e2b_address is not None else None
-    sockets = [bind_private_socket(paths.socket)]
+    try:
+        sockets = [bind_private_socket(paths.socket)]
+    except SocketInUse:
+        raise DaemonAlreadyRunning(f"a forkd daemon already listens on {paths.socket}") from None
     try:
         if tcp is not None:
             sockets.append(bind_tcp(tcp.host, tcp.port))

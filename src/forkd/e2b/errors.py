@@ -15,6 +15,7 @@ from typing import Any
 from forkd.errors import ErrorKind, kind_for, message_for
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.sandboxes import SandboxEnded
+from forkd.runtime.spawning import Draining
 from forkd.store.errors import SnapshotError
 from forkd.validation import ValidationError
 from forkd.vmm.base import VmmError
@@ -82,9 +83,9 @@ def to_connect(exc: BaseException) -> ConnectError:
 
 # Kinds of runtime failures of lifecycle calls (create, fork, pause): the kind's status is E2B's code.
 _LIFECYCLE_KINDS = frozenset({"sandbox_ended", "snapshot_mismatch", "snapshot_corrupt", "conflict", "busy",
-                              "snapshot_error", "disk_full", "vmm_error", "isolation_error"})
+                              "draining", "snapshot_error", "disk_full", "vmm_error", "isolation_error"})
 #: What the control plane answers in E2B's shape rather than as an unexpected failure.
-CONTROL_ERRORS = (ValidationError, LookupError, AgentError, OSError, SandboxEnded, SnapshotError, VmmError)
+CONTROL_ERRORS = (ValidationError, LookupError, AgentError, OSError, SandboxEnded, SnapshotError, VmmError, Draining)
 
 
 def lifecycle_error(kind: ErrorKind, message: str) -> E2BError:

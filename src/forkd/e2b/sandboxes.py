@@ -279,6 +279,7 @@ class E2BSandboxes:
         live = resolved.live
         if live is None:
             raise E2BError(409, f"sandbox {e2b_id} is paused; resume it before forking")
+        self.runtime.spawner.admit()  # a draining node refuses before the branch is written
         tag = fork_prefix(principal.owner) + secrets.token_hex(6)
         await self.runtime.branches.branch(live.record.id, tag, mode="diff", wait=True)
         labels = self._new_labels(principal, self._labels(resolved.labels))

@@ -12,7 +12,6 @@ import hashlib
 import io
 import json
 import os
-import secrets
 import tarfile
 import time
 from collections.abc import Callable, Iterable
@@ -37,6 +36,7 @@ from forkd.packs.format import (
     member_name,
     parse_manifest,
 )
+from forkd.packs.partials import partial_path
 from forkd.store.files import fsync_dir, link_or_copy
 from forkd.vmm.disk import DiskFormat, UnsafeDisk
 
@@ -180,7 +180,7 @@ def check_output(output: Path, force: bool) -> None:
 def write_pack(output: Path, chain: list[SourceSnapshot], progress: Progress, force: bool = False) -> WrittenPack:
     """Write ``chain`` to ``output`` (through a hidden partial file renamed at the end)."""
     check_output(output, force)
-    partial = output.with_name(f".{output.name}.partial-{secrets.token_hex(4)}")
+    partial = partial_path(output)
     try:
         with open(partial, "wb") as out:
             hashed = _HashingWriter(out)

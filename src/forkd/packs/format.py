@@ -155,6 +155,9 @@ def check_meta(entry: PackSnapshot, raw: bytes, identity: MachineIdentity) -> di
         raise PackError(f"{where} is not a snapshot's metadata ({type(exc).__name__}: {exc})") from None
     if not isinstance(boot, dict) or not all(isinstance(boot.get(k), int) for k in ("memory_mib", "vcpus")):
         raise PackError(f"{where} has no boot memory_mib and vcpus")
+    if boot["memory_mib"] != saved_identity.memory_mib:  # the RAM a restore maps is the size packs are checked against
+        raise PackError(f"{where} boots {boot['memory_mib']} MiB of RAM but records {saved_identity.memory_mib} MiB "
+                        "in its identity: the pack is inconsistent")
     if recorded != {f.name: f.sha256 for f in entry.content_files}:
         raise PackError(f"{where} records other files or digests than the manifest lists")
     differences = saved_identity.differences(identity)

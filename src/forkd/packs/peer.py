@@ -11,7 +11,9 @@ layer is renamed (``d-<digest prefix>``) when its tag is taken here.
 
 A peer is hostile like any download: its ``/v1/node`` answer is read up to ``MAX_NODE_ANSWER``
 bytes and checked against a schema, its pack is read up to what its own listing declared for the
-layers asked (plus the format's overhead), and a pack that fails verification leaves nothing.
+layers asked (plus the format's overhead), a pull whose pack and layers would not fit above the
+free-space floor is refused before anything is fetched, and a pack that fails verification leaves
+nothing. The chain is pinned by its digest: the pack's top layer must have it.
 The peer's URL passes the daemon's ``UrlPolicy``; its token goes in the ``Authorization`` header
 and nowhere else (never in a message or a log line).
 """
@@ -217,11 +219,16 @@ class PeerPuller:
         query = urlencode({"have": ",".join(l.digest for l in have)}) if have else ""
         url = f"{source}/v1/node/chains/{digest}" + (f"?{query}" if query else "")
         progress(f"pulling {len(missing)} of {len(chain)} layers of {digest[:12]} from {peer} as {tag!r}")
+        layers = sum(l.bytes for l in missing)
+        limit = layers + PACK_OVERHEAD_BYTES
+        # Briefly both the pack and its unpacked layers: refused before a byte is fetched when they do not fit.
+        await asyncio.to_thread(self.packs.space.check, self.store.directory, limit + layers,
+                                f"pulling {digest[:12]} from {peer}")
         work = self.store.build_dir("peer")
         try:
             pack = work / "chain.tar.zst"
-            limit = sum(l.bytes for l in missing) + PACK_OVERHEAD_BYTES
-            size = await self._download(url, pack, limit, token, peer)
+            with self.packs.space.reported(work, f"pulling {digest[:12]} from {peer}"):
+                size = await self._download(url, pack, limit, token, peer)
             try:
                 manifest = await asyncio.to_thread(self.packs.inspect_file, pack)
             except PackError as exc:

@@ -12,12 +12,19 @@ empties that tag's pool of ready VMMs first and refills it afterwards: they hold
 Host paths and URLs come from API clients: with ``roots`` every pack file read or written (and a
 pull's local file or index) must lie in the packs directory, and every network URL must pass the
 daemon's ``UrlPolicy``, index entries and redirects included.
+
+A pack is code (its device state is fed to the VMM), so a network pull must be pinned: by a SHA-256
+the caller gives, or one an index read over https (or from a local file) lists. An unpinned pull is
+refused unless the operator opted in (``[transfers] allow_unpinned``). Every job checks the free
+space it needs above the floor first (``space.py``), and an unpack checks the manifest's declared
+sizes against the snapshot's own meta (``bounds.py``) before a byte is written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -27,15 +34,20 @@ from typing import Any
 
 from forkd.hostpaths import HostRoots
 from forkd.packs import archive, transfer
+from forkd.packs.bounds import check_declared_sizes
 from forkd.packs.format import MAX_CHAIN_DEPTH, META_NAME, Manifest, PackError, layer_digest
 from forkd.packs.index import entry_url, load_index
+from forkd.packs.partials import remove_partials
+from forkd.packs.space import SpaceFloor
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.io import blocking, remove_tree
+from forkd.store.layout import BASE_DISK_FILE
 from forkd.store.registry import SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.validation import check_tag
 from forkd.vmm.base import MachineIdentity
 
+log = logging.getLogger("forkd.packs")
 Progress = Callable[[str], None]
 # Around an unpack that replaces the snapshot of a tag: what else holds that snapshot lets go of it.
 Replacing = Callable[[str], AbstractAsyncContextManager[object]]
@@ -60,17 +72,41 @@ class PullSource:
     sha256: str | None
     size: int | None
     tag: str | None
+    pinned: bool = True  # the SHA-256 (if any) came from the caller, an https index or a local index file
+
+
+def unpacked_bytes(manifest: Manifest, reuse: set[str]) -> int:
+    """What extracting ``manifest`` writes at most: each distinct file of the snapshots not reused
+    once (identical files are hard links), at its declared size."""
+    distinct = {(f.sha256, f.size) for s in manifest.snapshots if s.tag not in reuse for f in s.files}
+    return sum(size for _, size in distinct)
+
+
+def _allocated_bytes(chain: list[SnapshotRecord]) -> int:
+    """The bytes a chain's files occupy on disk: a pack of them is at most about that (holes compress away)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for record in chain:
+        for name in (META_NAME, *record.meta["sha256"]):
+            info = (record.path / name).stat()
+            if (info.st_dev, info.st_ino) not in seen:
+                seen.add((info.st_dev, info.st_ino))
+                total += info.st_blocks * 512
+    return total
 
 
 class PackService:
     def __init__(self, store: SnapshotStore, live_children: Callable[[str], int], roots: HostRoots | None = None,
-                 urls: transfer.UrlPolicy = transfer.UrlPolicy(),
+                 urls: transfer.UrlPolicy = transfer.UrlPolicy(), space: SpaceFloor | None = None,
+                 allow_unpinned: bool = False,
                  replacing: Replacing = lambda _tag: contextlib.nullcontext()) -> None:
         self.store = store
         self.registry = store.registry
         self.live_children = live_children
         self.roots = roots  # None: any host path (in-process use only; the daemon always confines)
         self.urls = urls
+        self.space = space or SpaceFloor(packs_dir=roots.packs if roots is not None else None)
+        self.allow_unpinned = allow_unpinned  # pull from a network URL with no SHA-256 pin
         self._replacing = replacing
         self._lock = asyncio.Lock()  # one unpack at a time: two could plan against the same store
 
@@ -80,6 +116,14 @@ class PackService:
 
     def pack_output(self, path: Path) -> Path:
         return path if self.roots is None else self.roots.pack_output(path)
+
+    def remove_partials(self) -> list[Path]:
+        """At startup: remove the partial pack files a daemon killed mid-pack left in the packs directory."""
+        removed = [] if self.roots is None else remove_partials(self.roots.packs)
+        if removed:
+            log.warning("removed %d partial pack files an interrupted pack left: %s", len(removed),
+                        ", ".join(str(p) for p in removed))
+        return removed
 
     # packing ---------------------------------------------------------------------------------------
 
@@ -99,9 +143,12 @@ class PackService:
         chain = self.chain(tag)
         progress(f"packing {' → '.join(r.tag for r in chain)}")
         started = time.monotonic()
+        needed = await asyncio.to_thread(_allocated_bytes, chain)
+        await asyncio.to_thread(self.space.check, output.parent, needed, f"a pack of {tag!r}")
         sources = [archive.SourceSnapshot(tag=r.tag, directory=r.path, image=r.image, created_at=r.created_at,
                                           parent_tag=r.parent_tag) for r in chain]
-        written = await asyncio.to_thread(archive.write_pack, output, sources, progress, force)
+        with self.space.reported(output.parent, f"writing a pack of {tag!r}"):
+            written = await asyncio.to_thread(archive.write_pack, output, sources, progress, force)
         return {"path": str(written.path), "size": written.size, "sha256": written.sha256,
                 "seconds": round(time.monotonic() - started, 3), **archive.manifest_summary(written.manifest)}
 
@@ -148,7 +195,18 @@ class PackService:
                                        f"tag; remove the store's with `forkd rmi {ancestor.tag}` to unpack this chain")
             plan.reuse.add(ancestor.tag)
         plan.replaces = self.check_target(plan.top_tag, force)
+        self.check_fits(manifest, plan.reuse)
         return plan
+
+    def check_fits(self, manifest: Manifest, reuse: set[str]) -> None:
+        """Refuse a manifest declaring sizes its snapshots' meta cannot hold, or more than the store's
+        filesystem can take above the floor: before a byte is extracted (a zstd bomb writes nothing)."""
+        root = manifest.snapshots[0]
+        below = self.chain(root.parent_tag) if root.parent_tag is not None else []
+        store_base_disk = max(((r.path / BASE_DISK_FILE).stat().st_size for r in below
+                               if BASE_DISK_FILE in r.meta["sha256"]), default=None)
+        check_declared_sizes(manifest, self.store.disk.file_name, store_base_disk)
+        self.space.check(self.store.directory, unpacked_bytes(manifest, reuse), f"unpacking {manifest.top.tag!r}")
 
     def inspect(self, source: Path) -> Manifest:
         return self._manifest(self.pack_input(source))
@@ -186,7 +244,8 @@ class PackService:
             async with self._lock, self._replacing(top) if replaces else contextlib.nullcontext():
                 work = self.store.build_dir("unpack")
                 try:
-                    return await blocking(self._unpack, claim, work, source, tag, force, progress)
+                    with self.space.reported(self.store.directory, "unpacking"):
+                        return await blocking(self._unpack, claim, work, source, tag, force, progress)
                 finally:
                     await remove_tree(work)
 
@@ -200,13 +259,11 @@ class PackService:
             decided.append(plan)
             targets = {s.tag: (self.store.directory / s.tag if s.tag in plan.reuse
                                else work / plan.final_tag(manifest, s.tag)) for s in manifest.snapshots}
-            store_files = {}
             root = manifest.snapshots[0]
-            if root.parent_tag is not None:
-                below = self.chain(root.parent_tag)
-                for link in below:  # the store's ancestors the pack builds on: still what they were saved as
-                    self.store.verify(link)
-                store_files = {r.tag: {META_NAME, *r.meta["sha256"]} for r in below}
+            below = self.chain(root.parent_tag) if root.parent_tag is not None else []
+            for link in below:  # the store's ancestors the pack builds on: still what they were saved as
+                self.store.verify(link)
+            store_files = {r.tag: {META_NAME, *r.meta["sha256"]} for r in below}
             progress(f"unpacking {' → '.join(s.tag for s in manifest.snapshots)} as {plan.top_tag!r}"
                      + (f" (reusing {', '.join(sorted(plan.reuse))} from the store)" if plan.reuse else ""))
             return archive.Plan(targets=targets, reuse=plan.reuse, store_files=store_files)
@@ -255,18 +312,37 @@ class PackService:
 
     async def resolve(self, url: str | None, index: str | None, name: str | None, sha256: str | None,
                       tag: str | None) -> PullSource:
-        """Where to download from; with an index, refuses a pack for another machine before downloading."""
+        """Where to download from; with an index, refuses a pack for another machine before downloading.
+
+        A network pull must be pinned (see the module's docstring); an unpinned one is refused here,
+        before anything is fetched, unless the daemon allows it."""
         if index is None:
             if url is None:
                 raise PackError("give a pack URL, or --index and a pack name")
-            return PullSource(url=self._source(url), sha256=sha256, size=None, tag=tag)
+            checked = self._source(url)
+            pinned = sha256 is not None or transfer.local_path(checked) is not None
+            self._check_pinned(checked, pinned)
+            return PullSource(url=checked, sha256=sha256, size=None, tag=tag, pinned=pinned)
         if name is None:
             raise PackError("give the name of a pack in the index")
-        listed, base = await load_index(self._source(index, "index"), self.urls)
+        location = self._source(index, "index")
+        pinned = transfer.local_path(location) is not None or location.lower().startswith("https://")
+        self._check_pinned(location, pinned)
+        listed, base = await load_index(location, self.urls)
         entry = listed.find(name)
         self.store.check_machine(MachineIdentity.from_dict(entry.identity), f"pack {name!r}", _REBUILD_HINT)
         return PullSource(url=self._source(entry_url(entry, base)), sha256=entry.sha256, size=entry.size,
-                          tag=tag or entry.tag)
+                          tag=tag or entry.tag, pinned=pinned)
+
+    def _check_pinned(self, url: str, pinned: bool) -> None:
+        if pinned or self.allow_unpinned:
+            return
+        raise PackError(
+            f"refusing to pull {transfer.shown(url)} without a SHA-256 pin: a pack is code (its device state is fed "
+            "to the VMM), so a network pull must name the digest its publisher gave. Pass --sha256 HEX (the "
+            "publisher's `sha256sum` of the pack file), or pull by name from an https:// index that lists it "
+            "(`forkd pull NAME --index https://...`); an operator who accepts unpinned pulls sets "
+            "`[transfers] allow_unpinned = true` in the daemon's config")
 
     def _source(self, url: str, what: str = "pack") -> str:
         """A pull source as given, if it is an allowed http(s) URL or a file in the packs directory."""
@@ -284,8 +360,9 @@ class PackService:
             local = self.pack_input(local)
         work = self.store.build_dir("pull")
         try:
-            if source.sha256 is None:
-                progress("no SHA-256 was advertised: only the pack's own manifest digests protect this download")
+            if not source.pinned:
+                progress("no SHA-256 pin (allowed by `[transfers] allow_unpinned`): only the pack's own manifest "
+                         "digests protect this download, and they come with it")
             if local is not None:
                 progress(f"checking {local}")
                 digest = await asyncio.to_thread(transfer.check_advertised, local, source.sha256, source.size, progress)
@@ -293,7 +370,11 @@ class PackService:
             else:
                 progress(f"downloading {transfer.shown(source.url)}")
                 pack = work / "pack.tar.zst"
-                digest = await transfer.download(source.url, pack, source.sha256, source.size, progress, self.urls)
+                what = f"the download of {transfer.shown(source.url)}"
+                await asyncio.to_thread(self.space.check, work, source.size or 0, what)
+                with self.space.reported(work, what):
+                    digest = await transfer.download(source.url, pack, source.sha256, source.size, progress,
+                                                     self.urls, self.space.watch(work, what))
             progress(f"pack SHA-256 {digest}" + (" matches the advertised digest" if source.sha256 else ""))
             result = await self.unpack_file(pack, source.tag, force, progress)
         finally:

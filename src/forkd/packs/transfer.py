@@ -18,7 +18,7 @@ import fnmatch
 import hashlib
 import os
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import SplitResult, unquote, urljoin, urlsplit, urlunsplit
@@ -92,10 +92,13 @@ async def read_limited(response: httpx.Response, limit: int, what: str) -> bytes
 
 
 def _split(url: str) -> SplitResult:
+    """``url``'s parts, refused here when the HTTP client could not send it (control characters, a host name
+    that is not IDNA), so a bad URL from a request is a 400 and never an exception deep in a transfer."""
     try:
+        httpx.URL(url)
         return urlsplit(url)
-    except ValueError as exc:  # an unbalanced IPv6 bracket, say
-        raise PackError(f"{shown(url)} is not a valid URL: {exc}") from None
+    except (ValueError, httpx.InvalidURL) as exc:  # an unbalanced IPv6 bracket, a control character, say
+        raise PackError(f"{shown(url)!r} is not a valid URL: {exc}") from None
 
 
 def shown(url: str) -> str:
@@ -154,8 +157,9 @@ def check_advertised(path: Path, sha256: str | None, size: int | None, progress:
 
 
 async def download(url: str, destination: Path, sha256: str | None, size: int | None, progress: Progress,
-                   policy: UrlPolicy = UrlPolicy()) -> str:
-    """Stream ``url`` into ``destination``; refuses more bytes than advertised or another digest."""
+                   policy: UrlPolicy = UrlPolicy(), written: Callable[[int], None] = lambda _n: None) -> str:
+    """Stream ``url`` into ``destination``; refuses more bytes than advertised or another digest.
+    ``written`` is told each chunk's size as it lands (a free-space watch may raise to stop it)."""
     limit = size if size is not None else MAX_FILE_BYTES
     digest = hashlib.sha256()
     received = 0
@@ -172,6 +176,7 @@ async def download(url: str, destination: Path, sha256: str | None, size: int | 
                         raise PackError(f"{shown(url)} sent more than the {limit} bytes advertised; refused")
                     digest.update(chunk)
                     out.write(chunk)
+                    written(len(chunk))
                     meter.advance(len(chunk))
                 out.flush()
                 os.fsync(out.fileno())

@@ -8,6 +8,10 @@ The answer and a fingerprint of the request are kept in the registry (``fork_key
 it. The same key with another request is refused (``IdempotencyConflict``). A fork whose request
 failed as a whole (an unknown snapshot) keeps no answer: its retry runs again.
 
+``DELETE /v1/sandboxes?owner=`` also stops the owner's children still starting (the spawner refuses
+them before their restore or kills them once they answer) and answers once they are gone, so a
+dead driver's reaper leaves nothing behind. A fork of that owner that arrives after it is not stopped.
+
 Not covered: a daemon that dies while a keyed fork runs keeps no answer, so that fork's retry
 forks again (its first children died with the daemon unless ``keep_sandboxes_on_stop``).
 """
@@ -23,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from forkd.runtime.sandboxes import SandboxNotFound, SandboxService
+from forkd.runtime.spawning import Spawner
 from forkd.store.registry import Registry
 
 KEEP_S = 24 * 3600.0  # how long a key's answer is kept
@@ -40,9 +45,11 @@ def fingerprint(request: dict[str, Any]) -> str:
 
 
 class DriverForks:
-    def __init__(self, registry: Registry, sandboxes: SandboxService, keep_s: float = KEEP_S) -> None:
+    def __init__(self, registry: Registry, sandboxes: SandboxService, spawner: Spawner,
+                 keep_s: float = KEEP_S) -> None:
         self.registry = registry
         self.sandboxes = sandboxes
+        self.spawner = spawner
         self.keep_s = keep_s
         self._running: dict[str, tuple[str, asyncio.Task[dict[str, Any]]]] = {}  # key -> (fingerprint, fork)
 
@@ -74,17 +81,21 @@ class DriverForks:
         return [self.sandboxes.describe(s) for s in self.sandboxes.live() if s.record.owner == owner]
 
     async def kill_owned(self, owner: str) -> list[str]:
-        """Kill every running child of ``owner`` (the reaper of a driver that died); returns their ids.
+        """Kill every child of ``owner`` (the reaper of a driver that died); returns the ids of those killed.
 
-        Children of a fork still starting are not among them: they are killed by a later call.
+        Its children still starting are stopped too: refused before their restore, or killed once they
+        answer (so this waits for them, at most a restore's answer timeout); those that had an id are listed.
         """
+        starting = self.spawner.reap(owner)  # no await between these two: every child is in one of them
         doomed = [s.record.id for s in self.sandboxes.live() if s.record.owner == owner]
-        results = await asyncio.gather(*(self.sandboxes.kill(i) for i in doomed), return_exceptions=True)
+        results = await asyncio.gather(*(self.sandboxes.kill(i) for i in doomed),
+                                       *(child.done.wait() for child in starting), return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException) and not isinstance(r, SandboxNotFound)),
                       None)
         if failed is not None:  # the others were still killed
             raise failed
-        return [i for i, result in zip(doomed, results) if result is None]
+        stopped = [c.sandbox_id for c in starting if c.stopped and c.sandbox_id is not None]
+        return [i for i, result in zip(doomed, results) if result is None] + stopped
 
 
 def _check(key: str, kept: str, asked: str) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.packs.peer import compat_key, compat_of, snapshot_entry
+from forkd.runtime.drain import DrainService
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.sandboxes import SandboxService
 from forkd.store.chains import record_digest
@@ -50,23 +51,24 @@ def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
 
 class NodeService:
     def __init__(self, home: Path, vmm: Vmm, store: SnapshotStore, sandboxes: SandboxService,
-                 options: RuntimeOptions) -> None:
+                 options: RuntimeOptions, drain: DrainService) -> None:
         self.home, self.vmm = home, vmm
-        self.store, self.sandboxes, self.options = store, sandboxes, options
+        self.store, self.sandboxes, self.options, self.drain = store, sandboxes, options, drain
         self._id: str | None = None
 
     async def describe(self) -> dict[str, Any]:
         live = len(self.sandboxes.live())
-        return await asyncio.to_thread(self._describe, live)
+        return await asyncio.to_thread(self._describe, live, self.drain.draining)
 
-    def _describe(self, live: int) -> dict[str, Any]:
+    def _describe(self, live: int, draining: bool) -> dict[str, Any]:
         if self._id is None:
             self._id = node_id(self.home)
         compat = compat_of(self.store.host_identity)
         limit = self.options.max_sandboxes
+        free = 0 if draining else None if limit is None else max(0, limit - live)  # a draining node is full
         return {"node_id": self._id, "backend": self.vmm.capabilities().kind, "compat": compat, "compat_key": compat_key(compat),
-                "capacity": {"max_sandboxes": limit, "live": live,
-                             "slots_free": None if limit is None else max(0, limit - live),
+                "draining": draining,
+                "capacity": {"max_sandboxes": limit, "live": live, "slots_free": free,
                              "mem_available_bytes": mem_available_bytes(), "cpus": os.cpu_count() or 1,
                              "load1": round(os.getloadavg()[0], 2)},
                 "snapshots": self._snapshots()}

@@ -13,7 +13,8 @@ use a member: the network namespace and cgroup limits are made before a VMM star
 Members are refilled in the background once a fork is done with them, one VMM start at a time per
 snapshot, never on a caller's path. A member has no registry record: a daemon that dies leaves its
 run directory, which recovery reaps with the VMM in it (running, stopped or half-warmed) like a
-child caught mid-restore; ``rmi``, daemon stop and a size lowered kill members at once.
+child caught mid-restore; ``rmi``, daemon stop and a size lowered kill members at once. A draining
+daemon pauses refills (``pause``): its idle members stay until it stops or is undrained.
 
 A member belongs to the snapshot its tag named when it started: its RAM maps that snapshot's memory
 file (a warm one has run on it). Publishing another snapshot under the tag (``unpack``/``pull
@@ -94,6 +95,7 @@ class PoolService:
         self._generation: Counter[str] = Counter()  # bumped when a tag's pool is discarded
         self._replaced: set[str] = set()  # tags whose snapshot is being replaced: no member starts
         self._stopped = False
+        self._paused = False  # draining: no member is started until ``resume``
 
     # sizes
 
@@ -146,7 +148,8 @@ class PoolService:
 
     def refill(self, tag: str) -> None:
         """Start filling ``tag``'s pool in the background, unless that already runs or it is full."""
-        if self._stopped or tag in self._replaced or (tag in self._fillers and not self._fillers[tag].done()):
+        if self._stopped or self._paused or tag in self._replaced or \
+                (tag in self._fillers and not self._fillers[tag].done()):
             return
         if len(self._members[tag]) + self._starting[tag] >= self.size(tag):
             return
@@ -154,7 +157,7 @@ class PoolService:
 
     async def _fill(self, tag: str) -> None:
         """Start members one at a time until the pool has its size: a refill takes one VMM start of CPU."""
-        while not self._stopped and tag not in self._replaced and \
+        while not self._stopped and not self._paused and tag not in self._replaced and \
                 len(self._members[tag]) + self._starting[tag] < self.size(tag):
             try:
                 member = await self._start_member(tag)
@@ -239,6 +242,16 @@ class PoolService:
             self._replaced.discard(tag)
             if not self._stopped:
                 self.refill(tag)
+
+    def pause(self) -> None:
+        """Start no more members (the daemon drains); a member already starting finishes and waits."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Fill every pool with a size again."""
+        self._paused = False
+        for tag in {*self._configured, *self._stored}:
+            self.refill(tag)
 
     async def stop(self) -> None:
         """Kill every member and wait until all are released (daemon stop)."""

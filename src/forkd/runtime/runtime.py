@@ -27,9 +27,11 @@ from forkd.image.builder import (
 )
 from forkd.packs.peer import PeerPuller
 from forkd.packs.service import PackService
+from forkd.packs.space import SpaceFloor
 from forkd.packs.transfer import UrlPolicy
 from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
+from forkd.runtime.drain import DrainService
 from forkd.runtime.driver_forks import DriverForks
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.keepers import console_keeper, deadline_keeper
@@ -54,8 +56,8 @@ from forkd.vmm.base import Capabilities, Vmm, VmHandle
 # What a front may use of a Runtime: its services and the methods that answer for the store and the VMM.
 FRONT_SURFACE = frozenset({
     "sandboxes", "spawner", "pools", "sessions", "branches", "workspaces", "packs", "snapshots", "compaction",
-    "peers", "node", "driver_forks", "metrics", "paths", "start", "stop", "images", "build_image", "remove_image",
-    "confine_image_sources", "create_snapshot", "remove_snapshot", "snapshot", "snapshot_by_digest",
+    "peers", "node", "drain", "driver_forks", "metrics", "paths", "start", "stop", "images", "build_image",
+    "remove_image", "confine_image_sources", "create_snapshot", "remove_snapshot", "snapshot", "snapshot_by_digest",
     "snapshot_records", "snapshot_listing", "describe_snapshot", "capabilities"})
 
 
@@ -75,11 +77,14 @@ class Runtime:
                                  self.options.pool_sizes, warm=self.options.warm_pools)
         self.spawner = Spawner(paths, registry, vmm, self.store, self.sandboxes, self.pools, isolation, self.metrics,
                                self.options)
-        self.packs = PackService(self.store, self.spawner.count_of, self.options.host_roots,
-                                 UrlPolicy(self.options.transfer_hosts), replacing=self.pools.replacing)
+        roots = self.options.host_roots
+        self.packs = PackService(self.store, self.spawner.count_of, roots, UrlPolicy(self.options.transfer_hosts),
+                                 SpaceFloor(self.options.pack_free_floor_bytes, roots.packs if roots else None),
+                                 self.options.allow_unpinned_pulls, replacing=self.pools.replacing)
         self.peers = PeerPuller(self.packs)
-        self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options)
-        self.driver_forks = DriverForks(self.registry, self.sandboxes)
+        self.drain = DrainService(self.spawner, self.pools, self.sandboxes)
+        self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options, self.drain)
+        self.driver_forks = DriverForks(self.registry, self.sandboxes, self.spawner)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.metrics.watch_pools(self.pools.list)
@@ -122,6 +127,7 @@ class Runtime:
         for sandbox_id, tag in recovery.resumed.items():
             await self.branches.refuse(sandbox_id, f"the daemon stopped while branching it to {tag!r}, so its "
                                        "disk may hold a layer no snapshot received; fork a new sandbox to branch from")
+        await asyncio.to_thread(self.packs.remove_partials)
         await self.pools.start()
         loop = asyncio.get_running_loop()
         self._keepers = [loop.create_task(deadline_keeper(self.sandboxes)),

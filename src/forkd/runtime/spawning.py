@@ -4,6 +4,10 @@ A child counts as spawned when its guest agent has been reseeded and has answere
 VMM process starts; from then on it belongs to the sandboxes' lifecycle (``runtime/sandboxes.py``:
 watch, release, kill, timeouts). In a batch, one failed child is reported, not fatal. Children
 take ready VMMs from their snapshot's pool (``runtime/pool.py``, handed in) before starting their own.
+
+Two gates stop children: a draining daemon (``runtime/drain.py``) refuses a whole fork before any
+child starts, and a child whose owner was reaped while it started (``reap``) is refused before its
+restore, or killed once it answers, so it never becomes a live sandbox.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from forkd.runtime.isolation import Isolation, Prepared, SandboxOptions, sandbox
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.pool import Member, PoolService
-from forkd.runtime.sandboxes import LiveSandbox, SandboxService
+from forkd.runtime.sandboxes import LiveSandbox, SandboxEnded, SandboxService
 from forkd.runtime.timings import Timings
 from forkd.runtime.warmup import reseed_args
 from forkd.store.registry import Registry, SandboxRecord
@@ -54,6 +58,16 @@ class ReseedFailed(AgentError):
                          "image's agent runs as root (PID 1's child) and rebuild it with `forkd image build --force`")
 
 
+class Draining(RuntimeError):
+    """This daemon is draining (``POST /v1/node/drain``): it starts no new children."""
+
+    kind = "draining"
+
+
+class OwnerReaped(SandboxEnded):
+    """The child's owner was reaped (``DELETE /v1/sandboxes?owner=``) while it started; it was not kept."""
+
+
 class DeadlinePassed(RuntimeError):
     """The caller's own deadline for a fork passed before this child answered; it was not kept."""
 
@@ -75,6 +89,25 @@ class ForkOptions:
     isolation: SandboxOptions = field(default_factory=SandboxOptions)  # network and resource limits
     deadline_s: float | None = None  # the caller waits no longer: children not answering by then are dropped
     owner: str | None = None  # the driver's label, stored with each child: its children are listed and reaped by it
+
+
+@dataclass(eq=False)
+class Starting:
+    """One child from its admission until it answered or failed: what a reaper of its owner stops."""
+
+    owner: str | None
+    sandbox_id: str | None = None  # once its restore began
+    reaped: bool = False  # its owner was reaped: it must not become a live sandbox
+    stopped: bool = False  # the reap refused or killed it
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def refusal(self) -> OwnerReaped | None:
+        """The error to stop this child with if its owner was reaped (the caller kills what it started)."""
+        if not self.reaped:
+            return None
+        self.stopped = True
+        return OwnerReaped(f"child {self.sandbox_id or '(not started)'} was stopped as it started: its owner "
+                           f"{self.owner!r} was reaped (DELETE /v1/sandboxes?owner={self.owner})")
 
 
 @dataclass
@@ -107,6 +140,27 @@ class Spawner:
         self._restoring = 0
         self._restore_slots = asyncio.Semaphore(self.options.restore_slots())
         self._batches: set[asyncio.Future[Any]] = set()
+        self._starting: set[Starting] = set()  # children admitted and not yet answered or failed
+        self.draining = False  # set by runtime/drain.py: no fork is admitted
+
+    def admit(self) -> None:
+        """Refuse new children while the daemon drains (checked before any work for a fork is done)."""
+        if self.draining:
+            raise Draining("this node is draining: it starts no new sandboxes (its running ones carry on); "
+                           "DELETE /v1/node/drain makes it take forks again")
+
+    def starting(self) -> int:
+        """Children admitted that have not answered or failed yet."""
+        return len(self._starting)
+
+    def reap(self, owner: str) -> list[Starting]:
+        """Mark the children of ``owner`` still starting: each is refused before its restore or killed once
+        it answers. Synchronous, so with ``sandboxes.live()`` read at the same moment every child of the
+        owner is in exactly one of the two (a child becomes live without an await after its last check)."""
+        reaped = [child for child in self._starting if child.owner == owner]
+        for child in reaped:
+            child.reaped = True
+        return reaped
 
     def count_of(self, tag: str) -> int:
         """Children of ``tag`` running or being restored."""
@@ -129,6 +183,7 @@ class Spawner:
         all queue for the restore slots (admission), and the pool is refilled once the batch is done.
         If the consumer stops early, the children still finish starting (``forkd ls`` shows them).
         """
+        self.admit()
         started = time.monotonic()
         deadline = None if options.deadline_s is None else started + options.deadline_s
         # Counted before the first await, so `rmi` of this tag is refused while its children start.
@@ -144,8 +199,10 @@ class Spawner:
 
         async def one(index: int, member: Member | None) -> None:
             timings = Timings(started)
+            child = Starting(options.owner)
+            self._starting.add(child)
             try:
-                sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline)
+                sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline, child)
             except Exception as exc:  # one child's failure, a bug's included, never takes its siblings with it
                 self.metrics.spawn_failures.inc()
                 if kind_for(exc) is INTERNAL:  # no kind: a bug, whose traceback the log keeps
@@ -154,6 +211,8 @@ class Spawner:
                 return
             finally:
                 self._forking[tag] -= 1
+                self._starting.discard(child)
+                child.done.set()
             self.metrics.spawn_seconds.observe(timings.total)
             timings.observe(self.metrics.spawn_stage_seconds)
             done.put_nowait(ForkOutcome(index=index, sandbox=self.sandboxes.describe(sandbox),
@@ -170,32 +229,39 @@ class Spawner:
         return outcomes()
 
     async def _spawn(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions, timings: Timings,
-                     member: Member | None, deadline: float | None) -> LiveSandbox:
-        limit = self.options.max_sandboxes
-        if limit is not None and len(self.sandboxes.live()) + self._restoring >= limit:
+                     member: Member | None, deadline: float | None, child: Starting) -> LiveSandbox:
+        def refuse(error: Exception) -> Exception:
+            """``error`` for a child refused before its restore: the pool member it took waits again."""
             if member is not None:
                 self.pool.give_back(tag, member)
-            raise SandboxLimitReached(f"the daemon runs its limit of {limit} sandboxes (max_sandboxes); kill some "
-                                      "with `forkd kill` or raise the limit in the daemon's config")
+            return error
+
+        limit = self.options.max_sandboxes
+        if limit is not None and len(self.sandboxes.live()) + self._restoring >= limit:
+            raise refuse(SandboxLimitReached(f"the daemon runs its limit of {limit} sandboxes (max_sandboxes); kill "
+                                             "some with `forkd kill` or raise the limit in the daemon's config"))
+        if (reaped := child.refusal()) is not None:
+            raise refuse(reaped)
         self._restoring += 1
         try:
             try:
                 await asyncio.wait_for(self._restore_slots.acquire(), _remaining(deadline))
             except asyncio.TimeoutError:
-                if member is not None:
-                    self.pool.give_back(tag, member)
-                raise DeadlinePassed(f"the request's deadline of {deadline - timings.start:.1f} s passed while this "  # type: ignore[operator]
-                                     "child waited for a restore slot; fork fewer at once or give more time") from None
+                raise refuse(DeadlinePassed(
+                    f"the request's deadline of {deadline - timings.start:.1f} s passed while this "  # type: ignore[operator]
+                    "child waited for a restore slot; fork fewer at once or give more time")) from None
             try:
                 timings.mark("queued")
-                return await self._restore(tag, saved, spec, options, timings, member, deadline)
+                if (reaped := child.refusal()) is not None:  # its owner was reaped while it queued
+                    raise refuse(reaped)
+                return await self._restore(tag, saved, spec, options, timings, member, deadline, child)
             finally:
                 self._restore_slots.release()
         finally:
             self._restoring -= 1
 
     async def _restore(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions, timings: Timings,
-                       member: Member | None, deadline: float | None) -> LiveSandbox:
+                       member: Member | None, deadline: float | None, child: Starting) -> LiveSandbox:
         """Restore one child (from a pool member if given); its record is written once, when it answers.
 
         Until then a crash leaves only its run directory, which recovery reaps with its VMM
@@ -212,6 +278,7 @@ class Spawner:
             sandbox_id = new_sandbox_id()
             run_dir = self.paths.sandboxes / sandbox_id
             run_dir.mkdir(parents=True)
+        child.sandbox_id = sandbox_id
         try:
             if vm is None:
                 prepared = await asyncio.to_thread(self.isolation.prepare, sandbox_id, options.isolation)
@@ -235,6 +302,8 @@ class Spawner:
             record = self._running_record(sandbox_id, tag, vm, options, prepared, timings)
             await asyncio.to_thread(self.registry.add_sandbox, record)
             timings.mark("recorded")
+            if (reaped := child.refusal()) is not None:  # killed and released below, never served
+                raise reaped
         except BaseException:
             if agent is not None:
                 await agent.close()

@@ -7,6 +7,8 @@ messages.
 
 from __future__ import annotations
 
+from typing import Any
+
 from forkd.errors import KINDS, kind_for_status
 
 
@@ -24,6 +26,17 @@ class ForkdError(RuntimeError):
         """The daemon's code is the error's kind (``forkd.errors.kind_for`` reads it); client-side codes such
         as ``fork_failed`` or ``command_exit`` are not in the table and count as internal there."""
         return self.code
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Rebuilt as itself, with its fields, across a pickle (a Ray task, a process pool), whatever its
+        subclass's ``__init__`` takes: ``DaemonUnreachable``'s differs."""
+        return _rebuild, (type(self), self.status, self.code, self.message), dict(self.__dict__)
+
+
+def _rebuild(cls: type[ForkdError], status: int, code: str, message: str) -> ForkdError:
+    error = cls.__new__(cls)
+    ForkdError.__init__(error, status, code, message)
+    return error
 
 
 SandboxException = ForkdError  # E2B's name for the base class

@@ -438,6 +438,15 @@ class Operations:
                                                                "source_token": source_token},
                                timeout=LONG_TIMEOUT_S))
 
+    def drain(self, wait_s: float = 0.0) -> Any:
+        """Take no new forks (running sandboxes carry on); with ``wait_s``, answer once none is left or that
+        time passed: ``{draining, sandboxes, starting}`` (what is left)."""
+        return self._send(Call("POST", "/v1/node/drain", json={"wait_s": wait_s}, timeout=wait_s + 30))
+
+    def undrain(self) -> Any:
+        """Take forks again."""
+        return self._send(Call("DELETE", "/v1/node/drain"))
+
     # branch
 
     def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "diff", wait: bool = True) -> Any:

@@ -42,3 +42,16 @@ async def chain(digest: Digest, runtime: RuntimeDep,
 async def pull(body: schemas.NodePull, runtime: RuntimeDep) -> dict[str, Any]:
     """Pull the layers of a chain this node lacks from a peer, verified like an unpack, all or nothing."""
     return await runtime.peers.pull(body.digest, body.source, body.source_token, lambda _line: None)
+
+
+@router.post("/drain", response_model=schemas.DrainOutcome)
+async def drain(runtime: RuntimeDep, body: schemas.NodeDrain | None = None) -> dict[str, Any]:
+    """Take no new forks from now on (503 ``draining``); running sandboxes carry on. With ``wait_s``, answer
+    once none is left or that time has passed: what is left."""
+    return await runtime.drain.drain((body or schemas.NodeDrain()).wait_s)
+
+
+@router.delete("/drain", response_model=schemas.DrainOutcome)
+async def undrain(runtime: RuntimeDep) -> dict[str, Any]:
+    """Take forks again (and refill the pools)."""
+    return runtime.drain.undrain()

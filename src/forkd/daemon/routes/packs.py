@@ -33,7 +33,7 @@ async def pack(body: schemas.PackCreate, runtime: RuntimeDep) -> NDJSONResponse:
 async def unpack(body: schemas.PackUnpack, runtime: RuntimeDep) -> NDJSONResponse:
     packs = runtime.packs
     manifest = await asyncio.to_thread(packs.inspect, Path(body.path))
-    packs.plan(manifest, body.tag, body.force)
+    await asyncio.to_thread(packs.plan, manifest, body.tag, body.force)  # stats the store's files and free space
     claim = packs.claim(manifest, body.tag)  # a tag another request holds is a 409 before streaming
     return detached(lambda emit: packs.unpack(Path(body.path), body.tag, body.force,
                                               lambda line: emit({"progress": line}), claim))
