@@ -22,7 +22,7 @@ def square(sandbox: Any, item: dict[str, Any]) -> int:
         log.write(f"{item['i']} {os.environ.get('FORKD_URL', '')}\n")
     answer = sandbox.api.exec(sandbox.sandbox_id, f"echo {item['i']}")
     assert answer["exit_code"] == 0 and sandbox.is_running()
-    time.sleep(1.5)
+    time.sleep(3.0)  # the kill of a node must land inside it, on a loaded machine too
     return int(item["i"]) ** 2
 
 

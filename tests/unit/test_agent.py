@@ -335,17 +335,18 @@ def test_exec_cwd(agent: AgentClient, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "code"),
+    ("args", "code", "errno"),  # `forkd exec` exits 127 / 126 by the errno (cli/execute.py)
     [
-        ({"argv": ["/nonexistent/binary"]}, protocol.ERR_NOT_FOUND),
-        ({"argv": ["true"], "cwd": "/nonexistent/dir"}, protocol.ERR_NOT_FOUND),
-        ({"argv": ["/etc/hostname"]}, protocol.ERR_OS),
+        ({"argv": ["/nonexistent/binary"]}, protocol.ERR_NOT_FOUND, {"ENOENT"}),
+        ({"argv": ["true"], "cwd": "/nonexistent/dir"}, protocol.ERR_NOT_FOUND, {"ENOENT"}),
+        ({"argv": ["/etc/hostname"]}, protocol.ERR_OS, {"EACCES", "ENOEXEC"}),  # by its mode bits
     ],
 )
-def test_exec_spawn_failures(agent: AgentClient, args: dict[str, Any], code: str) -> None:
+def test_exec_spawn_failures(agent: AgentClient, args: dict[str, Any], code: str, errno: set[str]) -> None:
     error = agent.error(protocol.OP_EXEC, args)
     assert error["code"] == code
-    assert "Errno" in error["message"] and error["errno"]
+    assert "Errno" in error["message"] and error["errno"] in errno
+    assert repr(args.get("cwd", args["argv"][0])) in error["message"]  # what tells a missing cwd from a program
 
 
 @pytest.mark.parametrize(

@@ -96,13 +96,14 @@ def join(node: ForkdNode, head: str, start_daemon: bool = True) -> None:
 
 
 def wait_for_work(log: Path, url: str, done: set[int]) -> int:
-    """An item whose work started on the node at ``url`` and has not answered (waited for, bounded)."""
+    """The item whose work started last on the node at ``url`` and has not answered (waited for, bounded):
+    the latest start leaves the kill the most of the work's time to land in."""
     deadline = time.monotonic() + LINE_BOUND_S
     while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            fields = line.split()
-            if len(fields) == 2 and fields[1] == url and int(fields[0]) not in done:  # a whole line of url's
-                return int(fields[0])
+        running = [int(fields[0]) for fields in (line.split() for line in log.read_text().splitlines())
+                   if len(fields) == 2 and fields[1] == url and int(fields[0]) not in done]  # whole lines of url's
+        if running:
+            return running[-1]
         time.sleep(0.05)
     raise AssertionError(f"no work started on {url} within {LINE_BOUND_S:.0f} s")
 

@@ -23,15 +23,15 @@ def test_control_characters_are_escaped_and_tabs_kept() -> None:
 
 
 def test_cli_error_lines_show_a_guests_markup_and_escapes_literally(monkeypatch) -> None:
-    from forkd.cli import main
+    from forkd.cli import execute, main
 
     class Refusing:
-        def exec(self, *_: object, **__: object) -> dict:
+        def start_exec(self, *_: object, **__: object) -> dict:
             raise ForkdError(400, "os_error", HOSTILE)
 
-    monkeypatch.setattr(main, "daemon", Refusing)
+    monkeypatch.setattr(execute, "daemon", Refusing)
     done = CliRunner().invoke(main.cli, ["exec", "sb-aaaaaaaaaaaa", "--", "true"])
-    assert done.exit_code == 1, done.output
+    assert done.exit_code == 125, done.output  # forkd's own failure, as `docker exec` reports one
     assert "[bold]loud[/bold] [/oops] \\x1b[31mred\\x1b[0m\\nfake: second line" in done.output
     assert "\x1b" not in done.output
 

@@ -92,8 +92,10 @@ def test_the_live_daemon_answers_every_generated_request_within_its_schema(
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=auth)
     for method, path in EXCLUDED:
         schema = schema.exclude(method=method, path=path)
-    # Pulls and pushes would reach generated hosts; tests send traffic to loopback only.
+    # Pulls and pushes would reach generated hosts; tests send traffic to loopback only. A drain would
+    # refuse every later test's forks on this shared daemon and wait up to an hour for its live sandboxes.
     schema = schema.exclude(path_regex="^/v1/packs").exclude(method="POST", path="/v1/node/pull")
+    schema = schema.exclude(path_regex="^/v1/node/drain")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) > 30
     failures: list[str] = []

@@ -1,4 +1,5 @@
-"""What every ``forkd`` command shares: the consoles, the daemon client, error and progress reporting.
+"""What every ``forkd`` command shares: the consoles, the daemon client, error and progress reporting,
+and how answers are printed (a table on a terminal; plain tab-separated lines, JSON or ids for scripts).
 
 Commands live in their own modules (main.py, branch.py, packs.py, workspaces.py) and import from
 here, never from each other, so the command modules form no import circle.
@@ -6,36 +7,85 @@ here, never from each other, so the command modules form no import circle.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import click
 from rich.console import Console
+from rich.table import Column, Table
 
 from forkd.config import paths_from_env
-from forkd.safetext import for_rich
+from forkd.safetext import for_rich, visible
 from forkd.sdk.autostart import ensure_daemon
 from forkd.sdk.controller import Controller, ForkdError
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# soft_wrap: a long line reaches a pipe whole (Rich would break it at 80 columns there).
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Exit status of a command forkd could not answer (daemon unreachable, refused, unknown sandbox, ...).
+EXIT_FAILED = 1
+
+
+def fail(exc: ForkdError, as_json: bool, status: int = EXIT_FAILED) -> NoReturn:
+    """Report ``exc`` on stderr (one line, or ``{"error": {...}}`` under --json) and exit with ``status``."""
+    if as_json:
+        error = {"code": exc.code, "message": exc.message, "status": exc.status, **exc.details}
+        click.echo(json.dumps({"error": error}), err=True)
+    else:
+        err_console.print(f"[red]error:[/red] {for_rich(exc.message)}")
+    sys.exit(status)
 
 
 def reports_errors(func: F) -> F:
-    """Turn daemon errors into one readable line and exit status 1, not a traceback."""
+    """Turn daemon errors into one line on stderr (JSON under --json) and exit status 1, not a traceback."""
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except ForkdError as exc:
-            err_console.print(f"[red]error:[/red] {for_rich(exc.message)}")
-            sys.exit(1)
+            fail(exc, bool(kwargs.get("as_json")))
     return wrapper  # type: ignore[return-value]
+
+
+def alias(command: click.Command, name: str, hidden: bool = True) -> click.Command:
+    """``command`` under another name: an older spelling that keeps working, hidden from help unless told."""
+    other = copy.copy(command)
+    other.name, other.hidden = name, hidden
+    return other
+
+
+def json_option(func: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="print the answer as JSON on stdout")(func)
+
+
+def quiet_option(func: F) -> F:
+    return click.option("-q", "--quiet", is_flag=True, help="print only ids (or tags, names), one per line")(func)
+
+
+def print_rows(columns: Sequence[str | Column], rows: Iterable[Sequence[object]]) -> None:
+    """A table on a terminal; elsewhere one tab-separated line per row, no header and nothing cut (as ``gh`` does),
+    so ``cut -f1`` and ``awk -F'\t'`` read it. Cells may hold guest text: it is shown escaped either way."""
+    if console.is_terminal:
+        table = Table(*columns)
+        for row in rows:
+            table.add_row(*(for_rich(cell) for cell in row))
+        console.print(table)
+        return
+    for row in rows:
+        click.echo("\t".join(visible(str(cell)).replace("\t", "\\t") for cell in row))
+
+
+def print_ids(ids: Iterable[str]) -> None:
+    """``-q``: one id (tag, name) per line and nothing else."""
+    for item in ids:
+        click.echo(visible(item))
 
 
 def daemon() -> Controller:
@@ -56,7 +106,11 @@ def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str]:
 
 
 def print_json(data: Any) -> None:
-    console.print_json(json.dumps(data))
+    """Coloured on a terminal; elsewhere plain indented JSON (what ``jq`` reads)."""
+    if console.is_terminal:
+        console.print_json(json.dumps(data))
+    else:
+        click.echo(json.dumps(data, indent=2))
 
 
 def describe_timings(timings: dict[str, float]) -> str:

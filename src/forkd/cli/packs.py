@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from forkd.cli.common import console, daemon, progress_printer, reports_errors
+from forkd.cli.common import console, daemon, json_option, print_json, progress_printer, reports_errors
 
 
 def _absolute(path: str) -> str:
@@ -23,7 +23,10 @@ def _is_url(text: str) -> bool:
     return text.startswith(("http://", "https://", "file://"))
 
 
-def _report_unpacked(result: dict[str, Any]) -> None:
+def _report_unpacked(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print_json(result)
+        return
     reused = f", reusing {', '.join(result['reused'])}" if result.get("reused") else ""
     console.print(f"snapshot [bold]{result['tag']}[/bold] ready: unpacked {', '.join(result['unpacked'])}{reused} "
                   f"in {result['seconds']:.1f} s; fork it with `forkd fork --tag {result['tag']}`")
@@ -34,10 +37,14 @@ def _report_unpacked(result: dict[str, Any]) -> None:
 @click.option("-o", "--output", required=True,
               help="pack file to write, in the daemon's packs_dir (default $FORKD_HOME/packs)")
 @click.option("--force", is_flag=True, help="overwrite the output file")
+@json_option
 @reports_errors
-def pack(tag: str, output: str, force: bool) -> None:
+def pack(tag: str, output: str, force: bool, as_json: bool) -> None:
     """Bundle a snapshot, its chain and its disk into one verified .tar.zst file."""
     result = daemon().pack(tag, _absolute(output), force=force, on_progress=progress_printer())
+    if as_json:
+        print_json(result)
+        return
     console.print(f"packed {' → '.join(s['tag'] for s in result['chain'])} into {result['path']}: "
                   f"{result['size'] / 2**20:.1f} MiB ({result['bytes'] / 2**20:.0f} MiB of files) in "
                   f"{result['seconds']:.1f} s\nsha256 {result['sha256']}")
@@ -47,10 +54,12 @@ def pack(tag: str, output: str, force: bool) -> None:
 @click.argument("pack_file")
 @click.option("--tag", help="register the snapshot under this tag instead of the packed one")
 @click.option("--force", is_flag=True, help="replace a snapshot that has that tag")
+@json_option
 @reports_errors
-def unpack(pack_file: str, tag: str | None, force: bool) -> None:
+def unpack(pack_file: str, tag: str | None, force: bool, as_json: bool) -> None:
     """Verify every file of a pack, then register its snapshots (all of them or none)."""
-    _report_unpacked(daemon().unpack(_absolute(pack_file), tag=tag, force=force, on_progress=progress_printer()))
+    _report_unpacked(daemon().unpack(_absolute(pack_file), tag=tag, force=force, on_progress=progress_printer()),
+                     as_json)
 
 
 @click.command("pull")
@@ -59,8 +68,9 @@ def unpack(pack_file: str, tag: str | None, force: bool) -> None:
 @click.option("--sha256", help="advertised SHA-256 of the pack file (with a URL SOURCE)")
 @click.option("--tag", help="register the snapshot under this tag")
 @click.option("--force", is_flag=True, help="replace a snapshot that has that tag")
+@json_option
 @reports_errors
-def pull(source: str, index: str | None, sha256: str | None, tag: str | None, force: bool) -> None:
+def pull(source: str, index: str | None, sha256: str | None, tag: str | None, force: bool, as_json: bool) -> None:
     """Download a pack (URL or index entry), check its SHA-256, then unpack it."""
     if index is None and not _is_url(source) and not source.startswith(("/", ".")):
         index = os.environ.get("FORKD_INDEX") or None  # set but empty counts as unset
@@ -76,16 +86,20 @@ def pull(source: str, index: str | None, sha256: str | None, tag: str | None, fo
         if sha256:
             raise click.UsageError("--sha256 is for a URL; an index advertises the digest of each pack")
         result = daemon().pull(index=index, name=source, tag=tag, force=force, on_progress=progress_printer())
-    _report_unpacked(result)
+    _report_unpacked(result, as_json)
 
 
 @click.command("push")
 @click.option("--tag", required=True, help="snapshot to pack and upload")
 @click.argument("url")
+@json_option
 @reports_errors
-def push(tag: str, url: str) -> None:
+def push(tag: str, url: str, as_json: bool) -> None:
     """Pack a snapshot and upload it with one HTTP PUT (e.g. to a presigned URL)."""
     result = daemon().push(tag, url, on_progress=progress_printer())
+    if as_json:
+        print_json(result)
+        return
     console.print(f"pushed {tag} to {result['url']}: "
                   f"{result['size'] / 2**20:.1f} MiB\nsha256 {result['sha256']}")
 
@@ -101,7 +115,8 @@ def index() -> None:
 @click.option("--name", required=True, help="name users pull the pack by")
 @click.option("--url", required=True, help="where the pack will be downloaded from (may be relative to the index)")
 @click.option("--description", default="")
-def index_add(index_file: str, pack_file: str, name: str, url: str, description: str) -> None:
+@json_option
+def index_add(index_file: str, pack_file: str, name: str, url: str, description: str, as_json: bool) -> None:
     """Add PACK_FILE to INDEX_FILE (created if missing) with its size, SHA-256 and machine identity."""
     from forkd.packs.format import PackError
     from forkd.packs.index import add_to_index
@@ -109,6 +124,9 @@ def index_add(index_file: str, pack_file: str, name: str, url: str, description:
         entry = add_to_index(Path(index_file), Path(pack_file), name, url, description)
     except (PackError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+    if as_json:
+        print_json(entry.model_dump(mode="json"))
+        return
     console.print(f"{index_file}: {entry.name} → {entry.url} ({entry.size / 2**20:.1f} MiB, tag {entry.tag})")
 
 

@@ -5,14 +5,25 @@ from __future__ import annotations
 from typing import Any
 
 import click
-from rich.table import Table
 
-from forkd.cli.common import console, daemon, print_json, reports_errors
+from forkd.cli.common import (
+    console,
+    daemon,
+    json_option,
+    print_ids,
+    print_json,
+    print_rows,
+    quiet_option,
+    reports_errors,
+)
 
 
-def _line(info: dict[str, Any]) -> str:
+def _show(info: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print_json(info)
+        return
     where = info["sandbox_id"] if info["state"] == "running" else info["snapshot_tag"]
-    return f"{info['name']}: {info['state']} ({where})"
+    console.print(f"{info['name']}: {info['state']} ({where})")
 
 
 @click.group("workspace")
@@ -23,42 +34,46 @@ def workspace() -> None:
 @workspace.command("create")
 @click.argument("name")
 @click.option("--tag", required=True, help="snapshot to start from")
+@json_option
 @reports_errors
-def create(name: str, tag: str) -> None:
+def create(name: str, tag: str, as_json: bool) -> None:
     """Start a workspace: a sandbox forked from TAG, kept under NAME."""
-    console.print(_line(daemon().create_workspace(name, tag)))
+    _show(daemon().create_workspace(name, tag), as_json)
 
 
 @workspace.command("ls")
-@click.option("--json", "as_json", is_flag=True)
+@json_option
+@quiet_option
 @reports_errors
-def ls(as_json: bool) -> None:
+def ls(as_json: bool, quiet: bool) -> None:
     """Workspaces: running (with their sandbox), suspended (with their snapshot) or lost."""
     items = daemon().workspaces()
     if as_json:
         print_json(items)
-        return
-    table = Table("name", "state", "sandbox", "snapshot", "suspends")
-    for item in items:
-        table.add_row(item["name"], item["state"], item["sandbox_id"] or "-", item["snapshot_tag"],
-                      str(len(item["suspends"])))
-    console.print(table)
+    elif quiet:
+        print_ids(item["name"] for item in items)
+    else:
+        print_rows(("name", "state", "sandbox", "snapshot", "suspends"),
+                   ((item["name"], item["state"], item["sandbox_id"] or "-", item["snapshot_tag"],
+                     str(len(item["suspends"]))) for item in items))
 
 
 @workspace.command("suspend")
 @click.argument("name")
+@json_option
 @reports_errors
-def suspend(name: str) -> None:
+def suspend(name: str, as_json: bool) -> None:
     """Save the workspace (a diff BRANCH) and stop its sandbox."""
-    console.print(_line(daemon().suspend_workspace(name)))
+    _show(daemon().suspend_workspace(name), as_json)
 
 
 @workspace.command("resume")
 @click.argument("name")
+@json_option
 @reports_errors
-def resume(name: str) -> None:
+def resume(name: str, as_json: bool) -> None:
     """Start the workspace again where it was suspended."""
-    console.print(_line(daemon().resume_workspace(name)))
+    _show(daemon().resume_workspace(name), as_json)
 
 
 @workspace.command("rm")

@@ -13,13 +13,15 @@ from forkd.errors import KINDS, kind_for_status
 
 
 class ForkdError(RuntimeError):
-    """The daemon refused or failed a request; ``status`` and ``code`` say how."""
+    """The daemon refused or failed a request; ``status`` and ``code`` say how, ``details`` holds the error body's
+    other fields (e.g. the guest's ``errno`` when a command could not start)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, details: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.details = details or {}
 
     @property
     def kind(self) -> str:
@@ -79,7 +81,7 @@ _BY_FAMILY: dict[str, type[ForkdError]] = {
 }
 
 
-def error_for(status: int, code: str, message: str) -> ForkdError:
+def error_for(status: int, code: str, message: str, details: dict[str, object] | None = None) -> ForkdError:
     """The exception for an error answer: by its code's kind, or by its status when the code is not forkd's."""
     kind = KINDS.get(code) or kind_for_status(status)
-    return _BY_FAMILY.get(kind.family, ForkdError)(status, code, message)
+    return _BY_FAMILY.get(kind.family, ForkdError)(status, code, message, details)

@@ -65,8 +65,13 @@ def raise_for(response: httpx.Response) -> None:
         err = response.json().get("error", {})
         code, message = err.get("code", "error"), err.get("message", response.text)
     except (ValueError, AttributeError):
-        code, message = "error", response.text
-    raise error_for(response.status_code, code, message)
+        err, code, message = {}, "error", response.text
+    raise error_for(response.status_code, code, message, _details(err))
+
+
+def _details(err: dict[str, Any]) -> dict[str, Any]:
+    """An error body's fields beyond code and message (the guest's ``errno``, a retry hint)."""
+    return {key: value for key, value in err.items() if key not in ("code", "message")}
 
 
 def decode_line(text: str) -> tuple[str, Any]:
@@ -77,7 +82,7 @@ def decode_line(text: str) -> tuple[str, Any]:
     if "error" in line:
         err = line["error"]
         code = str(err.get("code", "error"))
-        raise error_for(kind_of(code).status, code, err.get("message", ""))
+        raise error_for(kind_of(code).status, code, err.get("message", ""), _details(err))
     if "result" in line:
         return "result", line["result"]
     return "event", line
