@@ -87,8 +87,26 @@ def _is_vm(item: pytest.Item) -> bool:
     return item.get_closest_marker("vm") is not None
 
 
+OWN_PROCESS_ENV = "FORKD_TEST_OWN_PROCESS"  # set in the pytest that run_in_own_process starts
+
+
+def run_in_own_process(nodeid: str, timeout_s: float = 600) -> None:
+    """Run the ``own_process`` test ``nodeid`` in a pytest of its own and fail with its output if it fails."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", nodeid],
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, OWN_PROCESS_ENV: nodeid},
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-6000:] + done.stderr[-2000:]
+
+
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: only the tests that will run count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A test that loads a native runtime which must not outlive it in the suite's process (Ray's driver)
+    # runs only in the pytest run_in_own_process starts for it.
+    own = [item for item in items if item.get_closest_marker("own_process") and
+           os.environ.get(OWN_PROCESS_ENV) != item.nodeid]
+    if own:
+        items[:] = [item for item in items if item not in own]
+        config.hook.pytest_deselected(items=own)
     vm_items = [item for item in items if _is_vm(item)]
     if not vm_items:
         return

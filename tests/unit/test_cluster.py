@@ -32,6 +32,7 @@ from cluster_harness import (  # noqa: E402
     LINE_BOUND_S, RAY_PORT, Driver, join, moved, node_id, start_head, wait_for_work)
 from cluster_netns import bridge, left_behind  # noqa: E402
 from cluster_nodes import HEALTH_CHECKS, SLOTS, ForkdNode  # noqa: E402
+from conftest import run_in_own_process  # noqa: E402
 from forkd.cluster import Cluster, PlacementError  # noqa: E402
 from forkd.sdk.errors import NotFoundException  # noqa: E402
 
@@ -184,6 +185,14 @@ def by_url(cluster: Cluster, node: ForkdNode) -> Any:
     return next(state for state in cluster.directory.alive if state.url == node.url)
 
 
+def test_create_fork_spill_replicate_and_reap_in_a_process_of_its_own() -> None:
+    """Its Ray driver runs in the test's process: in the suite's own, Ray's core worker outlived
+    ``ray.shutdown()`` and one full run crashed with SIGSEGV a few hundred tests later."""
+    run_in_own_process(f"{Path(__file__).relative_to(Path(__file__).parents[2])}::"
+                       "test_create_fork_spill_replicate_and_reap")
+
+
+@pytest.mark.own_process
 def test_create_fork_spill_replicate_and_reap(nodes: tuple[RayCluster, list[ForkdNode]], root: Path) -> None:
     ray_cluster, forkd = nodes
     ray.init(address=ray_cluster.address, namespace="forkd")

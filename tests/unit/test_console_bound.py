@@ -1,5 +1,6 @@
 """A guest's serial console cannot fill the host's disk: the VMM appends to it, and the runtime cuts
-a live sandbox's console to its end once it passes a bound, while the VMM goes on writing.
+a live sandbox's console (or a baking parent's) to its end once it passes a bound, while the VMM
+goes on writing.
 
 The writer is a real file descriptor opened as QEMU's ``append=on`` file chardev opens it; the
 runtime test forks a real (fake-VMM) sandbox and runs the daemon's console keeper on it.
@@ -12,10 +13,11 @@ import os
 from pathlib import Path
 
 import pytest
-from test_runtime_fake_vmm import _runtime, run
+from test_runtime_fake_vmm import _image, _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
 from forkd.runtime.keepers import console_keeper
+from forkd.runtime.snapshots import SnapshotRequest
 from forkd.vmm import qemu_machine
 from forkd.vmm.base import CONSOLE_KEEP_BYTES, CONSOLE_LOG, BootSpec, VmHandle
 from forkd.vmm.fake import FakeVmm
@@ -64,7 +66,7 @@ def test_the_daemon_keeps_a_flooding_sandboxs_console_bounded(tmp_path: Path) ->
             guest = _appender(console)
             try:
                 os.write(guest, b"z" * (3 * MIB))
-                keeper = asyncio.create_task(console_keeper(runtime.sandboxes, interval_s=0.01, max_bytes=MIB))
+                keeper = asyncio.create_task(console_keeper(runtime.consoles, interval_s=0.01, max_bytes=MIB))
                 for _ in range(1000):  # bounded: at most ~10 s
                     if console.stat().st_size < MIB:
                         break
@@ -80,3 +82,52 @@ def test_the_daemon_keeps_a_flooding_sandboxs_console_bounded(tmp_path: Path) ->
 
     size, lines = run(scenario)
     assert size < CONSOLE_KEEP_BYTES + 200 and lines == 2  # the note, then the kept end and what followed
+
+
+class SlowSave(FakeVmm):
+    """A FakeVmm whose parents wait to be saved until told: a bake that takes its time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saving = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    async def save(self, vm: VmHandle, state: Path) -> None:
+        self.saving.set()
+        await self.go_on.wait()
+        await super().save(vm, state)
+
+
+def test_the_daemon_keeps_a_baking_parents_console_bounded(tmp_path: Path) -> None:
+    """`snapshot create` runs its parent for up to 15 minutes: its console is cut like a sandbox's."""
+    async def scenario() -> tuple[int, int, str]:
+        vmm = SlowSave()
+        runtime = await _runtime(tmp_path, vmm, tag=None)
+        keeper = asyncio.create_task(console_keeper(runtime.consoles, interval_s=0.01, max_bytes=MIB))
+        baking = asyncio.create_task(runtime.snapshots.create(
+            SnapshotRequest(tag="base", memory_mib=1, warm_modules=()), _image(tmp_path), lambda _line: None))
+        try:
+            await vmm.saving.wait()  # the parent is up, being baked
+            [build_dir] = runtime.paths.snapshots.glob(".build-base-*")
+            console = build_dir / CONSOLE_LOG
+            guest = _appender(console)
+            try:
+                os.write(guest, b"p" * (3 * MIB))
+                for _ in range(1000):  # bounded: at most ~10 s
+                    if console.stat().st_size < MIB:
+                        break
+                    await asyncio.sleep(0.01)
+                os.write(guest, b"still booting\n")
+            finally:
+                os.close(guest)
+            size, lines = console.stat().st_size, len(console.read_bytes().splitlines())
+            vmm.go_on.set()
+            return size, lines, (await baking).status
+        finally:
+            vmm.go_on.set()
+            keeper.cancel()
+            await asyncio.gather(baking, return_exceptions=True)
+            await runtime.stop()
+
+    size, lines, status = run(scenario)
+    assert size < CONSOLE_KEEP_BYTES + 200 and lines == 2 and status == "ready"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_runtime_fake_vmm import _runtime, run
+from test_runtime_fake_vmm import _image, _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
 from forkd.config import Paths
@@ -24,6 +25,7 @@ from forkd.runtime.pool import PoolService
 from forkd.runtime.recovery import recover
 from forkd.store.registry import Registry
 from forkd.runtime.runtime import Runtime
+from forkd.runtime.snapshots import SnapshotRequest
 from forkd.vmm.base import MemoryStats, VmHandle
 from forkd.vmm.fake import FakeVmm
 
@@ -190,3 +192,52 @@ def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path:
 
     run(scenario)
 
+
+
+class Baking(FakeVmm):
+    """A FakeVmm whose parents write ``content`` at the start of their RAM: snapshots that differ."""
+
+    content = b"old"
+
+    async def boot(self, name: str, spec: Any, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
+        vm = await super().boot(name, spec, run_dir, base_disk, memory)
+        self.write_guest_memory(vm, 0, self.content)
+        return vm
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_unpack_force_over_a_pooled_tag_replaces_its_members(tmp_path: Path, warm: bool) -> None:
+    """Members map the snapshot their tag named when they started: after `unpack --force` over the tag
+    the old ones are gone and the next fork gets the new snapshot's memory, pooled or not."""
+    async def scenario() -> None:
+        vmm = Baking()
+        runtime = await _runtime(tmp_path, vmm, options=RuntimeOptions(warm_pools=warm))
+        try:
+            vmm.content = b"new"
+            await runtime.snapshots.create(SnapshotRequest(tag="fresh", memory_mib=1, warm_modules=()),
+                                           _image(tmp_path), lambda _line: None)
+            pack = tmp_path / "fresh.tar.zst"
+            await runtime.packs.pack("fresh", pack, False, lambda _line: None)
+            pool = runtime.pools
+            await pool.set_size("base", 2)
+            await settle(pool)
+            old = list(pool._members["base"])
+            assert len(old) == 2
+
+            await runtime.packs.unpack(pack, "base", True, lambda _line: None)
+            await settle(pool)
+
+            assert all(not m.alive for m in old)
+            assert not {m.sandbox_id for m in old} & set(pool.describe("base")["members"])
+            assert not any(m.vm.run_dir.exists() for m in old)
+            assert pool.describe("base")["ready"] == 2  # refilled, keeping its size
+            children = await runtime.spawner.fork("base", 3)  # two pooled, one restored afresh
+            assert all(o.sandbox is not None for o in children), [o.error for o in children]
+            assert sum("pool" in o.timings for o in children) == 2
+            for child in children:
+                ram = Path(runtime.sandboxes.get(child.sandbox["id"]).vm.state["ram"])  # type: ignore[index]
+                assert ram.read_bytes()[:3] == b"new", child.sandbox
+        finally:
+            await runtime.stop()
+
+    run(scenario)

@@ -20,12 +20,13 @@ import pytest
 
 from forkd.config import Paths
 from forkd.errors import Failure
+from forkd.guest import protocol
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import Image
 from forkd.runtime import agent_client
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
-from forkd.store.errors import SnapshotError
+from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import LiveSandbox, SandboxEnded
@@ -360,10 +361,11 @@ def test_recovery_finishes_whatever_one_record_raises(tmp_path: Path) -> None:
     class AdoptBreaks(FakeVmm):
         broken: str = ""
 
-        async def adopt(self, name: str, process: Any, run_dir: Path, state: dict[str, Any]) -> Any:
+        async def adopt(self, name: str, process: Any, run_dir: Path, state: dict[str, Any],
+                        stopped_ok: bool = False) -> Any:
             if name == self.broken:
                 raise RuntimeError("a bug while adopting")
-            return await super().adopt(name, process, run_dir, state)
+            return await super().adopt(name, process, run_dir, state, stopped_ok)
 
     async def scenario() -> tuple[Any, list[str], list[str], bool]:
         behaviour = FakeBehaviour()
@@ -443,3 +445,52 @@ def test_a_backend_without_branching_compacts_through_its_disk_format(tmp_path: 
     assert set(flat.meta["sha256"]) == {"vmlinuz", "initrd.img", "base.ext4", "disk.fake", "memory", "state"}
     assert (flat.path / "disk.fake").read_bytes().startswith(b"fake disk over base.ext4\n")
     assert sorted(p.name for p in flat.path.glob("*.sock")) == []  # the backend's run-dir leftovers went with its bake
+
+
+def test_a_daemon_killed_inside_a_branch_pause_leaves_its_source_running(tmp_path: Path) -> None:
+    """`kill -9` of the daemon while BRANCH has its source stopped: the next daemon resumes the source
+    (it answers) instead of reaping it, the half-made branch is failed and its build directory gone,
+    and the source is not branched again (its disk may hold a layer no snapshot received)."""
+
+    async def scenario() -> tuple[Any, ...]:
+        vmm = FakeVmm()
+        first = await _runtime(tmp_path, vmm)
+        [outcome] = await first.spawner.fork("base", 1)
+        source = outcome.sandbox["id"]  # type: ignore[index]
+        live = first.sandboxes.get(source)
+        # Where BRANCH stands inside its pause: the branch registered as writing, naming its source,
+        # its build directory made, the source's guest stopped through the VMM seam.
+        claim = first.store.claim("half", "branched")
+        first.store.register_writing(claim, SnapshotRecord(
+            tag="half", status="writing", image="default", path=first.paths.snapshots / "half",
+            created_at=time.time(), meta={"mode": "diff", "source_sandbox": source}, parent_tag="base"))
+        build = first.store.build_dir("half")
+        await vmm.pause(live.vm)
+        await first.sandboxes.detach_all()  # the daemon dies: nothing is cleaned up, its VMMs stay
+        first.registry.close()
+        second = await Runtime.open(first.paths, vmm)
+        try:
+            recovery = await second.start()
+            ping = await second.sandboxes.get(source).agent.call(protocol.OP_PING, {}, timeout=5)
+            with pytest.raises(SnapshotConflict, match="stopped while branching it to 'half'"):
+                await second.branches.branch(source, "again")
+            half = second.registry.get_snapshot("half")
+            outcome = (recovery.adopted, recovery.resumed, ping["sandbox_id"], vmm.paused(live.vm),
+                       half.status if half else None, build.exists(), second.registry.get_snapshot("again"))
+            await second.sandboxes.detach_all()  # and the refusal outlives another restart
+            second.registry.close()
+            third = await Runtime.open(first.paths, vmm)
+            try:
+                assert (await third.start()).adopted == [source]
+                with pytest.raises(SnapshotConflict, match="stopped while branching it to 'half'"):
+                    await third.branches.branch(source, "again")
+            finally:
+                await third.stop()
+            return outcome
+        finally:
+            if live.vm.process.returncode is None:
+                live.vm.process.kill()
+
+    adopted, resumed, answered, paused, half, build_left, again = run(scenario)
+    assert adopted == [answered] and resumed == {answered: "half"} and not paused
+    assert half == "failed" and not build_left and again is None

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -198,6 +200,49 @@ def test_daemon_sigkill_during_fork_readopts_survivors(daemon: Daemon, fault_hom
         if sandbox_id != victim["id"]:
             client.kill(sandbox_id)
     assert host_state(fault_home) == before
+
+
+def qmp_status(monitor: Path) -> str:
+    """The run state a QEMU monitor reports (no daemon holds the socket: it was killed)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(monitor))
+        stream = sock.makefile("rwb")
+        json.loads(stream.readline())  # the greeting
+        for command in ("qmp_capabilities", "query-status"):
+            stream.write(json.dumps({"execute": command}).encode() + b"\n")
+            stream.flush()
+            while "return" not in (answer := json.loads(stream.readline())):  # events come first
+                assert "error" not in answer, answer
+    return answer["return"]["status"]
+
+
+def test_daemon_sigkill_in_a_branch_pause_leaves_the_source_running(daemon: Daemon, fault_home: Path) -> None:
+    """SIGKILL while BRANCH has its source stopped: the device state is written in the pause and the
+    private pages (here ~256 MiB of them) are read after it, so the kill lands inside the pause. The
+    next daemon resumes the source instead of reaping it; the branch is failed and the source is not
+    branched again."""
+    client = daemon.controller
+    [source] = client.fork(TAG, 1)["sandboxes"]
+    sandbox_id = source["id"]
+    client.run_code(sandbox_id, "ballast = bytearray(b'\\x01') * (256 << 20); kept = 'alive'")
+    client.branch(sandbox_id, "crashed", mode="diff", wait=False)
+    builds = fault_home / "snapshots"
+    wait_until(lambda: any((d / "state").exists() for d in builds.glob(".build-crashed-*")), bound_s=120,
+               step_s=0.001)
+    daemon.kill9()
+    status = qmp_status(fault_home / "sandboxes" / sandbox_id / "qmp.sock")
+    assert status == "paused", "the kill came after the pause: this run proves nothing"
+    daemon.start()
+    assert [s["id"] for s in client.sandboxes()] == [sandbox_id]
+    assert client.eval(sandbox_id, "kept")["value_json"] == "alive"
+    assert client.exec(sandbox_id, "echo running")["stdout"] == "running\n"
+    assert client.snapshot("crashed")["status"] == "failed"
+    assert not list(builds.glob(".build-crashed-*"))
+    with pytest.raises(ForkdError, match="stopped while branching"):
+        client.branch(sandbox_id, "again")
+    client.kill(sandbox_id)
+    client.remove_snapshot("crashed")
 
 
 def test_daemon_sigkill_after_fork_then_restart(daemon: Daemon, fault_home: Path) -> None:

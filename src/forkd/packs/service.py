@@ -5,7 +5,9 @@ store build directory and verified there (every digest, the chain and each link'
 parent's digests, the machine identity, every disk's backing reference, the store's own ancestors'
 files); only then does the store publish the directories and register them, parent links
 included, in one registry transaction, root first. On any failure the build directory is removed,
-a replaced snapshot is put back, and nothing is registered.
+a replaced snapshot is put back, and nothing is registered. An unpack that replaces a snapshot
+(``--force`` over a registered tag) runs inside the ``replacing`` hook the runtime hands in, which
+empties that tag's pool of ready VMMs first and refills it afterwards: they hold the old snapshot.
 
 Host paths and URLs come from API clients: with ``roots`` every pack file read or written (and a
 pull's local file or index) must lie in the packs directory, and every network URL must pass the
@@ -21,9 +23,11 @@ sizes against the snapshot's own meta (``bounds.py``) before a byte is written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,8 @@ from forkd.vmm.base import MachineIdentity
 
 log = logging.getLogger("forkd.packs")
 Progress = Callable[[str], None]
+# Around an unpack that replaces the snapshot of a tag: what else holds that snapshot lets go of it.
+Replacing = Callable[[str], AbstractAsyncContextManager[object]]
 _REBUILD_HINT = "create the snapshot on this host with `forkd snapshot create` instead"
 
 
@@ -92,7 +98,8 @@ def _allocated_bytes(chain: list[SnapshotRecord]) -> int:
 class PackService:
     def __init__(self, store: SnapshotStore, live_children: Callable[[str], int], roots: HostRoots | None = None,
                  urls: transfer.UrlPolicy = transfer.UrlPolicy(), space: SpaceFloor | None = None,
-                 allow_unpinned: bool = False) -> None:
+                 allow_unpinned: bool = False,
+                 replacing: Replacing = lambda _tag: contextlib.nullcontext()) -> None:
         self.store = store
         self.registry = store.registry
         self.live_children = live_children
@@ -100,6 +107,7 @@ class PackService:
         self.urls = urls
         self.space = space or SpaceFloor(packs_dir=roots.packs if roots is not None else None)
         self.allow_unpinned = allow_unpinned  # pull from a network URL with no SHA-256 pin
+        self._replacing = replacing
         self._lock = asyncio.Lock()  # one unpack at a time: two could plan against the same store
 
     def pack_input(self, path: Path, what: str = "pack") -> Path:
@@ -231,7 +239,9 @@ class PackService:
         if claim is None:
             claim = self.claim(await asyncio.to_thread(self._manifest, source), tag)
         with claim:
-            async with self._lock:
+            top = claim.tags[0]  # held: nobody else registers, replaces or removes it meanwhile
+            replaces = force and await asyncio.to_thread(self.registry.get_snapshot, top) is not None
+            async with self._lock, self._replacing(top) if replaces else contextlib.nullcontext():
                 work = self.store.build_dir("unpack")
                 try:
                     with self.space.reported(self.store.directory, "unpacking"):

@@ -8,7 +8,9 @@ one it was last branched to — the one its disk and memory now derive from. Eve
 (``runtime/timings.py``): the answer's ``timings`` and the ``forkd_branch_stage_seconds`` histogram.
 
 The snapshot is registered as ``writing`` before the pause, so it is visible (and refused to fork,
-409) while it is built; it becomes ``ready`` or ``failed``.
+409) while it is built; it becomes ``ready`` or ``failed``. That record, naming its source
+(``meta.source_sandbox``), is also how a restarted daemon knows a stopped source was stopped by
+this pause and resumes it instead of reaping it (``runtime/recovery.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from forkd.vmm.base import Pages, Vmm
 from forkd.vmm.branching import Capture, branching_of
 
 MODES = ("full", "diff", "live")
+REFUSED = "branch_refused"  # sandbox meta: why it may not be branched again (kept across restarts)
 STDERR_TAIL_BYTES = 4096  # of a diff command's stderr, for the error message when it fails
 
 
@@ -58,7 +61,7 @@ class _SourceState:
     """Per-sandbox branch bookkeeping: one capture at a time, and where its disk chain stands."""
 
     lock: asyncio.Lock
-    broken: str | None = None  # set when a capture froze a disk layer no snapshot received
+    broken: str | None = None  # set when its disk holds a layer no snapshot received (meta.branch_refused)
 
 
 class BranchService:
@@ -74,6 +77,20 @@ class BranchService:
         self.max_concurrent = max_concurrent
         self._builds: dict[str, asyncio.Task[SnapshotRecord]] = {}  # builds under way, by tag (claimed in the store)
         self._sources: dict[str, _SourceState] = {}
+
+    async def refuse(self, sandbox_id: str, reason: str) -> None:
+        """Never branch ``sandbox_id`` again: its disk may hold a layer no snapshot received (``reason``)."""
+        await self._refuse(self.sandboxes.get(sandbox_id), reason)
+
+    async def _refuse(self, live: LiveSandbox, reason: str) -> None:
+        """A branch would chain onto a head that lacks part of the sandbox's disk: refuse it from now on,
+        in its record too, so a restarted daemon refuses it as well."""
+        self._source(live).broken = live.record.meta[REFUSED] = reason
+        await asyncio.to_thread(self.registry.set_branch_refused, live.record.id, reason)
+
+    def _source(self, live: LiveSandbox) -> _SourceState:
+        return self._sources.setdefault(live.record.id, _SourceState(lock=asyncio.Lock(),
+                                                                     broken=live.record.meta.get(REFUSED)))
 
     async def branch(self, sandbox_id: str, tag: str, mode: str = "diff", wait: bool = True,
                      claim: Claim | None = None) -> SnapshotRecord:
@@ -94,7 +111,7 @@ class BranchService:
             for gone in [sid for sid, state in self._sources.items()
                          if sid not in running and not state.lock.locked()]:
                 del self._sources[gone]  # bookkeeping of sandboxes that have exited
-            source = self._sources.setdefault(sandbox_id, _SourceState(lock=asyncio.Lock()))
+            source = self._source(live)
             if source.broken:
                 raise SnapshotConflict(f"sandbox {sandbox_id} cannot be branched again: {source.broken}")
         except BaseException:
@@ -162,7 +179,7 @@ class BranchService:
                 await asyncio.to_thread(self.registry.set_branch_head, live.record.id, record.tag)
         except BaseException as exc:
             if live.vm.state != backend_state:  # the source writes a new disk top: its old one is in no snapshot
-                source.broken = f"its branch to {record.tag!r} failed after its disk was switched ({exc})"
+                await self._refuse(live, f"its branch to {record.tag!r} failed after its disk was switched ({exc})")
             await asyncio.to_thread(self.store.mark_failed, record.tag, str(exc) or type(exc).__name__)
             raise
         finally:

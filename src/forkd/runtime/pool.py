@@ -15,6 +15,11 @@ snapshot, never on a caller's path. A member has no registry record: a daemon th
 run directory, which recovery reaps with the VMM in it (running, stopped or half-warmed) like a
 child caught mid-restore; ``rmi``, daemon stop and a size lowered kill members at once. A draining
 daemon pauses refills (``pause``): its idle members stay until it stops or is undrained.
+
+A member belongs to the snapshot its tag named when it started: its RAM maps that snapshot's memory
+file (a warm one has run on it). Publishing another snapshot under the tag (``unpack``/``pull
+--force``) therefore goes through :meth:`PoolService.replacing`, which kills the members first, lets
+none start while the tag is replaced and refills from what the tag names afterwards.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +62,7 @@ class Member:
     prepared: Prepared
     ready_at: float
     agent: AgentClient | None = None  # a warm member's open agent connection; its guest is stopped
+    generation: int = 0  # of its tag's pool when it started: a member of an older one is of a snapshot gone
 
     @property
     def alive(self) -> bool:
@@ -87,6 +93,7 @@ class PoolService:
         self._fillers: dict[str, asyncio.Task[None]] = {}
         self._disposing: set[asyncio.Task[None]] = set()
         self._generation: Counter[str] = Counter()  # bumped when a tag's pool is discarded
+        self._replaced: set[str] = set()  # tags whose snapshot is being replaced: no member starts
         self._stopped = False
         self._paused = False  # draining: no member is started until ``resume``
 
@@ -134,14 +141,15 @@ class PoolService:
 
     def give_back(self, tag: str, member: Member) -> None:
         """A member taken for a child that then did not start (a limit, a deadline) waits again."""
-        if member.alive and not self._stopped and tag in self._members:
+        if member.alive and not self._stopped and member.generation == self._generation[tag]:
             self._members[tag].insert(0, member)
         else:
             self._dispose(member)
 
     def refill(self, tag: str) -> None:
         """Start filling ``tag``'s pool in the background, unless that already runs or it is full."""
-        if self._stopped or self._paused or (tag in self._fillers and not self._fillers[tag].done()):
+        if self._stopped or self._paused or tag in self._replaced or \
+                (tag in self._fillers and not self._fillers[tag].done()):
             return
         if len(self._members[tag]) + self._starting[tag] >= self.size(tag):
             return
@@ -149,8 +157,7 @@ class PoolService:
 
     async def _fill(self, tag: str) -> None:
         """Start members one at a time until the pool has its size: a refill takes one VMM start of CPU."""
-        generation = self._generation[tag]
-        while not self._stopped and not self._paused and generation == self._generation[tag] and \
+        while not self._stopped and not self._paused and tag not in self._replaced and \
                 len(self._members[tag]) + self._starting[tag] < self.size(tag):
             try:
                 member = await self._start_member(tag)
@@ -159,12 +166,15 @@ class PoolService:
                             FILL_RETRY_S)
                 await asyncio.sleep(FILL_RETRY_S)
                 continue
-            if self._stopped or generation != self._generation[tag] or len(self._members[tag]) >= self.size(tag):
-                self._dispose(member)  # rmi, stop or a smaller size came while it started
-                return
+            if self._stopped or member.generation != self._generation[tag] or len(self._members[tag]) >= self.size(tag):
+                # rmi, stop, a replaced snapshot or a smaller size came while it started: the loop's
+                # condition decides whether the pool still wants a member (of what the tag names now)
+                self._dispose(member)
+                continue
             self._members[tag].append(member)
 
     async def _start_member(self, tag: str) -> Member:
+        generation = self._generation[tag]
         _, saved, spec = await asyncio.to_thread(self.snapshots.open, tag)
         sandbox_id = self._new_id()
         run_dir = self.paths.sandboxes / sandbox_id
@@ -189,7 +199,8 @@ class PoolService:
             raise
         finally:
             self._starting[tag] -= 1
-        return Member(sandbox_id=sandbox_id, vm=vm, prepared=prepared, ready_at=time.time(), agent=agent)
+        return Member(sandbox_id=sandbox_id, vm=vm, prepared=prepared, ready_at=time.time(), agent=agent,
+                      generation=generation)
 
     def _dispose(self, member: Member) -> None:
         """Kill a member's VMM and release what it held, in the background."""
@@ -204,14 +215,33 @@ class PoolService:
         self._disposing.add(task)
         task.add_done_callback(self._disposing.discard)
 
-    async def discard(self, tag: str) -> None:
-        """The snapshot is gone (``rmi``): kill its members, stop filling and forget its size."""
+    def _drop_members(self, tag: str) -> None:
+        """Kill ``tag``'s members; one still starting is killed when it is ready (its generation is old)."""
         self._generation[tag] += 1
         for member in self._members.pop(tag, []):
             self._dispose(member)
+
+    async def discard(self, tag: str) -> None:
+        """The snapshot is gone (``rmi``): kill its members, stop filling and forget its size."""
+        self._drop_members(tag)
         self._configured.pop(tag, None)
         if self._stored.pop(tag, None) is not None:
             await asyncio.to_thread(self.registry.set_pool_size, tag, None)
+
+    @contextlib.asynccontextmanager
+    async def replacing(self, tag: str) -> AsyncIterator[None]:
+        """Around publishing another snapshot under ``tag``: its members are killed first (a warm one
+        would serve the old snapshot under the new tag, a cold one load the new state over the old
+        memory), none starts meanwhile, and afterwards the pool refills, keeping its size, from what
+        ``tag`` names then (the new snapshot, or the old one put back when publishing failed)."""
+        self._replaced.add(tag)
+        self._drop_members(tag)
+        try:
+            yield
+        finally:
+            self._replaced.discard(tag)
+            if not self._stopped:
+                self.refill(tag)
 
     def pause(self) -> None:
         """Start no more members (the daemon drains); a member already starting finishes and waits."""

@@ -9,6 +9,14 @@ is gone, a run directory without a record, the parent and build directory of a s
 being baked. Reaping goes through :meth:`SandboxService.release`, so every plugged-in releaser
 (network namespace, cgroup, ...) runs for each id, whatever state it was left in.
 
+A live sandbox's guest is stopped only inside a BRANCH's pause (``runtime/branches.py``), and a
+branch registers its snapshot as ``writing``, naming its source sandbox, before it stops the
+source. So a sandbox named by a ``writing`` snapshot is adopted even when its VMM is stopped and is
+resumed (``cont``) before it must answer: a daemon killed inside the pause loses the branch (the
+store's reaper marks the snapshot ``failed``), never the user's sandbox. The sandbox keeps running
+but is listed in ``Recovery.resumed``: its disk may hold a layer no snapshot received, so the
+runtime refuses to branch it again.
+
 Recovery runs before the daemon serves, so no record may stop it: a VMM that fails its adoption in
 any way is reaped like one that does not answer, and a record whose reaping itself fails is logged
 and left (``failed``) for the next start to try again, while every other record is recovered.
@@ -45,6 +53,7 @@ class Recovery:
     adopted: list[str] = field(default_factory=list)
     reaped: list[str] = field(default_factory=list)  # sandbox ids: records and record-less directories
     failed: list[str] = field(default_factory=list)  # records whose reaping failed: left for the next start
+    resumed: dict[str, str] = field(default_factory=dict)  # adopted sources of interrupted branches: id → tag
     removed_builds: list[str] = field(default_factory=list)  # half-built snapshot directories
 
 
@@ -56,14 +65,17 @@ async def recover(sandboxes: SandboxService, store: SnapshotStore) -> Recovery:
     for ref in processes_under(paths.sandboxes, program):
         vmms[ref.directory].append(ref)
     records = sandboxes.registry.list_sandboxes()  # the daemon serves nothing yet
-    outcomes = await asyncio.gather(*(_recover_one(sandboxes, r, vmms.pop(r.run_dir.name, [])) for r in records),
-                                    return_exceptions=True)
+    branching = _branch_sources(store)
+    outcomes = await asyncio.gather(*(_recover_one(sandboxes, r, vmms.pop(r.run_dir.name, []), r.id in branching)
+                                      for r in records), return_exceptions=True)
     for record, adopted in zip(records, outcomes):
         if isinstance(adopted, BaseException):
             log.error("recovering sandbox %s failed (%r); the next start tries again", record.id, adopted)
             result.failed.append(record.id)
         else:
             (result.adopted if adopted else result.reaped).append(record.id)
+            if adopted and record.id in branching:
+                result.resumed[record.id] = branching[record.id]
     known = {r.run_dir.name for r in records}
     if paths.sandboxes.exists():
         for leftover in sorted(paths.sandboxes.iterdir()):
@@ -77,14 +89,26 @@ async def recover(sandboxes: SandboxService, store: SnapshotStore) -> Recovery:
     return result
 
 
-async def _recover_one(sandboxes: SandboxService, record: SandboxRecord, refs: list[ProcessRef]) -> bool:
-    """Serve ``record`` again if its VMM and agent answer; otherwise kill its VMM and release it."""
+def _branch_sources(store: SnapshotStore) -> dict[str, str]:
+    """Sandboxes a dead daemon was branching (their guest may be stopped): id → the branch's tag."""
+    return {str(r.meta["source_sandbox"]): r.tag for r in store.registry.list_snapshots()
+            if r.status == "writing" and isinstance(r.meta.get("source_sandbox"), str)}
+
+
+async def _recover_one(sandboxes: SandboxService, record: SandboxRecord, refs: list[ProcessRef],
+                       branching: bool) -> bool:
+    """Serve ``record`` again if its VMM and agent answer; otherwise kill its VMM and release it.
+    ``branching``: a branch of it was being written, so its guest may be stopped: resume it."""
     if record.status == "running" and record.pid and record.vmm_state:
         pidfd = open_verified(record.pid, record.vmm_started, f"{record.run_dir}/")
         if pidfd is not None:
             process = AdoptedProcess(record.pid, pidfd)
             try:
-                vm = await sandboxes.vmm.adopt(record.id, process, record.run_dir, record.vmm_state)
+                vm = await sandboxes.vmm.adopt(record.id, process, record.run_dir, record.vmm_state,
+                                               stopped_ok=branching)
+                if branching:
+                    await sandboxes.vmm.resume(vm)  # `cont` of a running guest changes nothing
+                    log.warning("sandbox %s was being branched when the daemon stopped; it runs again", record.id)
                 agent, _ = await connect_when_answering(vm, ADOPT_ANSWER_TIMEOUT_S, protocol.OP_PING)
             except Exception as exc:  # VmmError, AgentError, or anything else: it cannot be served
                 log.warning("sandbox %s does not answer (%s); reaping it", record.id, exc)

@@ -51,7 +51,7 @@ from forkd.store.io import blocking
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.validation import new_sandbox_id
-from forkd.vmm.base import Capabilities, Vmm
+from forkd.vmm.base import Capabilities, Vmm, VmHandle
 
 # What a front may use of a Runtime: its services and the methods that answer for the store and the VMM.
 FRONT_SURFACE = frozenset({
@@ -80,7 +80,7 @@ class Runtime:
         roots = self.options.host_roots
         self.packs = PackService(self.store, self.spawner.count_of, roots, UrlPolicy(self.options.transfer_hosts),
                                  SpaceFloor(self.options.pack_free_floor_bytes, roots.packs if roots else None),
-                                 self.options.allow_unpinned_pulls)
+                                 self.options.allow_unpinned_pulls, replacing=self.pools.replacing)
         self.peers = PeerPuller(self.packs)
         self.drain = DrainService(self.spawner, self.pools, self.sandboxes)
         self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options, self.drain)
@@ -124,11 +124,14 @@ class Runtime:
         console bounds."""
         await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
         recovery = await recover(self.sandboxes, self.store)
+        for sandbox_id, tag in recovery.resumed.items():
+            await self.branches.refuse(sandbox_id, f"the daemon stopped while branching it to {tag!r}, so its "
+                                       "disk may hold a layer no snapshot received; fork a new sandbox to branch from")
         await asyncio.to_thread(self.packs.remove_partials)
         await self.pools.start()
         loop = asyncio.get_running_loop()
         self._keepers = [loop.create_task(deadline_keeper(self.sandboxes)),
-                         loop.create_task(console_keeper(self.sandboxes))]
+                         loop.create_task(console_keeper(self.consoles))]
         return recovery
 
     async def stop(self) -> None:
@@ -141,6 +144,10 @@ class Runtime:
         leave = self.sandboxes.detach_all() if self.options.keep_sandboxes_on_stop else self.sandboxes.kill_all()
         await asyncio.gather(leave, self.snapshots.abort_all())
         self.registry.close()
+
+    def consoles(self) -> list[VmHandle]:
+        """Every VMM whose guest writes a console the host keeps: live sandboxes and parents being baked."""
+        return [*(s.vm for s in self.sandboxes.live()), *self.snapshots.parents()]
 
     def capabilities(self) -> Capabilities:
         """What the VMM backend and the host offer (``GET /v1/system``)."""

@@ -61,6 +61,10 @@ class SnapshotService:
         self.vmm = vmm
         self._parents: set[VmHandle] = set()  # parents being baked, killed if the daemon stops
 
+    def parents(self) -> list[VmHandle]:
+        """The parents being baked now (their consoles are bounded like a sandbox's, runtime/keepers.py)."""
+        return list(self._parents)
+
     def claim(self, tag: str) -> Claim:
         """Claim ``tag`` for one create (409 if taken or claimed); synchronous, so a handler answers 409 first."""
         return self.store.claim(tag, "created")

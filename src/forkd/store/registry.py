@@ -364,6 +364,11 @@ class Registry:
         self._execute("UPDATE sandboxes SET meta = json_set(meta, '$.metadata', json(?)) WHERE id = ?",
                       (json.dumps(labels), sandbox_id))
 
+    def set_branch_refused(self, sandbox_id: str, reason: str) -> None:
+        """Why a sandbox may not be branched again (``meta.branch_refused``), the rest of its meta untouched."""
+        self._execute("UPDATE sandboxes SET meta = json_set(meta, '$.branch_refused', ?) WHERE id = ?",
+                      (reason, sandbox_id))
+
     def set_vmm_state(self, sandbox_id: str, vmm_state: dict[str, Any]) -> None:
         """The backend's state of a running VMM changed (a BRANCH moved its disk to a new overlay)."""
         self._execute("UPDATE sandboxes SET vmm_state = ? WHERE id = ?", (json.dumps(vmm_state), sandbox_id))

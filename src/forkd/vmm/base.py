@@ -290,9 +290,12 @@ class Vmm(Protocol):
         """Let a guest stopped by :meth:`pause` run again."""
         ...
 
-    async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
+    async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any],
+                    stopped_ok: bool = False) -> VmHandle:
         """Take over a VMM a previous daemon started, from the ``VmHandle.state`` it persisted;
-        raise :class:`VmmError` unless it is running (and answers within a bounded time)."""
+        raise :class:`VmmError` unless it is running (and answers within a bounded time). With
+        ``stopped_ok`` a guest stopped by :meth:`pause` (a daemon that died inside a BRANCH's pause)
+        is taken over too, still stopped: the caller resumes it."""
         ...
 
     async def kill(self, vm: VmHandle) -> None: ...

@@ -192,12 +192,15 @@ class FakeVmm:
             gate.set()
         return gate
 
-    async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
+    async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any],
+                    stopped_ok: bool = False) -> VmHandle:
         vm = VmHandle(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / AGENT_SOCKET,
                       state=dict(state))
         if name in self.behaviour.stalled:
             await self.kill(vm)
             raise VmmError(f"the fake monitor of {name} did not answer; the VMM has been killed")
+        if self.paused(vm) and not stopped_ok:
+            raise VmmError(f"the fake VMM of {name} is paused, not running")
         if str(run_dir) not in self._agents:
             await self._serve_agent(vm)  # a VMM left by a daemon in another process (or test)
         return vm
@@ -330,15 +333,19 @@ class FakeBranching:
     async def capture(self, vm: VmHandle, memory_bytes: int, state: Path,
                       live: bool, mark: Callable[[str], None]) -> Capture:
         frozen = Path(vm.state[DISK_KEY])
-        mark("stop")
-        new_top = vm.run_dir / f"disk-{secrets.token_hex(4)}.fake"
-        _write_disk(new_top, str(frozen), b"")
-        vm.state[DISK_KEY] = str(new_top)
-        mark("disk_switched")
-        state.write_text(json.dumps({"captured": vm.name}))
-        mark("device_state_saved")
-        pages = await asyncio.to_thread(_differing_pages, Path(vm.state[RAM_KEY]), Path(vm.state[BASE_KEY]))
-        mark("pages_read")
+        await self.vmm.pause(vm)  # as QEMU's `stop`: the guest answers nothing until `cont`
+        try:
+            mark("stop")
+            new_top = vm.run_dir / f"disk-{secrets.token_hex(4)}.fake"
+            _write_disk(new_top, str(frozen), b"")
+            vm.state[DISK_KEY] = str(new_top)
+            mark("disk_switched")
+            state.write_text(json.dumps({"captured": vm.name}))
+            mark("device_state_saved")
+            pages = await asyncio.to_thread(_differing_pages, Path(vm.state[RAM_KEY]), Path(vm.state[BASE_KEY]))
+            mark("pages_read")
+        finally:
+            await self.vmm.resume(vm)
         mark("cont")
         self.captures += 1
         return Capture(pause_s=0.0, frozen_disk=frozen, pages=pages, state_format="fake", precopied=False)

@@ -197,7 +197,8 @@ class QemuVmm:
         except QMPError as exc:
             raise VmmError(f"{command} of {vm.name} failed: {exc}") from None
 
-    async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any]) -> VmHandle:
+    async def adopt(self, name: str, process: VmProcess, run_dir: Path, state: dict[str, Any],
+                    stopped_ok: bool = False) -> VmHandle:
         if not isinstance(state.get(MONITOR_KEY), str) or not isinstance(state.get(DISK_KEY, ""), str):
             raise VmmError(f"the record of {name} lacks its QEMU monitor socket")
         # Records from before the schema had backend state hold no disk: it was the first one, never branched.
@@ -209,7 +210,7 @@ class QemuVmm:
                 status = (await qmp.execute("query-status")).get("status")
         except QMPError as exc:
             raise VmmError(f"the QEMU monitor of {name} failed: {exc}") from None
-        if status != "running":
+        if status != "running" and not (stopped_ok and status == "paused"):
             raise VmmError(f"QEMU of {name} is {status}, not running")
         return vm
 
