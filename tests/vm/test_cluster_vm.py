@@ -93,7 +93,9 @@ def test_map_on_qemu_children_survives_a_node_dying(root: Path) -> None:
             # every item answered once, by the guest's Python; node 2's item in flight ran again elsewhere
             assert results == {i: i * i for i in range(ITEMS)}
             assert summary["dead"] == [ids["n2"]]
-            assert summary["lost"] >= 1 and summary["retried"]
+            # The kill waits for an item to start on node 2, but a guest's short work can answer before every
+            # process of the namespace is gone (seen once in CI): then nothing is lost and nothing need retry.
+            assert not summary["lost"] or summary["retried"]
             rerun = moved(log, forkd[2].url, answered_by, ids["n2"])
             # (an item lost while its fork was still on the way to node 2 never started there)
             assert all(n >= 2 for n in rerun.values()), f"node 2's lost items did not run again: {rerun}"

@@ -16,8 +16,10 @@ from typing import Any
 
 import anyio
 import httpx
+import httpx2
 import pytest
 from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 from mcp.client.stdio import StdioServerParameters
 from mcp_types import CallToolResult, ImageContent
 
@@ -185,10 +187,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def http_server(server_env: dict[str, str]) -> Iterator[str]:
+def http_server(server_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """forkd-mcp over HTTP, and the bearer token it made on first start in its 0600 token file."""
     port = _free_port()
+    token_file = tmp_path / "mcp-token"
     process = subprocess.Popen([*SERVER, "--transport", "http", "--host", "127.0.0.1", "--port", str(port)],
-                               env={**os.environ, **server_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                               env={**os.environ, **server_env, "FORKD_MCP_TOKEN_FILE": str(token_file)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while True:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -197,7 +202,7 @@ def http_server(server_env: dict[str, str]) -> Iterator[str]:
             process.kill()
             pytest.fail(f"forkd-mcp --transport http did not listen: {process.communicate()[0].decode()[-2000:]}")
         time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}/mcp"
+    yield f"http://127.0.0.1:{port}/mcp", token_file.read_text().strip()
     process.terminate()
     try:
         process.wait(timeout=20)
@@ -206,11 +211,14 @@ def http_server(server_env: dict[str, str]) -> Iterator[str]:
         process.wait()
 
 
-def test_streamable_http_lists_tools_and_runs_exec(daemon: Controller, snapshot_tag: str, http_server: str) -> None:
+def test_streamable_http_lists_tools_and_runs_exec(daemon: Controller, snapshot_tag: str,
+                                                   http_server: tuple[str, str]) -> None:
+    url, token = http_server
     sandbox_id = daemon.fork(snapshot_tag, 1)["sandboxes"][0]["id"]
 
     async def session() -> None:
-        async with Client(http_server, read_timeout_seconds=READ_TIMEOUT_S) as client:
+        async with httpx2.AsyncClient(headers={"authorization": f"Bearer {token}"}, timeout=READ_TIMEOUT_S) as http, \
+                Client(streamable_http_client(url, http_client=http), read_timeout_seconds=READ_TIMEOUT_S) as client:
             assert "exec" in {tool.name for tool in (await client.list_tools()).tools}
             ran = await _ok(client, "exec", sandbox_id=sandbox_id, command="hostname")
             assert ran["stdout"] == f"{sandbox_id}\n" and ran["exit_code"] == 0
@@ -222,6 +230,7 @@ def test_streamable_http_lists_tools_and_runs_exec(daemon: Controller, snapshot_
             daemon.kill(sandbox_id)
     # A page on another site cannot drive the local endpoint (DNS rebinding): foreign Host or Origin is refused.
     ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
-    headers = {"Accept": "application/json, text/event-stream"}
-    assert httpx.post(http_server, json=ping, headers={**headers, "Host": "evil.example"}).status_code == 421
-    assert httpx.post(http_server, json=ping, headers={**headers, "Origin": "http://evil.example"}).status_code == 403
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {token}"}
+    assert httpx.post(url, json=ping, headers={**headers, "Host": "evil.example"}).status_code == 421
+    assert httpx.post(url, json=ping, headers={**headers, "Origin": "http://evil.example"}).status_code == 403
+    assert httpx.post(url, json=ping, headers={"Accept": headers["Accept"]}).status_code == 401  # no token
