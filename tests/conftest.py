@@ -10,6 +10,7 @@ way to run without them. The summary says how many VM tests ran.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -23,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,6 +87,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def _is_vm(item: pytest.Item) -> bool:
     return item.get_closest_marker("vm") is not None
+
+
+def run_bounded(make: Callable[[], Any], bound_s: float) -> Any:
+    """Run the coroutine ``make()`` returns to its end, failing it after ``bound_s`` (a hang, not a slow test)."""
+    return asyncio.run(asyncio.wait_for(make(), bound_s))
+
+
+@contextlib.contextmanager
+def short_tmp_dir(prefix: str) -> Iterator[Path]:
+    """A directory under /tmp with a short path: agent sockets live in it, and a Unix socket path has at most
+    107 bytes (pytest's own tmp_path is too deep)."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 OWN_PROCESS_ENV = "FORKD_TEST_OWN_PROCESS"  # set in the pytest that run_in_own_process starts

@@ -12,9 +12,7 @@ import hashlib
 import io
 import json
 import secrets
-import shutil
 import tarfile
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from conftest import run_bounded, short_tmp_dir
 from forkd.config import Paths
 from forkd.daemon.app import create_app
 from forkd.daemon.middleware.auth import TokenAuth
@@ -50,15 +49,13 @@ BOUND_S = 60.0
 
 
 def run(make: Callable[[], Awaitable[T]]) -> T:
-    return asyncio.run(asyncio.wait_for(make(), BOUND_S))
+    return run_bounded(make, BOUND_S)  # type: ignore[no-any-return]
 
 
 @pytest.fixture
 def tmp_path() -> Iterator[Path]:
-    """A short directory: agent sockets live in it and Unix socket paths have at most 107 bytes."""
-    directory = Path(tempfile.mkdtemp(prefix="fkn-", dir="/tmp"))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
+    with short_tmp_dir("fkn-") as directory:
+        yield directory
 
 
 @dataclass

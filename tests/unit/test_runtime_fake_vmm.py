@@ -7,8 +7,6 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import shutil
-import tempfile
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable, Iterator
@@ -18,6 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from conftest import run_bounded, short_tmp_dir
 from forkd.config import Paths
 from forkd.errors import Failure
 from forkd.guest import protocol
@@ -42,15 +41,13 @@ BOUND_S = 30.0  # every test is bounded; each takes well under a second
 
 
 def run(make: Callable[[], Awaitable[T]]) -> T:
-    return asyncio.run(asyncio.wait_for(make(), BOUND_S))
+    return run_bounded(make, BOUND_S)  # type: ignore[no-any-return]
 
 
 @pytest.fixture
 def tmp_path() -> Iterator[Path]:
-    """A short directory: agent sockets live in it and Unix socket paths have at most 107 bytes."""
-    directory = Path(tempfile.mkdtemp(prefix="fkv-", dir="/tmp"))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
+    with short_tmp_dir("fkv-") as directory:
+        yield directory
 
 
 def _paths(tmp_path: Path) -> Paths:
