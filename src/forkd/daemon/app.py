@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 
@@ -25,7 +25,16 @@ from forkd.runtime.runtime import Runtime
 log = logging.getLogger("forkd.daemon")
 
 
-def create_app(runtime: Runtime | None = None) -> FastAPI:
+class Background(Protocol):
+    """Work that runs beside the runtime (the E2B front's keeper): started once the runtime has
+    recovered its sandboxes, stopped before it stops them."""
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def create_app(runtime: Runtime | None = None, background: Sequence[Background] = ()) -> FastAPI:
     """The API over an open ``runtime`` (``Runtime.open``), started and stopped with the app's lifespan.
 
     Without one, the app only describes itself (its OpenAPI document): nothing is opened or started.
@@ -45,7 +54,11 @@ def create_app(runtime: Runtime | None = None) -> FastAPI:
         if recovered.failed:
             log.error("could not reap %d sandboxes (%s); the next start tries again",
                       len(recovered.failed), ", ".join(recovered.failed))
+        for work in background:
+            work.start()
         yield
+        for work in background:
+            await work.stop()
         await runtime.stop()
 
     app = FastAPI(title="forkd", version=__version__, lifespan=lifespan, responses=schemas.ERROR_RESPONSES,

@@ -56,6 +56,8 @@ quickstart = 1
 [e2b]
 listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)  [FORKD_E2B_LISTEN]
 keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
+owner_quota_mib = 20480            # disk per E2B owner: snapshots, forks, paused sandboxes (default: none)
+min_free_mib = 1024                # E2B snapshots, forks and pauses refused (507) with less free under HOME
 
 [transfers]
 allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any
@@ -157,6 +159,8 @@ class Audit:
 class E2BSettings:
     listen: str | None = Field(default=None, pattern=r"^[^\s:]+:\d{1,5}$")  # host:port; None: no E2B front
     keys_file: Path | None = None  # None: HOME/e2b/api-keys
+    owner_quota_mib: int | None = Field(default=None, ge=1, le=1 << 30)  # disk per owner (snapshots, forks, pauses)
+    min_free_mib: int = Field(default=1024, ge=0, le=1 << 30)  # snapshots, forks and pauses refused below this
 
 
 @dataclass(frozen=True, config=_STRICT)

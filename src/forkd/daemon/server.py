@@ -30,6 +30,7 @@ from forkd.daemon.config import DaemonConfig, Server
 from forkd.e2b import app as e2b_app
 from forkd.e2b.app import E2BFront
 from forkd.e2b.keys import Credentials, CredentialsError
+from forkd.e2b.storage import Storage
 from forkd.listeners import (ListenerError, SocketInUse, bind_private_socket, bind_tcp, check_tls, check_token,
                              is_loopback)
 from forkd.runtime.runtime import Runtime
@@ -162,7 +163,10 @@ async def serve(config: DaemonConfig) -> None:
     vmm = create_vmm(config.vmm, config.backend_options)
     runtime = await Runtime.open(paths, vmm, config.runtime_options)
     audit = AuditLog(paths.audit_log, max_bytes=config.audit.max_bytes, backups=config.audit.backups)
-    api = BodyLimit(create_app(runtime))
+    e2b_front = E2BFront(runtime, credentials, Storage(
+        runtime, None if config.e2b.owner_quota_mib is None else config.e2b.owner_quota_mib << 20,
+        config.e2b.min_free_mib << 20)) if e2b_address is not None and credentials is not None else None
+    api = BodyLimit(create_app(runtime, [e2b_front.keeper] if e2b_front is not None else []))
     # The Unix listener runs the app's lifespan (start, and on shutdown kill every child).
     servers = [_server(AuditMiddleware(api, audit, "unix"), "on", config.server)]
     if tcp is not None:
@@ -170,8 +174,8 @@ async def serve(config: DaemonConfig) -> None:
         scheme = "https" if tcp.tls_cert else "http"
         log.info("listening on %s://%s:%d (bearer token required)%s", scheme, tcp.host, tcp.port,
                  "" if tcp.loopback or tcp.tls_cert else "; WARNING: no TLS on a non-loopback address")
-    if e2b_address is not None and credentials is not None:
-        front = BodyLimit(E2BFront(runtime, credentials), is_upload=e2b_app.is_upload, is_stream=e2b_app.is_stream,
+    if e2b_address is not None and e2b_front is not None:
+        front = BodyLimit(e2b_front, is_upload=e2b_app.is_upload, is_stream=e2b_app.is_stream,
                           body_timeout_s=config.server.body_timeout_s, shape=e2b_app.refusal_shape)
         servers.append(_server(AuditMiddleware(front, audit, "e2b"), "off", config.server))
         log.info("E2B front on http://%s:%d (keys in %s)%s", *e2b_address, e2b_keys_file(config),

@@ -22,7 +22,11 @@ from forkd.e2b.envd import Envd
 from forkd.e2b.errors import ConnectError, E2BError
 from forkd.e2b.interpreter import Interpreter
 from forkd.e2b.keys import Credentials
+from forkd.e2b.lifecycle import ROUND_S, Keeper
+from forkd.e2b.metrics import METRICS_S, Metrics
 from forkd.e2b.sandboxes import E2BSandboxes
+from forkd.e2b.snapshots import E2BSnapshots
+from forkd.e2b.storage import Storage
 from forkd.runtime.runtime import Runtime
 
 ENVD_PORT = 49983
@@ -65,11 +69,20 @@ def refusal_shape(status: int, _: str, message: str) -> dict[str, Any]:
     return {"code": status, "message": message}
 
 
+COLLECT_S = 30.0  # how often unreferenced E2B layers are looked for
+
+
 class E2BFront:
-    def __init__(self, runtime: Runtime, credentials: Credentials) -> None:
+    def __init__(self, runtime: Runtime, credentials: Credentials, storage: Storage | None = None) -> None:
         self.credentials = credentials
-        self.sandboxes = E2BSandboxes(runtime, credentials)
-        self.control = control_app(self.sandboxes)
+        self.storage = storage or Storage(runtime)
+        self.sandboxes = E2BSandboxes(runtime, credentials, self.storage)
+        self.snapshots = E2BSnapshots(self.sandboxes)
+        self.metrics = Metrics(self.sandboxes)
+        self.control = control_app(self.sandboxes, self.snapshots, self.metrics)
+        # Started by the daemon (start/stop) once its runtime runs; tests call the rounds directly.
+        self.keeper = Keeper({"pause": (ROUND_S, self.sandboxes.pause_due), "collect": (COLLECT_S, self.storage.collect),
+                              "metrics": (METRICS_S, self.metrics.round)})
         self.envd = Envd(runtime.sessions)
         self.interpreter = Interpreter()
 
@@ -101,7 +114,7 @@ class E2BFront:
             if not tokens and not (port == str(ENVD_PORT) and path == "/health"):
                 raise E2BError(401, f"missing X-Access-Token for sandbox {sandbox_id}: use the envdAccessToken "
                                     "the API returned when the sandbox was created or connected")
-            live = self.sandboxes.running(sandbox_id, tokens)
+            live = await self.sandboxes.running(sandbox_id, tokens)
         except E2BError as exc:
             if rpc_call and exc.status == 401:
                 error = ConnectError("unauthenticated", exc.message)

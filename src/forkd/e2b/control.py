@@ -2,8 +2,10 @@
 
 Paths, bodies and answers follow E2B's published OpenAPI document; every route but ``/health``
 needs ``X-API-KEY``, whose principal (owner, admin) the front puts in the request's state: every
-route sees only that owner's objects (all of them for an admin key). Request fields forkd has no use for (auto-pause, network, MCP, volumes) are
-accepted and ignored, so the SDKs can send what they always send.
+route sees only that owner's objects (all of them for an admin key). A route of E2B's this server
+does not serve answers 501 "not supported by this server" (never a 404, which the SDKs read as
+"sandbox not found"). Request fields forkd has no use for (``secure``, MCP) are accepted and ignored,
+so the SDKs can send what they always send.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from forkd import __version__
 from forkd.e2b.errors import CONTROL_ERRORS, E2BError, to_http
 from forkd.e2b.keys import Principal
+from forkd.e2b.lifecycle import Policy
+from forkd.e2b.metrics import Metrics
 from forkd.e2b.sandboxes import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, E2BSandboxes
+from forkd.e2b.snapshots import E2BSnapshots
 
 Timeout = Annotated[int, Field(ge=0, le=MAX_TIMEOUT_S, description="seconds from now")]
 Labels = Annotated[dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
@@ -48,6 +53,14 @@ class NewSandbox(Loose):
     timeout: Timeout = DEFAULT_TIMEOUT_S
     metadata: Labels | None = None
     envVars: Labels | None = None
+    autoPause: bool | None = None
+    autoPauseMemory: bool | None = None
+    autoResume: dict[str, Any] | bool | None = None
+
+
+class SnapshotRequest(Loose):
+    name: str | None = Field(default=None, max_length=256)
+    memory: bool | None = None
 
 
 class TimeoutRequest(Loose):
@@ -79,7 +92,7 @@ def _metadata_query(raw: str | None) -> dict[str, str]:
     return {key: value for key, value in pairs}
 
 
-def control_router(sandboxes: E2BSandboxes) -> APIRouter:
+def control_router(sandboxes: E2BSandboxes, snapshots: E2BSnapshots, metrics: Metrics) -> APIRouter:
     router = APIRouter(responses=ERRORS)
 
     @router.get("/health", status_code=200)
@@ -87,7 +100,9 @@ def control_router(sandboxes: E2BSandboxes) -> APIRouter:
         return {"ok": True, "forkd": __version__}
 
     async def create(body: NewSandbox, caller: Caller) -> JSONResponse:
-        created = await sandboxes.create(caller, body.templateID, body.timeout, body.metadata or {}, body.envVars or {})
+        policy = Policy.from_request(body.autoPause, body.autoPauseMemory, body.autoResume)
+        created = await sandboxes.create(caller, body.templateID, body.timeout, body.metadata or {}, body.envVars or {},
+                                         policy)
         return JSONResponse(created, status_code=201)
 
     router.post("/sandboxes", status_code=201)(create)
@@ -111,6 +126,12 @@ def control_router(sandboxes: E2BSandboxes) -> APIRouter:
             response.headers["X-Next-Token"] = str(start + limit)
         response.headers["X-Total-Running"] = str(sum(1 for s in found if s["state"] == "running"))
         return page
+
+    @router.get("/sandboxes/metrics")  # before /sandboxes/{sandboxID}, which would take it
+    async def many_metrics(caller: Caller, sandbox_ids: Annotated[str, Query(min_length=1, max_length=8192)]) \
+            -> dict[str, Any]:
+        ids = [i for i in sandbox_ids.split(",") if i][:100]
+        return metrics.latest(caller, ids)
 
     @router.get("/sandboxes/{sandboxID}")
     async def get_sandbox(sandboxID: SandboxId, caller: Caller) -> dict[str, Any]:
@@ -159,21 +180,64 @@ def control_router(sandboxes: E2BSandboxes) -> APIRouter:
     async def templates(caller: Caller) -> list[dict[str, Any]]:
         return sandboxes.templates(caller)
 
+    @router.get("/sandboxes/{sandboxID}/metrics")
+    async def sandbox_metrics(sandboxID: SandboxId, caller: Caller,
+                              start: Annotated[int | None, Query(ge=0, le=1 << 40)] = None,
+                              end: Annotated[int | None, Query(ge=0, le=1 << 40)] = None) -> list[dict[str, Any]]:
+        return await metrics.get(caller, sandboxID, start, end)
+
+    @router.post("/sandboxes/{sandboxID}/snapshots", status_code=201)
+    async def create_snapshot(sandboxID: SandboxId, caller: Caller, body: SnapshotRequest | None = None) -> JSONResponse:
+        body = body or SnapshotRequest()
+        return JSONResponse(await snapshots.create(caller, sandboxID, body.name, body.memory), status_code=201)
+
+    @router.get("/snapshots")
+    async def list_snapshots(response: Response, caller: Caller,
+                             sandboxID: Annotated[str | None, Query(max_length=64)] = None,
+                             name: Annotated[str | None, Query(max_length=256)] = None,
+                             nextToken: Annotated[str | None, Query(max_length=12, pattern=r"^[0-9]+$")] = None,
+                             limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+        found = snapshots.list(caller, sandboxID, name)
+        start = int(nextToken or 0)
+        if start + limit < len(found):
+            response.headers["X-Next-Token"] = str(start + limit)
+        return found[start:start + limit]
+
+    @router.delete("/templates/tags", status_code=501, include_in_schema=False)  # E2B's path; the next would take it
+    async def delete_tags(request: Request) -> None:
+        raise unsupported(request.method, request.url.path)
+
+    @router.delete("/templates/{templateID}", status_code=204)
+    async def delete_snapshot(templateID: Annotated[str, Field(min_length=1, max_length=256)], caller: Caller) \
+            -> Response:
+        """E2B deletes snapshots (and templates) here: see E2BSnapshots.delete."""
+        await snapshots.delete(caller, templateID)
+        return Response(status_code=204)
+
     return router
 
 
-def control_app(sandboxes: E2BSandboxes) -> FastAPI:
+def unsupported(method: str, path: str) -> E2BError:
+    """E2B's answer for a route this server does not serve: 501, never a 404 (which both SDKs read as
+    "sandbox not found", so a user could not tell "not supported" from "gone")."""
+    return E2BError(501, f"{method} {path[:200]} is not supported by this server (forkd's E2B front); "
+                         "see docs/e2b.md for what it serves")
+
+
+def control_app(sandboxes: E2BSandboxes, snapshots: E2BSnapshots, metrics: Metrics) -> FastAPI:
     """The control plane as its own app (so it has its own OpenAPI document); auth sits in front of it."""
     app = FastAPI(title="forkd E2B control plane", version=__version__, openapi_url="/openapi.json",
                   docs_url=None, redoc_url=None)
-    app.include_router(control_router(sandboxes))
+    app.include_router(control_router(sandboxes, snapshots, metrics))
 
     @app.exception_handler(E2BError)
     async def _e2b(_: Request, exc: E2BError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405):  # raised by routing only: the routes answer E2BError
+            return JSONResponse(unsupported(request.method, request.url.path).body(), status_code=501)
         return JSONResponse({"code": exc.status_code, "message": str(exc.detail)}, status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)

@@ -14,16 +14,19 @@ resolves with the caller's :class:`Principal`: another owner's object answers as
 
 from __future__ import annotations
 
+import asyncio
 import datetime
-import hashlib
+import logging
 import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from forkd.e2b.errors import E2BError, lifecycle_error, sandbox_gone
+from forkd.e2b.errors import E2BError, lifecycle_error, sandbox_gone, to_http
 from forkd.e2b.keys import Credentials, Principal
+from forkd.e2b.lifecycle import Policy, granted, pause_at, timed
+from forkd.e2b.storage import OWNER_LABEL, Storage, fork_prefix, owned_by
 from forkd.store.registry import SnapshotRecord, WorkspaceRecord
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import LiveSandbox, SandboxNotFound
@@ -38,19 +41,13 @@ CLIENT_ID = "forkd"
 DEFAULT_TIMEOUT_S = 15  # E2B's default when a request names none
 MAX_TIMEOUT_S = 30 * 24 * 3600
 _WORKSPACE_LABEL = "workspace"  # the label a workspace's sandboxes carry (runtime/workspaces.py)
-OWNER_LABEL = "forkd.e2b-owner"
 NONCE_LABEL = "forkd.e2b-nonce"
-FORK_PREFIX = "e2b-fork-"
 _DERIVED_META = ("source_sandbox", "compacted_from")  # a snapshot holding some sandbox's state
+log = logging.getLogger("forkd.e2b")
 
 
 def reserved_label(key: str) -> bool:
     return key == _WORKSPACE_LABEL or key.startswith("forkd.")
-
-
-def fork_prefix(owner: str) -> str:
-    """Fork snapshots name their owner (hashed: owners may be long) so a listing can filter them."""
-    return f"{FORK_PREFIX}{hashlib.sha256(owner.encode()).hexdigest()[:16]}-"
 
 
 def rfc3339(seconds: float) -> str:
@@ -86,9 +83,21 @@ class Resolved:
 
 
 class E2BSandboxes:
-    def __init__(self, runtime: Runtime, credentials: Credentials) -> None:
+    def __init__(self, runtime: Runtime, credentials: Credentials, storage: Storage) -> None:
         self.runtime = runtime
         self.credentials = credentials
+        self.storage = storage
+        # One lifecycle change at a time per E2B id: a resume, a pause (asked for, or at the timeout)
+        # and a kill never interleave, and two requests to a paused sandbox resume it once.
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def lock(self, e2b_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(e2b_id, asyncio.Lock())
+
+    def _forget(self, e2b_id: str) -> None:
+        lock = self._locks.get(e2b_id)
+        if lock is not None and not lock.locked():
+            del self._locks[e2b_id]
 
     # ids
 
@@ -114,9 +123,10 @@ class E2BSandboxes:
             raise E2BError(404, f"sandbox {e2b_id} was not found; list running ones with Sandbox.list()")
         return Resolved(e2b_id, live, None)
 
-    def running(self, e2b_id: str, tokens: list[str]) -> LiveSandbox:
+    async def running(self, e2b_id: str, tokens: list[str]) -> LiveSandbox:
         """The running sandbox for sandbox traffic carrying ``tokens`` (401 unless every one is its
-        token); E2B's proxy answer (502 "was not found") when it is not running."""
+        token); a paused one with ``autoResume`` is resumed first; E2B's proxy answer (502 "was not
+        found") when it is not running."""
         try:
             resolved = self.resolve(e2b_id)
         except E2BError:
@@ -125,8 +135,38 @@ class E2BSandboxes:
             raise E2BError(401, f"wrong access token for sandbox {e2b_id}: use the envdAccessToken the API "
                                 "returned when the sandbox was created or connected")
         if resolved.live is None:
-            raise sandbox_gone(e2b_id, "it is paused; resume it with Sandbox.connect()")
+            if not (tokens and Policy.of(resolved.labels).auto_resume):  # a token-less /health wakes nothing
+                raise sandbox_gone(e2b_id, "it is paused; resume it with Sandbox.connect()")
+            try:
+                resolved = await self._resume(e2b_id, None)
+            except Exception as exc:
+                raise to_http(exc) from exc
+            assert resolved.live is not None
         return resolved.live
+
+    async def _resume(self, e2b_id: str, timeout_s: int | None) -> Resolved:
+        """Resume the paused sandbox (if a request under the same lock did not already); a pausing one
+        gets ``timeout_s`` (None: the timeout it was last given) from now."""
+        async with self.lock(e2b_id):
+            resolved = self.resolve(e2b_id)
+            if resolved.live is None:
+                await self.runtime.workspaces.resume(e2b_id)
+                resolved = self.resolve(e2b_id)
+                if Policy.of(resolved.labels).pause:
+                    await self._set_pause_at(resolved, granted(resolved.labels) if timeout_s is None else timeout_s)
+                    resolved = self.resolve(e2b_id)
+            return resolved
+
+    async def _set_pause_at(self, resolved: Resolved, timeout_s: int) -> None:
+        assert resolved.live is not None
+        await self.runtime.sandboxes.set_labels(resolved.live.record.id, {**resolved.labels, **timed(timeout_s)})
+
+    def exists(self, e2b_id: str) -> bool:
+        try:
+            self._resolve(e2b_id)
+        except E2BError:
+            return False
+        return True
 
     def _live(self, sandbox_id: str) -> LiveSandbox | None:
         try:
@@ -134,7 +174,7 @@ class E2BSandboxes:
         except (SandboxNotFound, ValidationError):
             return None
 
-    def _e2b_id(self, live: LiveSandbox) -> str:
+    def e2b_id(self, live: LiveSandbox) -> str:
         """A workspace's sandbox answers to the workspace's name, every other one to its own id."""
         name = live.record.meta.get("metadata", {}).get(_WORKSPACE_LABEL)
         if name:
@@ -174,7 +214,7 @@ class E2BSandboxes:
         """E2B's ``ListedSandbox`` (``SandboxDetail`` with ``detail``)."""
         if resolved.live is not None:
             record = resolved.live.record
-            started, end_at = record.created_at, record.end_at
+            started, end_at = record.created_at, pause_at(resolved.labels) or record.end_at
             template, state = record.snapshot_tag, "running"
         else:
             workspace = resolved.workspace
@@ -191,18 +231,21 @@ class E2BSandboxes:
         if detail:
             info["envdAccessToken"] = self.credentials.access_token(resolved.e2b_id, resolved.nonce)
             info["domain"] = None
+            info["lifecycle"] = Policy.of(resolved.labels).describe()
         return info
 
     # lifecycle
 
     async def create(self, principal: Principal, template: str, timeout_s: int, metadata: dict[str, str],
-                     envs: dict[str, str]) -> dict[str, Any]:
+                     envs: dict[str, str], policy: Policy = Policy()) -> dict[str, Any]:
+        """A child of ``template``; one whose ``policy`` pauses at its timeout has no runtime deadline
+        (the front's keeper pauses it: :meth:`pause_due`)."""
         record = self.runtime.snapshot(template)
         if record is None or not template_visible(record, principal):
             raise E2BError(404, f"template {template!r} not found: templates are forkd snapshots; list them with "
                                 "GET /templates or `forkd snapshots`")
-        labels = self._new_labels(principal, metadata)
-        options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=labels)
+        labels = {**self._new_labels(principal, metadata), **policy.labels(timeout_s)}
+        options = ForkOptions(timeout_s=None if policy.pause else timeout_s, envs=envs, metadata=labels)
         (outcome,) = await self.runtime.spawner.fork(template, 1, options)
         if outcome.sandbox is None:
             raise lifecycle_error(outcome.error.kind, f"the sandbox did not start: {outcome.error}")
@@ -213,7 +256,7 @@ class E2BSandboxes:
         if "running" in states:
             for live in self.runtime.sandboxes.live():
                 if live.record.status == "running" and not live.killing:
-                    e2b_id = self._e2b_id(live)
+                    e2b_id = self.e2b_id(live)
                     workspace = self.runtime.workspaces.find(e2b_id) if e2b_id != live.record.id else None
                     found.append(Resolved(e2b_id, live, workspace))
         if "paused" in states:
@@ -222,34 +265,48 @@ class E2BSandboxes:
         return [d for d in described if all(d["metadata"].get(k) == v for k, v in metadata.items())]
 
     async def set_timeout(self, principal: Principal, e2b_id: str, timeout_s: int, extend_only: bool = False) -> None:
-        live = self.resolve(e2b_id, principal).live
-        if live is None:
-            raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
-        current = live.record.end_at
+        resolved = self.resolve(e2b_id, principal)
+        if resolved.live is None:
+            if not Policy.of(resolved.labels).auto_resume:
+                raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
+            resolved = await self._resume(e2b_id, timeout_s)
+        live = resolved.live
+        assert live is not None
+        pausing = Policy.of(resolved.labels).pause
+        current = pause_at(resolved.labels) if pausing else live.record.end_at
         if extend_only and current is not None and current >= time.time() + timeout_s:
             return
-        await self.runtime.sandboxes.set_timeout(live.record.id, timeout_s)
+        if pausing:
+            async with self.lock(e2b_id):
+                await self._set_pause_at(self.resolve(e2b_id), timeout_s)
+        else:
+            await self.runtime.sandboxes.set_timeout(live.record.id, timeout_s)
 
     async def connect(self, principal: Principal, e2b_id: str, timeout_s: int) -> tuple[int, dict[str, Any]]:
         """Resume a paused sandbox (201) or extend a running one's deadline (200)."""
         resolved = self.resolve(e2b_id, principal)
         status = 200
         if resolved.live is None:
-            await self.runtime.workspaces.resume(e2b_id)
+            await self._resume(e2b_id, timeout_s)
             status = 201
         await self.set_timeout(principal, e2b_id, timeout_s, extend_only=status == 200)
         resolved = self.resolve(e2b_id, principal)
         return status, self.created(e2b_id, self.describe(resolved)["templateID"], resolved.nonce)
 
     async def kill(self, principal: Principal, e2b_id: str) -> None:
-        resolved = self.resolve(e2b_id, principal)
-        if resolved.workspace is not None:
-            await self.runtime.workspaces.remove(e2b_id)
-        elif resolved.live is not None:
-            try:
-                await self.runtime.sandboxes.kill(resolved.live.record.id)
-            except SandboxNotFound:
-                raise E2BError(404, f"sandbox {e2b_id} was not found") from None
+        """Kill it; a paused (or once paused) one's layers are left to the collector, which removes
+        them when no snapshot of the sandbox was branched from them."""
+        async with self.lock(e2b_id):
+            resolved = self.resolve(e2b_id, principal)
+            if resolved.workspace is not None:
+                await self.storage.doom(list(resolved.workspace.meta.get("suspends", [])))
+                await self.runtime.workspaces.remove(e2b_id, keep_layers=True)
+            elif resolved.live is not None:
+                try:
+                    await self.runtime.sandboxes.kill(resolved.live.record.id)
+                except SandboxNotFound:
+                    raise E2BError(404, f"sandbox {e2b_id} was not found") from None
+        self._forget(e2b_id)
 
     async def rotate_token(self, principal: Principal, e2b_id: str) -> dict[str, Any]:
         """A new nonce, stored with the sandbox or paused workspace: its old token stops working."""
@@ -262,6 +319,13 @@ class E2BSandboxes:
         return self.created(e2b_id, self.describe(resolved)["templateID"], labels[NONCE_LABEL])
 
     async def pause(self, principal: Principal, e2b_id: str) -> None:
+        """Pause it when the owner's quota and the disk's free-space floor allow (the keeper's pause at
+        the timeout, :meth:`pause_due`, is held to the floor only: refusing it would lose the state)."""
+        await self.storage.check(principal.owner, f"pausing {e2b_id}")
+        async with self.lock(e2b_id):
+            await self._pause(principal, e2b_id)
+
+    async def _pause(self, principal: Principal | None, e2b_id: str) -> None:
         resolved = self.resolve(e2b_id, principal)
         if resolved.live is None:
             raise E2BError(409, f"sandbox {e2b_id} is already paused")
@@ -280,19 +344,44 @@ class E2BSandboxes:
         if live is None:
             raise E2BError(409, f"sandbox {e2b_id} is paused; resume it before forking")
         self.runtime.spawner.admit()  # a draining node refuses before the branch is written
+        await self.storage.check(principal.owner, f"forking {e2b_id}")
         tag = fork_prefix(principal.owner) + secrets.token_hex(6)
-        await self.runtime.branches.branch(live.record.id, tag, mode="diff", wait=True)
+        await self.runtime.branches.branch(live.record.id, tag, mode="diff", wait=True, meta={"e2b_sandbox": e2b_id})
         labels = self._new_labels(principal, self._labels(resolved.labels))
         options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}), metadata=labels)
         outcomes = await self.runtime.spawner.fork(tag, count, options)
         return [{"sandbox": self.created(o.sandbox["id"], tag, labels[NONCE_LABEL])} if o.sandbox is not None
                 else {"error": {"code": o.error.kind.status, "message": str(o.error)}} for o in outcomes]
 
+    async def pause_due(self, now: float | None = None) -> list[str]:
+        """The keeper's round: pause every running sandbox whose pausing timeout has passed; returns
+        their E2B ids. One that cannot be paused (the disk is full) keeps running and is tried again."""
+        now = time.time() if now is None else now
+        due = [self.e2b_id(live) for live in self.runtime.sandboxes.live()
+               if not live.killing and (pause_at(live.record.meta.get("metadata") or {}) or now + 1) <= now]
+        paused = []
+        for e2b_id in due:
+            try:
+                await self.storage.check(None, f"pausing {e2b_id} at its timeout")
+                async with self.lock(e2b_id):
+                    resolved = self.resolve(e2b_id)
+                    when = pause_at(resolved.labels)
+                    if resolved.live is None or when is None or when > now:
+                        continue  # given a new timeout, or paused, meanwhile
+                    await self._pause(None, e2b_id)
+                paused.append(e2b_id)
+            except Exception as exc:  # noqa: BLE001 - one sandbox never stops the round
+                log.warning("sandbox %s reached its timeout but could not be paused (%s); it keeps running and "
+                            "is tried again", e2b_id, exc)
+        return paused
+
     def templates(self, principal: Principal) -> list[dict[str, Any]]:
-        """E2B's ``Template`` for every ready forkd snapshot the caller may start sandboxes from."""
+        """E2B's ``Template`` for every ready forkd snapshot the caller may start sandboxes from (a
+        snapshot its owner deleted is hidden at once, removed when nothing uses it)."""
         out = []
         for record in self.runtime.snapshot_records():
-            if record.status != "ready" or not template_visible(record, principal):
+            if record.status != "ready" or not template_visible(record, principal) \
+                    or record.tag in self.storage.doomed:
                 continue
             when = rfc3339(record.created_at)
             out.append({"templateID": record.tag, "buildID": record.tag, "public": base_template(record),
@@ -311,8 +400,8 @@ def base_template(record: SnapshotRecord) -> bool:
 
 
 def template_visible(record: SnapshotRecord, principal: Principal) -> bool:
-    """Admin keys see every snapshot; other keys the base templates and their own fork snapshots."""
-    return principal.admin or base_template(record) or record.tag.startswith(fork_prefix(principal.owner))
+    """Admin keys see every snapshot; other keys the base templates and their own snapshots and forks."""
+    return principal.admin or base_template(record) or owned_by(record.tag, principal.owner)
 
 
 def _plausible(name: str) -> bool:

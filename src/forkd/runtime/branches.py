@@ -93,10 +93,11 @@ class BranchService:
                                                                      broken=live.record.meta.get(REFUSED)))
 
     async def branch(self, sandbox_id: str, tag: str, mode: str = "diff", wait: bool = True,
-                     claim: Claim | None = None) -> SnapshotRecord:
+                     claim: Claim | None = None, meta: dict[str, str] | None = None) -> SnapshotRecord:
         """Register ``tag`` as writing, then build it; with ``wait`` return it ready, else at once.
 
         ``claim``: the tag, when the caller already holds it; it is released when the build ends.
+        ``meta``: what a front records with the snapshot (the E2B front: the E2B id it was taken of).
         """
         if mode not in MODES:
             raise SnapshotError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -122,13 +123,13 @@ class BranchService:
         parent = self.registry.get_snapshot(parent_tag)
         record = SnapshotRecord(tag=tag, status="writing", image=parent.image if parent else "",
                                 path=self.paths.snapshots / tag, created_at=time.time(),
-                                meta={"mode": mode, "source_sandbox": sandbox_id}, parent_tag=parent_tag)
+                                meta={**(meta or {}), "mode": mode, "source_sandbox": sandbox_id}, parent_tag=parent_tag)
         try:
             await asyncio.to_thread(self.store.register_writing, claim, record)
         except BaseException:
             claim.release()
             raise
-        task = asyncio.create_task(self._build(live, source, record, mode, claim))
+        task = asyncio.create_task(self._build(live, source, record, mode, claim, meta or {}))
         self._builds[tag] = task
         task.add_done_callback(lambda done: self._finished(tag, done))
         if not wait:
@@ -144,7 +145,7 @@ class BranchService:
         self.metrics.branch_pause_seconds.labels(meta["mode"]).observe(meta["pause_ms"] / 1000)
 
     async def _build(self, live: LiveSandbox, source: _SourceState, record: SnapshotRecord,
-                     mode: str, claim: Claim) -> SnapshotRecord:
+                     mode: str, claim: Claim, front_meta: dict[str, str]) -> SnapshotRecord:
         build_dir: Path | None = None
         backend_state = dict(live.vm.state)
         try:
@@ -166,7 +167,7 @@ class BranchService:
                     live=mode == "live", mark=timings.mark)
                 # A restarted daemon adopts the new top.
                 await asyncio.to_thread(self.registry.set_vmm_state, live.record.id, live.vm.state)
-                meta = await self._assemble(build_dir, parent, memory, capture, mode, timings)
+                meta = {**front_meta, **await self._assemble(build_dir, parent, memory, capture, mode, timings)}
                 meta["pause_ms"] = round(capture.pause_s * 1000, 2)
                 meta["timings"] = timings.as_ms()  # meta.json keeps them up to `sealed`
                 record.meta = self.store.write_meta(build_dir, meta)

@@ -144,8 +144,11 @@ class WorkspaceService:
             record.meta["labels"] = {k: v for k, v in labels.items() if k != "workspace"}
             await asyncio.to_thread(self.registry.put_workspace, record)
 
-    async def remove(self, name: str) -> list[str]:
-        """Stop its sandbox and remove its layers; returns the snapshot tags removed."""
+    async def remove(self, name: str, keep_layers: bool = False) -> list[str]:
+        """Stop its sandbox and remove its layers; returns the snapshot tags removed.
+
+        ``keep_layers``: leave the layers for the caller's collector (the E2B front keeps a layer that
+        snapshots of the sandbox were branched from until nothing references it)."""
         async with self._locks[name]:
             record = self.get(name)
             if record.sandbox_id is not None:
@@ -153,7 +156,8 @@ class WorkspaceService:
                     await self.sandboxes.kill(record.sandbox_id)
                 except SandboxNotFound:
                     pass  # it ended already
-            removed = await self._remove_snapshot(record.meta["suspends"][0], cascade=True) if record.meta["suspends"] else []
+            removed = await self._remove_snapshot(record.meta["suspends"][0], cascade=True) \
+                if record.meta["suspends"] and not keep_layers else []
             await asyncio.to_thread(self.registry.remove_workspace, name)
             return removed
 
