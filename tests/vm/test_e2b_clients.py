@@ -27,6 +27,8 @@ PYTHON_CHECKS = {"commands", "stdout_streams_before_the_end", "background_comman
                  "files", "watch", "pty", "second_client", "set_timeout", "list", "wrong_api_key", "unknown_sandbox", "run_code",
                  "charts", "fork", "pause_resume", "kill"}
 JS_CHECKS = PYTHON_CHECKS
+API_CHECKS = {"unsupported", "snapshots", "lifecycle", "metrics", "collected"}
+JS_API_CHECKS = {"unsupported", "snapshots", "lifecycle", "metrics", "not_found_is_not_unsupported"}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,16 @@ def run_checks(argv: list[str], env: dict[str, str], expected: set[str]) -> None
 
 def test_python_sdk(e2b_env: dict[str, str]) -> None:
     run_checks([sys.executable, str(HERE / "python" / "sdk_check.py")], e2b_env, PYTHON_CHECKS)
+
+
+def test_python_sdk_snapshots_lifecycle_metrics(e2b_env: dict[str, str]) -> None:
+    """The rest of E2B's API (tests/e2b/python/api_check.py): snapshots, pause at the timeout and
+    resume on the next request for 10 cycles with every kind of state, metrics, 501s, collection."""
+    run_checks([sys.executable, str(HERE / "python" / "api_check.py")], e2b_env, API_CHECKS)
+
+
+def test_javascript_sdk_snapshots_lifecycle_metrics(e2b_env: dict[str, str]) -> None:
+    run_checks(["node", str(HERE / "js" / "api_check.mjs")], e2b_env, JS_API_CHECKS)
 
 
 def test_javascript_sdk(e2b_env: dict[str, str]) -> None:

@@ -82,7 +82,7 @@ class E2BFront:
         self.control = control_app(self.sandboxes, self.snapshots, self.metrics)
         # Started by the daemon (start/stop) once its runtime runs; tests call the rounds directly.
         self.keeper = Keeper({"pause": (ROUND_S, self.sandboxes.pause_due), "collect": (COLLECT_S, self.storage.collect),
-                              "metrics": (METRICS_S, self.metrics.round)})
+                              "metrics": (METRICS_S, self.metrics.round), "locks": (COLLECT_S, self.sandboxes.prune_locks)})
         self.envd = Envd(runtime.sessions)
         self.interpreter = Interpreter()
 

@@ -2,8 +2,8 @@
 ``autoResume`` the next request to it resumes it.
 
 The policy is stored with the sandbox as labels (``forkd.e2b-on-timeout``, ``forkd.e2b-auto-resume``,
-``forkd.e2b-timeout``: the seconds a resume grants, ``forkd.e2b-pause-at``: when the running
-sandbox is paused), so it survives pause/resume (a pause carries labels into the workspace) and
+``forkd.e2b-timeout``: the timeout it was created with, which a resume by traffic grants again,
+``forkd.e2b-pause-at``: when the running sandbox is paused), so it survives pause/resume (a pause carries labels into the workspace) and
 daemon restarts. Such a sandbox has no runtime deadline: the runtime would kill it, and forkd's pause
 is a diff BRANCH that keeps everything. Time paused counts against nothing: a resume grants the
 timeout again from the moment it runs.
@@ -63,7 +63,7 @@ class Policy:
         if not self.pause:
             return {}
         return {ON_TIMEOUT_LABEL: "pause", AUTO_RESUME_LABEL: "1" if self.auto_resume else "0",
-                **timed(timeout_s)}
+                TIMEOUT_LABEL: str(int(timeout_s)), **timed(timeout_s)}
 
     def describe(self) -> dict[str, Any]:
         """E2B's ``SandboxLifecycle`` (sandbox info)."""
@@ -71,9 +71,9 @@ class Policy:
 
 
 def timed(timeout_s: int, now: float | None = None) -> dict[str, str]:
-    """The labels of a pausing sandbox's deadline: ``timeout_s`` from ``now``."""
+    """The label of a pausing sandbox's deadline: ``timeout_s`` from ``now``."""
     now = time.time() if now is None else now
-    return {TIMEOUT_LABEL: str(int(timeout_s)), PAUSE_AT_LABEL: f"{now + timeout_s:.3f}"}
+    return {PAUSE_AT_LABEL: f"{now + timeout_s:.3f}"}
 
 
 def pause_at(labels: Mapping[str, str]) -> float | None:
@@ -85,7 +85,8 @@ def pause_at(labels: Mapping[str, str]) -> float | None:
 
 
 def granted(labels: Mapping[str, str]) -> int:
-    """The seconds a resume grants: the timeout the sandbox was last given."""
+    """The seconds a resume by traffic grants: the timeout the sandbox was created with (as E2B does;
+    a ``set_timeout`` moves this run's deadline only)."""
     try:
         return max(0, int(labels.get(TIMEOUT_LABEL, "")))
     except ValueError:

@@ -99,6 +99,11 @@ class E2BSandboxes:
         if lock is not None and not lock.locked():
             del self._locks[e2b_id]
 
+    async def prune_locks(self) -> None:
+        """The keeper's round: drop the locks of ids that ended some other way (REST, timeout)."""
+        for e2b_id in [i for i in self._locks if not self.exists(i)]:
+            self._forget(e2b_id)
+
     # ids
 
     def resolve(self, e2b_id: str, principal: Principal | None = None) -> Resolved:
@@ -146,7 +151,7 @@ class E2BSandboxes:
 
     async def _resume(self, e2b_id: str, timeout_s: int | None) -> Resolved:
         """Resume the paused sandbox (if a request under the same lock did not already); a pausing one
-        gets ``timeout_s`` (None: the timeout it was last given) from now."""
+        gets ``timeout_s`` (None: the timeout it was created with) from now."""
         async with self.lock(e2b_id):
             resolved = self.resolve(e2b_id)
             if resolved.live is None:
