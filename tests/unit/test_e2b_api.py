@@ -16,6 +16,7 @@ from test_e2b_tenants import ADMIN, KEYS, SECRET, A, B, _client, _front, _key, _
 from test_runtime_fake_vmm import _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
+from forkd.daemon.app import create_app
 from forkd.daemon.middleware.body_limit import BodyLimit
 from forkd.e2b import app as e2b_app
 from forkd.e2b.app import E2BFront
@@ -23,6 +24,7 @@ from forkd.e2b.keys import Credentials
 from forkd.e2b.lifecycle import PAUSE_AT_LABEL
 from forkd.e2b.metrics import cpu_times, disk, memory
 from forkd.e2b.storage import GRACE_S, Storage
+from forkd.runtime.recovery import recover
 from forkd.runtime.runtime import Runtime
 from forkd.vmm.fake import FakeVmm
 
@@ -137,6 +139,7 @@ def test_snapshots_belong_to_their_owner_start_sandboxes_and_are_removed_once_un
                 assert (await client.get("/snapshots", headers=_key(A))).json() == []
                 assert snap not in {t["templateID"] for t in (await client.get("/templates", headers=_key(A))).json()}
                 assert (await client.delete(f"/templates/{snap}", headers=_key(A))).status_code == 404
+                assert (await client.post("/sandboxes", headers=_key(A), json={"templateID": snap})).status_code == 404
                 # hidden, but kept while its child runs and while the source's next BRANCH chains onto it
                 assert runtime.snapshot(snap) is not None
                 await client.delete(f"/sandboxes/{child}", headers=_key(A))
@@ -283,5 +286,37 @@ def test_fork_snapshots_and_pause_layers_are_collected_and_quota_and_floor_refus
                     assert front.sandboxes.resolve(other).live is not None  # refused before anything was touched
         finally:
             await runtime.stop()
+
+    run(scenario)
+
+
+def test_the_pause_policy_and_deleted_snapshots_outlive_a_daemon_restart_and_the_keeper_runs_with_the_app(
+        tmp_path: Path) -> None:
+    async def scenario() -> None:
+        vmm = FakeVmm()
+        runtime = await _runtime(tmp_path, vmm)
+        front, app = _front_with(runtime)
+        async with _client(app) as client:
+            sa = (await _create(client, A, timeout=300, autoPause=True, autoResume={"enabled": True}))["sandboxID"]
+            sb = (await _create(client, A))["sandboxID"]
+            snap = (await client.post(f"/sandboxes/{sb}/snapshots", headers=_key(A), json={})).json()["snapshotID"]
+            assert (await client.delete(f"/templates/{snap}", headers=_key(A))).status_code == 204
+        runtime.registry.close()
+        restarted = await Runtime.open(runtime.paths, vmm)
+        await recover(restarted.sandboxes, restarted.store)
+        try:
+            front, app = _front_with(restarted)
+            assert snap in front.storage.doomed  # still hidden, still to be removed
+            async with _client(app) as client:
+                info = (await client.get(f"/sandboxes/{sa}", headers=_key(A))).json()
+                assert info["lifecycle"] == {"onTimeout": "pause", "autoResume": True}
+                assert await front.sandboxes.pause_due(now=time.time() + 301) == [sa]
+            # the daemon's app starts the keeper once the runtime has started, and stops it first
+            api = create_app(restarted, [front.keeper])
+            async with api.router.lifespan_context(api):
+                assert front.keeper.running
+            assert not front.keeper.running
+        finally:
+            await restarted.stop()
 
     run(scenario)

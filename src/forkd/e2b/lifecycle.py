@@ -105,6 +105,10 @@ class Keeper:
             self._tasks = [asyncio.create_task(self._loop(name, every, step), name=f"e2b-{name}")
                            for name, (every, step) in self.rounds.items()]
 
+    @property
+    def running(self) -> bool:
+        return bool(self._tasks) and not any(task.done() for task in self._tasks)
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()

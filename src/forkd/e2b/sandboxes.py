@@ -246,7 +246,7 @@ class E2BSandboxes:
         """A child of ``template``; one whose ``policy`` pauses at its timeout has no runtime deadline
         (the front's keeper pauses it: :meth:`pause_due`)."""
         record = self.runtime.snapshot(template)
-        if record is None or not template_visible(record, principal):
+        if record is None or not template_visible(record, principal) or template in self.storage.doomed:
             raise E2BError(404, f"template {template!r} not found: templates are forkd snapshots; list them with "
                                 "GET /templates or `forkd snapshots`")
         labels = {**self._new_labels(principal, metadata), **policy.labels(timeout_s)}
