@@ -315,12 +315,13 @@ class E2BSandboxes:
 
     async def rotate_token(self, principal: Principal, e2b_id: str) -> dict[str, Any]:
         """A new nonce, stored with the sandbox or paused workspace: its old token stops working."""
-        resolved = self.resolve(e2b_id, principal)
-        labels = {**resolved.labels, NONCE_LABEL: secrets.token_hex(16)}
-        if resolved.workspace is not None:
-            await self.runtime.workspaces.set_labels(e2b_id, labels)
-        elif resolved.live is not None:
-            await self.runtime.sandboxes.set_labels(resolved.live.record.id, labels)
+        async with self.lock(e2b_id):  # labels are replaced whole: no pause deadline written meanwhile
+            resolved = self.resolve(e2b_id, principal)
+            labels = {**resolved.labels, NONCE_LABEL: secrets.token_hex(16)}
+            if resolved.workspace is not None:
+                await self.runtime.workspaces.set_labels(e2b_id, labels)
+            elif resolved.live is not None:
+                await self.runtime.sandboxes.set_labels(resolved.live.record.id, labels)
         return self.created(e2b_id, self.describe(resolved)["templateID"], labels[NONCE_LABEL])
 
     async def pause(self, principal: Principal, e2b_id: str) -> None:
