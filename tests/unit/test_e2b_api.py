@@ -175,7 +175,13 @@ def test_a_pausing_sandbox_is_paused_at_its_timeout_and_resumed_by_traffic_keepi
                 states = {s["sandboxID"]: s["state"] for s in (await client.get("/v2/sandboxes", headers=_key(A))).json()}
                 assert states == {sa: "paused", plain: "paused"}
 
-                # traffic without a token, or with another owner's view, wakes nothing
+                # another owner's requests, or traffic without a token, wake nothing
+                for call in (client.post(f"/sandboxes/{sa}/timeout", headers=_key(B), json={"timeout": 60}),
+                             client.post(f"/sandboxes/{sa}/connect", headers=_key(B), json={"timeout": 60}),
+                             client.get(f"/sandboxes/{sa}/metrics", headers=_key(B)),
+                             client.post(f"/sandboxes/{sa}/snapshots", headers=_key(B), json={})):
+                    assert (await call).status_code == 404
+                assert front.sandboxes.resolve(sa).live is None
                 assert (await client.get("/health", headers=_to(sa, 49983))).status_code == 502
                 wrong = await client.get("/files", params={"path": "/etc/hostname"}, headers=_to(plain, 49983, token))
                 assert wrong.status_code == 401  # another sandbox's token
