@@ -104,6 +104,11 @@ def test_the_e2b_sdk_addresses_a_cluster_through_the_gateway(
     for variable, value in (("E2B_API_URL", url), ("E2B_SANDBOX_URL", url), ("E2B_API_KEY", KEY_A)):
         monkeypatch.setenv(variable, value)
 
+    # refused at the gateway, saying why: no key; a template no node holds
+    assert httpx.get(f"{url}/sandboxes", timeout=30).status_code == 401
+    unknown = httpx.post(f"{url}/sandboxes", json={"templateID": "nope"}, headers={"x-api-key": KEY_A}, timeout=30)
+    assert unknown.status_code == 404 and "no alive node has a snapshot tagged 'nope'" in unknown.json()["message"]
+
     # creates fill the holder, then the template is replicated and creates land on another node
     sandboxes = [e2b.Sandbox.create(TAG, timeout=600) for _ in range(SLOTS + 2)]
     where = {node.name: running_on(node) & {s.sandbox_id for s in sandboxes} for node in forkd}
