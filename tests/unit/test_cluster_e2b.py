@@ -133,14 +133,21 @@ def test_the_e2b_sdk_addresses_a_cluster_through_the_gateway(
         e2b.Sandbox.connect(theirs.sandbox_id)  # team-a's key does not see team-b's sandbox
     theirs.kill()
 
-    # a fork runs on its parent's node; kill frees a sandbox wherever it is
+    # a fork branches on its parent's node and spills past its free slots (the branch pulled by another
+    # node); kill frees a sandbox wherever it is
     home = next(node for node in forkd[1:] if where[node.name])
+    spare = next(node for node in forkd[1:] if node is not home)
     parent = next(s for s in sandboxes if s.sandbox_id in where[home.name])
     sandboxes[0].kill()
-    (child,) = parent.fork(count=1, timeout=600)
-    assert isinstance(child, e2b.Sandbox) and child.sandbox_id in running_on(home)
-    use(child)
     assert sandboxes[0].sandbox_id not in running_on(forkd[0])
+    children = parent.fork(count=SLOTS - 1, timeout=600)  # home has SLOTS - 2 free
+    assert all(isinstance(child, e2b.Sandbox) for child in children), children
+    on_home = [c for c in children if c.sandbox_id in running_on(home)]
+    spilled = [c for c in children if c.sandbox_id in running_on(spare)]
+    assert (len(on_home), len(spilled)) == (SLOTS - 2, 1)
+    for child in children:
+        use(child)
+    child = on_home[0]
 
     # the node running `parent` dies: its sandboxes answer that they were lost with it, the others work
     with home.controller() as controller:
@@ -156,7 +163,7 @@ def test_the_e2b_sdk_addresses_a_cluster_through_the_gateway(
         e2b.Sandbox.connect(parent.sandbox_id)
     with pytest.raises(e2b.SandboxException, match=f"lost with node {home_id}"):
         parent.kill()
-    survivors = [s for s in sandboxes[1:] if s.sandbox_id not in where[home.name]]
+    survivors = [s for s in sandboxes[1:] if s.sandbox_id not in where[home.name]] + spilled
     for sandbox in survivors:
         use(sandbox)
     assert {s.sandbox_id for s in e2b.Sandbox.list().next_items()} == {s.sandbox_id for s in survivors}

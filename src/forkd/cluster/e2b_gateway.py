@@ -148,17 +148,71 @@ class Gateway:
         node = await self._locate(sandbox_id, request, control=True)
         if isinstance(node, Response):
             return node
+        body = await request.body()
         try:
-            answer = await self._send(node, request, await request.body())
+            if request.method == "POST" and request.url.path.endswith("/fork"):
+                return await self._fork(request, sandbox_id, node, body)
+            answer = await self._send(node, request, body)
         except httpx.TransportError as exc:
             return await self._unreachable(node, sandbox_id, exc, control=True)
         if request.method == "DELETE" and answer.status_code in (204, 404):
             self.view.forget(sandbox_id)
-        if request.url.path.endswith("/fork") and answer.status_code == 201:
-            for result in answer.json():
-                if isinstance(result, dict) and isinstance(result.get("sandbox"), dict):
-                    self.view.remember(str(result["sandbox"].get("sandboxID")), node)
         return Response(answer.content, status_code=answer.status_code, headers=_answer_headers(answer))
+
+    async def _fork(self, request: Request, sandbox_id: str, home: NodeState, body: bytes) -> Response:
+        """E2B's fork: BRANCH and children on the parent's node, as far as its free slots go; the rest
+        spill to other nodes, the branch replicated to them first. One result per child, in E2B's shape."""
+        try:
+            spec = json.loads(body or b"{}")
+            count = int(spec.get("count", 1)) if isinstance(spec, dict) else 0
+        except (ValueError, TypeError):
+            spec, count = None, 0
+        free = await self.view.free_slots(home)
+        here = min(count, free) if count > 0 and free > 0 else count
+        if not isinstance(spec, dict) or here == count:  # all of it at home (or the node's to refuse)
+            answer = await self._send(home, request, body)
+            return self._forked(answer, home, [])
+        answer = await self._send(home, request, json.dumps({**spec, "count": here}).encode())
+        if answer.status_code != 201:
+            return self._forked(answer, home, [])
+        tag = next((r["sandbox"].get("templateID") for r in answer.json() if isinstance(r.get("sandbox"), dict)), None)
+        places = await self.view.spill(str(tag), home, count - here) if tag else []
+        metadata = await self._metadata(home, sandbox_id, request.headers["x-api-key"])
+        create = {"templateID": "", **({"timeout": spec["timeout"]} if "timeout" in spec else {}),
+                  **({"metadata": metadata} if metadata else {})}
+
+        async def start(node: NodeState, local_tag: str) -> dict[str, Any]:
+            try:
+                made = await self.client.post(f"{node.e2b_url}/sandboxes", json={**create, "templateID": local_tag},
+                                              headers={"x-api-key": request.headers["x-api-key"]})
+            except httpx.TransportError as exc:
+                return {"error": {"code": 502, "message": f"node {node.node_id} did not answer: {exc}"}}
+            if made.status_code != 201:
+                return {"error": {"code": made.status_code, "message": made.text[:500]}}
+            self.view.remember(str(made.json().get("sandboxID")), node)
+            return {"sandbox": {**made.json(), "templateID": tag}}
+
+        spilled = list(await asyncio.gather(*(start(node, local_tag) for node, local_tag in places)))
+        spilled += [{"error": {"code": 503, "message": f"no node of the cluster has a free slot for this fork of "
+                                                       f"{sandbox_id}"}}] * (count - here - len(places))
+        return self._forked(answer, home, spilled)
+
+    async def _metadata(self, node: NodeState, sandbox_id: str, key: str) -> dict[str, str] | None:
+        """The sandbox's own labels (a fork's children on other nodes carry them too)."""
+        try:
+            described = await self.client.get(f"{node.e2b_url}/sandboxes/{sandbox_id}", headers={"x-api-key": key})
+        except httpx.TransportError:
+            return None
+        return described.json().get("metadata") if described.status_code == 200 else None
+
+    def _forked(self, answer: httpx.Response, home: NodeState, spilled: list[dict[str, Any]]) -> Response:
+        if answer.status_code != 201:
+            return Response(answer.content, status_code=answer.status_code, headers=_answer_headers(answer))
+        results = [r for r in answer.json() if isinstance(r, dict)]
+        for result in results:
+            if isinstance(result.get("sandbox"), dict):
+                self.view.remember(str(result["sandbox"].get("sandboxID")), home)
+        return JSONResponse(results + spilled, status_code=201)
 
     async def _send(self, node: NodeState, request: Request, body: bytes, path: str | None = None,
                     params: Any = None) -> httpx.Response:

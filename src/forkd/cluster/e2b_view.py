@@ -108,6 +108,34 @@ class ClusterView:
         cluster.directory.limit_slots(best.ray_node_id, best.slots_free - 1)
         return [(s, s.tag_of(digest) or digest) for s in holders]
 
+    async def free_slots(self, node: NodeState) -> int:
+        """``node``'s free slots now (its ``/v1/node`` read again)."""
+        def read() -> int:
+            self.cluster.refresh()
+            return self.cluster.directory.nodes[node.ray_node_id].slots_free
+        return await self._call(read)
+
+    async def spill(self, tag: str, home: NodeState, n: int) -> list[tuple[NodeState, str]]:
+        """Places for ``n`` more sandboxes of ``tag`` (a snapshot ``home`` just made), one entry per
+        sandbox, on other nodes, replicating it to them first; fewer when the cluster has no more room."""
+        return await self._call(self._spill, tag, home, n)
+
+    def _spill(self, tag: str, home: NodeState, n: int) -> list[tuple[NodeState, str]]:
+        cluster = self.cluster
+        cluster.refresh()
+        digest = cluster.directory.nodes[home.ray_node_id].digest_of(tag)
+        if digest is None:
+            return []
+        cluster.directory.limit_slots(home.ray_node_id, 0)  # home's share was forked there already
+        cluster.replicate_for(digest, n)
+        places: list[tuple[NodeState, str]] = []
+        for node in cluster.directory.holders(digest):
+            if node.e2b_url and node.ray_node_id != home.ray_node_id:
+                take = min(n - len(places), node.slots_free)
+                places += [(node, node.tag_of(digest) or digest)] * take
+                cluster.directory.limit_slots(node.ray_node_id, node.slots_free - take)
+        return places
+
     async def full(self, node: NodeState) -> None:
         """``node`` refused a sandbox (full, draining, unreachable): no more until the next refresh."""
         await self._call(self.cluster.directory.limit_slots, node.ray_node_id, 0)

@@ -77,6 +77,9 @@ class NodeState:
     def holds(self, digest: str) -> bool:
         return any(copy.digest == digest and copy.status == "ready" for copy in self.snapshots)
 
+    def digest_of(self, tag: str) -> str | None:
+        return next((copy.digest for copy in self.snapshots if copy.tag == tag), None)
+
     def tag_of(self, digest: str) -> str | None:
         return next((copy.tag for copy in self.snapshots if copy.digest == digest), None)
 
