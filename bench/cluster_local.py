@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from cluster_harness import RAY_PORT, join, start_head  # noqa: E402
-from cluster_netns import bridge  # noqa: E402
-from cluster_nodes import ForkdNode  # noqa: E402
+from cluster_harness import RAY_PORT, join, start_head
+from cluster_netns import bridge
+from cluster_nodes import ForkdNode
 
 
 @dataclass(frozen=True)

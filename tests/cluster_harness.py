@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.cluster_utils import Cluster as RayCluster
-
 from cluster_netns import Bridge
 from cluster_nodes import HEALTH_CHECKS, HERE, ForkdNode
+from ray.cluster_utils import Cluster as RayCluster
 
 LINE_BOUND_S = 120.0  # the longest the driver may stay silent
 RAY_PORT = "6379"

@@ -23,8 +23,8 @@ import pytest
 pytest.importorskip("ray", reason="the cluster tests need the forkd[ray] extra (scripts/setup installs it)")
 e2b = pytest.importorskip("e2b", reason="the E2B SDK comes with the test extra")
 
-from cluster_harness import raylet_nodes  # noqa: E402
-from cluster_nodes import SLOTS, ForkdNode, free_port  # noqa: E402
+from cluster_harness import raylet_nodes
+from cluster_nodes import SLOTS, ForkdNode, free_port
 
 pytestmark = pytest.mark.timeout(600)
 TAG = "base"
@@ -108,6 +108,10 @@ def test_the_e2b_sdk_addresses_a_cluster_through_the_gateway(
     assert httpx.get(f"{url}/sandboxes", timeout=30).status_code == 401
     unknown = httpx.post(f"{url}/sandboxes", json={"templateID": "nope"}, headers={"x-api-key": KEY_A}, timeout=30)
     assert unknown.status_code == 404 and "no alive node has a snapshot tagged 'nope'" in unknown.json()["message"]
+    huge = httpx.post(f"{url}/sandboxes", content=b"x" * (2 << 20), headers={"x-api-key": KEY_A}, timeout=30)
+    assert huge.status_code == 413
+    bad = httpx.get(f"{url}/health", headers={"e2b-sandbox-id": "../x", "e2b-sandbox-port": "49983"}, timeout=30)
+    assert bad.status_code == 502 and "not a sandbox id" in bad.json()["message"]
 
     # creates fill the holder, then the template is replicated and creates land on another node
     sandboxes = [e2b.Sandbox.create(TAG, timeout=600) for _ in range(SLOTS + 2)]

@@ -31,11 +31,13 @@ log = logging.getLogger("forkd.cluster.e2b")
 
 ENVD_PORT = "49983"
 _HOST = re.compile(r"^(\d{1,5})-([A-Za-z0-9_-]{1,64})\.")  # E2B's sandbox host names: {port}-{id}.{domain}
+_SANDBOX_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SANDBOX_PATH = re.compile(r"^/(?:v2/)?sandboxes/([A-Za-z0-9_-]{1,64})(?:/[a-z]+)?$")
 _LISTS = ("/sandboxes", "/v2/sandboxes")
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                          "transfer-encoding", "upgrade", "host"})
-MAX_CONTROL_BODY = 1 << 20  # a create's JSON; larger bodies are refused here
+MAX_CONTROL_BODY = 1 << 20  # a control-plane request's JSON; larger bodies are refused here
+MAX_FORK = 100  # children one fork may ask for (the nodes' own bound)
 MAX_LIST_PAGES = 100  # pages of 1000 read from one node for a merged list
 
 
@@ -63,6 +65,16 @@ def _headers(request: Request, target: tuple[str, str] | None = None) -> dict[st
     return headers
 
 
+async def _bounded_body(request: Request) -> bytes | None:
+    """The whole body, or None past ``MAX_CONTROL_BODY`` (read no further)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_CONTROL_BODY:
+            return None
+    return bytes(body)
+
+
 def _has_body(request: Request) -> bool:
     return "content-length" in request.headers or "transfer-encoding" in request.headers
 
@@ -88,7 +100,7 @@ class Gateway:
         request = Request(scope, receive)
         try:
             response = await self._route(request)
-        except Exception:  # noqa: BLE001 - answered in E2B's shape, never as a bare 500 page
+        except Exception:  # answered in E2B's shape, never as a bare 500 page
             log.exception("%s %s failed", request.method, request.url.path)
             response = _error(500, "the forkd cluster's E2B gateway failed on this request; its log says why")
         await response(scope, receive, send)
@@ -128,11 +140,13 @@ class Gateway:
 
     async def _sandbox_traffic(self, request: Request, target: tuple[str, str]) -> Response:
         sandbox_id = target[0]
+        if not _SANDBOX_ID.fullmatch(sandbox_id):
+            return _error(502, f"The sandbox {sandbox_id[:64]!r} was not found: not a sandbox id")
         node = await self._locate(sandbox_id, request, control=False)
         if isinstance(node, Response):
             return node
         outgoing = self.client.build_request(request.method, f"{node.e2b_url}{request.url.path}",
-                                             params=request.query_params.multi_items(),
+                                             params=httpx.QueryParams(request.url.query),
                                              headers=_headers(request, target),
                                              content=request.stream() if _has_body(request) else None)
         try:
@@ -148,7 +162,9 @@ class Gateway:
         node = await self._locate(sandbox_id, request, control=True)
         if isinstance(node, Response):
             return node
-        body = await request.body()
+        body = await _bounded_body(request)
+        if body is None:
+            return _error(413, f"a control-plane request's body is at most {MAX_CONTROL_BODY} bytes")
         try:
             if request.method == "POST" and request.url.path.endswith("/fork"):
                 return await self._fork(request, sandbox_id, node, body)
@@ -169,7 +185,7 @@ class Gateway:
             spec, count = None, 0
         free = await self.view.free_slots(home)
         here = min(count, free) if count > 0 and free > 0 else count
-        if not isinstance(spec, dict) or here == count:  # all of it at home (or the node's to refuse)
+        if not isinstance(spec, dict) or here == count or count > MAX_FORK:  # all at home, or the node refuses it
             answer = await self._send(home, request, body)
             return self._forked(answer, home, [])
         answer = await self._send(home, request, json.dumps({**spec, "count": here}).encode())
@@ -214,15 +230,15 @@ class Gateway:
                 self.view.remember(str(result["sandbox"].get("sandboxID")), home)
         return JSONResponse(results + spilled, status_code=201)
 
-    async def _send(self, node: NodeState, request: Request, body: bytes, path: str | None = None,
-                    params: Any = None) -> httpx.Response:
-        return await self.client.request(request.method, f"{node.e2b_url}{path or request.url.path}",
-                                         params=request.query_params.multi_items() if params is None else params,
+    async def _send(self, node: NodeState, request: Request, body: bytes,
+                    params: httpx.QueryParams | None = None) -> httpx.Response:
+        return await self.client.request(request.method, f"{node.e2b_url}{request.url.path}",
+                                         params=httpx.QueryParams(request.url.query) if params is None else params,
                                          headers=_headers(request), content=body)
 
     async def _create(self, request: Request) -> Response:
-        body = await request.body()
-        if len(body) > MAX_CONTROL_BODY:
+        body = await _bounded_body(request)
+        if body is None:
             return _error(413, f"a create's body is at most {MAX_CONTROL_BODY} bytes")
         try:
             spec = json.loads(body or b"{}")
@@ -259,10 +275,10 @@ class Gateway:
         params = [(k, v) for k, v in request.query_params.multi_items() if k not in ("limit", "nextToken")]
         nodes = self.view.fronts
         answers = await asyncio.gather(*(self._list_node(node, request, params, v2) for node in nodes))
-        if any(isinstance(a, Response) for a in answers):
-            return next(a for a in answers if isinstance(a, Response))  # the nodes refused the key (401) or query
         found: list[dict[str, Any]] = []
         for node, listed in zip(nodes, answers):
+            if isinstance(listed, Response):
+                return listed  # the nodes refused the key (401) or the query
             for sandbox in listed:
                 self.view.remember(str(sandbox.get("sandboxID")), node)
                 found.append(sandbox)
@@ -288,7 +304,7 @@ class Gateway:
         for _ in range(MAX_LIST_PAGES):
             page = params + ([("limit", "1000")] if v2 else []) + ([("nextToken", token)] if token else [])
             try:
-                answer = await self._send(node, request, b"", params=page)
+                answer = await self._send(node, request, b"", params=httpx.QueryParams(tuple(page)))
             except httpx.TransportError as exc:
                 log.warning("node %s did not answer a list (%s); its sandboxes are left out", node.node_id, exc)
                 return listed

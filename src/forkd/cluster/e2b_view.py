@@ -74,7 +74,7 @@ class ClusterView:
                     last_refresh = time.monotonic()
                 else:
                     await self._call(self.cluster.notice_deaths)
-            except Exception:  # noqa: BLE001 - a GCS hiccup must not end the gateway's view of the cluster
+            except Exception:  # a GCS hiccup must not end the gateway's view of the cluster
                 log.exception("reading the cluster failed; trying again")
 
     async def close(self) -> None:
