@@ -141,7 +141,7 @@ def on_this_host(args: argparse.Namespace) -> None:
     from cluster_local import local_cluster
 
     sizes = [int(size) for size in args.sizes.split(",")]
-    with local_cluster(args.local, sizes, args.slots) as local:
+    with local_cluster(args.local, sizes, args.slots, args.vmm) as local:
         inner = [sys.executable, str(Path(__file__).resolve()), "--ray-address", local.address,
                  "--tag", local.tags[min(sizes)], "--repeats", str(args.repeats), "--items", str(args.items),
                  "--kill-after", str(args.kill_after), "--kill-command", local.kill_command, "--out", str(args.out),
@@ -149,7 +149,7 @@ def on_this_host(args: argparse.Namespace) -> None:
         subprocess.run(["ip", "netns", "exec", local.head_netns, *inner], check=True)
     report = json.loads(args.out.read_text())
     report["setup"] = {"local_nodes": args.local, "sizes_mib": sizes, "slots_per_node": args.slots,
-                       "vmm": "qemu", "one_host": True}
+                       "vmm": args.vmm, "one_host": True}
     args.out.write_text(json.dumps(report, indent=2))
 
 
@@ -159,6 +159,8 @@ def main() -> None:
     parser.add_argument("--local", type=int, metavar="N", help="set up N forkd nodes on this host instead (root)")
     parser.add_argument("--sizes", default="256,1024", help="with --local: snapshot sizes in MiB to replicate")
     parser.add_argument("--slots", type=int, default=4, help="with --local: each node's max_sandboxes")
+    parser.add_argument("--vmm", choices=("qemu", "fake"), default="qemu",
+                        help="with --local: the nodes' backend (fake: checks the setup, measures nothing real)")
     parser.add_argument("--tag", default="quickstart", help="snapshot (tag or digest) to fork")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--replicate", action="append", default=[], metavar="TAG",
