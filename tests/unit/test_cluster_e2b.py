@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("ray", reason="the cluster tests need the forkd[ray] extra (scripts/setup installs it)")
 e2b = pytest.importorskip("e2b", reason="the E2B SDK comes with the test extra")
+e2b_code_interpreter = pytest.importorskip("e2b_code_interpreter", reason="the E2B SDK comes with the test extra")
 
 from cluster_harness import raylet_nodes
 from cluster_nodes import SLOTS, ForkdNode, free_port
@@ -127,6 +128,12 @@ def test_the_e2b_sdk_addresses_a_cluster_through_the_gateway(
                        headers={"host": f"49983-{other.sandbox_id}.cluster.test",
                                 "x-access-token": other._envd_access_token or ""})
     assert answer.status_code == 200 and answer.text == f"hello from {other.sandbox_id}"
+
+    # the code interpreter's port (a streamed /execute, a context made with the traffic token), on the
+    # node that pulled the template, through E2B's code-interpreter SDK
+    interpreter = e2b_code_interpreter.Sandbox.connect(other.sandbox_id)
+    assert interpreter.run_code("1 + 1").error is None
+    interpreter.create_code_context()  # raises unless its node answered (the fake guest names no context id)
 
     # list merges the nodes, each filtering by the key's owner; another owner sees only its own
     listed = {s.sandbox_id for s in e2b.Sandbox.list().next_items()}
