@@ -17,6 +17,7 @@ import httpx
 
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, reaching, read_file_call, truncated
+from forkd.sdk.retry import busy_pauses, is_busy, pause_for, resendable
 from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
 
 
@@ -52,7 +53,7 @@ async def _pieces(file: IO[Any]) -> AsyncIterator[bytes]:
 
 
 ASYNC = Flavour(run=run, iterate=aiter, next=lambda iterator: anext(iterator, None), collect=_collect,
-                close=lambda iterator: iterator.aclose(), pieces=_pieces)
+                close=lambda iterator: iterator.aclose(), pieces=_pieces, sleep=asyncio.sleep)
 
 
 class AsyncEventStream(StreamState):
@@ -115,9 +116,14 @@ class AsyncController(Operations):
         await self.close()
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """Send one request and answer its JSON (for calls ``Operations`` does not name)."""
-        with reaching(self.url):
-            response = await self._http.request(method, path, **kwargs)
+        """Send one request and answer its JSON (for calls ``Operations`` does not name); a ``busy`` refusal
+        is sent again after the daemon's ``Retry-After`` or a backoff (``retry.py``), unless the body streams."""
+        for pause in busy_pauses():
+            with reaching(self.url):
+                response = await self._http.request(method, path, **kwargs)
+            if pause is None or not is_busy(response) or not resendable(kwargs.get("content")):
+                break
+            await asyncio.sleep(pause_for(response, pause))
         raise_for(response)
         return response.json()
 

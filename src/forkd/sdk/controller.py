@@ -18,6 +18,7 @@ import httpx
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import DaemonUnreachable, ForkdError
 from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, reaching, read_file_call, truncated
+from forkd.sdk.retry import busy_pauses, is_busy, pause_for, resendable
 from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
 
 __all__ = ["SYNC", "Controller", "DaemonUnreachable", "EventStream", "ForkdError"]
@@ -39,7 +40,7 @@ def _pieces(file: IO[Any]) -> Iterator[bytes]:
 
 
 SYNC = Flavour(run=run, iterate=iter, next=lambda iterator: next(iterator, None), collect=list,
-               close=lambda iterator: iterator.close(), pieces=_pieces)
+               close=lambda iterator: iterator.close(), pieces=_pieces, sleep=time.sleep)
 
 
 class EventStream(StreamState):
@@ -96,9 +97,14 @@ class Controller(Operations):
         self.close()
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """Send one request and answer its JSON (for calls ``Operations`` does not name)."""
-        with reaching(self.url):
-            response = self._http.request(method, path, **kwargs)
+        """Send one request and answer its JSON (for calls ``Operations`` does not name); a ``busy`` refusal
+        is sent again after the daemon's ``Retry-After`` or a backoff (``retry.py``), unless the body streams."""
+        for pause in busy_pauses():
+            with reaching(self.url):
+                response = self._http.request(method, path, **kwargs)
+            if pause is None or not is_busy(response) or not resendable(kwargs.get("content")):
+                break
+            time.sleep(pause_for(response, pause))
         raise_for(response)
         return response.json()
 
@@ -134,6 +140,7 @@ class Controller(Operations):
     def wait_snapshot(self, tag: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> dict[str, Any]:
         """Poll until snapshot ``tag`` is no longer ``writing``; returns it (``ready`` or ``failed``)."""
         deadline = time.monotonic() + timeout_s
+        info: dict[str, Any]
         while (info := self.snapshot(tag))["status"] == "writing":
             if time.monotonic() > deadline:
                 raise ForkdError(504, "timeout", f"snapshot {tag!r} still writing after {timeout_s:.0f} s")

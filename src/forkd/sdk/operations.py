@@ -180,9 +180,8 @@ class Operations:
         self.url = self.connection.url
         self._http = http or self._new_client(self.connection)
 
-    @staticmethod
-    def _new_client(connection: ConnectionConfig) -> Any:
-        raise NotImplementedError
+    #: Makes the HTTP client for a connection (``ConnectionConfig.client`` or ``.async_client``).
+    _new_client: Callable[[ConnectionConfig], Any]
 
     def _send(self, call: Call) -> Any:
         raise NotImplementedError
