@@ -5,6 +5,7 @@ a type checker would refuse are refused at run time too."""
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import subprocess
 import sys
@@ -72,3 +73,23 @@ def test_allow_internet_access_is_e2bs_spelling_of_net() -> None:
     assert network("nat", True) == "nat" and network("nat", None) == "nat"
     with pytest.raises(InvalidArgumentException, match="contradicts"):
         network("none", True)
+
+
+def test_every_public_method_says_what_it_does() -> None:
+    from forkd.sdk.async_controller import AsyncController
+    from forkd.sdk.connection import ConnectionConfig
+    from forkd.sdk.controller import Controller
+    from forkd.sdk.sandbox_async import AsyncCommandHandle, AsyncCommands, AsyncFilesystem
+    from forkd.sdk.sandbox_sync import CommandHandle, Commands, Filesystem
+
+    undocumented = []
+    for cls in (Sandbox, Commands, Filesystem, CommandHandle, AsyncSandbox, AsyncCommands, AsyncFilesystem,
+                AsyncCommandHandle, Controller, AsyncController, ConnectionConfig):
+        for name in dir(cls):
+            attribute = inspect.getattr_static(cls, name)
+            if name.startswith("_") or not (callable(getattr(cls, name)) or isinstance(attribute, property)):
+                continue
+            function = attribute.__func__ if isinstance(attribute, classmethod | staticmethod) else attribute
+            if not function.__doc__ or function.__doc__ == type(function).__doc__:
+                undocumented.append(f"{cls.__name__}.{name}")
+    assert undocumented == []

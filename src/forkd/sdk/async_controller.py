@@ -107,6 +107,7 @@ class AsyncController(Operations):
     _new_client = staticmethod(ConnectionConfig.async_client)
 
     async def close(self) -> None:
+        """Close the HTTP connection (sandboxes keep running)."""
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncController:

@@ -88,6 +88,7 @@ class Controller(Operations):
     _new_client = staticmethod(ConnectionConfig.client)
 
     def close(self) -> None:
+        """Close the HTTP connection (sandboxes keep running)."""
         self._http.close()
 
     def __enter__(self) -> Controller:

@@ -200,9 +200,11 @@ class Operations:
     # daemon
 
     def health(self) -> Any:
+        """``{"ok": true}`` when the daemon answers (the one route that never needs a token)."""
         return self._send(Call("GET", "/healthz"))
 
     def version(self) -> Any:
+        """``{"forkd", "vmm", "vmm_version", "accelerator", ...}``: what the daemon runs on."""
         return self._send(Call("GET", "/v1/version"))
 
     def doctor(self) -> Any:
@@ -212,23 +214,29 @@ class Operations:
     # images
 
     def images(self) -> Any:
+        """Every built guest image: ``[{"name", "size_bytes", "created_at", ...}]``."""
         return self._send(Call("GET", "/v1/images", key="images"))
 
     def build_image(self, on_progress: Callable[[str], Any] | None = None, **spec: Any) -> Any:
+        """Build a guest image from ``spec`` (``name``, ``packages``, ``from_dir``...); ``on_progress`` gets each line."""
         return self._stream(Call("POST", "/v1/images", json=spec, timeout=LONG_TIMEOUT_S), progress(on_progress))
 
     def remove_image(self, name: str) -> Any:
+        """Remove image ``name`` (snapshots made from it keep their own copy)."""
         return self._send(Call("DELETE", f"/v1/images/{name}", void=True))
 
     # snapshots
 
     def snapshots(self) -> Any:
+        """Every snapshot: ``[{"tag", "status", "parent_tag", "size_bytes", ...}]``."""
         return self._send(Call("GET", "/v1/snapshots", key="snapshots"))
 
     def snapshot(self, tag: str) -> Any:
+        """Snapshot ``tag`` in full: status, depth, ancestors, dependents, sizes (``NotFoundException`` if none)."""
         return self._send(Call("GET", f"/v1/snapshots/{tag}"))
 
     def create_snapshot(self, tag: str, on_progress: Callable[[str], Any] | None = None, **options: Any) -> Any:
+        """Boot a VM, warm it (``warm_modules``, ``warm_code``, ``warmup_cmd``), save it as ``tag``; ``on_progress`` gets each line."""
         return self._stream(Call("POST", "/v1/snapshots", json={"tag": tag, **options}, timeout=LONG_TIMEOUT_S),
                             progress(on_progress))
 
@@ -273,6 +281,7 @@ class Operations:
                                key="end_at"))
 
     def sandboxes(self, owner: str | None = None) -> Any:
+        """The running sandboxes (only ``owner``'s when given): ``[{"id", "snapshot_tag", "status", "created_at", "end_at", "metadata", ...}]``."""
         return self._send(Call("GET", "/v1/sandboxes", params={"owner": owner} if owner else None, key="sandboxes"))
 
     def kill_owner(self, owner: str) -> Any:
@@ -280,12 +289,15 @@ class Operations:
         return self._send(Call("DELETE", "/v1/sandboxes", params={"owner": owner}, key="killed"))
 
     def sandbox(self, sandbox_id: str) -> Any:
+        """Sandbox ``sandbox_id``'s record (``NotFoundException`` once it ended and left the daemon's memory)."""
         return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}"))
 
     def kill(self, sandbox_id: str) -> Any:
+        """Stop the sandbox and free what it held (``NotFoundException`` if it is not running)."""
         return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}", void=True))
 
     def ping(self, sandbox_id: str) -> Any:
+        """Ask the sandbox's guest agent to answer: ``{"agent_version", "sandbox_id"}``."""
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/ping"))
 
     # pools of ready VMMs
@@ -320,17 +332,21 @@ class Operations:
         return self._open_stream(exec_call(sandbox_id, cmd, env, cwd, stdin, timeout_s, user, warm).streamed())
 
     def processes(self, sandbox_id: str) -> Any:
+        """The sandbox's commands, running and recently finished: ``[{"pid", "argv", "running", "exit_code", ...}]``."""
         return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/processes", key="processes"))
 
     def signal_process(self, sandbox_id: str, pid: int, signal: int = 9) -> Any:
+        """Send ``signal`` (default SIGKILL) to command ``pid``'s process group."""
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal",
                                json={"signal": signal}, void=True))
 
     def send_stdin(self, sandbox_id: str, pid: int, data: str, eof: bool = False) -> Any:
+        """Write ``data`` to command ``pid``'s stdin; ``eof=True`` closes it after."""
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin",
                                json={"data": data, "eof": eof}, void=True))
 
     def eval(self, sandbox_id: str, expr: str, context: str = "default") -> Any:
+        """The value of one Python expression in ``context``: ``{"value", "value_json", "error"}``."""
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/eval", json={"expr": expr, "context": context}))
 
     def run_code(self, sandbox_id: str, code: str, context: str = "default", timeout_s: float | None = None,
@@ -344,17 +360,21 @@ class Operations:
 
     def create_context(self, sandbox_id: str, *, context_id: str | None = None, cwd: str | None = None,
                        language: str = "python") -> Any:
+        """A new code context (its own interpreter, forked from the warm one): ``{"id", "language", "cwd"}``."""
         body = {"id": context_id, "cwd": cwd, "language": language}
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/contexts",
                                json={k: v for k, v in body.items() if v is not None}))
 
     def contexts(self, sandbox_id: str) -> Any:
+        """The sandbox's code contexts: ``[{"id", "language", "cwd"}]``."""
         return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/contexts", key="contexts"))
 
     def restart_context(self, sandbox_id: str, context_id: str) -> Any:
+        """Replace ``context_id``'s interpreter with a fresh fork of the warm one (its variables are gone)."""
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}/restart"))
 
     def remove_context(self, sandbox_id: str, context_id: str) -> Any:
+        """End code context ``context_id`` and its interpreter."""
         return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}", void=True))
 
     # files
@@ -384,20 +404,25 @@ class Operations:
                                timeout=LONG_TIMEOUT_S))
 
     def list_files(self, sandbox_id: str, path: str) -> Any:
+        """The entries directly under ``path``: ``[{"name", "path", "type", "size", "mode", "mtime"}]``."""
         return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/files/list", params={"path": path},
                                key="entries"))
 
     def stat(self, sandbox_id: str, path: str) -> Any:
+        """One entry's ``{"name", "path", "type", "size", "mode", "mtime"}`` (``NotFoundException`` if missing)."""
         return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/files/stat", params={"path": path}))
 
     def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> Any:
+        """Remove ``path`` (a directory only with ``recursive=True``)."""
         return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}/files",
                                params={"path": path, "recursive": recursive}, void=True))
 
     def make_dir(self, sandbox_id: str, path: str) -> Any:
+        """Create directory ``path`` and its parents."""
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/files/mkdir", json={"path": path}, void=True))
 
     def rename(self, sandbox_id: str, src: str, dst: str) -> Any:
+        """Move ``src`` to ``dst`` inside the sandbox."""
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/files/rename", json={"src": src, "dst": dst},
                                void=True))
 
@@ -410,6 +435,7 @@ class Operations:
 
     def unpack(self, path: str, tag: str | None = None, force: bool = False,
                on_progress: Callable[[str], Any] | None = None) -> Any:
+        """Verify the pack at ``path`` (on the daemon's host) and add its snapshots, all or nothing; ``tag`` renames its top one."""
         body: dict[str, Any] = {"path": path, "force": force}
         if tag is not None:
             body["tag"] = tag
@@ -465,13 +491,16 @@ class Operations:
     # workspaces
 
     def create_workspace(self, name: str, snapshot_tag: str) -> Any:
+        """A long-lived sandbox ``name`` forked from ``snapshot_tag``, suspended and resumed by name."""
         return self._send(Call("POST", "/v1/workspaces", json={"name": name, "snapshot_tag": snapshot_tag},
                                timeout=LONG_TIMEOUT_S))
 
     def workspaces(self) -> Any:
+        """Every workspace: ``[{"name", "state", "sandbox_id", "head_tag", ...}]``."""
         return self._send(Call("GET", "/v1/workspaces", key="workspaces"))
 
     def workspace(self, name: str) -> Any:
+        """Workspace ``name``'s record (``NotFoundException`` if none)."""
         return self._send(Call("GET", f"/v1/workspaces/{name}"))
 
     def suspend_workspace(self, name: str) -> Any:
@@ -479,8 +508,10 @@ class Operations:
         return self._send(Call("POST", f"/v1/workspaces/{name}/suspend", timeout=LONG_TIMEOUT_S))
 
     def resume_workspace(self, name: str) -> Any:
+        """Fork the workspace's last saved layer and run it again."""
         return self._send(Call("POST", f"/v1/workspaces/{name}/resume", timeout=LONG_TIMEOUT_S))
 
     def remove_workspace(self, name: str) -> Any:
+        """Remove the workspace (its sandbox killed); answers the snapshot tags removed with it."""
         return self._send(Call("DELETE", f"/v1/workspaces/{name}", timeout=LONG_TIMEOUT_S, key="removed_tags"))
 

@@ -147,6 +147,7 @@ class SandboxCore:
 
     @operation
     def get_info(self) -> Steps[SandboxInfo]:
+        """The sandbox's ``SandboxInfo``: id, template, metadata, when it started and when the daemon ends it."""
         return SandboxInfo.from_daemon((yield self._api.sandbox(self.sandbox_id)))
 
     @operation
@@ -216,6 +217,7 @@ class SandboxCore:
 
     @operation
     def list_code_contexts(self) -> Steps[builtins.list[Context]]:
+        """Every code context of the sandbox (``default`` once a cell ran in it)."""
         return [Context.from_agent(c) for c in (yield self._api.contexts(self.sandbox_id))]
 
     @operation
@@ -225,6 +227,7 @@ class SandboxCore:
 
     @operation
     def remove_code_context(self, context: Context | str) -> Steps[None]:
+        """End the context's interpreter; its variables are gone."""
         yield self._api.remove_context(self.sandbox_id, _context_name(context))
 
     @operation
