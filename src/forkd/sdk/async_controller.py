@@ -16,7 +16,8 @@ from typing import IO, Any
 import httpx
 
 from forkd.sdk.connection import ConnectionConfig
-from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, reaching, read_file_call, truncated
+from forkd.sdk.answers import StreamState, raise_for, reaching, truncated
+from forkd.sdk.operations import Call, Operations, fork_call, read_file_call
 from forkd.sdk.retry import busy_pauses, is_busy, pause_for, resendable
 from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
 

@@ -3,24 +3,19 @@
 Each method turns its arguments into a ``Call`` (method, path, query, body, timeout, which field of the
 answer to return) and hands it to the client's ``_send``/``_stream``/``_open_stream``: the sync client
 answers with the value, the async one with an awaitable of it. So paths, bodies and answer parsing live
-here and nowhere else; the clients only move bytes. NDJSON line decoding and error answers are here too.
+here and nowhere else; the clients only move bytes (``answers.py`` reads what comes back).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
-from forkd.errors import KINDS, kind_of
 from forkd.sdk.connection import ConnectionConfig
-from forkd.sdk.errors import DaemonUnreachable, ForkdError, error_for
+from forkd.sdk.errors import ForkdError
 from forkd.sdk.sandbox.flavour import Flavour, Steps, operation
 
 LONG_TIMEOUT_S = 3600.0
@@ -55,57 +50,6 @@ class Call:
         if self.void:
             return None
         return answer if self.key is None else answer[self.key]
-
-
-def raise_for(response: httpx.Response) -> None:
-    """Raise the SDK exception for an error answer (its body must have been read)."""
-    if response.is_success:
-        return
-    try:
-        err = response.json().get("error", {})
-        code, message = err.get("code", "error"), err.get("message", response.text)
-    except (ValueError, AttributeError):
-        err, code, message = {}, "error", response.text
-    raise error_for(response.status_code, code, message, _details(err))
-
-
-def _details(err: dict[str, Any]) -> dict[str, Any]:
-    """An error body's fields beyond code and message (the guest's ``errno``, a retry hint)."""
-    return {key: value for key, value in err.items() if key not in ("code", "message")}
-
-
-def decode_line(text: str) -> tuple[str, Any]:
-    """One NDJSON line: ``("event", line)``, ``("result", value)`` or ``("skip", None)``; raises an error line."""
-    if not text.strip():
-        return "skip", None
-    line = json.loads(text)
-    if "error" in line:
-        err = line["error"]
-        code = str(err.get("code", "error"))
-        raise error_for(kind_of(code).status, code, err.get("message", ""), _details(err))
-    if "result" in line:
-        return "result", line["result"]
-    return "event", line
-
-
-class StreamState:
-    """What an NDJSON answer has said so far: ``result`` once its last line came (then ``done``)."""
-
-    def __init__(self) -> None:
-        self.result: Any = None
-        self.done = False
-
-    def take(self, text: str) -> dict[str, Any] | None:
-        """The event on this line; None for a blank line or the result line."""
-        kind, value = decode_line(text)
-        if kind == "result":
-            self.done, self.result = True, value
-        return value if kind == "event" else None
-
-
-def truncated() -> ForkdError:
-    return ForkdError(500, "truncated", f"the daemon closed the stream without a result; "
-                                        f"{KINDS['truncated'].next_step}")
 
 
 def progress(on_progress: Callable[[str], Any] | None) -> Callable[[dict[str, Any]], Any] | None:
@@ -153,15 +97,6 @@ def append_bounded(data: bytearray, chunk: bytes, max_bytes: int | None, path: s
 
 def call_timeout(timeout_s: float | None) -> float:
     return LONG_TIMEOUT_S if timeout_s is None else timeout_s + 60.0
-
-
-@contextlib.contextmanager
-def reaching(url: str) -> Iterator[None]:
-    """A transport failure talking to the daemon at ``url`` raised as ``DaemonUnreachable``."""
-    try:
-        yield
-    except httpx.TransportError as exc:
-        raise DaemonUnreachable(url, str(exc) or type(exc).__name__) from None
 
 
 class Operations:

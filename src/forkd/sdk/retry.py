@@ -7,8 +7,10 @@ After the last pause the refusal is raised (``RateLimitException``). The TypeScr
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:  # the sandbox core uses busy_pauses and imports no HTTP client
+    import httpx
 
 BUSY_RETRIES = 3
 FIRST_PAUSE_S = 0.5
