@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from typing import assert_type
+from typing import assert_type, reveal_type
 
 from forkd import (
     AsyncCommandHandle,
@@ -73,3 +73,20 @@ def errors() -> None:
 
 if __name__ == "__main__":
     asyncio.run(async_use())
+
+
+def controller_use() -> None:
+    with Controller() as api:
+        forked = api.fork("quickstart", 2, net="nat")
+        assert_type(forked["sandboxes"][0]["id"], str)
+        assert_type(api.sandboxes()[0]["created_at"], float)
+        assert_type(api.snapshot("quickstart")["status"], str)
+        assert_type(api.health()["ok"], bool)
+        assert_type(api.read_file(forked["sandboxes"][0]["id"], "/etc/hostname"), bytes)
+        assert_type(api.kill(forked["sandboxes"][0]["id"]), None)
+
+
+async def async_controller_use() -> None:
+    async with AsyncController() as api:
+        assert_type((await api.sandboxes())[0]["id"], str)
+        assert_type(await api.set_timeout("sb-000000000000", 60), float)

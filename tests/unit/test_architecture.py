@@ -253,7 +253,7 @@ def test_the_sdk_core_waits_for_nothing_itself() -> None:
     answers as step generators, and the flavours wait. So it imports no HTTP client, no event loop and
     neither client nor flavour package (each of those imports it)."""
     core = SRC / "forkd" / "sdk" / "sandbox"
-    clients = ("forkd.sdk.controller", "forkd.sdk.async_controller", "forkd.sdk.operations", "forkd.sdk.answers",
+    clients = ("forkd.sdk.controller", "forkd.sdk.async_controller", "forkd.sdk.operations", "forkd.sdk.answers", "forkd.sdk.calls",
                "forkd.sdk.sandbox_sync", "forkd.sdk.sandbox_async")
     for path in core.glob("*.py"):
         tree = ast.parse(path.read_text(), str(path))

@@ -11,15 +11,18 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.answers import StreamState, raise_for, reaching, truncated
-from forkd.sdk.operations import Call, Operations, fork_call, read_file_call
+from forkd.sdk.calls import Call, fork_call, read_file_call
+from forkd.sdk.operations import Operations
 from forkd.sdk.retry import busy_pauses, is_busy, pause_for, resendable
-from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
+from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, AsyncSide, upload_piece
+
+T = TypeVar("T")
 
 
 async def maybe_await(outcome: Any) -> Any:
@@ -101,7 +104,7 @@ async def _exit(context: Any) -> None:
         await context.__aexit__(None, None, None)
 
 
-class AsyncController(Operations):
+class AsyncController(Operations, AsyncSide):
     """Asynchronous client for the forkd REST API: ``await api.sandboxes()`` and every other operation."""
 
     _flavour = ASYNC
@@ -129,13 +132,13 @@ class AsyncController(Operations):
         raise_for(response)
         return response.json()
 
-    async def _send(self, call: Call) -> Any:
+    async def _send(self, call: Call[T]) -> T:
         return call.parse(await self.request(call.method, call.path, **call.options()))
 
-    async def _open_stream(self, call: Call) -> AsyncEventStream:
+    async def _open_stream(self, call: Call[Any]) -> AsyncEventStream:
         return await AsyncEventStream.open(self._http.stream(call.method, call.path, **call.options()), self.url)
 
-    async def _stream(self, call: Call, on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
+    async def _stream(self, call: Call[Any], on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
         events = await self._open_stream(call)
         async for line in events:
             if on_line is not None:

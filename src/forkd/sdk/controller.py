@@ -11,18 +11,22 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import DaemonUnreachable, ForkdError
 from forkd.sdk.answers import StreamState, raise_for, reaching, truncated
-from forkd.sdk.operations import Call, Operations, fork_call, read_file_call
+from forkd.sdk.calls import Call, fork_call, read_file_call
+from forkd.sdk.operations import Operations
+from forkd.sdk.records import SnapshotRecord
 from forkd.sdk.retry import busy_pauses, is_busy, pause_for, resendable
-from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
+from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, SyncSide, upload_piece
 
 __all__ = ["SYNC", "Controller", "DaemonUnreachable", "EventStream", "ForkdError"]
+
+T = TypeVar("T")
 
 
 def run(steps: Steps[Any]) -> Any:
@@ -82,7 +86,7 @@ class EventStream(StreamState):
             self._context.__exit__(None, None, None)
 
 
-class Controller(Operations):
+class Controller(Operations, SyncSide):
     """Synchronous client for the forkd REST API (every operation: see ``Operations``)."""
 
     _flavour = SYNC
@@ -110,13 +114,13 @@ class Controller(Operations):
         raise_for(response)
         return response.json()
 
-    def _send(self, call: Call) -> Any:
+    def _send(self, call: Call[T]) -> T:
         return call.parse(self.request(call.method, call.path, **call.options()))
 
-    def _open_stream(self, call: Call) -> EventStream:
+    def _open_stream(self, call: Call[Any]) -> EventStream:
         return EventStream(self._http.stream(call.method, call.path, **call.options()), self.url)
 
-    def _stream(self, call: Call, on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
+    def _stream(self, call: Call[Any], on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
         events = self._open_stream(call)
         for line in events:
             if on_line is not None:
@@ -139,10 +143,9 @@ class Controller(Operations):
                 raise_for(response)
             yield from response.iter_bytes()
 
-    def wait_snapshot(self, tag: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> dict[str, Any]:
+    def wait_snapshot(self, tag: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> SnapshotRecord:
         """Poll until snapshot ``tag`` is no longer ``writing``; returns it (``ready`` or ``failed``)."""
         deadline = time.monotonic() + timeout_s
-        info: dict[str, Any]
         while (info := self.snapshot(tag))["status"] == "writing":
             if time.monotonic() > deadline:
                 raise ForkdError(504, "timeout", f"snapshot {tag!r} still writing after {timeout_s:.0f} s")

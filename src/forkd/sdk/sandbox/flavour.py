@@ -21,7 +21,7 @@ import functools
 import types
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
-from typing import IO, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
+from typing import IO, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
 from forkd.sdk.errors import NotFoundException
 
@@ -70,22 +70,15 @@ class AsyncSide:
     """Marks an object of the async flavour for type checkers: its operations answer coroutines."""
 
 
-class operation(Generic[Obj, P, T]):  # noqa: N801 - used as a decorator, like the ones it stands beside
-    """The public method for a step generator, run by its object's flavour: ``sandbox.eval(...)`` answers
-    the value (sync) or an awaitable of it (async). ``steps`` is the generator function itself.
+class SidedMethod(Generic[P, T]):
+    """A method whose answer a type checker reads by its object's side: ``T`` on a ``SyncSide`` object, a
+    coroutine of ``T`` on an ``AsyncSide`` one (the subclass's ``__call__`` does the work)."""
 
-    A type checker sees the method's own parameters and, by the object's side (``SyncSide`` or
-    ``AsyncSide``), its answer ``T`` or a coroutine of it."""
-
-    def __init__(self, steps: Callable[Concatenate[Obj, P], Steps[T]]) -> None:
-        self.steps = steps
-        functools.update_wrapper(self, steps)
-
-    def __call__(self, obj: Flavoured, *args: Any, **kwargs: Any) -> Any:
-        return obj._flavour.run(self.steps(obj, *args, **kwargs))  # type: ignore[arg-type]
+    def __call__(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
 
     @overload
-    def __get__(self, instance: None, owner: type[Any] | None = None) -> operation[Obj, P, T]: ...
+    def __get__(self, instance: None, owner: type[Any] | None = None) -> Self: ...
 
     @overload
     def __get__(self, instance: SyncSide, owner: type[Any] | None = None) -> Callable[P, T]: ...
@@ -98,6 +91,18 @@ class operation(Generic[Obj, P, T]):  # noqa: N801 - used as a decorator, like t
 
     def __get__(self, instance: object, owner: type[Any] | None = None) -> Any:
         return self if instance is None else types.MethodType(self, instance)
+
+
+class operation(SidedMethod[P, T], Generic[Obj, P, T]):  # noqa: N801 - used as a decorator, like the ones it stands beside
+    """The public method for a step generator, run by its object's flavour: ``sandbox.eval(...)`` answers
+    the value (sync) or an awaitable of it (async). ``steps`` is the generator function itself."""
+
+    def __init__(self, steps: Callable[Concatenate[Obj, P], Steps[T]]) -> None:
+        self.steps = steps
+        functools.update_wrapper(self, steps)
+
+    def __call__(self, obj: Flavoured, *args: Any, **kwargs: Any) -> Any:
+        return obj._flavour.run(self.steps(obj, *args, **kwargs))  # type: ignore[arg-type]
 
 
 def found(call: Callable[..., object], *args: Any) -> Steps[bool]:

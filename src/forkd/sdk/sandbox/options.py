@@ -16,19 +16,21 @@ Net = Literal["none", "nat"]
 
 
 class EgressRule(TypedDict, total=False):
-    """One allowed destination of a ``net="nat"`` sandbox: ``cidr`` and, optionally, its ``ports``."""
+    """One allowed destination of a ``net="nat"`` sandbox: ``cidr`` and, optionally, its ``ports`` (numbers or
+    ``"8000-8100"`` ranges) and ``protocol``."""
 
     cidr: str
-    ports: list[int]
+    ports: list[int | str]
+    protocol: Literal["tcp", "udp", "any"]
 
 
 class Egress(TypedDict, total=False):
     """A ``net="nat"`` sandbox's outbound policy, e.g. ``{"default": "deny", "allow": [{"cidr": "203.0.113.0/24",
-    "ports": [443]}]}`` (docs/networking.md)."""
+    "ports": [443]}]}``; ``dns=False`` also cuts the relayed resolver under ``deny`` (docs/networking.md)."""
 
     default: Literal["allow", "deny"]
     allow: list[EgressRule]
-    deny: list[EgressRule]
+    dns: bool
 
 
 class E2BIgnored(TypedDict, total=False):
