@@ -105,12 +105,11 @@ class SandboxCore:
     @classmethod
     def _create(cls, api: Any, template: str, fork_options: dict[str, Any]) -> Steps[Any]:
         try:
-            for pause in busy_pauses():
-                result = yield api.fork(template, 1, **fork_options)
-                if not _refused_busy(result) or pause is None:
-                    return cls._on(_first_child(result), api)
+            pauses = busy_pauses()
+            while _refused_busy(result := (yield api.fork(template, 1, **fork_options))) and \
+                    (pause := next(pauses)) is not None:
                 yield cls._flavour.sleep(pause)
-            raise AssertionError("busy_pauses ends with None")  # pragma: no cover
+            return cls._on(_first_child(result), api)
         except BaseException:
             yield api.close()
             raise

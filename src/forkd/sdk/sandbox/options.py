@@ -8,9 +8,12 @@ function. E2B's connection arguments that mean nothing to forkd are here too, na
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from forkd.sdk.errors import InvalidArgumentException
+
+if TYPE_CHECKING:
+    from forkd.sdk.connection import ConnectionConfig
 
 Net = Literal["none", "nat"]
 
@@ -50,7 +53,7 @@ class ConnectOptions(E2BIgnored, total=False):
 
     url: str | None
     token: str | None
-    connection: Any  # a ConnectionConfig (Any here: this module imports no client)
+    connection: ConnectionConfig | None
     request_timeout: float | None  # seconds per request to the daemon
 
 
