@@ -1,9 +1,9 @@
 """The agent-framework adapters against a real daemon on the fake VMM backend, each through its framework's own
 call path: LangChain's ``tool.invoke`` (with a model's tool call too) and AutoGen's ``execute_code_blocks``; no
-model is needed. The fake backend's agent answers every cell with no output (and no command, which it cannot start), so
-here the wiring, the sandboxes' lifecycle and the failure paths are checked with Python cells; tests/vm/test_integrations.py runs
-the same adapters on real guests and checks what the code printed. Also ``Sandbox.create`` on a daemon at its
-``max_sandboxes``: asked again with backoff, then ``RateLimitException``."""
+model is needed. The fake backend's agent answers every cell with no output (and starts no command), so here the
+wiring, the sandboxes' lifecycle and the failure paths are checked with Python cells;
+tests/vm/test_integrations_vm.py runs the same adapters on real guests and checks what the code printed. Also
+``Sandbox.create`` on a daemon at its ``max_sandboxes``: asked again with backoff, then ``RateLimitException``."""
 
 from __future__ import annotations
 
