@@ -163,7 +163,8 @@ def test_the_e2b_sdk_addresses_a_cluster_through_the_gateway(
     # the node running `parent` dies: its sandboxes answer that they were lost with it, the others work
     with home.controller() as controller:
         home_id = controller.request("GET", "/v1/node")["node_id"]
-    os.kill(home.daemon_pid or 0, signal.SIGKILL)
+    for pid in [home.daemon_pid or 0, *home.vmm_pids()]:  # the host dies: its daemon and its VMMs
+        os.kill(pid, signal.SIGKILL)
     ray_cluster.remove_node(home.ray_node, allow_graceful=False)  # type: ignore[attr-defined]
     until(lambda: home_id in (_health(url).get("dead") or []), "the gateway never saw the node die")
     with pytest.raises(e2b.SandboxException, match=f"lost with node {home_id}"):
@@ -182,4 +183,4 @@ def test_the_e2b_sdk_addresses_a_cluster_through_the_gateway(
     use(late)
     for sandbox in [*survivors, late]:
         sandbox.kill()
-    assert not any(running_on(node) for node in forkd if node is not home)
+    assert not any(running_on(node) or node.vmm_pids() for node in forkd if node is not home)
