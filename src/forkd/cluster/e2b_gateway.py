@@ -134,7 +134,8 @@ class Gateway:
             return await self._templates(request)
         if match := _SANDBOX_PATH.match(path):
             return await self._control(request, match.group(1))
-        return _error(404, f"{method} {path} is not served by the forkd cluster's E2B gateway")
+        # 501, never 404: both SDKs read a 404 as "sandbox not found"
+        return _error(501, f"{method} {path} is not supported by this server (the forkd cluster's E2B gateway)")
 
     # sandbox traffic: envd and the code interpreter, streamed both ways
 
