@@ -109,6 +109,9 @@ def test_the_e2b_sdk_addresses_a_cluster_through_the_gateway(
     assert httpx.get(f"{url}/sandboxes", timeout=30).status_code == 401
     unknown = httpx.post(f"{url}/sandboxes", json={"templateID": "nope"}, headers={"x-api-key": KEY_A}, timeout=30)
     assert unknown.status_code == 404 and "no alive node has a snapshot tagged 'nope'" in unknown.json()["message"]
+    for unserved in ("/volumes", "/snapshots", "/sandboxes/metrics?sandbox_ids=sb-aaaaaaaaaaaa"):  # never a 404
+        answer = httpx.get(f"{url}{unserved}", headers={"x-api-key": KEY_A}, timeout=30)
+        assert answer.status_code == 501 and "not supported by this server" in answer.json()["message"], unserved
     huge = httpx.post(f"{url}/sandboxes", content=b"x" * (2 << 20), headers={"x-api-key": KEY_A}, timeout=30)
     assert huge.status_code == 413
     bad = httpx.get(f"{url}/health", headers={"e2b-sandbox-id": "../x", "e2b-sandbox-port": "49983"}, timeout=30)

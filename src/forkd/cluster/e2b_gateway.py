@@ -132,7 +132,7 @@ class Gateway:
             return await self._list(request)
         if path == "/templates" and method == "GET":
             return await self._templates(request)
-        if match := _SANDBOX_PATH.match(path):
+        if (match := _SANDBOX_PATH.match(path)) and path != "/sandboxes/metrics":  # E2B's, not a sandbox id
             return await self._control(request, match.group(1))
         # 501, never 404: both SDKs read a 404 as "sandbox not found"
         return _error(501, f"{method} {path} is not supported by this server (the forkd cluster's E2B gateway)")
