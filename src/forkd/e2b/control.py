@@ -43,8 +43,14 @@ class Loose(BaseModel):
     model_config = ConfigDict(extra="allow")  # fields of E2B's schema that forkd ignores
 
 
+class SandboxNetwork(Loose):
+    allowPublicTraffic: bool | None = Field(default=None, description="true: the sandbox's own ports answer without "
+                                                                      "its traffic token (default false)")
+
+
 class NewSandbox(Loose):
     templateID: str = Field(min_length=1, max_length=64, description="a forkd snapshot tag")
+    network: SandboxNetwork | None = None
     timeout: Timeout = DEFAULT_TIMEOUT_S
     metadata: Labels | None = None
     envVars: Labels | None = None
@@ -87,7 +93,9 @@ def control_router(sandboxes: E2BSandboxes) -> APIRouter:
         return {"ok": True, "forkd": __version__}
 
     async def create(body: NewSandbox, caller: Caller) -> JSONResponse:
-        created = await sandboxes.create(caller, body.templateID, body.timeout, body.metadata or {}, body.envVars or {})
+        public = bool(body.network and body.network.allowPublicTraffic)
+        created = await sandboxes.create(caller, body.templateID, body.timeout, body.metadata or {}, body.envVars or {},
+                                         public)
         return JSONResponse(created, status_code=201)
 
     router.post("/sandboxes", status_code=201)(create)

@@ -40,6 +40,7 @@ MAX_TIMEOUT_S = 30 * 24 * 3600
 _WORKSPACE_LABEL = "workspace"  # the label a workspace's sandboxes carry (runtime/workspaces.py)
 OWNER_LABEL = "forkd.e2b-owner"
 NONCE_LABEL = "forkd.e2b-nonce"
+PUBLIC_LABEL = "forkd.e2b-public"  # "true": the sandbox's own ports answer without its token (allowPublicTraffic)
 FORK_PREFIX = "e2b-fork-"
 _DERIVED_META = ("source_sandbox", "compacted_from")  # a snapshot holding some sandbox's state
 
@@ -86,9 +87,10 @@ class Resolved:
 
 
 class E2BSandboxes:
-    def __init__(self, runtime: Runtime, credentials: Credentials) -> None:
+    def __init__(self, runtime: Runtime, credentials: Credentials, domain: str | None = None) -> None:
         self.runtime = runtime
         self.credentials = credentials
+        self.domain = domain  # what the SDKs' get_host(port) builds on: {port}-{sandboxID}.{domain}
 
     # ids
 
@@ -128,6 +130,13 @@ class E2BSandboxes:
             raise sandbox_gone(e2b_id, "it is paused; resume it with Sandbox.connect()")
         return resolved.live
 
+    def public(self, e2b_id: str) -> bool:
+        """Whether the sandbox was created with ``allowPublicTraffic``: its ports need no token (envd still does)."""
+        try:
+            return self._resolve(e2b_id).labels.get(PUBLIC_LABEL) == "true"
+        except E2BError:
+            return False
+
     def _live(self, sandbox_id: str) -> LiveSandbox | None:
         try:
             return self.runtime.sandboxes.get(check_sandbox_id(sandbox_id))
@@ -150,7 +159,7 @@ class E2BSandboxes:
         to envd and ``trafficAccessToken`` to the code interpreter's context routes: one token here."""
         token = self.credentials.access_token(e2b_id, nonce)
         return {"sandboxID": e2b_id, "templateID": template, "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
-                "envdAccessToken": token, "trafficAccessToken": token, "domain": None}
+                "envdAccessToken": token, "trafficAccessToken": token, "domain": self.domain}
 
     def _resources(self, tag: str) -> dict[str, int]:
         record = self.runtime.snapshot(tag)
@@ -190,18 +199,18 @@ class E2BSandboxes:
                 **self._resources(template)}
         if detail:
             info["envdAccessToken"] = self.credentials.access_token(resolved.e2b_id, resolved.nonce)
-            info["domain"] = None
+            info["domain"] = self.domain
         return info
 
     # lifecycle
 
     async def create(self, principal: Principal, template: str, timeout_s: int, metadata: dict[str, str],
-                     envs: dict[str, str]) -> dict[str, Any]:
+                     envs: dict[str, str], public: bool = False) -> dict[str, Any]:
         record = self.runtime.snapshot(template)
         if record is None or not template_visible(record, principal):
             raise E2BError(404, f"template {template!r} not found: templates are forkd snapshots; list them with "
                                 "GET /templates or `forkd snapshots`")
-        labels = self._new_labels(principal, metadata)
+        labels = {**self._new_labels(principal, metadata), **({PUBLIC_LABEL: "true"} if public else {})}
         options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=labels)
         (outcome,) = await self.runtime.spawner.fork(template, 1, options)
         if outcome.sandbox is None:
