@@ -24,9 +24,11 @@ from typing import Any
 
 from forkd.e2b.errors import E2BError, lifecycle_error, sandbox_gone
 from forkd.e2b.keys import Credentials, Principal
+from forkd.host.netpolicy import EgressPolicy, NetRequest
+from forkd.runtime.isolation import SandboxOptions
 from forkd.store.registry import SnapshotRecord, WorkspaceRecord
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.sandboxes import LiveSandbox, SandboxNotFound
+from forkd.runtime.sandboxes import LiveSandbox, NetworkModeConflict, SandboxNotFound
 from forkd.runtime.spawning import ForkOptions
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.validation import ValidationError, check_sandbox_id
@@ -205,13 +207,14 @@ class E2BSandboxes:
     # lifecycle
 
     async def create(self, principal: Principal, template: str, timeout_s: int, metadata: dict[str, str],
-                     envs: dict[str, str], public: bool = False) -> dict[str, Any]:
+                     envs: dict[str, str], public: bool = False, net: NetRequest | None = None) -> dict[str, Any]:
         record = self.runtime.snapshot(template)
         if record is None or not template_visible(record, principal):
             raise E2BError(404, f"template {template!r} not found: templates are forkd snapshots; list them with "
                                 "GET /templates or `forkd snapshots`")
         labels = {**self._new_labels(principal, metadata), **({PUBLIC_LABEL: "true"} if public else {})}
-        options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=labels)
+        options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=labels,
+                              isolation=SandboxOptions(net=net or NetRequest()))
         (outcome,) = await self.runtime.spawner.fork(template, 1, options)
         if outcome.sandbox is None:
             raise lifecycle_error(outcome.error.kind, f"the sandbox did not start: {outcome.error}")
@@ -259,6 +262,15 @@ class E2BSandboxes:
                 await self.runtime.sandboxes.kill(resolved.live.record.id)
             except SandboxNotFound:
                 raise E2BError(404, f"sandbox {e2b_id} was not found") from None
+
+    async def set_egress(self, principal: Principal, e2b_id: str, policy: EgressPolicy) -> None:
+        live = self.resolve(e2b_id, principal).live
+        if live is None:
+            raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
+        try:
+            await self.runtime.sandboxes.set_egress(live.record.id, policy)
+        except NetworkModeConflict as exc:
+            raise E2BError(409, f"{exc}: create it with allow_internet_access or a network option") from None
 
     async def rotate_token(self, principal: Principal, e2b_id: str) -> dict[str, Any]:
         """A new nonce, stored with the sandbox or paused workspace: its old token stops working."""

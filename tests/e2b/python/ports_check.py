@@ -19,7 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-from e2b import Sandbox
+from e2b import CommandExitException, Sandbox
 from wsproto import ConnectionType, WSConnection
 from wsproto import events as ws
 
@@ -48,10 +48,12 @@ def get(host: str, path: str = "/", headers: dict[str, str] | None = None) -> ht
 def wait_for(port: int, sbx: Sandbox) -> None:
     """Until the guest program listens (it starts in the background)."""
     for _ in range(240):
-        if sbx.commands.run(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 1)\"",
-                            timeout=60).exit_code == 0:
+        try:
+            sbx.commands.run(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 1)\"",
+                             timeout=60)
             return
-        time.sleep(0.5)
+        except CommandExitException:  # refused: not listening yet
+            time.sleep(0.5)
     raise AssertionError(f"nothing listened on {port} in the guest")
 
 
