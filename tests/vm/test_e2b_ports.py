@@ -43,4 +43,5 @@ def test_guest_ports_through_the_python_sdk(e2b_env: dict[str, str]) -> None:
 
 
 def test_network_options_through_the_python_sdk(e2b_env: dict[str, str]) -> None:
-    _run("network_check.py", e2b_env, {"no_option_no_link", "deny_list_then_update", "internet_off"})
+    _run("network_check.py", e2b_env, {"no_option_no_link", "deny_list_then_update", "internet_off",
+                                                    "kept_across_pause"})

@@ -24,7 +24,7 @@ from typing import Any
 
 from forkd.e2b.errors import E2BError, lifecycle_error, sandbox_gone
 from forkd.e2b.keys import Credentials, Principal
-from forkd.host.netpolicy import EgressPolicy, NetRequest
+from forkd.host.netpolicy import EgressPolicy, NetRequest, net_request_of
 from forkd.runtime.isolation import SandboxOptions
 from forkd.store.registry import SnapshotRecord, WorkspaceRecord
 from forkd.runtime.runtime import Runtime
@@ -304,7 +304,8 @@ class E2BSandboxes:
         tag = fork_prefix(principal.owner) + secrets.token_hex(6)
         await self.runtime.branches.branch(live.record.id, tag, mode="diff", wait=True)
         labels = self._new_labels(principal, self._labels(resolved.labels))
-        options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}), metadata=labels)
+        options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}), metadata=labels,
+                              isolation=SandboxOptions(net=net_request_of(live.record.meta.get("net"))))
         outcomes = await self.runtime.spawner.fork(tag, count, options)
         return [{"sandbox": self.created(o.sandbox["id"], tag, labels[NONCE_LABEL])} if o.sandbox is not None
                 else {"error": {"code": o.error.kind.status, "message": str(o.error)}} for o in outcomes]

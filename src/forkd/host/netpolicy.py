@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from typing import Any
 
 from forkd.guest import netconf
 from forkd.validation import ValidationError
@@ -50,6 +51,17 @@ class EgressPolicy:
 class NetRequest:
     mode: str = "none"
     egress: EgressPolicy = field(default_factory=EgressPolicy)
+
+
+def net_request_of(net: dict[str, Any] | None) -> NetRequest:
+    """The request a sandbox's recorded ``net`` (``sandbox_meta``) stands for: what a resume or a fork
+    of it starts its successor with, so a sandbox keeps its network across pause and resume."""
+    if not net or net.get("mode") != "nat":
+        return NetRequest()
+    egress = net.get("egress") or {}
+    allow = [allow_rule(r["cidr"], list(r.get("ports") or []), r.get("protocol", "any")) for r in egress.get("allow", [])]
+    return NetRequest(mode="nat", egress=egress_policy(egress.get("default", "allow"), allow, egress.get("dns", True),
+                                                       [parse_cidr(c) for c in egress.get("deny", [])]))
 
 
 def parse_cidr(text: str) -> ipaddress.IPv4Network:

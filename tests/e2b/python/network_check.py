@@ -73,6 +73,15 @@ def main() -> int:
         finally:
             sbx.kill()
 
+    def kept_across_pause() -> None:
+        sbx = Sandbox.create(TEMPLATE, timeout=600, network={"deny_out": ["203.0.113.0/24"]})
+        try:
+            assert sbx.pause() is True
+            resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
+            assert probe(resumed, "203.0.113.5") == 3  # a nat link with its deny rule again, not none (4)
+        finally:
+            sbx.kill()
+
     def internet_off() -> None:
         sbx = Sandbox.create(TEMPLATE, timeout=600, allow_internet_access=False)
         try:
@@ -84,6 +93,7 @@ def main() -> int:
     check("no_option_no_link", no_option_no_link)
     check("deny_list_then_update", deny_list_then_update)
     check("internet_off", internet_off)
+    check("kept_across_pause", kept_across_pause)
     return 1 if failures else 0
 
 
