@@ -106,6 +106,7 @@ def test_a_guest_port_answers_through_the_front_with_its_token_or_when_public(tm
                     assert refused.status_code == 401, refused.text
                 closed = await client.get("/", headers=_to(sandbox, _free_port(), token))
                 assert closed.status_code == 502 and "is not open" in closed.json()["message"]
+                assert front.ports.tunnels.count(sandbox) == 0  # every answered request closed its tunnel
 
                 public = (await client.post("/sandboxes", headers=_key(A), json={
                     "templateID": "base", "network": {"allowPublicTraffic": True}})).json()

@@ -64,6 +64,21 @@ async def _next_event(conn: h11.Connection, tunnel: Tunnel) -> Any:
         conn.receive_data(await tunnel.read())
 
 
+class _Relayed(StreamingResponse):
+    """A response streamed from a tunnel, which is closed however the response ends: a client that
+    left before its body began never starts the body's generator, whose own ``finally`` would not run."""
+
+    def __init__(self, tunnel: Tunnel, body: AsyncIterator[bytes], status_code: int) -> None:
+        super().__init__(body, status_code=status_code)
+        self.tunnel = tunnel
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.tunnel.close()
+
+
 class Ports:
     def __init__(self, tunnels: Tunnels) -> None:
         self.tunnels = tunnels
@@ -97,17 +112,14 @@ class Ports:
         except Exception as exc:
             tunnel.close()
             return _unreachable(sandbox_id, port, exc)
-        response = StreamingResponse(self._body(conn, tunnel), status_code=head.status_code)
+        response = _Relayed(tunnel, self._body(conn, tunnel), status_code=head.status_code)
         response.raw_headers = _forwarded(list(head.headers))  # repeated ones (Set-Cookie) kept as they are
         return response
 
     @staticmethod
     async def _body(conn: h11.Connection, tunnel: Tunnel) -> AsyncIterator[bytes]:
-        try:
-            while isinstance(event := await _next_event(conn, tunnel), h11.Data):
-                yield bytes(event.data)
-        finally:
-            tunnel.close()
+        while isinstance(event := await _next_event(conn, tunnel), h11.Data):
+            yield bytes(event.data)
 
     async def websocket(self, scope: dict[str, Any], receive: Any, send: Any, sandbox_id: str, port: int) -> None:
         """Open the WebSocket on the guest's port first, accept the client's with its answer, then relay."""
