@@ -134,7 +134,7 @@ def test_sandbox_traffic_needs_its_token_and_a_gone_sandbox_is_not_found(client:
     assert missing.status_code == 401 and missing.json()["code"] == "unauthenticated"
     gone = client.post(rpc, headers=_sandbox_headers("49983", "0" * 64), json={})
     assert gone.status_code == 502 and "was not found" in gone.json()["message"]
-    for port in ("8080", "3000"):  # any port is served now (tests/unit/test_e2b_ports.py): a gone sandbox is gone
+    for port in ("8080", "3000"):  # any port is served now (tests/unit/test_e2b_port_relay.py): a gone sandbox is gone
         answer = client.get("/", headers=_sandbox_headers(port, "0" * 64))
         assert answer.status_code == 502 and "was not found" in answer.json()["message"]
     for port in ("0", "65536", "http"):
