@@ -56,7 +56,7 @@ quickstart = 1
 [e2b]
 listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)  [FORKD_E2B_LISTEN]
 keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
-domain = "sandbox.example.com"     # get_host(port) = PORT-ID.DOMAIN (wildcard DNS to the listener); default localhost:PORT
+domain = "sandbox.example.com"     # get_host(port) = PORT-ID.DOMAIN (needs wildcard DNS); default localhost:PORT
 
 [transfers]
 allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any
