@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forkd.sdk.controller import Controller
+from forkd.sdk.records import SnapshotRecord
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ TEMPLATES = {"code-interpreter": CODE_INTERPRETER}
 
 
 def build_template(controller: Controller, template: Template, ca_certs: Sequence[str] = (), force: bool = False,
-                   on_progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
+                   on_progress: Callable[[str], Any] | None = None) -> SnapshotRecord:
     """Build (or reuse) the template's image, then bake its snapshot unless it exists already.
 
     ``force`` rebuilds the image and bakes the snapshot again (the old one is removed first, which
@@ -47,8 +48,8 @@ def build_template(controller: Controller, template: Template, ca_certs: Sequenc
     existing = {s["tag"] for s in controller.snapshots()}
     if template.tag in existing:
         if not force:
-            return controller.snapshot(template.tag)  # type: ignore[no-any-return]
+            return controller.snapshot(template.tag)
         controller.remove_snapshot(template.tag)
     controller.create_snapshot(template.tag, on_progress=on_progress, image=template.image,
                                memory_mib=template.memory_mib, warm_modules=list(template.warm_modules))
-    return controller.snapshot(template.tag)  # type: ignore[no-any-return]
+    return controller.snapshot(template.tag)
