@@ -1143,7 +1143,14 @@ def test_cancel_ends_a_command_and_a_cell(agent: AgentClient) -> None:
     req_id, _ = start_process(agent, {"argv": ["sleep", "600"]})
     agent.result(protocol.OP_CANCEL, {"id": req_id})
     result = agent.collect(req_id, timeout=30)[-1][1]["result"]
-    assert result["cancelled"] is True and result["signal"] == signal.SIGKILL
+    assert result["cancelled"] is True and result["signal"] == signal.SIGINT  # gently first
+    req_id, _ = start_process(agent, {"argv": ["python3", "-c", "import signal, sys, time\n"
+                                       "signal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+                                       "time.sleep(600)"]})
+    assert agent.next_frame(req_id, timeout=30)[1]["event"] == "stdout"  # its SIGINT handler is in place
+    agent.result(protocol.OP_CANCEL, {"id": req_id})
+    result = agent.collect(req_id, timeout=30)[-1][1]["result"]
+    assert result["cancelled"] is True and result["signal"] == signal.SIGKILL  # it ignored SIGINT: killed
     run_code(agent, "kept = 7", context="cancel")
     req_id = agent.start(protocol.OP_RUN_CODE, {"code": "print('go', flush=True)\nimport time; time.sleep(600)",
                                                 "context": "cancel"})

@@ -71,7 +71,7 @@ class E2BFront:
         self.sandboxes = E2BSandboxes(runtime, credentials)
         self.control = control_app(self.sandboxes)
         self.envd = Envd(runtime.sessions)
-        self.interpreter = Interpreter()
+        self.interpreter = Interpreter(runtime.sessions)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

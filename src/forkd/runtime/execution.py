@@ -14,6 +14,7 @@ import asyncio
 import codecs
 import collections
 import contextlib
+import json
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +31,12 @@ HOLD_FACTOR = 4  # a stream's queue may reach this many buffers before the conne
 _ending: set[asyncio.Task[None]] = set()  # guest calls being ended after their caller left
 # Turns a lost agent connection into the error the caller should see (the sandbox ended, say).
 Explain = Callable[[AgentUnavailable], Awaitable[Exception]]
+
+
+def encoded_size(name: str, data: dict[str, Any]) -> int:
+    """What an event costs the daemon: its payload as the guest encoded it (the frame was at most
+    ``protocol.MAX_FRAME_BYTES`` on the wire, so this is bounded too)."""
+    return len(name) + len(json.dumps(data, separators=(",", ":")))
 
 
 def _payload(data: dict[str, Any]) -> bytes:
@@ -70,6 +77,11 @@ class Execution:
         self.pid: int | None = None
         self.truncated = False
 
+    @property
+    def paused(self) -> bool:
+        """True while the guest was asked to pause this call because its reader fell behind."""
+        return self._paused
+
     async def start(self) -> Execution:
         self._req_id = await self._agent.start(self._op, self._args, on_event=self._on_event)
         self._result = asyncio.create_task(self._agent.wait(self._req_id, timeout=self._timeout))
@@ -102,6 +114,13 @@ class Execution:
             self._forwarded += size
             event = Output(name, self._decoders[name].decode(chunk))  # type: ignore[arg-type]
         else:
+            # Rich results (display(), charts) and any other event count what they cost to hold: their
+            # encoded size. One that does not fit in what is left of the budget is dropped whole.
+            size = encoded_size(name, data)
+            if self._limit is not None and self._forwarded + size > self._limit:
+                self.truncated = True
+                return None
+            self._forwarded += size
             event = Notice(name, data)
         self._queue.append((event, size))
         self._queued_bytes += size
@@ -190,9 +209,10 @@ class Execution:
         self._closed = True
         self._queue.clear()
         self._drained.set()
-        if self._result is not None and not self._result.done():
+        running = self._result is None or not self._result.done()  # an answered call has nothing to end
+        if self._result is not None and running:
             self._result.cancel()
-        if self._req_id is not None:
+        if self._req_id is not None and running:
             ending = asyncio.create_task(_end_in_guest(self._agent, self._req_id, self.pid))
             _ending.add(ending)
             ending.add_done_callback(_ending.discard)
@@ -204,15 +224,15 @@ class Execution:
 
 
 async def _end_in_guest(agent: AgentClient, req_id: int, pid: int | None) -> None:
-    """Ask the agent to cancel the request and, for a command, also kill its process group at once.
+    """Ask the agent to cancel the request; a command of an agent without ``cancel`` is killed instead.
 
-    Both are sent without waiting for the other: an agent without ``cancel`` still kills, and the
-    kill acts as soon as the agent reads it even while its answers queue behind output in flight.
+    The agent ends a cancelled call gently: a cell gets SIGINT (its interpreter raises
+    KeyboardInterrupt, the context lives on), a command's process group SIGINT and, if it is still
+    there after a grace period, SIGKILL (docs/guest-protocol.md, "cancel").
     """
-    calls = [agent.control(protocol.OP_CANCEL, req_id, timeout=CONTROL_TIMEOUT_S)]
-    if pid is not None:
-        calls.append(agent.call(protocol.OP_PROC_KILL, {"pid": pid, "signal": int(signal.SIGKILL)},
-                                timeout=CONTROL_TIMEOUT_S))
-    for outcome in await asyncio.gather(*calls, return_exceptions=True):
-        if isinstance(outcome, Exception):
-            log.debug("ending request %d in the guest: %s", req_id, outcome)
+    try:
+        if await agent.control(protocol.OP_CANCEL, req_id, timeout=CONTROL_TIMEOUT_S) or pid is None:
+            return
+        await agent.call(protocol.OP_PROC_KILL, {"pid": pid, "signal": int(signal.SIGKILL)}, timeout=CONTROL_TIMEOUT_S)
+    except AgentError as exc:
+        log.debug("ending request %d in the guest: %s", req_id, exc)
