@@ -28,6 +28,7 @@ from forkd.runtime.execution import HOLD_FACTOR
 from forkd.runtime.options import OutputLimits
 from forkd.runtime.results import CellSpec, CommandSpec, Notice, Output, Started
 from forkd.runtime.sessions import Sessions
+from forkd.runtime.snapshots import READY_LINE_BYTES, ReadyLine
 
 POLL_S = 0.05
 SANDBOX = "sb-1"
@@ -184,3 +185,15 @@ def test_a_streamed_cell_flooding_display_with_no_reader_keeps_its_buffer_bounde
             assert (await execution.raw_result()).get("error") is None
 
     run(scenario)
+
+
+def test_a_warmup_line_without_newline_is_held_only_up_to_its_bound() -> None:
+    """run_warmup kept a line with no newline whole (and copied it whole at every chunk)."""
+    lines = ReadyLine()
+    chunk = b"y" * (64 << 10)
+    for _ in range(256):  # 16 MiB, no newline
+        assert not lines.feed(chunk)
+        assert len(lines.held) <= READY_LINE_BYTES
+    assert not lines.feed(b'tail {"ready": true}\n')  # the end of the overlong line: skipped whole
+    assert not lines.feed(b'{"ready": false}\n{"rea')
+    assert lines.feed(b'dy": true}\n')  # a ready line split across chunks is found
