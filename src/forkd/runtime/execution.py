@@ -22,7 +22,7 @@ from typing import Any
 
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, AgentUnavailable
-from forkd.runtime.results import Event, Notice, Output, Started
+from forkd.runtime.results import Data, Event, Notice, Output, Started
 
 log = logging.getLogger("forkd.sessions")
 
@@ -54,7 +54,8 @@ class Execution:
     """
 
     def __init__(self, agent: AgentClient, op: str, args: dict[str, Any], timeout: float | None,
-                 output_limit: int | None, buffer_bytes: int, explain: Explain | None = None) -> None:
+                 output_limit: int | None, buffer_bytes: int, explain: Explain | None = None,
+                 raw: bool = False) -> None:
         self._agent = agent
         self._explain = explain
         self._op = op
@@ -67,6 +68,9 @@ class Execution:
         self._forwarded = 0
         self._decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace")
                           for name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR)}
+        # raw: output stays bytes (Data events), a terminal's included; else text (Output events)
+        self._raw = raw
+        self._streams = {protocol.EVENT_STDOUT, protocol.EVENT_STDERR, *([protocol.EVENT_PTY] if raw else [])}
         self._arrived = asyncio.Event()
         self._drained = asyncio.Event()
         self._paused = False
@@ -103,7 +107,7 @@ class Execution:
         if name == protocol.EVENT_STARTED and isinstance(data.get("pid"), int):
             self.pid = data["pid"]
             event = Started(self.pid)
-        elif name in self._decoders:
+        elif name in self._streams:
             chunk = _payload(data)
             if self._limit is not None and self._forwarded + len(chunk) > self._limit:
                 chunk = chunk[:max(0, self._limit - self._forwarded)]
@@ -112,7 +116,7 @@ class Execution:
                 return None
             size = len(chunk)
             self._forwarded += size
-            event = Output(name, self._decoders[name].decode(chunk))  # type: ignore[arg-type]
+            event = Data(name, chunk) if self._raw else Output(name, self._decoders[name].decode(chunk))  # type: ignore[arg-type]
         else:
             # Rich results (display(), charts) and any other event count what they cost to hold: their
             # encoded size. One that does not fit in what is left of the budget is dropped whole.
@@ -197,8 +201,15 @@ class Execution:
                 await _end_in_guest(self._agent, self._req_id, self.pid)
             raise
 
+    def interrupt(self) -> None:
+        """Ask the guest to end the call (as :meth:`cancel` does) but keep reading its output and result."""
+        if self._req_id is not None and self._result is not None and not self._result.done():
+            ending = asyncio.create_task(_end_in_guest(self._agent, self._req_id, self.pid))
+            _ending.add(ending)
+            ending.add_done_callback(_ending.discard)
+
     def cancel(self) -> None:
-        """End the call: drop its output and end it in the guest (``cancel``, and a kill of a command).
+        """End the call: drop its output and end it in the guest (see :meth:`interrupt`).
 
         Not a coroutine on purpose: it is called from ``finally`` blocks of a stream whose client
         left, where the surrounding cancel scope would cancel any await; the guest is told from a
@@ -209,13 +220,9 @@ class Execution:
         self._closed = True
         self._queue.clear()
         self._drained.set()
-        running = self._result is None or not self._result.done()  # an answered call has nothing to end
-        if self._result is not None and running:
+        self.interrupt()
+        if self._result is not None and not self._result.done():
             self._result.cancel()
-        if self._req_id is not None and running:
-            ending = asyncio.create_task(_end_in_guest(self._agent, self._req_id, self.pid))
-            _ending.add(ending)
-            ending.add_done_callback(_ending.discard)
 
     def flush(self) -> list[Output]:
         """What the decoders still hold (a character split at the end of the output)."""
