@@ -124,8 +124,7 @@ class Interpreter:
                 yield _line({"type": tail.stream, "text": tail.text, "timestamp": _now()})
             result = await execution.raw_result()
         except Exception as exc:  # the agent refused or lost the cell: say so in the stream
-            error = to_http(exc)
-            yield _line({"type": "error", "name": type(exc).__name__, "value": error.message, "traceback": ""})
+            yield _line({"type": "error", "name": type(exc).__name__, "value": to_http(exc).message, "traceback": ""})
             yield _line({"type": "unexpected_end_of_execution"})
             return
         finally:
