@@ -55,7 +55,7 @@ class Execution:
 
     def __init__(self, agent: AgentClient, op: str, args: dict[str, Any], timeout: float | None,
                  output_limit: int | None, buffer_bytes: int, explain: Explain | None = None,
-                 raw: bool = False) -> None:
+                 raw: bool = False, notices: bool = True) -> None:
         self._agent = agent
         self._explain = explain
         self._op = op
@@ -70,6 +70,7 @@ class Execution:
                           for name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR)}
         # raw: output stays bytes (Data events), a terminal's included; else text (Output events)
         self._raw = raw
+        self._notices = notices  # False: events other than output are not wanted (not held, not counted)
         self._streams = {protocol.EVENT_STDOUT, protocol.EVENT_STDERR, *([protocol.EVENT_PTY] if raw else [])}
         self._arrived = asyncio.Event()
         self._drained = asyncio.Event()
@@ -117,6 +118,8 @@ class Execution:
             size = len(chunk)
             self._forwarded += size
             event = Data(name, chunk) if self._raw else Output(name, self._decoders[name].decode(chunk))  # type: ignore[arg-type]
+        elif not self._notices:
+            return None
         else:
             # Rich results (display(), charts) and any other event count what they cost to hold: their
             # encoded size. One that does not fit in what is left of the budget is dropped whole.

@@ -90,9 +90,9 @@ class Sessions:
             raise await self._explainer(sandbox_id)(exc) from None
 
     def _execution(self, sandbox_id: str, op: str, args: dict[str, Any], timeout_s: float | None,
-                   output_limit: int | None, raw: bool = False) -> Execution:
+                   output_limit: int | None, raw: bool = False, notices: bool = True) -> Execution:
         return Execution(self._agent(sandbox_id), op, args, _call_timeout(timeout_s), output_limit,
-                         self.limits.stream_buffer_bytes, self._explainer(sandbox_id), raw)
+                         self.limits.stream_buffer_bytes, self._explainer(sandbox_id), raw, notices)
 
     # -- commands and cells
 
@@ -153,14 +153,15 @@ class Sessions:
     async def exec(self, sandbox_id: str, spec: CommandSpec) -> CommandResult:
         """Run a command to its end; its output (up to the result budget) comes back in the result."""
         execution = self._execution(sandbox_id, protocol.OP_EXEC, self._exec_args(sandbox_id, spec), spec.timeout_s,
-                                    self.limits.result_bytes)
+                                    self.limits.result_bytes, notices=False)
         raw, stdout, stderr = await self._guarded(sandbox_id, self._collect(execution))
         return read_command_result(raw, stdout, stderr, execution.truncated)
 
     async def run_code(self, sandbox_id: str, spec: CellSpec) -> CodeResult:
         """Run a cell to its end; what it printed (up to the result budget) comes back in the result."""
+        # Its rich results come back in the agent's answer: their events are not held (nor counted) here.
         execution = self._execution(sandbox_id, protocol.OP_RUN_CODE, self._cell_args(spec), spec.timeout_s,
-                                    self.limits.result_bytes)
+                                    self.limits.result_bytes, notices=False)
         raw, stdout, stderr = await self._guarded(sandbox_id, self._collect(execution))
         return read_code_result(raw, stdout, stderr, execution.truncated)
 
