@@ -21,17 +21,22 @@ import uvicorn
 from starlette.requests import Request
 from test_runtime_fake_vmm import run
 
+from forkd.daemon.app import create_app
 from forkd.e2b.interpreter import Interpreter
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient
 from forkd.runtime.execution import HOLD_FACTOR
+from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import OutputLimits
 from forkd.runtime.results import CellSpec, CommandSpec, Notice, Output, Started
 from forkd.runtime.sessions import Sessions
+from forkd.sdk.async_controller import AsyncController
+from forkd.sdk.models import FilesystemEvent
+from forkd.sdk.sandbox_async import AsyncSandbox
 from forkd.runtime.snapshots import READY_LINE_BYTES, ReadyLine
 
 POLL_S = 0.05
-SANDBOX = "sb-1"
+SANDBOX = "sb-0123456789ab"
 
 
 class _OneSandbox:
@@ -197,3 +202,24 @@ def test_a_warmup_line_without_newline_is_held_only_up_to_its_bound() -> None:
     assert not lines.feed(b'tail {"ready": true}\n')  # the end of the overlong line: skipped whole
     assert not lines.feed(b'{"ready": false}\n{"rea')
     assert lines.feed(b'dy": true}\n')  # a ready line split across chunks is found
+
+
+def test_rest_and_the_sdk_watch_a_directory_through_the_session_layer(tmp_path: Path) -> None:
+    """The REST API (and the SDK on it) gained directory watchers through the sessions the E2B front uses."""
+    async def scenario() -> None:
+        async with _agent() as sessions:
+            app = create_app(SimpleNamespace(sessions=sessions, metrics=Metrics()))  # type: ignore[arg-type]
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://daemon")
+            async with http:
+                files = AsyncSandbox(SANDBOX, AsyncController(url="http://daemon", http=http)).files
+                watch = await files.watch(str(tmp_path), recursive=True)
+                (tmp_path / "new.txt").write_text("hello")
+                events = await files.watch_events(watch, wait_s=30)
+                assert FilesystemEvent("new.txt", "create", str(tmp_path / "new.txt")) in events
+                base = f"/v1/sandboxes/{SANDBOX}/watches"
+                assert (await http.get(f"{base}/{watch}/events", params={"wait_s": 3600})).status_code == 400
+                await files.unwatch(watch)
+                gone = await http.get(f"{base}/{watch}/events")
+                assert gone.status_code == 404, gone.text
+
+    run(scenario)

@@ -189,6 +189,11 @@ class PathBody(Strict):
     path: str = Field(min_length=1, max_length=4096)
 
 
+class WatchBody(Strict):
+    path: str = Field(min_length=1, max_length=4096, description="a directory in the sandbox")
+    recursive: bool = Field(default=False, description="also watch its subdirectories, present and future")
+
+
 class RenameBody(Strict):
     src: str = Field(min_length=1, max_length=4096)
     dst: str = Field(min_length=1, max_length=4096)
@@ -418,6 +423,21 @@ class FileEntry(Open):
 
 class FileList(Open):
     entries: list[FileEntry]
+
+
+class WatchCreated(Open):
+    id: str
+
+
+class WatchEvent(Open):
+    type: str = Field(description="create, write, remove, rename or chmod; overflow when the guest's queue "
+                                  "filled up and events were lost")
+    name: str = Field(default="", description="the entry's path relative to the watched directory")
+    path: str = Field(default="", description="the entry's absolute path")
+
+
+class WatchEvents(Open):
+    events: list[WatchEvent]
 
 
 class NodePull(Strict):

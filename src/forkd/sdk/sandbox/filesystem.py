@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import IO, Any, Literal
 
 from forkd.sdk.errors import InvalidArgumentException
-from forkd.sdk.models import EntryInfo, FileType, WriteEntry, WriteInfo
+from forkd.sdk.models import EntryInfo, FilesystemEvent, FileType, WriteEntry, WriteInfo
 from forkd.sdk.sandbox.flavour import Flavour, SandboxRef, Steps, found, operation
 
 Data = str | bytes | IO[Any] | list[WriteEntry] | list[dict[str, Any]]
@@ -112,3 +112,18 @@ class FilesystemCore:
             return False
         yield self._sandbox.api.make_dir(self._sandbox.sandbox_id, path)
         return True
+
+    @operation
+    def watch(self, path: str, recursive: bool = False) -> Steps[str]:
+        """Start watching directory ``path``; the watcher's id, for :meth:`watch_events` and :meth:`unwatch`."""
+        return str((yield self._sandbox.api.create_watch(self._sandbox.sandbox_id, path, recursive)))
+
+    @operation
+    def watch_events(self, watch_id: str, wait_s: float = 0.0) -> Steps[list[FilesystemEvent]]:
+        """The changes since the last call; with ``wait_s`` (at most 60), waits that long for a first one."""
+        events = yield self._sandbox.api.watch_events(self._sandbox.sandbox_id, watch_id, wait_s)
+        return [FilesystemEvent.from_agent(e) for e in events]
+
+    @operation
+    def unwatch(self, watch_id: str) -> Steps[None]:
+        yield self._sandbox.api.remove_watch(self._sandbox.sandbox_id, watch_id)
