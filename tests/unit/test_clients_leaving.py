@@ -23,6 +23,7 @@ from test_runtime_fake_vmm import run
 
 from forkd.daemon.app import create_app
 from forkd.e2b.interpreter import Interpreter
+from forkd.e2b.process import ProcessService
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient
 from forkd.runtime.execution import HOLD_FACTOR
@@ -223,3 +224,18 @@ def test_rest_and_the_sdk_watch_a_directory_through_the_session_layer(tmp_path: 
                 assert gone.status_code == 404, gone.text
 
     run(scenario)
+
+
+def test_an_e2b_command_ends_when_its_start_requests_timeout_passes() -> None:
+    """As in envd, Connect-Timeout-Ms (the SDK's ``timeout``) is the command's lifetime; before, a
+    command started through the E2B front ran on after every SDK timeout."""
+    async def scenario() -> list[Any]:
+        async with _agent() as sessions:
+            service = ProcessService(sessions)
+            call = SimpleNamespace(live=sessions.sandboxes.get(SANDBOX),  # type: ignore[attr-defined]
+                                   request=SimpleNamespace(headers={"connect-timeout-ms": "1000"}))
+            stream = await service.start(call, {"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 3600"]}})  # type: ignore[arg-type]
+            return [message["event"] async for message in stream]
+
+    events = run(scenario)
+    assert "start" in events[0] and events[-1] == {"end": {"exitCode": -1, "exited": False, "status": "signal: int"}}
