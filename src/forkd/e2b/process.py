@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import signal as signals
 from collections.abc import AsyncIterator, Awaitable
@@ -225,10 +226,13 @@ class ProcessService:
         if not process.pty:
             execution.interrupt()
         elif process.pid is not None:
-            kill = self.sessions.pty_signal(live.record.id, process.pid, int(signals.SIGKILL))
-            task = asyncio.get_running_loop().create_task(kill)
+            task = asyncio.get_running_loop().create_task(self._kill_terminal(live.record.id, process.pid))
             _EXPIRING.add(task)
             task.add_done_callback(_EXPIRING.discard)
+
+    async def _kill_terminal(self, sandbox_id: str, pid: int) -> None:
+        with contextlib.suppress(AgentError):  # it ended (or the sandbox did) meanwhile
+            await self.sessions.pty_signal(sandbox_id, pid, int(signals.SIGKILL))
 
     async def _stream(self, process: _Process, queue: _Outbox, call: Call) -> AsyncIterator[Message]:
         """The process's events; keepalives only once the first (``start``) went out: the SDKs

@@ -408,7 +408,6 @@ class Operations:
                                json={"path": path, "recursive": recursive}, key="id"))
 
     def watch_events(self, sandbox_id: str, watch_id: str, wait_s: float = 0.0) -> Any:
-        # the long poll's own wait, and the connection's request timeout on top of it
         return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/watches/{watch_id}/events",
                                params={"wait_s": wait_s}, timeout=wait_s + WATCH_POLL_GRACE_S, key="events"))
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 from collections.abc import Iterable
 from typing import IO, Any, Literal
@@ -119,7 +120,7 @@ class FilesystemCore:
         return str((yield self._sandbox.api.create_watch(self._sandbox.sandbox_id, path, recursive)))
 
     @operation
-    def watch_events(self, watch_id: str, wait_s: float = 0.0) -> Steps[list[FilesystemEvent]]:
+    def watch_events(self, watch_id: str, wait_s: float = 0.0) -> Steps[builtins.list[FilesystemEvent]]:
         """The changes since the last call; with ``wait_s`` (at most 60), waits that long for a first one."""
         events = yield self._sandbox.api.watch_events(self._sandbox.sandbox_id, watch_id, wait_s)
         return [FilesystemEvent.from_agent(e) for e in events]
