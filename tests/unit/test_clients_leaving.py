@@ -215,7 +215,7 @@ def test_rest_and_the_sdk_watch_a_directory_through_the_session_layer(tmp_path: 
                 files = AsyncSandbox(SANDBOX, AsyncController(url="http://daemon", http=http)).files
                 watch = await files.watch(str(tmp_path), recursive=True)
                 (tmp_path / "new.txt").write_text("hello")
-                events = await files.watch_events(watch, wait_s=30)
+                events = await files.watch_events(watch, wait_s=10)
                 assert FilesystemEvent("new.txt", "create", str(tmp_path / "new.txt")) in events
                 base = f"/v1/sandboxes/{SANDBOX}/watches"
                 assert (await http.get(f"{base}/{watch}/events", params={"wait_s": 3600})).status_code == 400

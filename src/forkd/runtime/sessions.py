@@ -125,8 +125,9 @@ class Sessions:
         """Start an argv command on a pseudo-terminal; what it writes comes as ``Data("pty", ...)`` events.
 
         The terminal's program is steered by pid with :meth:`pty_input`, :meth:`pty_resize` and
-        :meth:`pty_signal`. The agent has no deadline, flow control or cancel for a terminal: its
-        caller ends it with :meth:`pty_signal` (an interactive program has no output to pause).
+        :meth:`pty_signal`. It has no deadline; like a command it is paused when its reader falls
+        behind, and cancelling it hangs the session up (SIGHUP, then SIGKILL; agents before this
+        one ignore both: end such a terminal with :meth:`pty_signal`).
         """
         if spec.argv is None:
             raise ValueError("a PTY runs an argv command, not a shell string")

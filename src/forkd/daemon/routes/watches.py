@@ -15,7 +15,7 @@ from forkd.daemon import schemas
 from forkd.daemon.deps import SandboxId, SessionsDep
 
 router = APIRouter()
-MAX_WAIT_S = 60.0
+MAX_WAIT_S = 10.0  # the agent's own bound on one watch.read
 WatchId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 
 

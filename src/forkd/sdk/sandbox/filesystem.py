@@ -121,7 +121,7 @@ class FilesystemCore:
 
     @operation
     def watch_events(self, watch_id: str, wait_s: float = 0.0) -> Steps[builtins.list[FilesystemEvent]]:
-        """The changes since the last call; with ``wait_s`` (at most 60), waits that long for a first one."""
+        """The changes since the last call; with ``wait_s`` (at most 10), waits that long for a first one."""
         events = yield self._sandbox.api.watch_events(self._sandbox.sandbox_id, watch_id, wait_s)
         return [FilesystemEvent.from_agent(e) for e in events]
 
