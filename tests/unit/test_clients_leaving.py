@@ -5,6 +5,7 @@ process on the host; the E2B route is served by uvicorn on a real socket so a cl
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -25,7 +26,7 @@ from forkd.daemon.app import create_app
 from forkd.e2b.interpreter import Interpreter
 from forkd.e2b.process import ProcessService
 from forkd.guest import protocol
-from forkd.runtime.agent_client import AgentClient
+from forkd.runtime.agent_client import AgentClient, AgentError
 from forkd.runtime.execution import HOLD_FACTOR
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import OutputLimits
@@ -239,3 +240,50 @@ def test_an_e2b_command_ends_when_its_start_requests_timeout_passes() -> None:
 
     events = run(scenario)
     assert "start" in events[0] and events[-1] == {"end": {"exitCode": -1, "exited": False, "status": "signal: int"}}
+
+
+def test_rest_runs_a_terminal_and_hangs_it_up_when_its_client_leaves(tmp_path: Path) -> None:
+    """REST gained PTY sessions through the session layer: output streamed, input and resize by pid, and a
+    client that leaves hangs its terminal up (the program's SIGHUP trap runs)."""
+    marker = tmp_path / "hung-up"
+    script = f"trap 'echo yes > {marker}; exit 0' HUP; read line; echo got:$line; stty size; sleep 3600"
+
+    async def scenario() -> None:
+        async with _agent() as sessions:
+            app = create_app(SimpleNamespace(sessions=sessions, metrics=Metrics()))  # type: ignore[arg-type]
+            listener = socket.create_server(("127.0.0.1", 0))
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+            serving = asyncio.create_task(server.serve(sockets=[listener]))
+            host, port = listener.getsockname()
+            base = f"/v1/sandboxes/{SANDBOX}/pty"
+            try:
+                async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=None) as client:
+                    async with client.stream("POST", base, json={"argv": ["/bin/sh", "-c", script]}) as answer:
+                        lines = _lines(answer)
+                        pid = (await anext(lines))["pid"]
+                        resized = await client.post(f"{base}/{pid}/resize", json={"rows": 12, "cols": 40})
+                        assert resized.status_code == 200, resized.text
+                        typed = await client.post(f"{base}/{pid}/input", json={"data": "hello\n"})
+                        assert typed.json() == {"pid": pid, "written": 6}
+                        seen = b""
+                        while b"12 40" not in seen:
+                            event = await anext(lines)
+                            assert event["event"] == "pty", event
+                            seen += base64.b64decode(event["data_b64"])
+                        assert b"got:hello" in seen
+                    # The client left with the program still running: it is hung up.
+                    await _until(lambda: _gone_terminal(sessions, pid))
+                    assert marker.read_text() == "yes\n"
+            finally:
+                server.should_exit = True
+                await serving
+
+    run(scenario)
+
+
+async def _gone_terminal(sessions: Sessions, pid: int) -> bool:
+    try:
+        await sessions.pty_resize(SANDBOX, pid, 24, 80)
+    except AgentError as exc:
+        return exc.code == "not_found"
+    return False

@@ -139,6 +139,22 @@ class StdinBody(Strict):
     eof: bool = False
 
 
+class PtySize(Strict):
+    rows: StrictInt = Field(default=24, ge=1, le=10_000)
+    cols: StrictInt = Field(default=80, ge=1, le=10_000)
+
+
+class PtyInput(Strict):
+    data: str = Field(max_length=MAX_STDIN_CHARS)
+
+
+class PtyRequest(PtySize):
+    argv: list[str] = Field(default_factory=lambda: ["/bin/bash", "-i"], min_length=1, max_length=4096,
+                            description="the program and its arguments (default: an interactive bash)")
+    env: Envs = Field(default_factory=dict, description="merged over the sandbox's default envs")
+    cwd: str | None = Field(default=None, max_length=4096)
+
+
 class ExecRequest(Strict):
     cmd: str | None = Field(default=None, max_length=1 << 20, description="shell command (/bin/sh -c)")
     argv: list[str] | None = Field(default=None, min_length=1, max_length=4096)
@@ -187,11 +203,6 @@ class ContextCreate(Strict):
 
 class PathBody(Strict):
     path: str = Field(min_length=1, max_length=4096)
-
-
-class WatchBody(Strict):
-    path: str = Field(min_length=1, max_length=4096, description="a directory in the sandbox")
-    recursive: bool = Field(default=False, description="also watch its subdirectories, present and future")
 
 
 class RenameBody(Strict):
@@ -423,21 +434,6 @@ class FileEntry(Open):
 
 class FileList(Open):
     entries: list[FileEntry]
-
-
-class WatchCreated(Open):
-    id: str
-
-
-class WatchEvent(Open):
-    type: str = Field(description="create, write, remove, rename or chmod; overflow when the guest's queue "
-                                  "filled up and events were lost")
-    name: str = Field(default="", description="the entry's path relative to the watched directory")
-    path: str = Field(default="", description="the entry's absolute path")
-
-
-class WatchEvents(Open):
-    events: list[WatchEvent]
 
 
 class NodePull(Strict):
