@@ -5,7 +5,6 @@ process on the host; the E2B route is served by uvicorn on a real socket so a cl
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import os
@@ -33,7 +32,7 @@ from forkd.runtime.options import OutputLimits
 from forkd.runtime.results import CellSpec, CommandSpec, Notice, Output, Started
 from forkd.runtime.sessions import Sessions
 from forkd.sdk.async_controller import AsyncController
-from forkd.sdk.models import FilesystemEvent
+from forkd.sdk.models import FilesystemEvent, PtySize
 from forkd.sdk.sandbox_async import AsyncSandbox
 from forkd.runtime.snapshots import READY_LINE_BYTES, ReadyLine
 
@@ -242,9 +241,9 @@ def test_an_e2b_command_ends_when_its_start_requests_timeout_passes() -> None:
     assert "start" in events[0] and events[-1] == {"end": {"exitCode": -1, "exited": False, "status": "signal: int"}}
 
 
-def test_rest_runs_a_terminal_and_hangs_it_up_when_its_client_leaves(tmp_path: Path) -> None:
-    """REST gained PTY sessions through the session layer: output streamed, input and resize by pid, and a
-    client that leaves hangs its terminal up (the program's SIGHUP trap runs)."""
+def test_rest_and_the_sdk_run_a_terminal_and_hang_it_up_when_the_client_leaves(tmp_path: Path) -> None:
+    """REST (and the SDK's ``sandbox.pty``) gained terminals through the session layer: output streamed,
+    input and resize by pid, and a client that leaves hangs its terminal up (the program's SIGHUP trap runs)."""
     marker = tmp_path / "hung-up"
     script = f"trap 'echo yes > {marker}; exit 0' HUP; read line; echo got:$line; stty size; sleep 3600"
 
@@ -255,25 +254,23 @@ def test_rest_runs_a_terminal_and_hangs_it_up_when_its_client_leaves(tmp_path: P
             server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
             serving = asyncio.create_task(server.serve(sockets=[listener]))
             host, port = listener.getsockname()
-            base = f"/v1/sandboxes/{SANDBOX}/pty"
+            url = f"http://{host}:{port}"
             try:
-                async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=None) as client:
-                    async with client.stream("POST", base, json={"argv": ["/bin/sh", "-c", script]}) as answer:
-                        lines = _lines(answer)
-                        pid = (await anext(lines))["pid"]
-                        resized = await client.post(f"{base}/{pid}/resize", json={"rows": 12, "cols": 40})
-                        assert resized.status_code == 200, resized.text
-                        typed = await client.post(f"{base}/{pid}/input", json={"data": "hello\n"})
-                        assert typed.json() == {"pid": pid, "written": 6}
-                        seen = b""
-                        while b"12 40" not in seen:
-                            event = await anext(lines)
-                            assert event["event"] == "pty", event
-                            seen += base64.b64decode(event["data_b64"])
-                        assert b"got:hello" in seen
-                    # The client left with the program still running: it is hung up.
-                    await _until(lambda: _gone_terminal(sessions, pid))
+                async with httpx.AsyncClient(base_url=url, timeout=None) as http:
+                    pty = AsyncSandbox(SANDBOX, AsyncController(url=url, http=http)).pty
+                    handle = await pty.create(PtySize(rows=30, cols=100), cmd=["/bin/sh", "-c", script])
+                    await pty.resize(handle.pid, PtySize(rows=12, cols=40))
+                    await handle.send_stdin("hello\n")
+                    seen = b""
+                    async for _, _, data in handle:
+                        seen += data or b""
+                        if b"12 40" in seen:
+                            break
+                    assert b"got:hello" in seen
+                    await handle.disconnect()  # the client leaves with the program still running: hung up
+                    await _until(lambda: _gone_terminal(sessions, handle.pid))
                     assert marker.read_text() == "yes\n"
+                    assert await pty.kill(handle.pid) is False  # gone
             finally:
                 server.should_exit = True
                 await serving

@@ -16,6 +16,7 @@ from typing import IO, Any
 import httpx
 
 from forkd.sdk.connection import ConnectionConfig
+from forkd.sdk.live_operations import LiveOperations
 from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, reaching, read_file_call, truncated
 from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
 
@@ -99,7 +100,7 @@ async def _exit(context: Any) -> None:
         await context.__aexit__(None, None, None)
 
 
-class AsyncController(Operations):
+class AsyncController(Operations, LiveOperations):
     """Asynchronous client for the forkd REST API: ``await api.sandboxes()`` and every other operation."""
 
     _flavour = ASYNC

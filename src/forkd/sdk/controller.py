@@ -17,6 +17,7 @@ import httpx
 
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import DaemonUnreachable, ForkdError
+from forkd.sdk.live_operations import LiveOperations
 from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, reaching, read_file_call, truncated
 from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
 
@@ -80,7 +81,7 @@ class EventStream(StreamState):
             self._context.__exit__(None, None, None)
 
 
-class Controller(Operations):
+class Controller(Operations, LiveOperations):
     """Synchronous client for the forkd REST API (every operation: see ``Operations``)."""
 
     _flavour = SYNC

@@ -69,6 +69,12 @@ class EntryInfo:
 
 
 @dataclass
+class PtySize:
+    rows: int = 24
+    cols: int = 80
+
+
+@dataclass
 class FilesystemEvent:
     """One change in a watched directory: ``type`` is create, write, remove, rename or chmod
     (``overflow``: the guest's queue filled up and events were lost)."""

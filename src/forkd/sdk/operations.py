@@ -24,7 +24,6 @@ from forkd.sdk.errors import DaemonUnreachable, ForkdError, error_for
 from forkd.sdk.sandbox.flavour import Flavour, Steps, operation
 
 LONG_TIMEOUT_S = 3600.0
-WATCH_POLL_GRACE_S = 60.0  # a watch's long poll may take this much longer than its wait_s
 FORK_OPTIONS = ("timeout_s", "envs", "metadata", "net", "egress", "memory_limit_mib", "cpu_quota", "cpu_weight",
                 "pids_max", "deadline_s", "snapshot_digest", "idempotency_key", "owner")
 
@@ -402,17 +401,6 @@ class Operations:
     def rename(self, sandbox_id: str, src: str, dst: str) -> Any:
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/files/rename", json={"src": src, "dst": dst},
                                void=True))
-
-    def create_watch(self, sandbox_id: str, path: str, recursive: bool = False) -> Any:
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/watches",
-                               json={"path": path, "recursive": recursive}, key="id"))
-
-    def watch_events(self, sandbox_id: str, watch_id: str, wait_s: float = 0.0) -> Any:
-        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/watches/{watch_id}/events",
-                               params={"wait_s": wait_s}, timeout=wait_s + WATCH_POLL_GRACE_S, key="events"))
-
-    def remove_watch(self, sandbox_id: str, watch_id: str) -> Any:
-        return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}/watches/{watch_id}", void=True))
 
     # packs
 

@@ -58,6 +58,9 @@ class SandboxRef(Protocol):
     @property
     def commands(self) -> Any: ...
 
+    @property
+    def pty(self) -> Any: ...
+
 
 class operation(Generic[T]):  # noqa: N801 - used as a decorator, like the ones it stands beside
     """The public method for a step generator, run by its object's flavour: ``sandbox.eval(...)`` answers

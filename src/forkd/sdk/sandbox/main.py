@@ -32,7 +32,7 @@ from forkd.sdk.models import (
     Result,
     SandboxInfo,
 )
-from forkd.sdk.sandbox.commands import CommandsCore
+from forkd.sdk.sandbox.commands import CommandsCore, PtyCore
 from forkd.sdk.sandbox.filesystem import FilesystemCore
 from forkd.sdk.sandbox.flavour import Flavour, Steps, found, operation
 
@@ -51,12 +51,14 @@ class SandboxCore:
     _client: Callable[..., Any]  # Controller or AsyncController
     _commands: type[CommandsCore]
     _files: type[FilesystemCore]
+    _pty: type[PtyCore]
 
     def _bind(self, sandbox_id: str, api: Any) -> None:
         self.sandbox_id = sandbox_id
         self._api = api
         self.commands = self._commands(self)
         self.files = self._files(self)
+        self.pty = self._pty(self)
 
     @property
     def api(self) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from forkd.sdk.async_controller import ASYNC
-from forkd.sdk.sandbox.commands import CommandHandleCore, CommandsCore, Piece
+from forkd.sdk.sandbox.commands import CommandHandleCore, CommandsCore, Piece, PtyCore
 
 
 class AsyncCommandHandle(CommandHandleCore):
@@ -20,5 +20,10 @@ class AsyncCommandHandle(CommandHandleCore):
 
 
 class AsyncCommands(CommandsCore):
+    _flavour = ASYNC
+    _handle = AsyncCommandHandle
+
+
+class AsyncPty(PtyCore):
     _flavour = ASYNC
     _handle = AsyncCommandHandle

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from forkd.sdk.async_controller import ASYNC, AsyncController
 from forkd.sdk.sandbox.main import SandboxCore
-from forkd.sdk.sandbox_async.commands import AsyncCommands
+from forkd.sdk.sandbox_async.commands import AsyncCommands, AsyncPty
 from forkd.sdk.sandbox_async.filesystem import AsyncFilesystem
 
 
@@ -20,8 +20,10 @@ class AsyncSandbox(SandboxCore):
     _client = AsyncController
     _commands = AsyncCommands
     _files = AsyncFilesystem
+    _pty = AsyncPty
     commands: AsyncCommands
     files: AsyncFilesystem
+    pty: AsyncPty
 
     def __init__(self, sandbox_id: str, api: AsyncController) -> None:
         """A handle on sandbox ``sandbox_id`` through ``api`` (use ``create`` or ``connect`` to get one)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from forkd.sdk.controller import SYNC
-from forkd.sdk.sandbox.commands import CommandHandleCore, CommandsCore, Piece
+from forkd.sdk.sandbox.commands import CommandHandleCore, CommandsCore, Piece, PtyCore
 
 
 class CommandHandle(CommandHandleCore):
@@ -21,5 +21,10 @@ class CommandHandle(CommandHandleCore):
 
 
 class Commands(CommandsCore):
+    _flavour = SYNC
+    _handle = CommandHandle
+
+
+class Pty(PtyCore):
     _flavour = SYNC
     _handle = CommandHandle

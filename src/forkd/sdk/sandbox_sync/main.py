@@ -13,7 +13,7 @@ from typing import Any
 
 from forkd.sdk.controller import SYNC, Controller
 from forkd.sdk.sandbox.main import SandboxCore
-from forkd.sdk.sandbox_sync.commands import Commands
+from forkd.sdk.sandbox_sync.commands import Commands, Pty
 from forkd.sdk.sandbox_sync.filesystem import Filesystem
 
 
@@ -45,8 +45,10 @@ class Sandbox(SandboxCore):
     _client = Controller
     _commands = Commands
     _files = Filesystem
+    _pty = Pty
     commands: Commands
     files: Filesystem
+    pty: Pty
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """``Sandbox(...)`` is E2B v1's spelling of ``Sandbox.create(...)`` (the same arguments)."""
