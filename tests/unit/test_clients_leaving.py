@@ -5,6 +5,7 @@ process on the host; the E2B route is served by uvicorn on a real socket so a cl
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -31,9 +32,6 @@ from forkd.runtime.metrics import Metrics
 from forkd.runtime.options import OutputLimits
 from forkd.runtime.results import CellSpec, CommandSpec, Notice, Output, Started
 from forkd.runtime.sessions import Sessions
-from forkd.sdk.async_controller import AsyncController
-from forkd.sdk.models import FilesystemEvent, PtySize
-from forkd.sdk.sandbox_async import AsyncSandbox
 from forkd.runtime.snapshots import READY_LINE_BYTES, ReadyLine
 
 POLL_S = 0.05
@@ -205,22 +203,23 @@ def test_a_warmup_line_without_newline_is_held_only_up_to_its_bound() -> None:
     assert lines.feed(b'dy": true}\n')  # a ready line split across chunks is found
 
 
-def test_rest_and_the_sdk_watch_a_directory_through_the_session_layer(tmp_path: Path) -> None:
-    """The REST API (and the SDK on it) gained directory watchers through the sessions the E2B front uses."""
+def test_rest_watches_a_directory_through_the_session_layer(tmp_path: Path) -> None:
+    """The REST API gained directory watchers through the sessions the E2B front uses."""
     async def scenario() -> None:
         async with _agent() as sessions:
             app = create_app(SimpleNamespace(sessions=sessions, metrics=Metrics()))  # type: ignore[arg-type]
-            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://daemon")
-            async with http:
-                files = AsyncSandbox(SANDBOX, AsyncController(url="http://daemon", http=http)).files
-                watch = await files.watch(str(tmp_path), recursive=True)
-                (tmp_path / "new.txt").write_text("hello")
-                events = await files.watch_events(watch, wait_s=10)
-                assert FilesystemEvent("new.txt", "create", str(tmp_path / "new.txt")) in events
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://daemon") as client:
                 base = f"/v1/sandboxes/{SANDBOX}/watches"
-                assert (await http.get(f"{base}/{watch}/events", params={"wait_s": 3600})).status_code == 400
-                await files.unwatch(watch)
-                gone = await http.get(f"{base}/{watch}/events")
+                made = await client.post(base, json={"path": str(tmp_path), "recursive": True})
+                assert made.status_code == 201, made.text
+                watch = made.json()["id"]
+                (tmp_path / "new.txt").write_text("hello")
+                events = (await client.get(f"{base}/{watch}/events", params={"wait_s": 10})).json()["events"]
+                assert {"name": "new.txt", "path": str(tmp_path / "new.txt"), "type": "create"} in events
+                assert (await client.get(f"{base}/{watch}/events", params={"wait_s": 3600})).status_code == 400
+                assert (await client.delete(f"{base}/{watch}")).json() == {"removed": True}
+                gone = await client.get(f"{base}/{watch}/events")
                 assert gone.status_code == 404, gone.text
 
     run(scenario)
@@ -241,9 +240,9 @@ def test_an_e2b_command_ends_when_its_start_requests_timeout_passes() -> None:
     assert "start" in events[0] and events[-1] == {"end": {"exitCode": -1, "exited": False, "status": "signal: int"}}
 
 
-def test_rest_and_the_sdk_run_a_terminal_and_hang_it_up_when_the_client_leaves(tmp_path: Path) -> None:
-    """REST (and the SDK's ``sandbox.pty``) gained terminals through the session layer: output streamed,
-    input and resize by pid, and a client that leaves hangs its terminal up (the program's SIGHUP trap runs)."""
+def test_rest_runs_a_terminal_and_hangs_it_up_when_its_client_leaves(tmp_path: Path) -> None:
+    """REST gained PTY sessions through the session layer: output streamed, input and resize by pid, and a
+    client that leaves hangs its terminal up (the program's SIGHUP trap runs)."""
     marker = tmp_path / "hung-up"
     script = f"trap 'echo yes > {marker}; exit 0' HUP; read line; echo got:$line; stty size; sleep 3600"
 
@@ -254,23 +253,25 @@ def test_rest_and_the_sdk_run_a_terminal_and_hang_it_up_when_the_client_leaves(t
             server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
             serving = asyncio.create_task(server.serve(sockets=[listener]))
             host, port = listener.getsockname()
-            url = f"http://{host}:{port}"
+            base = f"/v1/sandboxes/{SANDBOX}/pty"
             try:
-                async with httpx.AsyncClient(base_url=url, timeout=None) as http:
-                    pty = AsyncSandbox(SANDBOX, AsyncController(url=url, http=http)).pty
-                    handle = await pty.create(PtySize(rows=30, cols=100), cmd=["/bin/sh", "-c", script])
-                    await pty.resize(handle.pid, PtySize(rows=12, cols=40))
-                    await handle.send_stdin("hello\n")
-                    seen = b""
-                    async for _, _, data in handle:
-                        seen += data or b""
-                        if b"12 40" in seen:
-                            break
-                    assert b"got:hello" in seen
-                    await handle.disconnect()  # the client leaves with the program still running: hung up
-                    await _until(lambda: _gone_terminal(sessions, handle.pid))
+                async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=None) as client:
+                    async with client.stream("POST", base, json={"argv": ["/bin/sh", "-c", script]}) as answer:
+                        lines = _lines(answer)
+                        pid = (await anext(lines))["pid"]
+                        resized = await client.post(f"{base}/{pid}/resize", json={"rows": 12, "cols": 40})
+                        assert resized.status_code == 200, resized.text
+                        typed = await client.post(f"{base}/{pid}/input", json={"data": "hello\n"})
+                        assert typed.json() == {"pid": pid, "written": 6}
+                        seen = b""
+                        while b"12 40" not in seen:
+                            event = await anext(lines)
+                            assert event["event"] == "pty", event
+                            seen += base64.b64decode(event["data_b64"])
+                        assert b"got:hello" in seen
+                    # The client left with the program still running: it is hung up.
+                    await _until(lambda: _gone_terminal(sessions, pid))
                     assert marker.read_text() == "yes\n"
-                    assert await pty.kill(handle.pid) is False  # gone
             finally:
                 server.should_exit = True
                 await serving

@@ -68,26 +68,6 @@ class EntryInfo:
                    modified_time=dt.datetime.fromtimestamp(entry["mtime"], dt.timezone.utc))
 
 
-@dataclass
-class PtySize:
-    rows: int = 24
-    cols: int = 80
-
-
-@dataclass
-class FilesystemEvent:
-    """One change in a watched directory: ``type`` is create, write, remove, rename or chmod
-    (``overflow``: the guest's queue filled up and events were lost)."""
-
-    name: str  # relative to the watched directory
-    type: str
-    path: str = ""
-
-    @classmethod
-    def from_agent(cls, event: dict[str, Any]) -> FilesystemEvent:
-        return cls(name=event.get("name", ""), type=event["type"], path=event.get("path", ""))
-
-
 def _permissions(mode: int) -> str:
     return "".join(flag if mode & (1 << (8 - i)) else "-" for i, flag in enumerate("rwxrwxrwx"))
 

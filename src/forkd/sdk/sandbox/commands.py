@@ -6,15 +6,15 @@ handle's output (``for`` or ``async for``); see ``flavour.py`` for how one metho
 
 from __future__ import annotations
 
-import base64
+import builtins
 from collections.abc import Callable
 from typing import Any
 
 from forkd.sdk.errors import ForkdError, TimeoutException
-from forkd.sdk.models import CommandExitException, CommandResult, ProcessInfo, PtySize
+from forkd.sdk.models import CommandExitException, CommandResult, ProcessInfo
 from forkd.sdk.sandbox.flavour import Flavour, SandboxRef, Steps, found, operation
 
-Piece = tuple[str | None, str | None, bytes | None]  # E2B's (stdout, stderr, pty)
+Piece = tuple[str | None, str | None, None]  # E2B's (stdout, stderr, pty)
 
 
 def _started_pid(first: dict[str, Any] | None, result: Any) -> int:
@@ -30,8 +30,6 @@ def _output(event: dict[str, Any]) -> Piece | None:
         return data, None, None
     if name == "stderr":
         return None, data, None
-    if name == "pty":
-        return None, None, base64.b64decode(event.get("data_b64", ""))
     return None
 
 
@@ -62,11 +60,9 @@ def _process(entry: dict[str, Any]) -> ProcessInfo:
 
 
 class CommandHandleCore:
-    """A command started in the background (or a terminal, ``sandbox.pty``): its ``pid``, ``wait()``,
-    ``kill()``, ``send_stdin()``."""
+    """A command started in the background: its ``pid``, ``wait()``, ``kill()``, ``send_stdin()``."""
 
     _flavour: Flavour
-    terminal = False  # a PTY session: its input and signals go through sandbox.pty
 
     def __init__(self, sandbox: SandboxRef, events: Any, pid: int, iterator: Any) -> None:
         self._sandbox = sandbox
@@ -95,28 +91,27 @@ class CommandHandleCore:
         return piece
 
     @operation
-    def wait(self, on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
-             on_pty: Callable[[bytes], Any] | None = None) -> Steps[CommandResult]:
+    def wait(self, on_stdout: Callable[[str], Any] | None = None,
+             on_stderr: Callable[[str], Any] | None = None) -> Steps[CommandResult]:
         """Until the command ends; raises ``CommandExitException`` if it exits non-zero. The async
         flavour's callbacks may be coroutine functions."""
         while (event := (yield self._flavour.next(self._iterator))) is not None:
             if (piece := self._take(event)) is None:
                 continue
-            stdout, stderr, pty = piece
+            stdout, stderr, _ = piece
             if stdout is not None and on_stdout is not None:
                 yield on_stdout(stdout)
             if stderr is not None and on_stderr is not None:
                 yield on_stderr(stderr)
-            if pty is not None and on_pty is not None:
-                yield on_pty(pty)
         return _result(self.pid, self._stdout, self._stderr, self._events.result)
 
     def kill(self) -> Any:
         """SIGKILL the command's process group; ``False`` if it had already ended."""
-        return (self._sandbox.pty if self.terminal else self._sandbox.commands).kill(self.pid)
+        return self._sandbox.commands.kill(self.pid)
 
     def send_stdin(self, data: str) -> Any:
-        return (self._sandbox.pty if self.terminal else self._sandbox.commands).send_stdin(self.pid, data)
+        """Write ``data`` to the command's stdin (started with ``stdin=True``)."""
+        return self._sandbox.commands.send_stdin(self.pid, data)
 
     def disconnect(self) -> Any:
         """Stop reading its output; the command keeps running (kill it with ``commands.kill(pid)``)."""
@@ -159,49 +154,14 @@ class CommandsCore:
         return (yield from found(self._sandbox.api.signal_process, self._sandbox.sandbox_id, pid, 9))
 
     def send_stdin(self, pid: int, data: str) -> Any:
+        """Write ``data`` to command ``pid``'s stdin (started with ``stdin=True``)."""
         return self._sandbox.api.send_stdin(self._sandbox.sandbox_id, pid, data)
 
     def close_stdin(self, pid: int) -> Any:
+        """Close command ``pid``'s stdin: it reads end-of-file."""
         return self._sandbox.api.send_stdin(self._sandbox.sandbox_id, pid, "", eof=True)
 
     @operation
-    def list(self) -> Steps[list[ProcessInfo]]:
+    def list(self) -> Steps[builtins.list[ProcessInfo]]:
         """Running commands and the last finished ones."""
         return [_process(p) for p in (yield self._sandbox.api.processes(self._sandbox.sandbox_id))]
-
-
-class PtyCore:
-    """``sandbox.pty``: interactive programs on a pseudo-terminal (E2B's shape); a handle's iteration
-    yields ``(None, None, bytes)`` pieces as the program writes to its terminal."""
-
-    _flavour: Flavour
-    _handle: type[CommandHandleCore]
-
-    def __init__(self, sandbox: SandboxRef) -> None:
-        self._sandbox = sandbox
-
-    @operation
-    def create(self, size: PtySize | None = None, cwd: str | None = None, envs: dict[str, str] | None = None,
-               cmd: list[str] | None = None) -> Steps[Any]:
-        """Start ``cmd`` (default: an interactive bash) on a terminal of ``size``; its handle. Output the
-        handle does not read pauses the program; ``disconnect()`` hangs the terminal up."""
-        size = size or PtySize()
-        events = yield self._sandbox.api.start_pty(self._sandbox.sandbox_id, cmd or ["/bin/bash", "-i"], env=envs,
-                                                   cwd=cwd, rows=size.rows, cols=size.cols)
-        handle = yield from self._handle.start(self._sandbox, events)
-        handle.terminal = True
-        return handle
-
-    def send_stdin(self, pid: int, data: bytes | str) -> Any:
-        """Type ``data`` at the terminal (UTF-8 text; control characters included)."""
-        return self._sandbox.api.pty_input(self._sandbox.sandbox_id, pid,
-                                           data.decode() if isinstance(data, bytes) else data)
-
-    def resize(self, pid: int, size: PtySize) -> Any:
-        return self._sandbox.api.pty_resize(self._sandbox.sandbox_id, pid, size.rows, size.cols)
-
-    @operation
-    def kill(self, pid: int) -> Steps[bool]:
-        """SIGKILL the terminal's process group; ``False`` if it had already ended."""
-        return (yield from found(self._sandbox.api.pty_signal, self._sandbox.sandbox_id, pid, 9))
-

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import IO, Any, Literal
 
 from forkd.sdk.errors import InvalidArgumentException
-from forkd.sdk.models import EntryInfo, FilesystemEvent, FileType, WriteEntry, WriteInfo
+from forkd.sdk.models import EntryInfo, FileType, WriteEntry, WriteInfo
 from forkd.sdk.sandbox.flavour import Flavour, SandboxRef, Steps, found, operation
 
 Data = str | bytes | IO[Any] | list[WriteEntry] | list[dict[str, Any]]
@@ -72,14 +72,15 @@ class FilesystemCore:
         return WriteInfo(name=os.path.basename(path), path=path)
 
     @operation
-    def write_files(self, files: Iterable[WriteEntry | dict[str, Any]]) -> Steps[list[WriteInfo]]:
+    def write_files(self, files: Iterable[WriteEntry | dict[str, Any]]) -> Steps[builtins.list[WriteInfo]]:
+        """Write several files (``WriteEntry`` or ``{"path", "data"}``), in order."""
         written = []
         for entry in _entries(files):
             written.append((yield from FilesystemCore.write.steps(self, entry.path, entry.data)))
         return written
 
     @operation
-    def list(self, path: str, depth: int = 1) -> Steps[list[EntryInfo]]:
+    def list(self, path: str, depth: int = 1) -> Steps[builtins.list[EntryInfo]]:
         """Entries under ``path``, descending ``depth`` levels (1 = just its children)."""
         _check_depth(depth)
         found = []
@@ -91,10 +92,12 @@ class FilesystemCore:
 
     @operation
     def exists(self, path: str) -> Steps[bool]:
+        """Whether ``path`` exists in the sandbox."""
         return (yield from found(self._sandbox.api.stat, self._sandbox.sandbox_id, path))
 
     @operation
     def get_info(self, path: str) -> Steps[EntryInfo]:
+        """``path``'s ``EntryInfo`` (``NotFoundException`` if it does not exist)."""
         return EntryInfo.from_agent((yield self._sandbox.api.stat(self._sandbox.sandbox_id, path)))
 
     def remove(self, path: str) -> Any:
@@ -103,6 +106,7 @@ class FilesystemCore:
 
     @operation
     def rename(self, old_path: str, new_path: str) -> Steps[EntryInfo]:
+        """Move ``old_path`` to ``new_path``; answers the moved entry's ``EntryInfo``."""
         yield self._sandbox.api.rename(self._sandbox.sandbox_id, old_path, new_path)
         return (yield from FilesystemCore.get_info.steps(self, new_path))
 
@@ -113,18 +117,3 @@ class FilesystemCore:
             return False
         yield self._sandbox.api.make_dir(self._sandbox.sandbox_id, path)
         return True
-
-    @operation
-    def watch(self, path: str, recursive: bool = False) -> Steps[str]:
-        """Start watching directory ``path``; the watcher's id, for :meth:`watch_events` and :meth:`unwatch`."""
-        return str((yield self._sandbox.api.create_watch(self._sandbox.sandbox_id, path, recursive)))
-
-    @operation
-    def watch_events(self, watch_id: str, wait_s: float = 0.0) -> Steps[builtins.list[FilesystemEvent]]:
-        """The changes since the last call; with ``wait_s`` (at most 10), waits that long for a first one."""
-        events = yield self._sandbox.api.watch_events(self._sandbox.sandbox_id, watch_id, wait_s)
-        return [FilesystemEvent.from_agent(e) for e in events]
-
-    @operation
-    def unwatch(self, watch_id: str) -> Steps[None]:
-        yield self._sandbox.api.remove_watch(self._sandbox.sandbox_id, watch_id)
