@@ -165,7 +165,7 @@ def test_a_slow_process_start_is_still_the_first_message_of_its_stream() -> None
     async def main() -> None:
         process = _Process(config={}, tag=None)
         call = SimpleNamespace(request=SimpleNamespace(headers={"keepalive-ping-interval": "1"}))
-        stream = ProcessService()._stream(process, process.attach(), call)  # type: ignore[arg-type]
+        stream = ProcessService(None)._stream(process, process.attach(), call)  # type: ignore[arg-type]
         first = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(1.5)  # a keepalive interval passes before the guest reports the start
         process.publish({"event": {"start": {"pid": 7}}})

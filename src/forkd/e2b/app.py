@@ -73,7 +73,7 @@ class E2BFront:
         self.sandboxes = E2BSandboxes(runtime, credentials, domain)
         self.control = control_app(self.sandboxes)
         self.envd = Envd(runtime.sessions)
-        self.interpreter = Interpreter()
+        self.interpreter = Interpreter(runtime.sessions)
         self.ports = Ports(runtime.tunnels)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
