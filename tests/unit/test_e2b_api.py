@@ -53,7 +53,8 @@ SERVED = {"GET /sandboxes", "POST /sandboxes", "GET /v2/sandboxes", "GET /sandbo
           "GET /sandboxes/{sandboxID}", "DELETE /sandboxes/{sandboxID}", "GET /sandboxes/{sandboxID}/metrics",
           "POST /sandboxes/{sandboxID}/pause", "POST /sandboxes/{sandboxID}/resume", "POST /sandboxes/{sandboxID}/fork",
           "POST /sandboxes/{sandboxID}/connect", "POST /sandboxes/{sandboxID}/timeout",
-          "POST /sandboxes/{sandboxID}/snapshots", "GET /snapshots", "GET /templates", "DELETE /templates/{templateID}"}
+          "POST /sandboxes/{sandboxID}/snapshots", "GET /snapshots", "GET /templates", "DELETE /templates/{templateID}",
+          "PUT /sandboxes/{sandboxID}/network"}
 
 
 def _routes() -> list[tuple[str, str]]:
@@ -62,7 +63,7 @@ def _routes() -> list[tuple[str, str]]:
 
 def _front_with(runtime: Runtime, storage: Storage | None = None) -> tuple[E2BFront, BodyLimit]:
     """The front (its rounds are called directly, no timing) and the app a client talks to."""
-    front = E2BFront(runtime, Credentials(KEYS, SECRET), storage)
+    front = E2BFront(runtime, Credentials(KEYS, SECRET), storage=storage)
     return front, BodyLimit(front, is_upload=e2b_app.is_upload, is_stream=e2b_app.is_stream,
                             shape=e2b_app.refusal_shape)
 

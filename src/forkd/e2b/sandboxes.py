@@ -27,9 +27,11 @@ from forkd.e2b.errors import E2BError, lifecycle_error, sandbox_gone, to_http
 from forkd.e2b.keys import Credentials, Principal
 from forkd.e2b.lifecycle import Policy, granted, pause_at, timed
 from forkd.e2b.storage import OWNER_LABEL, Storage, fork_prefix, owned_by
+from forkd.host.netpolicy import EgressPolicy, NetRequest, net_request_of
+from forkd.runtime.isolation import SandboxOptions
 from forkd.store.registry import SnapshotRecord, WorkspaceRecord
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.sandboxes import LiveSandbox, SandboxNotFound
+from forkd.runtime.sandboxes import LiveSandbox, NetworkModeConflict, SandboxNotFound
 from forkd.runtime.spawning import ForkOptions
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.validation import ValidationError, check_sandbox_id
@@ -42,6 +44,7 @@ DEFAULT_TIMEOUT_S = 15  # E2B's default when a request names none
 MAX_TIMEOUT_S = 30 * 24 * 3600
 _WORKSPACE_LABEL = "workspace"  # the label a workspace's sandboxes carry (runtime/workspaces.py)
 NONCE_LABEL = "forkd.e2b-nonce"
+PUBLIC_LABEL = "forkd.e2b-public"  # "true": the sandbox's own ports answer without its token (allowPublicTraffic)
 _DERIVED_META = ("source_sandbox", "compacted_from")  # a snapshot holding some sandbox's state
 log = logging.getLogger("forkd.e2b")
 
@@ -83,10 +86,12 @@ class Resolved:
 
 
 class E2BSandboxes:
-    def __init__(self, runtime: Runtime, credentials: Credentials, storage: Storage) -> None:
+    def __init__(self, runtime: Runtime, credentials: Credentials, storage: Storage,
+                 domain: str | None = None) -> None:
         self.runtime = runtime
         self.credentials = credentials
         self.storage = storage
+        self.domain = domain  # what the SDKs' get_host(port) builds on: {port}-{sandboxID}.{domain}
         # One lifecycle change at a time per E2B id: a resume, a pause (asked for, or at the timeout)
         # and a kill never interleave, and two requests to a paused sandbox resume it once.
         self._locks: dict[str, asyncio.Lock] = {}
@@ -173,6 +178,13 @@ class E2BSandboxes:
             return False
         return True
 
+    def public(self, e2b_id: str) -> bool:
+        """Whether the sandbox was created with ``allowPublicTraffic``: its ports need no token (envd still does)."""
+        try:
+            return self._resolve(e2b_id).labels.get(PUBLIC_LABEL) == "true"
+        except E2BError:
+            return False
+
     def _live(self, sandbox_id: str) -> LiveSandbox | None:
         try:
             return self.runtime.sandboxes.get(check_sandbox_id(sandbox_id))
@@ -195,7 +207,7 @@ class E2BSandboxes:
         to envd and ``trafficAccessToken`` to the code interpreter's context routes: one token here."""
         token = self.credentials.access_token(e2b_id, nonce)
         return {"sandboxID": e2b_id, "templateID": template, "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
-                "envdAccessToken": token, "trafficAccessToken": token, "domain": None}
+                "envdAccessToken": token, "trafficAccessToken": token, "domain": self.domain}
 
     def _resources(self, tag: str) -> dict[str, int]:
         record = self.runtime.snapshot(tag)
@@ -235,22 +247,25 @@ class E2BSandboxes:
                 **self._resources(template)}
         if detail:
             info["envdAccessToken"] = self.credentials.access_token(resolved.e2b_id, resolved.nonce)
-            info["domain"] = None
+            info["domain"] = self.domain
             info["lifecycle"] = Policy.of(resolved.labels).describe()
         return info
 
     # lifecycle
 
     async def create(self, principal: Principal, template: str, timeout_s: int, metadata: dict[str, str],
-                     envs: dict[str, str], policy: Policy = Policy()) -> dict[str, Any]:
+                     envs: dict[str, str], public: bool = False, net: NetRequest | None = None,
+                     policy: Policy = Policy()) -> dict[str, Any]:
         """A child of ``template``; one whose ``policy`` pauses at its timeout has no runtime deadline
         (the front's keeper pauses it: :meth:`pause_due`)."""
         record = self.runtime.snapshot(template)
         if record is None or not template_visible(record, principal) or template in self.storage.doomed:
             raise E2BError(404, f"template {template!r} not found: templates are forkd snapshots; list them with "
                                 "GET /templates or `forkd snapshots`")
-        labels = {**self._new_labels(principal, metadata), **policy.labels(timeout_s)}
-        options = ForkOptions(timeout_s=None if policy.pause else timeout_s, envs=envs, metadata=labels)
+        labels = {**self._new_labels(principal, metadata), **({PUBLIC_LABEL: "true"} if public else {}),
+                  **policy.labels(timeout_s)}
+        options = ForkOptions(timeout_s=None if policy.pause else timeout_s, envs=envs, metadata=labels,
+                              isolation=SandboxOptions(net=net or NetRequest()))
         (outcome,) = await self.runtime.spawner.fork(template, 1, options)
         if outcome.sandbox is None:
             raise lifecycle_error(outcome.error.kind, f"the sandbox did not start: {outcome.error}")
@@ -313,6 +328,15 @@ class E2BSandboxes:
                     raise E2BError(404, f"sandbox {e2b_id} was not found") from None
         self._forget(e2b_id)
 
+    async def set_egress(self, principal: Principal, e2b_id: str, policy: EgressPolicy) -> None:
+        live = self.resolve(e2b_id, principal).live
+        if live is None:
+            raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
+        try:
+            await self.runtime.sandboxes.set_egress(live.record.id, policy)
+        except NetworkModeConflict as exc:
+            raise E2BError(409, f"{exc}: create it with allow_internet_access or a network option") from None
+
     async def rotate_token(self, principal: Principal, e2b_id: str) -> dict[str, Any]:
         """A new nonce, stored with the sandbox or paused workspace: its old token stops working."""
         async with self.lock(e2b_id):  # labels are replaced whole: no pause deadline written meanwhile
@@ -354,7 +378,8 @@ class E2BSandboxes:
         tag = fork_prefix(principal.owner) + secrets.token_hex(6)
         await self.runtime.branches.branch(live.record.id, tag, mode="diff", wait=True, meta={"e2b_sandbox": e2b_id})
         labels = self._new_labels(principal, self._labels(resolved.labels))
-        options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}), metadata=labels)
+        options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}), metadata=labels,
+                              isolation=SandboxOptions(net=net_request_of(live.record.meta.get("net"))))
         outcomes = await self.runtime.spawner.fork(tag, count, options)
         return [{"sandbox": self.created(o.sandbox["id"], tag, labels[NONCE_LABEL])} if o.sandbox is not None
                 else {"error": {"code": o.error.kind.status, "message": str(o.error)}} for o in outcomes]
