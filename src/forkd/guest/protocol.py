@@ -73,6 +73,8 @@ OP_PTY_START = "pty.start"
 OP_PTY_INPUT = "pty.input"
 OP_PTY_RESIZE = "pty.resize"
 OP_PTY_KILL = "pty.kill"
+OP_ACTIVITY = "activity"  # what keeps the guest busy (user processes, watches): may the host stop it?
+OP_CLOCK_SET = "clock.set"  # set the guest's wall clock (a guest the host stopped and continued lags)
 
 # Control ops about another request in flight (``args: {"id": <its id>}``). An agent that does not
 # know them answers ``unknown_op``; the host then falls back (see runtime/agent_client.py).
@@ -83,6 +85,8 @@ OP_CANCEL = "cancel"  # end that request: kill its process group / interrupt its
 ALL_OPS = frozenset(
     {
         OP_PING,
+        OP_ACTIVITY,
+        OP_CLOCK_SET,
         OP_RESEED,
         OP_WARM,
         OP_EXEC,
