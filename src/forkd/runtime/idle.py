@@ -32,6 +32,7 @@ from forkd.vmm.process import cpu_seconds
 RUNNING, STOPPING, STOPPED = "running", "stopping", "idle_stopped"
 DEFAULT_IDLE_STOP_S = 60.0  # RuntimeOptions.idle_stop_s: a child idle this long is stopped; 0 never
 BUSY_CPU_SHARE = 0.05  # a VMM that used more of a core than this since the last sweep is working
+STOPS_AT_ONCE = 16  # children asked `activity` and stopped at the same time in one round
 GUEST_CALL_TIMEOUT_S = 5.0  # for `activity` and `clock.set`, which answer at once
 log = logging.getLogger("forkd.idle")
 
@@ -82,20 +83,27 @@ class IdleStops:
         children = list(self._children.items())
         now = time.monotonic()
         cpu = await asyncio.to_thread(lambda: [cpu_seconds(child.vm.pid) for _, child in children])
-        stopped = []
+        candidates = []
         for (sandbox_id, child), used in zip(children, cpu):
             working = used is not None and child.cpu is not None and \
                 used - child.cpu[1] > BUSY_CPU_SHARE * (now - child.cpu[0])
             if used is not None:
                 child.cpu = (now, used)
-            if working or child.lock.locked() or not self._idle(child, now):
-                continue
-            try:
-                if await self._stop(child):
-                    stopped.append(sandbox_id)
-            except Exception as exc:  # its VMM exited, or its agent failed: its watcher deals with that
-                log.warning("sandbox %s: stopping it while idle failed (%s); it keeps running", sandbox_id, exc)
-        return stopped
+            if not working and not child.lock.locked() and self._idle(child, now):
+                candidates.append((sandbox_id, child))
+        slots = asyncio.Semaphore(STOPS_AT_ONCE)  # one guest slow to answer `activity` holds up no other
+
+        async def stop(sandbox_id: str, child: _Child) -> bool:
+            async with slots:
+                try:
+                    return await self._stop(child)
+                except Exception as exc:  # its VMM exited, or its agent failed: its watcher deals with that
+                    child.checked = time.monotonic()  # asked again after another idle time, not every round
+                    log.warning("sandbox %s: stopping it while idle failed (%s); it keeps running", sandbox_id, exc)
+                    return False
+
+        done = await asyncio.gather(*(stop(sandbox_id, child) for sandbox_id, child in candidates))
+        return [sandbox_id for (sandbox_id, _), stopped in zip(candidates, done) if stopped]
 
     def _idle(self, child: _Child, now: float) -> bool:
         return (child.state == RUNNING and child.stoppable and not child.agent.closed
