@@ -16,13 +16,14 @@ from forkd.daemon.config import load_config
 from forkd.guest import protocol
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import Image
+from forkd.runtime.agent_client import AgentUnavailable
 from forkd.runtime.idle import RUNNING, STOPPED
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.recovery import recover
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import LiveSandbox
 from forkd.runtime.snapshots import SnapshotRequest
-from forkd.vmm.base import VmHandle
+from forkd.vmm.base import VmHandle, VmmError
 from forkd.vmm.fake import FakeVmm
 
 T = TypeVar("T")
@@ -222,3 +223,23 @@ def test_the_idle_time_comes_from_the_config_file_or_environment(tmp_path: Path)
     config.write_text("[sandboxes]\nidle_stop_s = -1\n")
     with pytest.raises(ValueError, match="idle_stop_s"):
         load_config(config, env={})
+
+
+def test_a_request_to_a_stopped_child_that_cannot_be_continued_fails_as_on_a_lost_connection(tmp_path: Path) -> None:
+    class BrokenCont(FakeVmm):
+        async def resume(self, vm: VmHandle) -> None:
+            raise VmmError("cont of a VMM that went away failed")
+
+    async def scenario() -> None:
+        vmm = BrokenCont()
+        runtime = await _runtime(tmp_path, vmm)
+        try:
+            live = await _child(runtime)
+            _idle_for_long(live)
+            assert await runtime.sandboxes.idle.sweep() == [live.record.id]
+            with pytest.raises(AgentUnavailable, match="continuing the stopped guest failed"):
+                await runtime.sessions.eval(live.record.id, "1")
+        finally:
+            await runtime.stop()
+
+    run(scenario)

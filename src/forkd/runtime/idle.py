@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forkd.guest import protocol
-from forkd.runtime.agent_client import AgentClient, AgentError
-from forkd.vmm.base import VmHandle, Vmm
+from forkd.runtime.agent_client import AgentClient, AgentError, AgentUnavailable
+from forkd.vmm.base import VmHandle, Vmm, VmmError
 from forkd.vmm.process import cpu_seconds
 
 RUNNING, STOPPING, STOPPED = "running", "stopping", "idle_stopped"
@@ -140,7 +140,10 @@ class IdleStops:
         if child.state == RUNNING:
             return  # no await on this path: the request is in flight before any stop can look
         async with child.lock:
-            await self._continue(child)
+            try:
+                await self._continue(child)
+            except VmmError as exc:  # its VMM is gone: the request fails as on a lost connection
+                raise AgentUnavailable(f"continuing the stopped guest failed: {exc}") from None
 
     async def _continue(self, child: _Child) -> None:
         if child.state != STOPPED:
