@@ -281,8 +281,7 @@ def main() -> None:
         version = controller.version()
         report["host"] = {k: version[k] for k in ("accelerator", "vmm", "vmm_version")}
         if not any(s["tag"] == args.tag for s in controller.snapshots()):
-            if not any(image["name"] == "default" for image in controller.images()):
-                controller.build_image(name="default")
+            controller.build_image(name="default")  # reused when it is the one this forkd builds
             controller.create_snapshot(args.tag, on_progress=lambda line: print(f"[bake] {line}", flush=True))
         memory_file = str(Path(controller.snapshot(args.tag)["path"]) / "memory")
         off = phase_off(controller, args, memory_file)
