@@ -127,6 +127,8 @@ class IdleStops:
                 child.state = RUNNING
                 if exc.code == protocol.ERR_UNKNOWN_OP:
                     child.stoppable = False  # cannot tell its background work: never stopped
+                    log.info("%s: its agent predates `activity` (an older snapshot), so it is never stopped "
+                             "while idle", child.vm.name)
                     return False
                 raise
             except BaseException:
