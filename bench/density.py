@@ -272,6 +272,7 @@ def main() -> None:
     parser.add_argument("--out", default="density")
     args = parser.parse_args()
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` still cleans up below
     home = args.home or Path(tempfile.mkdtemp(prefix="forkd-density-", dir="/var/tmp"))
     home.mkdir(parents=True, exist_ok=True)
     daemon = BenchDaemon(home, args.n)
