@@ -25,6 +25,7 @@ from .files import FileOps
 from .interpreters import PythonRuntime
 from .processes import ProcessTable
 from .pty import PtyOps
+from .tunnel import TunnelOps
 from .watch import WatchOps
 
 
@@ -88,6 +89,7 @@ def op_families() -> list[OpFamily]:
         watches,
         PtyOps(),
         ActivityOps(python.own_pids, watches.count),
+        TunnelOps(),
     ]
 
 

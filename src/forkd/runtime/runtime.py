@@ -44,6 +44,7 @@ from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.sessions import Sessions
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
 from forkd.runtime.spawning import Spawner
+from forkd.runtime.tunnels import Tunnels
 from forkd.runtime.workspaces import WorkspaceService
 from forkd.store.chains import describe_chain
 from forkd.store.files import DigestCache
@@ -55,7 +56,7 @@ from forkd.vmm.base import Capabilities, Vmm, VmHandle
 
 # What a front may use of a Runtime: its services and the methods that answer for the store and the VMM.
 FRONT_SURFACE = frozenset({
-    "sandboxes", "spawner", "pools", "sessions", "branches", "workspaces", "packs", "snapshots", "compaction",
+    "sandboxes", "spawner", "pools", "sessions", "tunnels", "branches", "workspaces", "packs", "snapshots", "compaction",
     "peers", "node", "drain", "driver_forks", "metrics", "paths", "start", "stop", "images", "build_image",
     "remove_image", "confine_image_sources", "create_snapshot", "remove_snapshot", "snapshot", "snapshot_by_digest",
     "snapshot_records", "snapshot_listing", "describe_snapshot", "capabilities"})
@@ -82,7 +83,7 @@ class Runtime:
                                  SpaceFloor(self.options.pack_free_floor_bytes, roots.packs if roots else None),
                                  self.options.allow_unpinned_pulls, replacing=self.pools.replacing)
         self.peers = PeerPuller(self.packs)
-        self.drain = DrainService(self.spawner, self.pools, self.sandboxes)
+        self.drain = DrainService(self.spawner, self.pools, self.sandboxes, paths.home)
         self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options, self.drain)
         self.driver_forks = DriverForks(self.registry, self.sandboxes, self.spawner)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
@@ -93,6 +94,7 @@ class Runtime:
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.spawner,
                                       self.options.max_concurrent_branches, self.metrics)
         self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads)
+        self.tunnels = Tunnels(self.sandboxes)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.spawner, self.branches,
                                            self.remove_snapshot)
         self._image_lock = asyncio.Lock()
@@ -129,6 +131,7 @@ class Runtime:
             await self.branches.refuse(sandbox_id, f"the daemon stopped while branching it to {tag!r}, so its "
                                        "disk may hold a layer no snapshot received; fork a new sandbox to branch from")
         await asyncio.to_thread(self.packs.remove_partials)
+        await self.drain.restore()  # before the pools start filling
         await self.pools.start()
         loop = asyncio.get_running_loop()
         self._keepers = [loop.create_task(deadline_keeper(self.sandboxes)),
