@@ -220,9 +220,12 @@ def test_metrics_are_sampled_from_the_guest_in_e2bs_shape_for_the_owner_only(tmp
                 sa = (await _create(client, A))["sandboxID"]
                 assert (await client.get(f"/sandboxes/{sa}/metrics", headers=_key(B))).status_code == 404
                 await front.metrics.round()
+                assert front.metrics.history == {}  # nobody asked: the guest is left alone (idle stops)
                 answer = await client.get(f"/sandboxes/{sa}/metrics", headers=_key(A))
                 assert answer.status_code == 200, answer.text
-                (sample,) = answer.json()  # the round's sample is fresh: no second one
+                (sample,) = answer.json()  # taken by the call
+                await front.metrics.round()  # asked for now: the rounds sample it
+                assert len(front.metrics.history[sa]) == 2
                 assert set(sample) == {"timestamp", "timestampUnix", "cpuCount", "cpuUsedPct", "memUsed", "memTotal",
                                        "memCache", "diskUsed", "diskTotal"}
                 assert sample["cpuCount"] >= 1 and 0 <= sample["cpuUsedPct"] <= 100
@@ -230,7 +233,7 @@ def test_metrics_are_sampled_from_the_guest_in_e2bs_shape_for_the_owner_only(tmp
                 assert (await client.get(f"/sandboxes/{sa}/metrics", headers=_key(A),
                                          params={"start": sample["timestampUnix"] + 10})).json() == []
                 many = await client.get("/sandboxes/metrics", headers=_key(A), params={"sandbox_ids": sa})
-                assert many.json() == {"sandboxes": {sa: sample}}
+                assert many.json() == {"sandboxes": {sa: front.metrics.history[sa][-1].to_e2b()}}
                 assert (await client.get("/sandboxes/metrics", headers=_key(B), params={"sandbox_ids": sa})).json() \
                     == {"sandboxes": {}}
                 await client.delete(f"/sandboxes/{sa}", headers=_key(A))

@@ -1,6 +1,8 @@
 """E2B's per-sandbox metrics (``Sandbox.get_metrics``), measured inside the guest, as E2B's envd does.
 
-Every ``METRICS_S`` the keeper samples each running sandbox the front owns: CPU from two readings
+Every ``METRICS_S`` the keeper samples each running sandbox whose metrics a client asked for in the
+last ``WATCH_S`` (sampling is a request to the guest, which would keep an idle child from being
+stopped, runtime/idle.py; a call finding no fresh sample takes one): CPU from two readings
 of the guest's ``/proc/stat`` (the share of the guest's CPU time not idle between them, all vCPUs
 together), memory from ``/proc/meminfo`` (used = total - available; cache = page cache and
 buffers), both read as files (no process starts in the guest for them). Disk is the root file
@@ -30,6 +32,7 @@ from forkd.runtime.sessions import Sessions
 METRICS_S = 10.0
 DISK_S = 60.0
 HISTORY = 360
+WATCH_S = 3600.0  # a sandbox is sampled this long after its metrics were last asked for
 FIRST_GAP_S = 0.5  # a sandbox's first CPU figure: two readings this far apart
 MAX_READ = 1 << 20  # a /proc file larger than this is not what it should be (the guest is hostile)
 log = logging.getLogger("forkd.e2b.metrics")
@@ -109,6 +112,7 @@ class Metrics:
         self.history: dict[str, collections.deque[Sample]] = {}
         self._cpu: dict[str, tuple[str, int, int]] = {}  # e2b id → (forkd sandbox, busy, total) last read
         self._disk: dict[str, tuple[float, int, int]] = {}  # e2b id → (when, used, total)
+        self._asked: dict[str, float] = {}  # e2b id → when its metrics were last asked for
 
     async def sample(self, e2b_id: str, live: LiveSandbox) -> Sample:
         """One sample of the running sandbox, kept in its history."""
@@ -136,19 +140,23 @@ class Metrics:
         for live in self.sandboxes.runtime.sandboxes.live():
             if not live.killing and OWNER_LABEL in (live.record.meta.get("metadata") or {}):
                 running[self.sandboxes.e2b_id(live)] = live
+        now = time.time()
         for e2b_id, live in running.items():
+            if now - self._asked.get(e2b_id, -WATCH_S) >= WATCH_S:
+                continue
             try:
                 await self.sample(e2b_id, live)
             except Exception as exc:  # noqa: BLE001 - one sandbox (ending, busy, hostile) never stops the round
                 log.debug("no metrics sample of %s: %s", e2b_id, exc)
         for e2b_id in list(self.history):
             if e2b_id not in running and not self.sandboxes.exists(e2b_id):
-                for table in (self.history, self._cpu, self._disk):
+                for table in (self.history, self._cpu, self._disk, self._asked):
                     table.pop(e2b_id, None)
 
     async def get(self, principal: Principal, e2b_id: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
         """E2B's ``SandboxMetric`` list between ``start`` and ``end`` (Unix seconds), oldest first."""
         resolved = self.sandboxes.resolve(e2b_id, principal)
+        self._asked[e2b_id] = time.time()
         history = self.history.get(e2b_id)
         if resolved.live is not None and (not history or time.time() - history[-1].at >= METRICS_S):
             try:
