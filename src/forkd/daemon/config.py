@@ -61,8 +61,13 @@ keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api
 allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any
 allow_unpinned = false           # true: pull from a URL with no SHA-256 pin (a pack is code: docs/packs.md)
 
-[packs]
-min_free_mib = 1024              # pack, unpack and pull refuse (disk_full) to leave less free than this
+[disk]
+min_free_mib = 1024              # forks, branches, snapshots, uploads, packs, unpacks and pulls refuse (disk_full)
+                                 # to leave less free than this on the filesystem they write to
+
+[uploads]                        # uploads wait for their guest in a spool under home/uploads
+spool_mib = 1024                 # bytes all uploads together hold on disk; more wait (back-pressure)
+spool_files = 64                 # uploads holding a spool file (a descriptor) at once; more wait
 ```
 """
 
@@ -83,9 +88,10 @@ from pydantic.dataclasses import dataclass
 from forkd.config import Paths
 from forkd.hostpaths import HostRoots
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
-from forkd.packs.space import DEFAULT_FLOOR_BYTES as DEFAULT_PACK_FLOOR_BYTES
+from forkd.store.space import DEFAULT_FLOOR_BYTES
 from forkd.runtime.options import DEFAULT_MAX_BRANCHES, OutputLimits, RuntimeOptions
 from forkd.runtime.pool import MAX_POOL_SIZE
+from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
 from forkd.validation import ValidationError as FieldError
 from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, check_backend
 
@@ -166,8 +172,14 @@ class Transfers:
 
 
 @dataclass(frozen=True, config=_STRICT)
-class Packs:
-    min_free_mib: int = Field(default=DEFAULT_PACK_FLOOR_BYTES >> 20, ge=0, le=1 << 30)
+class Disk:
+    min_free_mib: int = Field(default=DEFAULT_FLOOR_BYTES >> 20, ge=0, le=1 << 30)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Uploads:
+    spool_mib: int = Field(default=DEFAULT_SPOOL_BYTES >> 20, ge=16, le=1 << 30)
+    spool_files: int = Field(default=DEFAULT_SPOOL_FILES, ge=1, le=1 << 16)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -197,7 +209,8 @@ class DaemonConfig:
     imports_dir: Path | None = None  # None: HOME/imports
     packs_dir: Path | None = None  # None: HOME/packs
     transfers: Transfers = field(default_factory=Transfers)
-    packs: Packs = field(default_factory=Packs)
+    disk: Disk = field(default_factory=Disk)
+    uploads: Uploads = field(default_factory=Uploads)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -231,7 +244,8 @@ class DaemonConfig:
                               transfer_hosts=(None if self.transfers.allow_hosts is None
                                               else tuple(self.transfers.allow_hosts)),
                               allow_unpinned_pulls=self.transfers.allow_unpinned,
-                              pack_free_floor_bytes=self.packs.min_free_mib << 20)
+                              free_floor_bytes=self.disk.min_free_mib << 20,
+                              spool_bytes=self.uploads.spool_mib << 20, spool_files=self.uploads.spool_files)
 
     @property
     def host_roots(self) -> HostRoots:

@@ -24,14 +24,14 @@ from forkd.runtime.driver_forks import IdempotencyConflict
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.sandboxes import SandboxEnded
 from forkd.runtime.spawning import Draining
-from forkd.store.errors import SnapshotError
+from forkd.store.errors import DiskFull, SnapshotError
 from forkd.validation import ValidationError
 from forkd.vmm.base import VmmError
 
 # Registered per class (not for Exception, which Starlette re-raises after answering); each carries its
 # kind (``forkd.errors.kind_for``), which gives the status and code.
 HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError, PackError,
-                  SandboxEnded, IncompatibleSnapshot, IdempotencyConflict, Draining)
+                  SandboxEnded, IncompatibleSnapshot, IdempotencyConflict, Draining, DiskFull)
 
 
 class ClientGone(Exception):

@@ -38,7 +38,7 @@ from forkd.packs.bounds import check_declared_sizes
 from forkd.packs.format import MAX_CHAIN_DEPTH, META_NAME, Manifest, PackError, layer_digest
 from forkd.packs.index import entry_url, load_index
 from forkd.packs.partials import remove_partials
-from forkd.packs.space import SpaceFloor
+from forkd.store.space import SpaceFloor
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.io import blocking, remove_tree
 from forkd.store.layout import BASE_DISK_FILE

@@ -27,7 +27,7 @@ from forkd.image.builder import (
 )
 from forkd.packs.peer import PeerPuller
 from forkd.packs.service import PackService
-from forkd.packs.space import SpaceFloor
+from forkd.store.space import SpaceFloor
 from forkd.packs.transfer import UrlPolicy
 from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
@@ -44,6 +44,7 @@ from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.sessions import Sessions
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
 from forkd.runtime.spawning import Spawner
+from forkd.runtime.spool import SpoolBudget
 from forkd.runtime.workspaces import WorkspaceService
 from forkd.store.chains import describe_chain
 from forkd.store.files import DigestCache
@@ -70,16 +71,16 @@ class Runtime:
         self.registry = registry
         self.options = options or RuntimeOptions()
         self.store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
-        self.snapshots = SnapshotService(paths, self.store, vmm)
+        roots = self.options.host_roots
+        space = SpaceFloor(self.options.free_floor_bytes, roots.packs if roots else None)
+        self.snapshots = SnapshotService(paths, self.store, vmm, space)
         self.metrics = Metrics()
         self.sandboxes = SandboxService(paths, registry, vmm, isolation)
         self.pools = PoolService(paths, registry, vmm, self.store, isolation, self.sandboxes.release, new_sandbox_id,
                                  self.options.pool_sizes, warm=self.options.warm_pools)
         self.spawner = Spawner(paths, registry, vmm, self.store, self.sandboxes, self.pools, isolation, self.metrics,
-                               self.options)
-        roots = self.options.host_roots
-        self.packs = PackService(self.store, self.spawner.count_of, roots, UrlPolicy(self.options.transfer_hosts),
-                                 SpaceFloor(self.options.pack_free_floor_bytes, roots.packs if roots else None),
+                               space, self.options)
+        self.packs = PackService(self.store, self.spawner.count_of, roots, UrlPolicy(self.options.transfer_hosts), space,
                                  self.options.allow_unpinned_pulls, replacing=self.pools.replacing)
         self.peers = PeerPuller(self.packs)
         self.drain = DrainService(self.spawner, self.pools, self.sandboxes)
@@ -90,8 +91,9 @@ class Runtime:
         self.metrics.watch_pools(self.pools.list)
         self.compaction = CompactService(self.store, vmm.disk)
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.spawner,
-                                      self.options.max_concurrent_branches, self.metrics)
-        self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads)
+                                      self.options.max_concurrent_branches, self.metrics, space)
+        self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads, space,
+                                 SpoolBudget(self.options.spool_bytes, self.options.spool_files))
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.spawner, self.branches,
                                            self.remove_snapshot)
         self._image_lock = asyncio.Lock()
