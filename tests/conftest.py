@@ -171,6 +171,10 @@ def vm_env_for(home: Path) -> dict[str, str]:
     # nat guests' DNS relay goes to the "outside" namespace tests/vm/test_network.py makes, never off the host.
     env["FORKD_DNS"] = "192.168.250.2"
     env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{_free_port()}"  # the E2B front (tests/vm/test_e2b_clients.py)
+    # Pulls and pushes reach the HTTP servers tests run on loopback (a private address needs naming).
+    config = home / "forkd-test.toml"
+    config.write_text('[transfers]\nallow_hosts = ["127.0.0.1"]\n')
+    env["FORKD_CONFIG"] = str(config)
     return env
 
 

@@ -58,7 +58,8 @@ listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (doc
 keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
 
 [transfers]
-allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any
+allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any public one
+                                 # (a loopback, private or link-local address only when its host is named here)
 allow_unpinned = false           # true: pull from a URL with no SHA-256 pin (a pack is code: docs/packs.md)
 
 [disk]
