@@ -41,7 +41,7 @@ from forkd.packs import archive, transfer
 from forkd.packs.format import MAX_CHAIN_DEPTH, MAX_FILE_BYTES, PackError
 from forkd.packs.service import PackService, Progress
 from forkd.store.chains import record_digest
-from forkd.store.io import remove_tree
+from forkd.store.io import long_job, remove_tree
 from forkd.store.registry import SnapshotRecord
 from forkd.store.snapshots import HostIdentity
 from forkd.vmm.base import BootSpec
@@ -161,7 +161,7 @@ async def stream_pack(chain: list[archive.SourceSnapshot]) -> AsyncIterator[byte
         else:
             pipe.put(None)
 
-    writer = asyncio.ensure_future(asyncio.to_thread(write))
+    writer = asyncio.ensure_future(long_job(write))
     try:
         while (item := await queue.get()) is not None:
             if isinstance(item, BaseException):

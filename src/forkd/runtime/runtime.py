@@ -48,7 +48,7 @@ from forkd.runtime.spool import SpoolBudget
 from forkd.runtime.workspaces import WorkspaceService
 from forkd.store.chains import describe_chain
 from forkd.store.files import DigestCache
-from forkd.store.io import blocking
+from forkd.store.io import blocking, long_job
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.validation import new_sandbox_id
@@ -189,13 +189,14 @@ class Runtime:
     async def build_image(self, spec: ImageSpec, progress: Callable[[str], None], force: bool = False) -> Image:
         spec = self.confine_image_sources(spec)
         async with self._image_lock:  # two builds would race on the same cache directories
-            return await asyncio.to_thread(build_image, spec, self.paths, progress, force)
+            return await long_job(build_image, spec, self.paths, progress, force)
 
     def images(self) -> list[Image]:
         return list_images(self.paths)
 
     async def remove_image(self, name: str) -> None:
-        # Off the loop: it waits for the image's lock (a build holds it for minutes) and removes gigabytes.
+        # Off the loop: it removes gigabytes. A build holding the image's lock makes it a 409 (ImageBusy)
+        # at once: it never waits for the lock on a thread.
         await blocking(remove_image, self.paths, name)
 
     async def create_snapshot(self, request: SnapshotRequest, progress: Callable[[str], None],

@@ -16,6 +16,7 @@ from forkd.daemon import schemas
 from forkd.daemon.deps import RuntimeDep
 from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, detached
 from forkd.packs.archive import check_output
+from forkd.store.io import long_job
 
 router = APIRouter(prefix="/v1/packs", tags=["packs"])
 
@@ -32,7 +33,7 @@ async def pack(body: schemas.PackCreate, runtime: RuntimeDep) -> NDJSONResponse:
 @router.post("/unpack", response_class=NDJSONResponse, responses=NDJSON_ANSWER)
 async def unpack(body: schemas.PackUnpack, runtime: RuntimeDep) -> NDJSONResponse:
     packs = runtime.packs
-    manifest = await asyncio.to_thread(packs.inspect, Path(body.path))
+    manifest = await long_job(packs.inspect, Path(body.path))  # reads into a pack someone else made
     await asyncio.to_thread(packs.plan, manifest, body.tag, body.force)  # stats the store's files and free space
     claim = packs.claim(manifest, body.tag)  # a tag another request holds is a 409 before streaming
     return detached(lambda emit: packs.unpack(Path(body.path), body.tag, body.force,
