@@ -283,6 +283,7 @@ def test_an_empty_upload_creates_the_file_and_a_broken_body_fails_the_write() ->
 
         with pytest.raises(ConnectionResetError, match="client went away"):
             await sessions.write_file("sb-1", "/broken", broken())
+        assert (sessions.spool_budget.held_bytes, sessions.spool_budget.open_files) == (0, 0)  # all given back
 
     run(main())
 
@@ -297,6 +298,7 @@ def test_a_failed_guest_write_ends_the_upload_and_stops_reading_the_body() -> No
             await sessions.write_file("sb-1", "/no/such/dir/file", body)
         assert failed.value.code == protocol.ERR_NOT_FOUND
         assert len(pulled) < 10_000
+        assert (sessions.spool_budget.held_bytes, sessions.spool_budget.open_files) == (0, 0)
 
     run(main())
 

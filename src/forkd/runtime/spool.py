@@ -17,12 +17,16 @@ daemon's free-space floor, so a spool never fills the disk that holds ``state.db
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import tempfile
 from pathlib import Path
-from typing import IO
+from collections.abc import Callable
+from typing import IO, TypeVar
 
 from forkd.store.space import SpaceFloor
+
+T = TypeVar("T")
 
 #: Bytes of spooled upload data all uploads together may hold on disk.
 DEFAULT_SPOOL_BYTES = 1 << 30
@@ -62,6 +66,17 @@ class SpoolBudget:
             self._changed.notify_all()
 
 
+async def _finished(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` on a thread, waited for to its end even when the caller is cancelled: the file it
+    works on must not be truncated or closed (its descriptor reused) under it."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.gather(work, return_exceptions=True)
+        raise
+
+
 def _pwrite_ring(f: IO[bytes], data: bytes, position: int, capacity: int) -> None:
     at = position % capacity
     first = data[:capacity - at]
@@ -98,32 +113,42 @@ class Spool:
         self._closed = False
         self._error: BaseException | None = None
         self._changed = asyncio.Condition()
-        self._io = asyncio.Lock()  # a write and the truncation of a drained file never overlap
+        # Held by every read, write, truncation and close of the file, never while waiting for the budget.
+        self._io = asyncio.Lock()
 
-    async def put(self, data: bytes) -> None:
+    async def _open(self) -> IO[bytes]:
         if self._file is None:
             await self._budget.take_file()
             try:
-                self._file = await asyncio.to_thread(tempfile.TemporaryFile, dir=self._directory)
+                self._file = await _finished(functools.partial(tempfile.TemporaryFile, dir=self._directory))
             except BaseException:
                 await self._budget.give_back(file=True)
                 raise
+        return self._file
+
+    async def put(self, data: bytes) -> None:
+        spooled = await self._open()
         async with self._changed:
             await self._changed.wait_for(lambda: self._tail - self._head + len(data) <= self._capacity)
-        async with self._io:
-            growth = min(self._capacity, self._tail + len(data)) - self._extent
-            if growth > 0:
-                await self._budget.take_bytes(growth)
-                try:
-                    if self._space is not None and self._directory is not None:
-                        await asyncio.to_thread(self._space.check, self._directory, growth, "spooling an upload")
-                except BaseException:
-                    await self._budget.give_back(growth)
-                    raise
-                self._extent += growth
-            await asyncio.to_thread(_pwrite_ring, self._file, data, self._tail, self._capacity)
+        reserved = 0  # budget bytes taken for this write's growth of the file
+        try:
+            while True:
+                async with self._io:
+                    growth = max(0, min(self._capacity, self._tail + len(data)) - self._extent)
+                    if growth <= reserved:  # (the file may have been emptied while the budget was awaited)
+                        if growth and self._space is not None and self._directory is not None:
+                            await _finished(self._space.check, self._directory, growth, "spooling an upload")
+                        await _finished(_pwrite_ring, spooled, data, self._tail, self._capacity)
+                        self._extent += growth
+                        reserved -= growth
+                        self._tail += len(data)  # under the lock: a drained file is never emptied under it
+                        break
+                await self._budget.take_bytes(growth - reserved)
+                reserved = growth
+        finally:
+            if reserved:
+                await self._budget.give_back(reserved)
         async with self._changed:
-            self._tail += len(data)
             self._changed.notify_all()
 
     async def close(self) -> None:
@@ -146,8 +171,9 @@ class Spool:
             if self._tail == self._head:
                 return None
             n, at = min(self._chunk_bytes, self._tail - self._head), self._head
-        assert self._file is not None
-        piece = await asyncio.to_thread(_pread_ring, self._file, n, at, self._capacity)
+        async with self._io:
+            assert self._file is not None
+            piece = await _finished(_pread_ring, self._file, n, at, self._capacity)
         async with self._changed:
             self._head += n
             self._changed.notify_all()
@@ -162,7 +188,7 @@ class Spool:
         async with self._io:
             if self._head != self._tail or self._extent == 0 or self._file is None:
                 return
-            await asyncio.to_thread(self._file.truncate, 0)
+            await _finished(self._file.truncate, 0)
             freed, self._extent = self._extent, 0
             self._head = self._tail = 0
         await self._budget.give_back(freed)
@@ -172,6 +198,7 @@ class Spool:
         async with self._io:
             spooled, self._file = self._file, None
             freed, self._extent = self._extent, 0
+            if spooled is not None:
+                await _finished(spooled.close)
         if spooled is not None:
-            await asyncio.to_thread(spooled.close)
             await self._budget.give_back(freed, file=True)
