@@ -17,7 +17,6 @@ daemon's free-space floor, so a spool never fills the disk that holds ``state.db
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import tempfile
 from pathlib import Path
@@ -77,6 +76,10 @@ async def _finished(fn: Callable[..., T], *args: object) -> T:
         raise
 
 
+def _new_file(directory: Path | None) -> IO[bytes]:
+    return tempfile.TemporaryFile(dir=directory)  # O_TMPFILE where the filesystem has it: no name at all
+
+
 def _pwrite_ring(f: IO[bytes], data: bytes, position: int, capacity: int) -> None:
     at = position % capacity
     first = data[:capacity - at]
@@ -117,14 +120,15 @@ class Spool:
         self._io = asyncio.Lock()
 
     async def _open(self) -> IO[bytes]:
-        if self._file is None:
-            await self._budget.take_file()
-            try:
-                self._file = await _finished(functools.partial(tempfile.TemporaryFile, dir=self._directory))
-            except BaseException:
-                await self._budget.give_back(file=True)
-                raise
-        return self._file
+        if self._file is not None:
+            return self._file
+        await self._budget.take_file()
+        try:
+            self._file = opened = await _finished(_new_file, self._directory)
+        except BaseException:
+            await self._budget.give_back(file=True)
+            raise
+        return opened
 
     async def put(self, data: bytes) -> None:
         spooled = await self._open()
