@@ -129,3 +129,21 @@ def test_a_fork_over_the_floor_answers_507_disk_full_over_rest(tmp_path: Path) -
         error = refused.json()["error"]
         assert error["code"] == "disk_full" and "forking 3 children of 'base'" in error["message"]
     assert runtime.registry.list_sandboxes() == [] and list(runtime.paths.sandboxes.iterdir()) == []
+
+
+def test_the_e2b_front_answers_a_full_disk_as_507_naming_what_to_free(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_e2b_tenants import A, _client, _front, _key
+
+    async def scenario() -> Any:
+        runtime = await _runtime(tmp_path, FakeVmm(), options=RuntimeOptions(free_floor_bytes=FLOOR))
+        try:
+            _fill_disk(monkeypatch, MIB)
+            async with _client(_front(runtime)) as client:
+                return await client.post("/sandboxes", headers=_key(A), json={"templateID": "base", "timeout": 60})
+        finally:
+            await runtime.stop()
+
+    answer = run(scenario)
+    assert answer.status_code == 507, answer.text
+    assert answer.json()["code"] == 507 and "[disk] min_free_mib" in answer.json()["message"]
