@@ -103,14 +103,9 @@ class BranchService:
         if mode not in MODES:
             raise SnapshotError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         branching_of(self.vmm)  # a backend without the capability is refused before anything is claimed
+        claim = claim or self.store.claim(tag, "branched")  # before any await: the first request takes the tag
         try:
             await asyncio.to_thread(self.space.check, self.paths.snapshots, 0, f"branching {sandbox_id} to {tag!r}")
-        except BaseException:
-            if claim is not None:
-                claim.release()
-            raise
-        claim = claim or self.store.claim(tag, "branched")
-        try:
             live = self.sandboxes.get(sandbox_id)
             if len(self._builds) >= self.max_concurrent:
                 raise BranchBusy(f"{len(self._builds)} branches are being written (the limit is "
