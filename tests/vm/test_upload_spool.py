@@ -21,6 +21,7 @@ TAG = "spool"
 UPLOADS, UPLOAD_MIB = 8, 24
 SPOOL_MIB, SPOOL_FILES = 32, 4
 MIB = 1 << 20
+FS_SLACK = 64 << 10  # per file: a filesystem may count a block of its own metadata in st_blocks
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,8 @@ def test_uploads_to_a_stopped_guest_stay_within_the_spool_budget(home: Path) -> 
                    and sum(_spool(pid, uploads)) >= (SPOOL_MIB - 4) * MIB, bound_s=120)
         held = [_spool(pid, uploads) for _ in range(20)]  # sampled while the senders push on
         print(f"\nspool files and bytes while the guest is stopped: {held[-1]}")
-        assert all(len(files) <= SPOOL_FILES and sum(files) <= SPOOL_MIB * MIB for files in held), held
+        bound = SPOOL_MIB * MIB + SPOOL_FILES * FS_SLACK
+        assert all(len(files) <= SPOOL_FILES and sum(files) <= bound for files in held), held
         assert all(result is None for result in results)  # none finished: the guest writes nothing
         os.kill(stopped, signal.SIGCONT)
         stopped = None
