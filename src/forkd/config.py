@@ -8,6 +8,7 @@ test run or CI can share them across clones; the daemon listens on ``FORKD_SOCKE
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ class Paths:
         return self.home / "logs" / "audit.jsonl"
 
 
-def paths_from_env(env: dict[str, str] | None = None) -> Paths:
+def paths_from_env(env: Mapping[str, str] | None = None) -> Paths:
     env = os.environ if env is None else env
     home = Path(env.get("FORKD_HOME", "/var/lib/forkd"))
     cache = Path(env.get("FORKD_CACHE", "/var/cache/forkd"))

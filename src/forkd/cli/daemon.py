@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from forkd.cli.serverside import server_side
+
 
 @click.command("daemon")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -39,9 +41,10 @@ def daemon_command(config_file: Path | None, home: Path | None, cache: Path | No
     needs `Authorization: Bearer <token>`. With --e2b-listen it also serves E2B's API, so E2B's
     own SDKs drive it (see docs/e2b.md).
     """
-    from forkd.daemon.config import ConfigError, load_config
-    from forkd.daemon.server import DaemonAlreadyRunning, run
-    from forkd.listeners import ListenerError
+    with server_side("`forkd daemon`"):
+        from forkd.daemon.config import ConfigError, load_config
+        from forkd.daemon.server import DaemonAlreadyRunning, run
+        from forkd.listeners import ListenerError
     try:
         config = load_config(config_file, overrides={
             "home": home, "cache": cache, "socket": socket, "log_file": log_file, "vmm": vmm, "accelerator": accel,
