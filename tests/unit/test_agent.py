@@ -29,7 +29,7 @@ import pytest
 
 from conftest import require_root
 from forkd.guest import agent as agent_module
-from forkd.guest import channel, processes, protocol
+from forkd.guest import activity, channel, processes, protocol
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,7 +203,7 @@ def test_every_op_is_served_and_rejects_nonsense_args(agent: AgentClient, op: st
     nonsense = {"path": 1, "code": 2, "pid": "x", "modules": 3, "entropy_b64": 4, "id": [5], "expr": 6}
     _, terminal = agent.call(op, nonsense)
     if terminal["ok"]:
-        assert op in (protocol.OP_PING, protocol.OP_PROC_LIST, protocol.OP_CONTEXTS_LIST)
+        assert op in (protocol.OP_PING, protocol.OP_PROC_LIST, protocol.OP_CONTEXTS_LIST, protocol.OP_ACTIVITY)
     else:
         assert terminal["error"]["code"] == protocol.ERR_BAD_REQUEST, terminal
 
@@ -1143,7 +1143,14 @@ def test_cancel_ends_a_command_and_a_cell(agent: AgentClient) -> None:
     req_id, _ = start_process(agent, {"argv": ["sleep", "600"]})
     agent.result(protocol.OP_CANCEL, {"id": req_id})
     result = agent.collect(req_id, timeout=30)[-1][1]["result"]
-    assert result["cancelled"] is True and result["signal"] == signal.SIGKILL
+    assert result["cancelled"] is True and result["signal"] == signal.SIGINT  # gently first
+    req_id, _ = start_process(agent, {"argv": ["python3", "-c", "import signal, sys, time\n"
+                                       "signal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+                                       "time.sleep(600)"]})
+    assert agent.next_frame(req_id, timeout=30)[1]["event"] == "stdout"  # its SIGINT handler is in place
+    agent.result(protocol.OP_CANCEL, {"id": req_id})
+    result = agent.collect(req_id, timeout=30)[-1][1]["result"]
+    assert result["cancelled"] is True and result["signal"] == signal.SIGKILL  # it ignored SIGINT: killed
     run_code(agent, "kept = 7", context="cancel")
     req_id = agent.start(protocol.OP_RUN_CODE, {"code": "print('go', flush=True)\nimport time; time.sleep(600)",
                                                 "context": "cancel"})
@@ -1356,3 +1363,40 @@ def test_generators_made_by_warm_code_are_reseeded(unprivileged_agent: AgentClie
     unprivileged_agent.result(protocol.OP_CONTEXTS_CREATE, {"id": "later"})
     later = unprivileged_agent.result(protocol.OP_EVAL, {"expr": expr, "context": "later"})["value_json"]
     assert all(a != b for a, b in zip(first, later)), (first, later)
+
+
+def test_activity_counts_user_processes_but_not_the_agents_own_kernel_threads_or_zombies(tmp_path: Path) -> None:
+    """What keeps a guest from being stopped for being idle: every process with a command line but the agent's."""
+    for pid, cmdline in ((1, b"python3\0-m\0forkd_guest.init"), (7, b""), (40, b"python3\0-m\0forkd_guest.agent"),
+                         (41, b"python3\0template"), (99, b"sleep\0300"), (120, b"python3\0-m\0http.server")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(cmdline)
+    (tmp_path / "self").mkdir()
+    assert activity.user_processes({1, 40, 41}, str(tmp_path)) == [99, 120]
+
+
+def test_clock_set_checks_its_argument(agent: AgentClient) -> None:
+    _, terminal = agent.call(protocol.OP_CLOCK_SET, {"time_ns": -1})
+    assert terminal["error"]["code"] == protocol.ERR_BAD_REQUEST
+
+
+def test_pty_flow_pause_stops_reading_and_cancel_hangs_up_then_kills(agent: AgentClient, tmp_path: Path) -> None:
+    """pty.start ignored flow.pause (its terminal was read however fast it wrote) and cancel (it ran on)."""
+    marker = tmp_path / "writer-done"
+    req = agent.start(protocol.OP_PTY_START, {"argv": ["/bin/sh", "-c", f"yes | head -c 2000000; touch {marker}; "
+                                                                        "sleep 600"]})
+    agent.result(protocol.OP_FLOW_PAUSE, {"id": req})
+    time.sleep(1.0)
+    assert not marker.exists()  # blocked on a full terminal: real back-pressure
+    agent.result(protocol.OP_FLOW_RESUME, {"id": req})
+    while not marker.exists():  # the output flows again until the writer is done
+        with contextlib.suppress(queue.Empty):
+            agent.next_frame(req, timeout=0.5)
+    agent.result(protocol.OP_CANCEL, {"id": req})
+    assert agent.collect(req, timeout=30)[-1][1]["result"]["signal"] == signal.SIGHUP  # hung up
+
+    stubborn = agent.start(protocol.OP_PTY_START, {"argv": ["/bin/sh", "-c", "trap '' HUP; echo ready; sleep 600"]})
+    agent.next_frame(stubborn)  # started
+    assert b"ready" in unb64(agent.next_frame(stubborn)[1]["data"]["data_b64"])
+    agent.result(protocol.OP_CANCEL, {"id": stubborn})
+    assert agent.collect(stubborn, timeout=30)[-1][1]["result"]["signal"] == signal.SIGKILL  # then killed

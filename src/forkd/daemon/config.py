@@ -30,6 +30,7 @@ max_branches = 2                 # branches written at once; more answer 503  [F
 
 [sandboxes]
 keep_on_stop = false             # true: stopping the daemon leaves VMMs for the next one to re-adopt
+idle_stop_s = 60                 # a child idle this long is stopped, continued by its next request; 0 never  [FORKD_IDLE_STOP_S]
 
 [network]
 pool = "10.213.0.0/16"           # private IPv4 range nat children's /30s come from  [FORKD_NET_POOL]
@@ -56,6 +57,7 @@ quickstart = 1
 [e2b]
 listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)  [FORKD_E2B_LISTEN]
 keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
+domain = "sandbox.example.com"     # get_host(port) = PORT-ID.DOMAIN (needs wildcard DNS); default localhost:PORT
 
 [transfers]
 allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any public one
@@ -89,10 +91,11 @@ from pydantic.dataclasses import dataclass
 from forkd.config import Paths
 from forkd.hostpaths import HostRoots
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
-from forkd.store.space import DEFAULT_FLOOR_BYTES
+from forkd.runtime.idle import DEFAULT_IDLE_STOP_S
 from forkd.runtime.options import DEFAULT_MAX_BRANCHES, OutputLimits, RuntimeOptions
 from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
+from forkd.store.space import DEFAULT_FLOOR_BYTES
 from forkd.validation import ValidationError as FieldError
 from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, check_backend
 
@@ -103,7 +106,7 @@ DEFAULT_CACHE = Path("/var/cache/forkd")
 ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socket", "FORKD_LISTEN": "listen",
             "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file", "FORKD_NET_POOL": "network.pool",
             "FORKD_DNS": "network.dns", "FORKD_MAX_BRANCHES": "limits.max_branches",
-            "FORKD_E2B_LISTEN": "e2b.listen", "FORKD_VMM": "vmm"}
+            "FORKD_E2B_LISTEN": "e2b.listen", "FORKD_VMM": "vmm", "FORKD_IDLE_STOP_S": "sandboxes.idle_stop_s"}
 
 
 DEFAULT_MAX_SANDBOXES = 500
@@ -125,6 +128,7 @@ class Limits:
 @dataclass(frozen=True, config=_STRICT)
 class SandboxPolicy:
     keep_on_stop: bool = False
+    idle_stop_s: float = Field(default=DEFAULT_IDLE_STOP_S, ge=0, le=1 << 30)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -164,6 +168,8 @@ class Audit:
 class E2BSettings:
     listen: str | None = Field(default=None, pattern=r"^[^\s:]+:\d{1,5}$")  # host:port; None: no E2B front
     keys_file: Path | None = None  # None: HOME/e2b/api-keys
+    # what get_host(port) builds {port}-{sandboxID}.{domain} from; None: localhost:<listen port>
+    domain: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.-]+(:\d{1,5})?$")
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -236,6 +242,7 @@ class DaemonConfig:
                               max_concurrent_forks=self.limits.max_concurrent_forks,
                               max_concurrent_branches=self.limits.max_branches,
                               keep_sandboxes_on_stop=self.sandboxes.keep_on_stop,
+                              idle_stop_s=self.sandboxes.idle_stop_s,
                               net_pool=self.network.pool, dns=str(self.network.dns) if self.network.dns else None,
                               output=OutputLimits(result_bytes=self.output.result_bytes,
                                                   stream_bytes=self.output.stream_bytes,

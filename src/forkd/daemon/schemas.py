@@ -139,6 +139,22 @@ class StdinBody(Strict):
     eof: bool = False
 
 
+class PtySize(Strict):
+    rows: StrictInt = Field(default=24, ge=1, le=10_000)
+    cols: StrictInt = Field(default=80, ge=1, le=10_000)
+
+
+class PtyInput(Strict):
+    data: str = Field(max_length=MAX_STDIN_CHARS)
+
+
+class PtyRequest(PtySize):
+    argv: list[str] = Field(default_factory=lambda: ["/bin/bash", "-i"], min_length=1, max_length=4096,
+                            description="the program and its arguments (default: an interactive bash)")
+    env: Envs = Field(default_factory=dict, description="merged over the sandbox's default envs")
+    cwd: str | None = Field(default=None, max_length=4096)
+
+
 class ExecRequest(Strict):
     cmd: str | None = Field(default=None, max_length=1 << 20, description="shell command (/bin/sh -c)")
     argv: list[str] | None = Field(default=None, min_length=1, max_length=4096)

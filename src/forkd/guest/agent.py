@@ -18,12 +18,14 @@ import time
 from typing import Any
 
 from . import protocol, reseed
+from .activity import ActivityOps
 from .channel import log, open_channel
 from .dispatch import Dispatcher, Handler, OpFamily, Request, inline
 from .files import FileOps
 from .interpreters import PythonRuntime
 from .processes import ProcessTable
 from .pty import PtyOps
+from .tunnel import TunnelOps
 from .watch import WatchOps
 
 
@@ -78,13 +80,16 @@ class AgentOps:
 def op_families() -> list[OpFamily]:
     """Every op family the agent serves; registering a new op module is one line here."""
     python = PythonRuntime()
+    watches = WatchOps()
     return [
         AgentOps(python),
         ProcessTable(python.template),
         python,
         FileOps(),
-        WatchOps(),
+        watches,
         PtyOps(),
+        ActivityOps(python.own_pids, watches.count),
+        TunnelOps(),
     ]
 
 

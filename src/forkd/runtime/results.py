@@ -26,6 +26,14 @@ class Output:
 
 
 @dataclass(frozen=True)
+class Data:
+    """Output as the bytes the program wrote (fronts that pass bytes on: E2B's envd, a terminal)."""
+
+    stream: Literal["stdout", "stderr", "pty"]
+    data: bytes
+
+
+@dataclass(frozen=True)
 class Notice:
     """An event this host does not model (a newer agent's); passed on as the agent sent it."""
 
@@ -33,7 +41,7 @@ class Notice:
     data: dict[str, Any]
 
 
-Event = Started | Output | Notice
+Event = Started | Output | Data | Notice
 
 
 @dataclass(frozen=True)

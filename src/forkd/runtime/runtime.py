@@ -34,7 +34,7 @@ from forkd.runtime.compact import CompactService
 from forkd.runtime.drain import DrainService
 from forkd.runtime.driver_forks import DriverForks
 from forkd.runtime.isolation import Isolation
-from forkd.runtime.keepers import console_keeper, deadline_keeper
+from forkd.runtime.keepers import console_keeper, deadline_keeper, idle_keeper
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.node import NodeService
 from forkd.runtime.options import RuntimeOptions
@@ -45,6 +45,7 @@ from forkd.runtime.sessions import Sessions
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
 from forkd.runtime.spawning import Spawner
 from forkd.runtime.spool import SpoolBudget
+from forkd.runtime.tunnels import Tunnels
 from forkd.runtime.workspaces import WorkspaceService
 from forkd.store.chains import describe_chain
 from forkd.store.files import DigestCache
@@ -56,7 +57,7 @@ from forkd.vmm.base import Capabilities, Vmm, VmHandle
 
 # What a front may use of a Runtime: its services and the methods that answer for the store and the VMM.
 FRONT_SURFACE = frozenset({
-    "sandboxes", "spawner", "pools", "sessions", "branches", "workspaces", "packs", "snapshots", "compaction",
+    "sandboxes", "spawner", "pools", "sessions", "tunnels", "branches", "workspaces", "packs", "snapshots", "compaction",
     "peers", "node", "drain", "driver_forks", "metrics", "paths", "start", "stop", "images", "build_image",
     "remove_image", "confine_image_sources", "create_snapshot", "remove_snapshot", "snapshot", "snapshot_by_digest",
     "snapshot_records", "snapshot_listing", "describe_snapshot", "capabilities"})
@@ -75,7 +76,7 @@ class Runtime:
         space = SpaceFloor(self.options.free_floor_bytes, roots.packs if roots else None)
         self.snapshots = SnapshotService(paths, self.store, vmm, space)
         self.metrics = Metrics()
-        self.sandboxes = SandboxService(paths, registry, vmm, isolation)
+        self.sandboxes = SandboxService(paths, registry, vmm, isolation, self.options.idle_stop_s)
         self.pools = PoolService(paths, registry, vmm, self.store, isolation, self.sandboxes.release, new_sandbox_id,
                                  self.options.pool_sizes, warm=self.options.warm_pools)
         self.spawner = Spawner(paths, registry, vmm, self.store, self.sandboxes, self.pools, isolation, self.metrics,
@@ -83,17 +84,19 @@ class Runtime:
         self.packs = PackService(self.store, self.spawner.count_of, roots, UrlPolicy(self.options.transfer_hosts), space,
                                  self.options.allow_unpinned_pulls, replacing=self.pools.replacing)
         self.peers = PeerPuller(self.packs)
-        self.drain = DrainService(self.spawner, self.pools, self.sandboxes)
+        self.drain = DrainService(self.spawner, self.pools, self.sandboxes, paths.home)
         self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options, self.drain)
         self.driver_forks = DriverForks(self.registry, self.sandboxes, self.spawner)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.metrics.watch_pools(self.pools.list)
+        self.metrics.watch_idle(self.sandboxes.idle.stopped)
         self.compaction = CompactService(self.store, vmm.disk)
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.spawner,
                                       self.options.max_concurrent_branches, self.metrics, space)
         self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads, space,
                                  SpoolBudget(self.options.spool_bytes, self.options.spool_files))
+        self.tunnels = Tunnels(self.sandboxes)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.spawner, self.branches,
                                            self.remove_snapshot)
         self._image_lock = asyncio.Lock()
@@ -130,10 +133,12 @@ class Runtime:
             await self.branches.refuse(sandbox_id, f"the daemon stopped while branching it to {tag!r}, so its "
                                        "disk may hold a layer no snapshot received; fork a new sandbox to branch from")
         await asyncio.to_thread(self.packs.remove_partials)
+        await self.drain.restore()  # before the pools start filling
         await self.pools.start()
         loop = asyncio.get_running_loop()
         self._keepers = [loop.create_task(deadline_keeper(self.sandboxes)),
-                         loop.create_task(console_keeper(self.consoles))]
+                         loop.create_task(console_keeper(self.consoles)),
+                         loop.create_task(idle_keeper(self.sandboxes.idle))]
         return recovery
 
     async def stop(self) -> None:
