@@ -37,7 +37,7 @@ def branch(sandbox_id: str, tag: str, mode: str, no_wait: bool, as_json: bool, v
 @reports_errors
 def snapshot_info(tag: str, as_json: bool) -> None:
     """A snapshot's status, chain (depth, ancestors, dependents) and sizes."""
-    info = daemon().snapshot(tag)
+    info = daemon(start=False).snapshot(tag)
     if as_json:
         print_json(info)
         return

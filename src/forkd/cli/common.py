@@ -19,7 +19,7 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
-from forkd.config import paths_from_env
+from forkd.config import ConfigFileError, paths_from_env
 from forkd.safetext import for_rich, visible
 from forkd.sdk.autostart import ensure_daemon
 from forkd.sdk.controller import Controller, ForkdError
@@ -88,8 +88,14 @@ def print_ids(ids: Iterable[str]) -> None:
         click.echo(visible(item))
 
 
-def daemon() -> Controller:
-    return ensure_daemon(paths_from_env())
+def daemon(start: bool = True) -> Controller:
+    """The local daemon's client (``FORKD_URL``'s, when set). ``start``: start this host's daemon when none
+    answers; read-only commands (listings, ``info``, ``inspect``) pass False and report an unreachable daemon."""
+    try:
+        paths = paths_from_env()
+    except ConfigFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    return ensure_daemon(paths) if start else Controller()
 
 
 def progress_printer(prefix: str = "") -> Callable[[str], None]:

@@ -103,7 +103,7 @@ def image_build(name: str, packages: tuple[str, ...], mirror: str | None, source
 @reports_errors
 def image_ls(as_json: bool, quiet: bool) -> None:
     """List guest images."""
-    items = daemon().images()
+    items = daemon(start=False).images()
     if as_json:
         print_json(items)
     elif quiet:
@@ -169,7 +169,7 @@ def _snapshot_row(item: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _list_snapshots(as_json: bool, quiet: bool) -> None:
-    items = daemon().snapshots()
+    items = daemon(start=False).snapshots()
     if as_json:
         print_json(items)
     elif quiet:
@@ -277,7 +277,7 @@ def files() -> None:
 @reports_errors
 def files_ls(sandbox_id: str, path: str, as_json: bool, quiet: bool) -> None:
     """List a directory in the sandbox (-q: names only)."""
-    entries = daemon().list_files(sandbox_id, path)
+    entries = daemon(start=False).list_files(sandbox_id, path)
     if as_json:
         print_json(entries)
     elif quiet:
@@ -295,7 +295,7 @@ def files_ls(sandbox_id: str, path: str, as_json: bool, quiet: bool) -> None:
 @reports_errors
 def files_stat(sandbox_id: str, path: str, as_json: bool) -> None:
     """A file's type, size, mode and times, as JSON (--json is accepted and changes nothing)."""
-    print_json(daemon().stat(sandbox_id, path))
+    print_json(daemon(start=False).stat(sandbox_id, path))
 
 
 @files.command("rm")

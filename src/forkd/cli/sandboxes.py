@@ -95,7 +95,7 @@ def ls(as_json: bool, quiet: bool, pools: bool) -> None:
     if pools:
         list_pools(as_json, quiet)
         return
-    items = daemon().sandboxes()
+    items = daemon(start=False).sandboxes()
     if as_json:
         print_json(items)
     elif quiet:
@@ -113,7 +113,7 @@ def _sandbox_row(item: dict[str, Any]) -> tuple[str, ...]:
 
 
 def list_pools(as_json: bool, quiet: bool) -> None:
-    items = daemon().pools()
+    items = daemon(start=False).pools()
     if as_json:
         print_json(items)
     elif quiet:
@@ -173,7 +173,7 @@ def kill(sandbox_ids: tuple[str, ...], kill_all: bool) -> None:
 @reports_errors
 def inspect(sandbox_id: str, as_json: bool) -> None:
     """A sandbox's whole record as JSON (--json is accepted and changes nothing)."""
-    print_json(daemon().sandbox(sandbox_id))
+    print_json(daemon(start=False).sandbox(sandbox_id))
 
 
 @click.group("sandbox")
