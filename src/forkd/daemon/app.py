@@ -6,6 +6,7 @@ mapping of runtime exceptions to error bodies in ``errors.py``; this module only
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -37,6 +38,8 @@ def create_app(runtime: Runtime | None = None) -> FastAPI:
         # Shutdown runs here, not after uvicorn returns: uvicorn re-raises SIGTERM once it has
         # served, which would end the process before any later cleanup.
         recovered = await runtime.start()
+        caps = await asyncio.to_thread(runtime.capabilities)  # asks the VMM binary its version: off the loop
+        runtime.metrics.set_build(__version__, caps.kind, caps.version)
         if recovered.adopted:
             log.info("re-adopted %d sandboxes: %s", len(recovered.adopted), ", ".join(recovered.adopted))
         if recovered.reaped or recovered.removed_builds:

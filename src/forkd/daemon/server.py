@@ -134,7 +134,8 @@ def _server(app: object, lifespan: str, limits: Server, listener: TcpListener | 
     tls = {"ssl_certfile": str(listener.tls_cert), "ssl_keyfile": str(listener.tls_key)} \
         if listener is not None and listener.tls_cert is not None else {}
     return uvicorn.Server(uvicorn.Config(
-        app, log_level="warning", timeout_graceful_shutdown=5, lifespan=lifespan,
+        # log_config=None: uvicorn's loggers reach the daemon's handler (its file, its format) instead of stderr.
+        app, log_level="warning", log_config=None, timeout_graceful_shutdown=5, lifespan=lifespan,
         http=functools.partial(HeadDeadline, header_timeout_s=limits.header_timeout_s),  # type: ignore[arg-type]
         limit_concurrency=limits.max_connections, timeout_keep_alive=limits.keep_alive_s,
         h11_max_incomplete_event_size=1 << 20, **tls))  # type: ignore[arg-type]
