@@ -45,8 +45,9 @@ def snapshot_info(tag: str, as_json: bool) -> None:
                   + (f", mode {info['mode']}" if "mode" in info else ""))
     console.print(f"  ancestors:  {' ← '.join(info['ancestors']) or '(none: a baked snapshot)'}")
     console.print(f"  dependents: {', '.join(info['all_dependents']) or '(none)'}")
-    console.print(f"  size: {info['physical_bytes'] / 2**20:.1f} MiB own, "
-                  f"{info['logical_bytes'] / 2**20:.1f} MiB with its chain")
+    console.print(f"  size: {info['own_bytes'] / 2**20:.1f} MiB own, {info['chain_bytes'] / 2**20:.1f} MiB with its "
+                  f"chain; files {info['disk']['logical_bytes'] / 2**20:.0f} MiB logical, "
+                  f"{info['disk']['physical_bytes'] / 2**20:.0f} MiB physical")
     if "error" in info:
         console.print(f"  error: {for_rich(info['error'])}")
 

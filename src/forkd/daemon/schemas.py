@@ -8,7 +8,12 @@ import shlex
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+import types
+import typing
+
+from annotated_types import Ge, Le
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
+from pydantic import Strict as StrictMode
 
 from forkd.host.netpolicy import MAX_ALLOW_RULES, MAX_PORTS_PER_RULE, allow_rule, egress_policy
 from forkd.runtime.pool import MAX_POOL_SIZE
@@ -16,13 +21,39 @@ from forkd.runtime.sessions import MAX_TIMEOUT_S
 from forkd.validation import TAG_PATTERN
 
 Tag = Annotated[str, Field(pattern=TAG_PATTERN, description="[A-Za-z0-9_-]{1,64}")]
+
+
+def _integral(value: object) -> object:
+    """JSON has one number type, and JSON Schema counts 1.0 as an integer: take it as 1 (1.5, true, "1" stay refused)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+
+def _takes_int(annotation: object) -> bool:
+    """``int``, ``StrictInt`` or an optional one (not a float field: 1.0 stays a float there)."""
+    if typing.get_origin(annotation) is Annotated:
+        return _takes_int(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_takes_int(arg) for arg in typing.get_args(annotation))
+    return annotation is int
+
+
+def _present(name: str) -> dict[str, object]:
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+def exactly_one_of(*names: str) -> dict[str, object]:
+    """The JSON Schema of a body that must give exactly one of ``names`` (non-null): what its validator checks."""
+    return {"oneOf": [_present(name) for name in names]}
 MAX_CHILDREN_PER_REQUEST = 1000
 MIN_TIMEOUT_S = 1.0  # shorter ones could only answer "timed out"
 MAX_SANDBOX_TIMEOUT_S = 30 * 24 * 3600
 MAX_STDIN_CHARS = 8 << 20  # base64 of it must fit one 16 MiB agent frame
 
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
-Envs = Annotated[dict[EnvName, Annotated[str, Field(max_length=1 << 16)]], Field(max_length=1024)]
+# additionalProperties: the pattern is the only way a name is accepted (JSON Schema lets other keys through).
+Envs = Annotated[dict[EnvName, Annotated[str, Field(max_length=1 << 16)]],
+                 Field(max_length=1024, json_schema_extra={"additionalProperties": False})]
 MetadataKey = Annotated[str, Field(min_length=1, max_length=128)]
 Metadata = Annotated[dict[MetadataKey, Annotated[str, Field(max_length=4096)]], Field(max_length=64)]
 SandboxTimeout = Annotated[float, Field(ge=MIN_TIMEOUT_S, le=MAX_SANDBOX_TIMEOUT_S,
@@ -32,6 +63,12 @@ CallTimeout = Annotated[float, Field(ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S, descrip
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _integral_numbers(cls, value: object, info: ValidationInfo) -> object:
+        """An integer field (StrictInt: no booleans, no strings) takes 1.0, as the document's "integer" admits it."""
+        return _integral(value) if _takes_int(cls.model_fields[info.field_name or ""].annotation) else value
 
 
 class ImageBuild(Strict):
@@ -70,7 +107,7 @@ MIN_PIDS = 16
 
 class AllowRuleBody(Strict):
     cidr: str = Field(max_length=64, description="IPv4 network, e.g. 203.0.113.0/24")
-    ports: list[Annotated[StrictInt, Field(ge=1, le=65535)] | Annotated[str, Field(pattern=r"^[0-9]{1,5}(-[0-9]{1,5})?$")]] = Field(
+    ports: list[Annotated[int, StrictMode(), Ge(1), Le(65535), BeforeValidator(_integral)] | Annotated[str, Field(pattern=r"^[0-9]{1,5}(-[0-9]{1,5})?$")]] = Field(
         default_factory=list, max_length=MAX_PORTS_PER_RULE, description="ports or 'low-high' ranges; empty: all")
     protocol: Literal["tcp", "udp", "any"] = "any"
 
@@ -87,6 +124,11 @@ Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="a snapshot
 
 
 class SandboxCreate(Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
+        **exactly_one_of("snapshot_tag", "snapshot_digest"),
+        "not": {"required": ["idempotency_key", "stream"],
+                "properties": {"idempotency_key": {"not": {"type": "null"}}, "stream": {"const": True}}},
+        "if": _present("egress"), "then": {"required": ["net"], "properties": {"net": {"const": "nat"}}}})
     snapshot_tag: Tag | None = Field(default=None, description="the snapshot to fork (or give snapshot_digest)")
     snapshot_digest: Digest | None = Field(default=None, description="the snapshot by digest (GET /v1/node)")
     idempotency_key: Label | None = Field(default=None, description=(
@@ -140,6 +182,7 @@ class StdinBody(Strict):
 
 
 class ExecRequest(Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=exactly_one_of("cmd", "argv"))
     cmd: str | None = Field(default=None, max_length=1 << 20, description="shell command (/bin/sh -c)")
     argv: list[str] | None = Field(default=None, min_length=1, max_length=4096)
     env: Envs = Field(default_factory=dict, description="merged over the sandbox's default envs")
@@ -215,6 +258,9 @@ class PackUnpack(Strict):
 
 
 class PackPull(Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
+        **exactly_one_of("url", "index"),
+        "if": _present("index"), "then": {**_present("name"), "not": _present("sha256")}})
     url: PackUrl | None = None
     index: PackUrl | None = Field(default=None, description="index file or URL; then name a pack in it")
     name: Tag | None = None
@@ -377,6 +423,16 @@ class ListedSnapshot(Snapshot):
 
 class SnapshotList(Open):
     snapshots: list[ListedSnapshot]
+
+
+class DescribedSnapshot(ListedSnapshot):
+    """``GET /v1/snapshots/{tag}``: the listing's fields (``disk`` meaning the same) and its chain."""
+    depth: int = Field(description="ancestors below it (0: a full snapshot)")
+    ancestors: list[str] = Field(description="parent first")
+    dependents: list[str] = Field(description="snapshots branched from it directly")
+    all_dependents: list[str]
+    own_bytes: int = Field(description="blocks only it holds (its hard links into the image cache excluded)")
+    chain_bytes: int = Field(description="own_bytes of it and every ancestor: what forking it needs on disk")
 
 
 class Printed(Open):
