@@ -105,14 +105,22 @@ MIN_MEMORY_LIMIT_MIB = 64
 MIN_PIDS = 16
 
 
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+
+
 class AllowRuleBody(Strict):
-    cidr: str = Field(max_length=64, description="IPv4 network, e.g. 203.0.113.0/24")
-    ports: list[Annotated[int, StrictMode(), Ge(1), Le(65535), BeforeValidator(_integral)] | Annotated[str, Field(pattern=r"^[0-9]{1,5}(-[0-9]{1,5})?$")]] = Field(
+    cidr: str = Field(max_length=64, pattern=rf"^{_OCTET}(\.{_OCTET}){{3}}/(3[0-2]|[12]?[0-9])$",
+                      description="IPv4 network, e.g. 203.0.113.0/24 (no host bits set)")
+    ports: list[Annotated[int, StrictMode(), Ge(1), Le(65535), BeforeValidator(_integral)] | Annotated[str, Field(pattern=rf"^{_PORT}(-{_PORT})?$")]] = Field(
         default_factory=list, max_length=MAX_PORTS_PER_RULE, description="ports or 'low-high' ranges; empty: all")
     protocol: Literal["tcp", "udp", "any"] = "any"
 
 
 class EgressBody(Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
+        "if": {"required": ["allow"], "properties": {"allow": {"minItems": 1}}},
+        "then": {"required": ["default"], "properties": {"default": {"const": "deny"}}}})
     default: Literal["allow", "deny"] = "allow"
     allow: list[AllowRuleBody] = Field(default_factory=list, max_length=MAX_ALLOW_RULES)
     dns: bool = Field(default=True, description="the relayed DNS resolver stays reachable under 'deny'")
@@ -182,7 +190,10 @@ class StdinBody(Strict):
 
 
 class ExecRequest(Strict):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=exactly_one_of("cmd", "argv"))
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
+        **exactly_one_of("cmd", "argv"),  # and a warm cmd has a word in it
+        "if": {"required": ["warm", "cmd"], "properties": {"warm": {"const": True}, "cmd": {"type": "string"}}},
+        "then": {"properties": {"cmd": {"pattern": r"\S"}}}})
     cmd: str | None = Field(default=None, max_length=1 << 20, description="shell command (/bin/sh -c)")
     argv: list[str] | None = Field(default=None, min_length=1, max_length=4096)
     env: Envs = Field(default_factory=dict, description="merged over the sandbox's default envs")
