@@ -21,6 +21,7 @@ from schemathesis.specs.openapi.checks import (
 
 from fastapi.testclient import TestClient
 
+from openapi_checks import assert_not_refused_at_the_boundary
 from forkd.config import Paths
 from forkd.daemon.app import create_app
 from forkd.daemon.openapi import render
@@ -71,27 +72,6 @@ def _operations(app):  # type: ignore[no-untyped-def]
     schema = schemathesis.openapi.from_asgi("/openapi.json", app).exclude(method="POST", path="/v1/images") \
         .exclude(method="POST", path="/v1/packs/pull").exclude(method="POST", path="/v1/node/pull")
     return [result.ok() for result in schema.get_all_operations()]
-
-
-#: Codes of a request refused before any work for failing the API's own checks: one the schema admitted
-#: means the document lacks a pattern or bound. (A refusal of what the request names, such as a pack
-#: file that is not there or a guest path that is a directory, is the operation's answer, not this.)
-BOUNDARY_CODES = {"invalid_request", "malformed_body", "body_too_large", "method_not_allowed"}
-#: What JSON Schema cannot say: a CIDR with host bits set (10.0.0.1/24), a port range from high to low, a
-#: warm command line whose quotes do not close.
-BEYOND_A_SCHEMA = ("has host bits set", "low to high", "must split into words")
-
-
-def assert_not_refused_at_the_boundary(case, response) -> None:  # type: ignore[no-untyped-def]
-    """Schemathesis's "schema-valid request rejected" (ST202), narrowed to the daemon's boundary checks."""
-    if case.meta is None or not case.meta.generation.mode.is_positive or response.status_code not in (400, 405, 413):
-        return
-    error = response.json().get("error", {})
-    if any(reason in error.get("message", "") for reason in BEYOND_A_SCHEMA):
-        return
-    assert error.get("code") not in BOUNDARY_CODES, \
-        f"schema-valid request rejected: {case.method} {case.formatted_path} {case.query} {case.body!r:.300} → " \
-        f"{response.status_code} {response.text[:300]}"
 
 
 def test_no_server_errors_and_answers_match_the_schema(app) -> None:  # type: ignore[no-untyped-def]

@@ -42,9 +42,20 @@ def _present(name: str) -> dict[str, object]:
     return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
 
 
-def exactly_one_of(*names: str) -> dict[str, object]:
-    """The JSON Schema of a body that must give exactly one of ``names`` (non-null): what its validator checks."""
-    return {"oneOf": [_present(name) for name in names]}
+def _both(first: str, second: str) -> dict[str, object]:
+    return {"allOf": [_present(first), _present(second)]}
+
+
+def refused(*cases: dict[str, object]) -> dict[str, object]:
+    """Bodies matching any of ``cases`` are refused by the model's validator; said with ``not``, which client
+    generators skip (a top-level ``oneOf`` would make them drop the body's other fields)."""
+    return {"not": {"anyOf": list(cases)}}
+
+
+def exactly_one_of(first: str, second: str, *more: dict[str, object]) -> dict[str, object]:
+    """A body that must give exactly one of ``first`` and ``second`` (non-null), and match none of ``more``."""
+    neither = {"properties": {first: {"type": "null"}, second: {"type": "null"}}}  # absent or null, both
+    return refused(_both(first, second), neither, *more)
 MAX_CHILDREN_PER_REQUEST = 1000
 MIN_TIMEOUT_S = 1.0  # shorter ones could only answer "timed out"
 MAX_SANDBOX_TIMEOUT_S = 30 * 24 * 3600
@@ -133,9 +144,8 @@ Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="a snapshot
 
 class SandboxCreate(Strict):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
-        **exactly_one_of("snapshot_tag", "snapshot_digest"),
-        "not": {"required": ["idempotency_key", "stream"],
-                "properties": {"idempotency_key": {"not": {"type": "null"}}, "stream": {"const": True}}},
+        **exactly_one_of("snapshot_tag", "snapshot_digest", {"required": ["idempotency_key", "stream"], "properties": {
+            "idempotency_key": {"not": {"type": "null"}}, "stream": {"const": True}}}),
         "if": _present("egress"), "then": {"required": ["net"], "properties": {"net": {"const": "nat"}}}})
     snapshot_tag: Tag | None = Field(default=None, description="the snapshot to fork (or give snapshot_digest)")
     snapshot_digest: Digest | None = Field(default=None, description="the snapshot by digest (GET /v1/node)")
@@ -270,8 +280,8 @@ class PackUnpack(Strict):
 
 class PackPull(Strict):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
-        **exactly_one_of("url", "index"),
-        "if": _present("index"), "then": {**_present("name"), "not": _present("sha256")}})
+        **exactly_one_of("url", "index", _both("index", "sha256"),
+                         {**_present("index"), "properties": {"index": {"not": {"type": "null"}}, "name": {"type": "null"}}})})
     url: PackUrl | None = None
     index: PackUrl | None = Field(default=None, description="index file or URL; then name a pack in it")
     name: Tag | None = None
