@@ -23,10 +23,11 @@ from forkd.cli.common import (
     print_ids,
     print_json,
     print_rows,
-    progress_printer,
+    progress_display,
     quiet_option,
     reports_errors,
 )
+from forkd.cli.completion import attach as attach_completion
 from forkd.cli.daemon import daemon_command
 from forkd.cli.doctor import doctor
 from forkd.cli.execute import exec_command
@@ -89,7 +90,8 @@ def image_build(name: str, packages: tuple[str, ...], mirror: str | None, source
                        ("disk_size_mib", disk_size_mib)):
         if value is not None:
             spec[key] = value
-    result = daemon().build_image(on_progress=progress_printer(), **spec)
+    with progress_display() as on_progress:
+        result = daemon().build_image(on_progress=on_progress, **spec)
     if as_json:
         print_json(result)
         return
@@ -152,7 +154,8 @@ def snapshot_create(tag: str, image_name: str, memory_mib: int, vcpus: int, warm
         options["warm_code"] = warm_code
     if warmup_cmd:
         options["warmup_cmd"] = warmup_cmd
-    result = daemon().create_snapshot(tag, on_progress=progress_printer(), **options)
+    with progress_display() as on_progress:
+        result = daemon().create_snapshot(tag, on_progress=on_progress, **options)
     if as_json:
         print_json(result)
         return
@@ -330,7 +333,8 @@ cli.add_command(exec_command)
 for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, *CLUSTER_COMMANDS, workspace):
     cli.add_command(_command)
 attach_node_commands(cli)  # after the others: `forkd node` may be made by another module
+attach_completion(cli)  # last: it walks every command
 
 
 def main() -> None:
-    cli()
+    cli(prog_name="forkd")  # also under `python -m forkd`: its usage lines and completion variable say forkd

@@ -90,6 +90,19 @@ class Plan:
     store_files: dict[str, set[str]] = field(default_factory=dict)
 
 
+class Measured(str):
+    """A progress line that also carries its byte counts, so a client can draw a bar with speed and ETA
+    (the daemon sends them as ``done_bytes``/``total_bytes`` next to the text: daemon/ndjson.py)."""
+
+    done: int
+    total: int | None
+
+    def __new__(cls, text: str, done: int, total: int | None) -> Measured:
+        line = super().__new__(cls, text)
+        line.done, line.total = done, total
+        return line
+
+
 class Meter:
     """Progress over a known number of bytes, reported at most every couple of seconds."""
 
@@ -105,10 +118,11 @@ class Meter:
             self._last = now
             self.progress(self.line())
 
-    def line(self) -> str:
+    def line(self) -> Measured:
         if not self.total:  # e.g. a download whose size nobody announced
-            return f"{self.verb} {self.done / 2**20:.0f} MiB"
-        return f"{self.verb} {self.done / 2**20:.0f} of {self.total / 2**20:.0f} MiB ({100 * self.done / self.total:.0f}%)"
+            return Measured(f"{self.verb} {self.done / 2**20:.0f} MiB", self.done, None)
+        return Measured(f"{self.verb} {self.done / 2**20:.0f} of {self.total / 2**20:.0f} MiB "
+                        f"({100 * self.done / self.total:.0f}%)", self.done, self.total)
 
 
 # writing -------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from forkd.daemon import schemas
 from forkd.daemon.deps import RuntimeDep
-from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, detached
+from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, detached, progress_line
 from forkd.runtime.snapshots import SnapshotRequest
 
 router = APIRouter()
@@ -27,7 +27,7 @@ async def create_snapshot(body: schemas.SnapshotCreate, runtime: RuntimeDep) -> 
     claim = runtime.snapshots.claim(body.tag)  # a taken or claimed tag is a 409 before any streaming starts
 
     async def work(emit):  # type: ignore[no-untyped-def]
-        record = await runtime.create_snapshot(request, lambda line: emit({"progress": line}), claim=claim)
+        record = await runtime.create_snapshot(request, lambda line: emit(progress_line(line)), claim=claim)
         return record.to_dict()
 
     return detached(work)
