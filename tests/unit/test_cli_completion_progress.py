@@ -18,7 +18,7 @@ from conftest import fake_daemon_on
 from forkd.cli import common
 from forkd.cli.main import cli
 from forkd.sdk.controller import Controller
-from forkd.sdk.operations import ProgressLine
+from forkd.sdk.progress import ProgressLine
 
 
 @pytest.fixture

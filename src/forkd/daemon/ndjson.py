@@ -21,7 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from forkd.daemon.errors import error_body
-from forkd.packs.archive import Measured
+from forkd.packs.meter import Measured
 
 NDJSON = "application/x-ndjson"
 CLOSE_TIMEOUT_S = 30.0  # ending a streamed call in the guest (cancel, or a kill) takes at most this

@@ -8,54 +8,16 @@ import shlex
 
 from typing import Annotated, Literal
 
-import types
-import typing
 
-from annotated_types import Ge, Le
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
-from pydantic import Strict as StrictMode
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from forkd.daemon.bodies import CIDR_PATTERN, PORT_RANGE_PATTERN, JsonIntegers, Port, both, exactly_one_of, present
 from forkd.host.netpolicy import MAX_ALLOW_RULES, MAX_PORTS_PER_RULE, allow_rule, egress_policy
 from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.runtime.sessions import MAX_TIMEOUT_S
 from forkd.validation import TAG_PATTERN
 
 Tag = Annotated[str, Field(pattern=TAG_PATTERN, description="[A-Za-z0-9_-]{1,64}")]
-
-
-def _integral(value: object) -> object:
-    """JSON has one number type, and JSON Schema counts 1.0 as an integer: take it as 1 (1.5, true, "1" stay refused)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-
-def _takes_int(annotation: object) -> bool:
-    """``int``, ``StrictInt`` or an optional one (not a float field: 1.0 stays a float there)."""
-    if typing.get_origin(annotation) is Annotated:
-        return _takes_int(typing.get_args(annotation)[0])
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_takes_int(arg) for arg in typing.get_args(annotation))
-    return annotation is int
-
-
-def _present(name: str) -> dict[str, object]:
-    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
-
-
-def _both(first: str, second: str) -> dict[str, object]:
-    return {"allOf": [_present(first), _present(second)]}
-
-
-def refused(*cases: dict[str, object]) -> dict[str, object]:
-    """Bodies matching any of ``cases`` are refused by the model's validator; said with ``not``, which client
-    generators skip (a top-level ``oneOf`` would make them drop the body's other fields)."""
-    return {"not": {"anyOf": list(cases)}}
-
-
-def exactly_one_of(first: str, second: str, *more: dict[str, object]) -> dict[str, object]:
-    """A body that must give exactly one of ``first`` and ``second`` (non-null), and match none of ``more``."""
-    neither = {"properties": {first: {"type": "null"}, second: {"type": "null"}}}  # absent or null, both
-    return refused(_both(first, second), neither, *more)
 MAX_CHILDREN_PER_REQUEST = 1000
 MIN_TIMEOUT_S = 1.0  # shorter ones could only answer "timed out"
 MAX_SANDBOX_TIMEOUT_S = 30 * 24 * 3600
@@ -72,14 +34,8 @@ SandboxTimeout = Annotated[float, Field(ge=MIN_TIMEOUT_S, le=MAX_SANDBOX_TIMEOUT
 CallTimeout = Annotated[float, Field(ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S, description="seconds")]
 
 
-class Strict(BaseModel):
+class Strict(JsonIntegers):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _integral_numbers(cls, value: object, info: ValidationInfo) -> object:
-        """An integer field (StrictInt: no booleans, no strings) takes 1.0, as the document's "integer" admits it."""
-        return _integral(value) if _takes_int(cls.model_fields[info.field_name or ""].annotation) else value
 
 
 class ImageBuild(Strict):
@@ -116,22 +72,16 @@ MIN_MEMORY_LIMIT_MIB = 64
 MIN_PIDS = 16
 
 
-_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
-
-
 class AllowRuleBody(Strict):
-    cidr: str = Field(max_length=64, pattern=rf"^{_OCTET}(\.{_OCTET}){{3}}/(3[0-2]|[12]?[0-9])$",
-                      description="IPv4 network, e.g. 203.0.113.0/24 (no host bits set)")
-    ports: list[Annotated[int, StrictMode(), Ge(1), Le(65535), BeforeValidator(_integral)] | Annotated[str, Field(pattern=rf"^{_PORT}(-{_PORT})?$")]] = Field(
+    cidr: str = Field(max_length=64, pattern=CIDR_PATTERN, description="IPv4 network, e.g. 203.0.113.0/24 (no host bits)")
+    ports: list[Port | Annotated[str, Field(pattern=PORT_RANGE_PATTERN)]] = Field(
         default_factory=list, max_length=MAX_PORTS_PER_RULE, description="ports or 'low-high' ranges; empty: all")
     protocol: Literal["tcp", "udp", "any"] = "any"
 
 
 class EgressBody(Strict):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
-        "if": {"required": ["allow"], "properties": {"allow": {"minItems": 1}}},
-        "then": {"required": ["default"], "properties": {"default": {"const": "deny"}}}})
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={  # an allow-list needs deny
+        "if": {"required": ["allow"], "properties": {"allow": {"minItems": 1}}}, "then": present("default", "deny")})
     default: Literal["allow", "deny"] = "allow"
     allow: list[AllowRuleBody] = Field(default_factory=list, max_length=MAX_ALLOW_RULES)
     dns: bool = Field(default=True, description="the relayed DNS resolver stays reachable under 'deny'")
@@ -146,7 +96,7 @@ class SandboxCreate(Strict):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
         **exactly_one_of("snapshot_tag", "snapshot_digest", {"required": ["idempotency_key", "stream"], "properties": {
             "idempotency_key": {"not": {"type": "null"}}, "stream": {"const": True}}}),
-        "if": _present("egress"), "then": {"required": ["net"], "properties": {"net": {"const": "nat"}}}})
+        "if": present("egress"), "then": {"required": ["net"], "properties": {"net": {"const": "nat"}}}})
     snapshot_tag: Tag | None = Field(default=None, description="the snapshot to fork (or give snapshot_digest)")
     snapshot_digest: Digest | None = Field(default=None, description="the snapshot by digest (GET /v1/node)")
     idempotency_key: Label | None = Field(default=None, description=(
@@ -280,8 +230,8 @@ class PackUnpack(Strict):
 
 class PackPull(Strict):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
-        **exactly_one_of("url", "index", _both("index", "sha256"),
-                         {**_present("index"), "properties": {"index": {"not": {"type": "null"}}, "name": {"type": "null"}}})})
+        **exactly_one_of("url", "index", both("index", "sha256"),
+                         {**present("index"), "properties": {"index": {"not": {"type": "null"}}, "name": {"type": "null"}}})})
     url: PackUrl | None = None
     index: PackUrl | None = Field(default=None, description="index file or URL; then name a pack in it")
     name: Tag | None = None
@@ -452,8 +402,8 @@ class DescribedSnapshot(ListedSnapshot):
     ancestors: list[str] = Field(description="parent first")
     dependents: list[str] = Field(description="snapshots branched from it directly")
     all_dependents: list[str]
-    own_bytes: int = Field(description="blocks only it holds (its hard links into the image cache excluded)")
-    chain_bytes: int = Field(description="own_bytes of it and every ancestor: what forking it needs on disk")
+    own_bytes: int = Field(description="blocks only it holds (no hard links into the image cache)")
+    chain_bytes: int = Field(description="own_bytes of it and every ancestor")
 
 
 class Printed(Open):

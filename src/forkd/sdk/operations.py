@@ -21,6 +21,7 @@ import httpx
 from forkd.errors import KINDS, kind_of
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import DaemonUnreachable, ForkdError, error_for
+from forkd.sdk.progress import progress
 from forkd.sdk.sandbox.flavour import Flavour, Steps, operation
 
 LONG_TIMEOUT_S = 3600.0
@@ -106,30 +107,6 @@ class StreamState:
 def truncated() -> ForkdError:
     return ForkdError(500, "truncated", f"the daemon closed the stream without a result; "
                                         f"{KINDS['truncated'].next_step}")
-
-
-class ProgressLine(str):
-    """A progress line as text, with ``done_bytes``/``total_bytes`` when the daemon counted bytes (packs,
-    pulls, pushes; ``total_bytes`` None when the size is unknown), else both None."""
-
-    done_bytes: int | None
-    total_bytes: int | None
-
-    def __new__(cls, text: str, done_bytes: int | None = None, total_bytes: int | None = None) -> ProgressLine:
-        line = super().__new__(cls, text)
-        line.done_bytes, line.total_bytes = done_bytes, total_bytes
-        return line
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def progress(on_progress: Callable[[str], Any] | None) -> Callable[[dict[str, Any]], Any] | None:
-    if on_progress is None:
-        return None
-    return lambda line: on_progress(ProgressLine(str(line.get("progress", line)), _count(line.get("done_bytes")),
-                                                 _count(line.get("total_bytes"))))
 
 
 def fork_call(tag: str | None, n: int, options: dict[str, Any]) -> Call:
