@@ -52,7 +52,7 @@ def refused(*cases: dict[str, object]) -> dict[str, object]:
 
 def exactly_one_of(first: str, second: str, *more: dict[str, object]) -> dict[str, object]:
     """A body that must give exactly one of ``first`` and ``second`` (non-null), and match none of ``more``."""
-    neither = {"properties": {first: {"type": "null"}, second: {"type": "null"}}}  # absent or null, both
+    neither: dict[str, object] = {"properties": {first: {"type": "null"}, second: {"type": "null"}}}  # both absent
     return refused(both(first, second), neither, *more)
 
 

@@ -109,9 +109,9 @@ def finish_document(document: dict[str, Any], routers: Iterable[APIRouter]) -> d
     Done on the rendered document (not the routes), since the app-wide error answers are merged into each
     route only as the document is rendered."""
     names = {(method, route.path): route.name for router in routers for route in router.routes
-             if isinstance(route, APIRoute) for method in route.methods}
+             if isinstance(route, APIRoute) for method in route.methods or ()}
     modules = {(method, route.path): route.endpoint.__module__.rsplit(".", 1)[-1] for router in routers
-               for route in router.routes if isinstance(route, APIRoute) for method in route.methods}
+               for route in router.routes if isinstance(route, APIRoute) for method in route.methods or ()}
     document.setdefault("components", {})["securitySchemes"] = BEARER
     document["security"] = [{"bearer": []}, {}]  # a token over TCP; none on the Unix socket
     document["tags"] = [{"name": name, "description": text} for name, text in TAG_DESCRIPTIONS.items()]
