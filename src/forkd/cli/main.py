@@ -30,7 +30,7 @@ from forkd.cli.common import (
 from forkd.cli.completion import attach as attach_completion
 from forkd.cli.daemon import daemon_command
 from forkd.cli.doctor import doctor
-from forkd.cli.execute import exec_command
+from forkd.cli.execute import exec_command, shell_command
 from forkd.cli.node_drain import attach as attach_node_commands
 from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
@@ -330,6 +330,7 @@ for _command, _name in ((snapshot_ls, "snapshots"), (snapshot_ls, "images"), (sn
                         *((verb, f"snapshot-{verb.name}") for verb in SNAPSHOT_VERBS)):
     cli.add_command(alias(_command, _name))
 cli.add_command(exec_command)
+cli.add_command(shell_command)
 for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, *CLUSTER_COMMANDS, workspace):
     cli.add_command(_command)
 attach_node_commands(cli)  # after the others: `forkd node` may be made by another module

@@ -11,7 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from forkd.daemon.bodies import CIDR_PATTERN, PORT_RANGE_PATTERN, JsonIntegers, Port, both, exactly_one_of, present
+from forkd.daemon.bodies import (CIDR_PATTERN, EGRESS_RULES, EXEC_RULES, FORK_RULES, PORT_RANGE_PATTERN, PULL_RULES,
+                                 JsonIntegers, Port, PtySize)
 from forkd.host.netpolicy import MAX_ALLOW_RULES, MAX_PORTS_PER_RULE, allow_rule, egress_policy
 from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.runtime.sessions import MAX_TIMEOUT_S
@@ -80,8 +81,7 @@ class AllowRuleBody(Strict):
 
 
 class EgressBody(Strict):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={  # an allow-list needs deny
-        "if": {"required": ["allow"], "properties": {"allow": {"minItems": 1}}}, "then": present("default", "deny")})
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=EGRESS_RULES)
     default: Literal["allow", "deny"] = "allow"
     allow: list[AllowRuleBody] = Field(default_factory=list, max_length=MAX_ALLOW_RULES)
     dns: bool = Field(default=True, description="the relayed DNS resolver stays reachable under 'deny'")
@@ -93,10 +93,7 @@ Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="a snapshot
 
 
 class SandboxCreate(Strict):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
-        **exactly_one_of("snapshot_tag", "snapshot_digest", {"required": ["idempotency_key", "stream"], "properties": {
-            "idempotency_key": {"not": {"type": "null"}}, "stream": {"const": True}}}),
-        "if": present("egress"), "then": {"required": ["net"], "properties": {"net": {"const": "nat"}}}})
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=FORK_RULES)
     snapshot_tag: Tag | None = Field(default=None, description="the snapshot to fork (or give snapshot_digest)")
     snapshot_digest: Digest | None = Field(default=None, description="the snapshot by digest (GET /v1/node)")
     idempotency_key: Label | None = Field(default=None, description=(
@@ -147,13 +144,11 @@ class SignalBody(Strict):
 class StdinBody(Strict):
     data: str = Field(default="", max_length=MAX_STDIN_CHARS)
     eof: bool = False
+    pty: bool = Field(default=False, description="typed into the terminal of a command started with pty")
 
 
 class ExecRequest(Strict):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
-        **exactly_one_of("cmd", "argv"),  # and a warm cmd has a word in it
-        "if": {"required": ["warm", "cmd"], "properties": {"warm": {"const": True}, "cmd": {"type": "string"}}},
-        "then": {"properties": {"cmd": {"pattern": r"\S"}}}})
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=EXEC_RULES)
     cmd: str | None = Field(default=None, max_length=1 << 20, description="shell command (/bin/sh -c)")
     argv: list[str] | None = Field(default=None, min_length=1, max_length=4096)
     env: Envs = Field(default_factory=dict, description="merged over the sandbox's default envs")
@@ -165,11 +160,15 @@ class ExecRequest(Strict):
     stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")
     warm: bool = Field(default=False, description="run a python3 command line as a fork of the warm template "
                        "(its imports already done); 'cmd' is split like a shell would. See docs/guest-protocol.md")
+    pty: PtySize | None = Field(default=None, description="run on a terminal of this size (needs stream): output "
+                                "comes as `pty` events, input through /stdin with pty, size through /resize")
 
     @model_validator(mode="after")
     def one_command(self) -> ExecRequest:
         if (self.cmd is None) == (self.argv is None):
             raise ValueError("give exactly one of 'cmd' (a shell string) or 'argv' (a list)")
+        if self.pty is not None and (not self.stream or self.warm or self.stdin is not None or self.user is not None):
+            raise ValueError("'pty' needs 'stream' and takes neither 'warm', 'stdin' nor 'user'")
         if self.warm and self.cmd is not None:
             try:
                 self.argv, self.cmd = shlex.split(self.cmd), None
@@ -229,9 +228,7 @@ class PackUnpack(Strict):
 
 
 class PackPull(Strict):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
-        **exactly_one_of("url", "index", both("index", "sha256"),
-                         {**present("index"), "properties": {"index": {"not": {"type": "null"}}, "name": {"type": "null"}}})})
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=PULL_RULES)
     url: PackUrl | None = None
     index: PackUrl | None = Field(default=None, description="index file or URL; then name a pack in it")
     name: Tag | None = None

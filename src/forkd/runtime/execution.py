@@ -59,7 +59,7 @@ class Execution:
         self._queued_bytes = 0
         self._forwarded = 0
         self._decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace")
-                          for name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR)}
+                          for name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR, protocol.EVENT_PTY)}
         self._arrived = asyncio.Event()
         self._drained = asyncio.Event()
         self._paused = False

@@ -112,10 +112,19 @@ class Sessions:
             args["stdin_b64"] = protocol.b64encode(spec.stdin)
         return args
 
+    def _pty_args(self, sandbox_id: str, spec: CommandSpec) -> dict[str, Any]:
+        """``pty.start``'s arguments: an argv (a shell string runs under /bin/sh -c), env, cwd and the size."""
+        envs = self.sandboxes.get(sandbox_id).record.meta.get("envs") or {}
+        rows, cols = spec.pty or (24, 80)
+        args = {"argv": spec.argv or ["/bin/sh", "-c", spec.cmd], "env": {**envs, **spec.env}, "rows": rows, "cols": cols}
+        return {**args, **({"cwd": spec.cwd} if spec.cwd is not None else {})}
+
     async def start_exec(self, sandbox_id: str, spec: CommandSpec) -> Execution:
-        """Start a command and return it running: iterate its events, then ``command_result``."""
-        execution = self._execution(sandbox_id, protocol.OP_EXEC, self._exec_args(sandbox_id, spec), spec.timeout_s,
-                                    self.limits.stream_bytes)
+        """Start a command and return it running: iterate its events, then ``command_result``. With ``spec.pty``
+        it runs on a terminal: input through ``write_stdin(pty=True)``, size through ``resize``."""
+        op, args = ((protocol.OP_PTY_START, self._pty_args(sandbox_id, spec)) if spec.pty
+                    else (protocol.OP_EXEC, self._exec_args(sandbox_id, spec)))
+        execution = self._execution(sandbox_id, op, args, spec.timeout_s, self.limits.stream_bytes)
         return await self._guarded(sandbox_id, execution.start())
 
     async def start_cell(self, sandbox_id: str, spec: CellSpec) -> Execution:
@@ -184,9 +193,17 @@ class Sessions:
     async def signal(self, sandbox_id: str, pid: int, signum: int) -> None:
         await self._call(sandbox_id, protocol.OP_PROC_KILL, {"pid": pid, "signal": signum})
 
-    async def write_stdin(self, sandbox_id: str, pid: int, data: bytes, eof: bool = False) -> dict[str, Any]:
+    async def write_stdin(self, sandbox_id: str, pid: int, data: bytes, eof: bool = False,
+                          pty: bool = False) -> dict[str, Any]:
+        """Input for a command's stdin, or (``pty``) typed into its terminal, where end of input is a ^D in ``data``."""
+        if pty:
+            return await self._call(sandbox_id, protocol.OP_PTY_INPUT, {"pid": pid, "data_b64": protocol.b64encode(data)})
         return await self._call(sandbox_id, protocol.OP_PROC_STDIN,
                                 {"pid": pid, "data_b64": protocol.b64encode(data), "eof": eof})
+
+    async def resize(self, sandbox_id: str, pid: int, rows: int, cols: int) -> dict[str, Any]:
+        """A terminal's new size (its program gets SIGWINCH)."""
+        return await self._call(sandbox_id, protocol.OP_PTY_RESIZE, {"pid": pid, "rows": rows, "cols": cols})
 
     # -- code-interpreter contexts (each a process in the guest forked from the warm interpreter)
 

@@ -120,11 +120,14 @@ def fork_call(tag: str | None, n: int, options: dict[str, Any]) -> Call:
 
 
 def exec_call(sandbox_id: str, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None,
-              stdin: str | None, timeout_s: float | None, user: str | None, warm: bool = False) -> Call:
+              stdin: str | None, timeout_s: float | None, user: str | None, warm: bool = False,
+              pty: tuple[int, int] | None = None) -> Call:
     body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
     body.update({"env": env or {}, "timeout_s": timeout_s})
     if warm:
         body["warm"] = True
+    if pty is not None:
+        body["pty"] = {"rows": pty[0], "cols": pty[1]}
     optional = {"cwd": cwd, "stdin": stdin, "user": user}
     body.update({key: value for key, value in optional.items() if value is not None})
     return Call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=call_timeout(timeout_s))
@@ -308,12 +311,14 @@ class Operations:
 
     def start_exec(self, sandbox_id: str, cmd: str | list[str], *, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: str | None = None, timeout_s: float | None = 60.0,
-                   user: str | None = None, warm: bool = False) -> Any:
+                   user: str | None = None, warm: bool = False, pty: tuple[int, int] | None = None) -> Any:
         """Start a command and answer its open event stream (``started`` with the pid comes first).
 
-        ``stdin=None`` keeps the command's stdin open for ``send_stdin``.
+        ``stdin=None`` keeps the command's stdin open for ``send_stdin``. ``pty=(rows, cols)`` runs it on a
+        terminal: its output comes as ``pty`` events; type into it with ``send_stdin(..., pty=True)`` and
+        resize it with ``resize_terminal``.
         """
-        return self._open_stream(exec_call(sandbox_id, cmd, env, cwd, stdin, timeout_s, user, warm).streamed())
+        return self._open_stream(exec_call(sandbox_id, cmd, env, cwd, stdin, timeout_s, user, warm, pty).streamed())
 
     def processes(self, sandbox_id: str) -> Any:
         return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/processes", key="processes"))
@@ -322,9 +327,14 @@ class Operations:
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal",
                                json={"signal": signal}, void=True))
 
-    def send_stdin(self, sandbox_id: str, pid: int, data: str, eof: bool = False) -> Any:
+    def send_stdin(self, sandbox_id: str, pid: int, data: str, eof: bool = False, pty: bool = False) -> Any:
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin",
-                               json={"data": data, "eof": eof}, void=True))
+                               json={"data": data, "eof": eof, **({"pty": True} if pty else {})}, void=True))
+
+    def resize_terminal(self, sandbox_id: str, pid: int, rows: int, cols: int) -> Any:
+        """The new size of a ``pty`` command's terminal."""
+        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/resize",
+                               json={"rows": rows, "cols": cols}, void=True))
 
     def eval(self, sandbox_id: str, expr: str, context: str = "default") -> Any:
         return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/eval", json={"expr": expr, "context": context}))

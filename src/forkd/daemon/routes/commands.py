@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 
 from forkd.daemon import schemas
+from forkd.daemon.bodies import PtySize
 from forkd.daemon.errors import ClientGone
 from forkd.daemon.deps import Pid, SandboxId, SessionsDep
 from forkd.daemon.ndjson import NDJSONResponse, attached, json_or_ndjson
@@ -67,7 +68,7 @@ async def _lines(execution: Execution) -> AsyncIterator[dict[str, Any]]:
 def command_spec(body: schemas.ExecRequest) -> CommandSpec:
     return CommandSpec(cmd=body.cmd, argv=body.argv, env=body.env, cwd=body.cwd, timeout_s=body.timeout_s,
                        user=body.user, stdin=body.stdin.encode() if body.stdin is not None else None,
-                       warm=body.warm)
+                       warm=body.warm, pty=(body.pty.rows, body.pty.cols) if body.pty is not None else None)
 
 
 async def _answer(request: Request, stream: bool, collect: Callable[[], Awaitable[Any]],
@@ -121,4 +122,10 @@ async def signal_process(sandbox_id: SandboxId, pid: Pid, body: schemas.SignalBo
 
 @router.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin")
 async def write_stdin(sandbox_id: SandboxId, pid: Pid, body: schemas.StdinBody, sessions: SessionsDep) -> dict[str, Any]:
-    return await sessions.write_stdin(sandbox_id, pid, body.data.encode(), body.eof)
+    return await sessions.write_stdin(sandbox_id, pid, body.data.encode(), body.eof, pty=body.pty)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/resize")
+async def resize_terminal(sandbox_id: SandboxId, pid: Pid, body: PtySize, sessions: SessionsDep) -> dict[str, Any]:
+    """The new size of the terminal of a command started with ``pty`` (its program gets SIGWINCH)."""
+    return await sessions.resize(sandbox_id, pid, body.rows, body.cols)
