@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-BASE = {"config", "validation", "errors", "hostpaths", "safetext", "listeners"}  # small shared modules every room may use
+BASE = {"config", "validation", "errors", "hostpaths", "safetext", "listeners", "extras"}  # small shared modules every room may use
 FACE = {"forkd"}  # the package itself: its version and public names
 MAX_LINES = 500
 
@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "hostpaths": {"validation"},
     "safetext": set(),
     "listeners": set(),
+    "extras": set(),
     "vmm": {"guest.protocol", "guest.netconf"} | BASE,  # netconf: the guest network the command line sets up
     "store": {"guest.protocol", "vmm.base", "vmm.disk"} | BASE,
     "host": {"guest.netconf", "vmm"} | BASE,
@@ -43,6 +44,8 @@ ALLOWED: dict[str, set[str]] = {
     # edits an index file on the client's own disk; cluster: `forkd cluster`, imported inside its commands
     "cli": {"sdk", "daemon", "host", "packs", "cluster"} | BASE | FACE,
     "mcp": {"sdk"} | BASE | FACE,
+    # agent frameworks (LangChain, AutoGen) over the SDK, each behind its own extra
+    "integrations": {"sdk"} | BASE | FACE,
     "forkd": {"sdk"} | BASE,
     "__main__": {"cli"},
 }
@@ -250,7 +253,7 @@ def test_the_sdk_core_waits_for_nothing_itself() -> None:
     answers as step generators, and the flavours wait. So it imports no HTTP client, no event loop and
     neither client nor flavour package (each of those imports it)."""
     core = SRC / "forkd" / "sdk" / "sandbox"
-    clients = ("forkd.sdk.controller", "forkd.sdk.async_controller", "forkd.sdk.operations",
+    clients = ("forkd.sdk.controller", "forkd.sdk.async_controller", "forkd.sdk.operations", "forkd.sdk.answers", "forkd.sdk.calls",
                "forkd.sdk.sandbox_sync", "forkd.sdk.sandbox_async")
     for path in core.glob("*.py"):
         tree = ast.parse(path.read_text(), str(path))

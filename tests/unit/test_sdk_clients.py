@@ -23,7 +23,7 @@ from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller
 from forkd.sdk.errors import ForkdError, InvalidArgumentException, NotFoundException
 from forkd.sdk.models import CommandExitException, ForkFailed, ForkOutcome
-from forkd.sdk.operations import Call
+from forkd.sdk.calls import Call
 from forkd.sdk.sandbox_sync import Sandbox
 from forkd.vmm.qemu import QemuVmm
 

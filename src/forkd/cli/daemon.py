@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from forkd.cli.serverside import server_side
+
 
 @click.command("daemon")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -43,10 +45,11 @@ def daemon_command(config_file: Path | None, check_config: bool, home: Path | No
     own SDKs drive it (see docs/e2b.md).
     """
     from forkd.config import config_file as default_config_file
-    from forkd.daemon.config import ConfigError, load_config
-    from forkd.daemon.lock import DaemonAlreadyRunning
-    from forkd.daemon.server import TcpListener, run
-    from forkd.listeners import ListenerError
+    with server_side("`forkd daemon`"):
+        from forkd.daemon.config import ConfigError, load_config
+        from forkd.daemon.lock import DaemonAlreadyRunning
+        from forkd.daemon.server import TcpListener, run
+        from forkd.listeners import ListenerError
     config_file = config_file or default_config_file()  # the file clients read too (forkd/config.py)
     try:
         config = load_config(config_file, overrides={

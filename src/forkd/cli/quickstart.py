@@ -12,11 +12,10 @@ import time
 import click
 from rich.console import Console
 
+from forkd.cli.serverside import server_side
 from forkd.config import paths_from_env
-from forkd.host import packages
 from forkd.errors import Failure
 from forkd.safetext import for_rich
-from forkd.host.doctor import IP_FORWARD_CHECK, PACKAGE_CHECKS, enable_ip_forward, run_checks
 from forkd.sdk.autostart import ensure_daemon
 from forkd.sdk.controller import ForkdError
 
@@ -31,6 +30,9 @@ console = Console(highlight=False)
 def quickstart(yes: bool, count: int, keep: bool) -> None:
     """Preflight, install what is missing, build the image, bake a snapshot, fork N children."""
     paths = paths_from_env()
+    with server_side("`forkd quickstart`"):  # it sets up this host and starts its daemon
+        from forkd.host import packages
+        from forkd.host.doctor import IP_FORWARD_CHECK, PACKAGE_CHECKS, enable_ip_forward, run_checks
     checks = run_checks(paths)  # the same preflight as `forkd doctor`
     failed = [c for c in checks if c.status == "fail" and c.name not in PACKAGE_CHECKS]
     for check in failed:

@@ -35,6 +35,9 @@ HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmEr
                   SandboxEnded, IncompatibleSnapshot, IdempotencyConflict, Draining)
 
 
+BUSY_RETRY_AFTER_S = "1"  # seconds; a branch or fork slot frees in about that time on a loaded host
+
+
 class ClientGone(Exception):
     """The client disconnected before its answer was ready; the call was ended (answered 499, seen by no one)."""
 
@@ -74,7 +77,8 @@ def install(app: FastAPI) -> None:
     """Answer every error the app can raise with the documented body."""
     async def runtime_error(_: Request, exc: Exception) -> JSONResponse:
         status, body = error_body(exc)
-        return JSONResponse(body, status_code=status)
+        busy = kind_for(exc) is KINDS["busy"]  # nothing was done: the client may ask again (forkd.sdk.retry)
+        return JSONResponse(body, status_code=status, headers={"Retry-After": BUSY_RETRY_AFTER_S} if busy else None)
 
     for error_class in HANDLED_ERRORS:
         app.add_exception_handler(error_class, runtime_error)

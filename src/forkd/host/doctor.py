@@ -12,7 +12,6 @@ from pathlib import Path
 
 from forkd.config import Paths
 from forkd.host import probes
-from forkd.host.isolation_checks import isolation_checks
 from forkd.vmm.accel import choose_accelerator, probe_kvm
 from forkd.vmm.base import VmmError
 from forkd.vmm.qemu_machine import QEMU_BINARY, cpu_model, machine_type
@@ -53,7 +52,11 @@ def _command_version(argv: list[str]) -> str | None:
 
 
 def run_checks(paths: Paths) -> list[Check]:
-    """Every check, in the order a user fixes them: platform, virtualization, tools, kernel, resources."""
+    """Every check, in the order a user fixes them: platform, virtualization, tools, kernel, resources.
+
+    Needs the server side (``forkd[daemon]``: the network checks use pyroute2); ``Check`` alone does not, so a
+    light client still reads a remote daemon's checks."""
+    from forkd.host.isolation_checks import isolation_checks
     return [*_platform(), *_virtualization(), *_tools(), *_images(paths), *_cgroups(), *_network(),
             *isolation_checks(Check),
             *_memory_features(), *_resources(paths)]

@@ -11,13 +11,18 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 
 from forkd.sdk.connection import ConnectionConfig
-from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, reaching, read_file_call, truncated
-from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
+from forkd.sdk.answers import StreamState, raise_for, reaching, truncated
+from forkd.sdk.calls import Call, fork_call, read_file_call
+from forkd.sdk.operations import Operations
+from forkd.sdk.retry import busy_pauses, is_busy, pause_for, resendable
+from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, AsyncSide, upload_piece
+
+T = TypeVar("T")
 
 
 async def maybe_await(outcome: Any) -> Any:
@@ -52,7 +57,7 @@ async def _pieces(file: IO[Any]) -> AsyncIterator[bytes]:
 
 
 ASYNC = Flavour(run=run, iterate=aiter, next=lambda iterator: anext(iterator, None), collect=_collect,
-                close=lambda iterator: iterator.aclose(), pieces=_pieces)
+                close=lambda iterator: iterator.aclose(), pieces=_pieces, sleep=asyncio.sleep)
 
 
 class AsyncEventStream(StreamState):
@@ -99,13 +104,14 @@ async def _exit(context: Any) -> None:
         await context.__aexit__(None, None, None)
 
 
-class AsyncController(Operations):
+class AsyncController(Operations, AsyncSide):
     """Asynchronous client for the forkd REST API: ``await api.sandboxes()`` and every other operation."""
 
     _flavour = ASYNC
     _new_client = staticmethod(ConnectionConfig.async_client)
 
     async def close(self) -> None:
+        """Close the HTTP connection (sandboxes keep running)."""
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncController:
@@ -115,19 +121,24 @@ class AsyncController(Operations):
         await self.close()
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """Send one request and answer its JSON (for calls ``Operations`` does not name)."""
-        with reaching(self.url):
-            response = await self._http.request(method, path, **kwargs)
+        """Send one request and answer its JSON (for calls ``Operations`` does not name); a ``busy`` refusal
+        is sent again after the daemon's ``Retry-After`` or a backoff (``retry.py``), unless the body streams."""
+        for pause in busy_pauses():
+            with reaching(self.url):
+                response = await self._http.request(method, path, **kwargs)
+            if pause is None or not is_busy(response) or not resendable(kwargs.get("content")):
+                break
+            await asyncio.sleep(pause_for(response, pause))
         raise_for(response)
         return response.json()
 
-    async def _send(self, call: Call) -> Any:
+    async def _send(self, call: Call[T]) -> T:
         return call.parse(await self.request(call.method, call.path, **call.options()))
 
-    async def _open_stream(self, call: Call) -> AsyncEventStream:
+    async def _open_stream(self, call: Call[Any]) -> AsyncEventStream:
         return await AsyncEventStream.open(self._http.stream(call.method, call.path, **call.options()), self.url)
 
-    async def _stream(self, call: Call, on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
+    async def _stream(self, call: Call[Any], on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
         events = await self._open_stream(call)
         async for line in events:
             if on_line is not None:

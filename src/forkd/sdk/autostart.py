@@ -13,6 +13,7 @@ import sys
 import time
 
 from forkd.config import Paths, paths_from_env, read_config_file
+from forkd.extras import installed
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.controller import Controller, DaemonUnreachable
 
@@ -51,6 +52,10 @@ def ensure_daemon(paths: Paths | None = None, connection: ConnectionConfig | Non
         if controller.connection.socket != str(paths.socket):
             controller.close()
             raise  # a daemon elsewhere is the user's to start
+    if not installed("daemon"):
+        controller.close()
+        raise DaemonUnreachable(str(paths.socket), "no daemon runs here and this install cannot start one: "
+                                "pip install 'forkd[daemon]' on this host, or point FORKD_URL at a running daemon")
     paths.home.mkdir(parents=True, exist_ok=True)
     with open(paths.home / DAEMON_OUT, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "forkd", "daemon"], stdin=subprocess.DEVNULL, stdout=out,

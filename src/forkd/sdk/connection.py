@@ -63,8 +63,8 @@ class ConnectionConfig:
         """``connection`` (or the environment's) with the ``url=``/``token=`` keyword arguments applied."""
         if connection is None:
             return cls.from_env(url, token)
-        overrides = {key: value for key, value in (("url", url), ("token", token)) if value is not None}
-        return dataclasses.replace(connection, **overrides)
+        return dataclasses.replace(connection, url=connection.url if url is None else url,
+                                   token=connection.token if token is None else token)
 
     @property
     def socket(self) -> str | None:
@@ -80,10 +80,11 @@ class ConnectionConfig:
         return options
 
     def client(self) -> httpx.Client:
-        socket = self.socket
-        return httpx.Client(**self._options(), **({"transport": httpx.HTTPTransport(uds=socket)} if socket else {}))
+        """A sync HTTP client for this daemon (the ``Controller`` sends through it)."""
+        transport = httpx.HTTPTransport(uds=self.socket) if self.socket else None
+        return httpx.Client(transport=transport, **self._options())
 
     def async_client(self) -> httpx.AsyncClient:
-        socket = self.socket
-        return httpx.AsyncClient(**self._options(),
-                                 **({"transport": httpx.AsyncHTTPTransport(uds=socket)} if socket else {}))
+        """An asyncio HTTP client for this daemon (the ``AsyncController`` sends through it)."""
+        transport = httpx.AsyncHTTPTransport(uds=self.socket) if self.socket else None
+        return httpx.AsyncClient(transport=transport, **self._options())

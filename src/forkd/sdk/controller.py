@@ -11,16 +11,22 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 
 from forkd.sdk.connection import ConnectionConfig
 from forkd.sdk.errors import DaemonUnreachable, ForkdError
-from forkd.sdk.operations import Call, Operations, StreamState, fork_call, raise_for, reaching, read_file_call, truncated
-from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, upload_piece
+from forkd.sdk.answers import StreamState, raise_for, reaching, truncated
+from forkd.sdk.calls import Call, fork_call, read_file_call
+from forkd.sdk.operations import Operations
+from forkd.sdk.records import SnapshotRecord
+from forkd.sdk.retry import busy_pauses, is_busy, pause_for, resendable
+from forkd.sdk.sandbox.flavour import UPLOAD_PIECE_BYTES, Flavour, Steps, SyncSide, upload_piece
 
 __all__ = ["SYNC", "Controller", "DaemonUnreachable", "EventStream", "ForkdError"]
+
+T = TypeVar("T")
 
 
 def run(steps: Steps[Any]) -> Any:
@@ -39,7 +45,7 @@ def _pieces(file: IO[Any]) -> Iterator[bytes]:
 
 
 SYNC = Flavour(run=run, iterate=iter, next=lambda iterator: next(iterator, None), collect=list,
-               close=lambda iterator: iterator.close(), pieces=_pieces)
+               close=lambda iterator: iterator.close(), pieces=_pieces, sleep=time.sleep)
 
 
 class EventStream(StreamState):
@@ -80,13 +86,14 @@ class EventStream(StreamState):
             self._context.__exit__(None, None, None)
 
 
-class Controller(Operations):
+class Controller(Operations, SyncSide):
     """Synchronous client for the forkd REST API (every operation: see ``Operations``)."""
 
     _flavour = SYNC
     _new_client = staticmethod(ConnectionConfig.client)
 
     def close(self) -> None:
+        """Close the HTTP connection (sandboxes keep running)."""
         self._http.close()
 
     def __enter__(self) -> Controller:
@@ -96,19 +103,24 @@ class Controller(Operations):
         self.close()
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """Send one request and answer its JSON (for calls ``Operations`` does not name)."""
-        with reaching(self.url):
-            response = self._http.request(method, path, **kwargs)
+        """Send one request and answer its JSON (for calls ``Operations`` does not name); a ``busy`` refusal
+        is sent again after the daemon's ``Retry-After`` or a backoff (``retry.py``), unless the body streams."""
+        for pause in busy_pauses():
+            with reaching(self.url):
+                response = self._http.request(method, path, **kwargs)
+            if pause is None or not is_busy(response) or not resendable(kwargs.get("content")):
+                break
+            time.sleep(pause_for(response, pause))
         raise_for(response)
         return response.json()
 
-    def _send(self, call: Call) -> Any:
+    def _send(self, call: Call[T]) -> T:
         return call.parse(self.request(call.method, call.path, **call.options()))
 
-    def _open_stream(self, call: Call) -> EventStream:
+    def _open_stream(self, call: Call[Any]) -> EventStream:
         return EventStream(self._http.stream(call.method, call.path, **call.options()), self.url)
 
-    def _stream(self, call: Call, on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
+    def _stream(self, call: Call[Any], on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
         events = self._open_stream(call)
         for line in events:
             if on_line is not None:
@@ -131,7 +143,7 @@ class Controller(Operations):
                 raise_for(response)
             yield from response.iter_bytes()
 
-    def wait_snapshot(self, tag: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> dict[str, Any]:
+    def wait_snapshot(self, tag: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> SnapshotRecord:
         """Poll until snapshot ``tag`` is no longer ``writing``; returns it (``ready`` or ``failed``)."""
         deadline = time.monotonic() + timeout_s
         while (info := self.snapshot(tag))["status"] == "writing":

@@ -1,166 +1,41 @@
 """Every REST operation written once, for the sync ``Controller`` and the async ``AsyncController``.
 
-Each method turns its arguments into a ``Call`` (method, path, query, body, timeout, which field of the
-answer to return) and hands it to the client's ``_send``/``_stream``/``_open_stream``: the sync client
+Each method turns its arguments into a ``Call`` (``calls.py``: method, path, query, body, timeout, which field
+of the answer to return) and hands it to the client's ``_send``/``_stream``/``_open_stream``: the sync client
 answers with the value, the async one with an awaitable of it. So paths, bodies and answer parsing live
-here and nowhere else; the clients only move bytes. NDJSON line decoding and error answers are here too.
+here and nowhere else; the clients only move bytes (``answers.py`` reads what comes back).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import secrets
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import httpx
-
-from forkd.errors import KINDS, kind_of
+from forkd.sdk.calls import (
+    LONG_TIMEOUT_S,
+    Call,
+    append_bounded,
+    call_timeout,
+    exec_call,
+    fork_call,
+    request,
+)
 from forkd.sdk.connection import ConnectionConfig
-from forkd.sdk.errors import DaemonUnreachable, ForkdError, error_for
 from forkd.sdk.progress import progress
+from forkd.sdk.records import (
+    ContextRecord,
+    EvalAnswer,
+    FileEntry,
+    ForkAnswer,
+    Health,
+    PoolRecord,
+    SandboxRecord,
+    SnapshotRecord,
+    Version,
+)
 from forkd.sdk.sandbox.flavour import Flavour, Steps, operation
-
-LONG_TIMEOUT_S = 3600.0
-FORK_OPTIONS = ("timeout_s", "envs", "metadata", "net", "egress", "memory_limit_mib", "cpu_quota", "cpu_weight",
-                "pids_max", "deadline_s", "snapshot_digest", "idempotency_key", "owner")
-
-
-@dataclass(frozen=True)
-class Call:
-    """One request and how to read its answer (``key``: the answer's field to return; ``void``: return None)."""
-
-    method: str
-    path: str
-    params: dict[str, Any] | None = None
-    json: Any = None
-    content: Any = None
-    timeout: float | None = None  # None: the connection's request timeout
-    key: str | None = None
-    void: bool = False
-
-    def options(self) -> dict[str, Any]:
-        """Keyword arguments for ``httpx.Client.request``/``stream`` (and the async ones)."""
-        found = {"params": self.params, "json": self.json, "content": self.content, "timeout": self.timeout}
-        return {name: value for name, value in found.items() if value is not None}
-
-    def streamed(self) -> Call:
-        """The same request asking for NDJSON (``"stream": true``), with a long timeout."""
-        return Call(self.method, self.path, self.params, {**(self.json or {}), "stream": True}, self.content,
-                    LONG_TIMEOUT_S, self.key, self.void)
-
-    def parse(self, answer: Any) -> Any:
-        if self.void:
-            return None
-        return answer if self.key is None else answer[self.key]
-
-
-def raise_for(response: httpx.Response) -> None:
-    """Raise the SDK exception for an error answer (its body must have been read)."""
-    if response.is_success:
-        return
-    try:
-        err = response.json().get("error", {})
-        code, message = err.get("code", "error"), err.get("message", response.text)
-    except (ValueError, AttributeError):
-        err, code, message = {}, "error", response.text
-    raise error_for(response.status_code, code, message, _details(err))
-
-
-def _details(err: dict[str, Any]) -> dict[str, Any]:
-    """An error body's fields beyond code and message (the guest's ``errno``, a retry hint)."""
-    return {key: value for key, value in err.items() if key not in ("code", "message")}
-
-
-def decode_line(text: str) -> tuple[str, Any]:
-    """One NDJSON line: ``("event", line)``, ``("result", value)`` or ``("skip", None)``; raises an error line."""
-    if not text.strip():
-        return "skip", None
-    line = json.loads(text)
-    if "error" in line:
-        err = line["error"]
-        code = str(err.get("code", "error"))
-        raise error_for(kind_of(code).status, code, err.get("message", ""), _details(err))
-    if "result" in line:
-        return "result", line["result"]
-    return "event", line
-
-
-class StreamState:
-    """What an NDJSON answer has said so far: ``result`` once its last line came (then ``done``)."""
-
-    def __init__(self) -> None:
-        self.result: Any = None
-        self.done = False
-
-    def take(self, text: str) -> dict[str, Any] | None:
-        """The event on this line; None for a blank line or the result line."""
-        kind, value = decode_line(text)
-        if kind == "result":
-            self.done, self.result = True, value
-        return value if kind == "event" else None
-
-
-def truncated() -> ForkdError:
-    return ForkdError(500, "truncated", f"the daemon closed the stream without a result; "
-                                        f"{KINDS['truncated'].next_step}")
-
-
-def fork_call(tag: str | None, n: int, options: dict[str, Any]) -> Call:
-    unknown = set(options) - {*FORK_OPTIONS, "self", "tag", "n"}
-    if unknown:
-        raise TypeError(f"unknown fork options: {', '.join(sorted(unknown))}")
-    body = {"n": n, **{k: options[k] for k in FORK_OPTIONS if options.get(k) is not None}}
-    if tag is not None:
-        body["snapshot_tag"] = tag
-    return Call("POST", "/v1/sandboxes", json=body, timeout=LONG_TIMEOUT_S)
-
-
-def exec_call(sandbox_id: str, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None,
-              stdin: str | None, timeout_s: float | None, user: str | None, warm: bool = False,
-              pty: tuple[int, int] | None = None) -> Call:
-    body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
-    body.update({"env": env or {}, "timeout_s": timeout_s})
-    if warm:
-        body["warm"] = True
-    if pty is not None:
-        body["pty"] = {"rows": pty[0], "cols": pty[1]}
-    optional = {"cwd": cwd, "stdin": stdin, "user": user}
-    body.update({key: value for key, value in optional.items() if value is not None})
-    return Call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=call_timeout(timeout_s))
-
-
-def read_file_call(sandbox_id: str, path: str) -> Call:
-    return Call("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}, timeout=LONG_TIMEOUT_S)
-
-
-def append_bounded(data: bytearray, chunk: bytes, max_bytes: int | None, path: str) -> None:
-    """Add a downloaded chunk, refusing (413 ``too_large``) as soon as the file holds more than ``max_bytes``.
-
-    A guest decides what a path holds (a symlink to /dev/zero never ends), so a caller that cannot hold
-    any size passes ``max_bytes``; the download stops there.
-    """
-    data += chunk
-    if max_bytes is not None and len(data) > max_bytes:
-        raise ForkdError(413, "too_large", f"{path} holds more than {max_bytes} bytes; read it in "
-                         "parts (e.g. exec 'head -c N') or raise the limit")
-
-
-def call_timeout(timeout_s: float | None) -> float:
-    return LONG_TIMEOUT_S if timeout_s is None else timeout_s + 60.0
-
-
-@contextlib.contextmanager
-def reaching(url: str) -> Iterator[None]:
-    """A transport failure talking to the daemon at ``url`` raised as ``DaemonUnreachable``."""
-    try:
-        yield
-    except httpx.TransportError as exc:
-        raise DaemonUnreachable(url, str(exc) or type(exc).__name__) from None
-
 
 class Operations:
     """The REST API as methods; a subclass supplies the transport (sync: values, async: awaitables)
@@ -178,82 +53,100 @@ class Operations:
         self.url = self.connection.url
         self._http = http or self._new_client(self.connection)
 
-    @staticmethod
-    def _new_client(connection: ConnectionConfig) -> Any:
+    #: Makes the HTTP client for a connection (``ConnectionConfig.client`` or ``.async_client``).
+    _new_client: Callable[[ConnectionConfig], Any]
+
+    def _send(self, call: Call[Any]) -> Any:
         raise NotImplementedError
 
-    def _send(self, call: Call) -> Any:
-        raise NotImplementedError
-
-    def _stream(self, call: Call, on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
+    def _stream(self, call: Call[Any], on_line: Callable[[dict[str, Any]], Any] | None) -> Any:
         """Send ``call`` answered with NDJSON; pass every line to ``on_line``; answer the ``result``."""
         raise NotImplementedError
 
-    def _open_stream(self, call: Call) -> Any:
+    def _open_stream(self, call: Call[Any]) -> Any:
         """Send ``call`` answered with NDJSON and answer the open stream of its events."""
         raise NotImplementedError
 
-    def _send_or_stream(self, call: Call, on_event: Callable[[dict[str, Any]], Any] | None) -> Any:
+    def _send_or_stream(self, call: Call[Any], on_event: Callable[[dict[str, Any]], Any] | None) -> Any:
         return self._send(call) if on_event is None else self._stream(call.streamed(), on_event)
 
     # daemon
 
-    def health(self) -> Any:
-        return self._send(Call("GET", "/healthz"))
+    @request
+    def health(self) -> Call[Health]:
+        """``{"ok": true}`` when the daemon answers (the one route that never needs a token)."""
+        return Call("GET", "/healthz")
 
-    def version(self) -> Any:
-        return self._send(Call("GET", "/v1/version"))
+    @request
+    def version(self) -> Call[Version]:
+        """``{"forkd", "vmm", "vmm_version", "accelerator", ...}``: what the daemon runs on."""
+        return Call("GET", "/v1/version")
 
-    def doctor(self) -> Any:
+    @request
+    def doctor(self) -> Call[list[dict[str, str]]]:
         """``[{"name", "status", "detail", "fix"}]``: the daemon host's checks."""
-        return self._send(Call("GET", "/v1/doctor", key="checks"))
+        return Call("GET", "/v1/doctor", key="checks")
 
     # images
 
-    def images(self) -> Any:
-        return self._send(Call("GET", "/v1/images", key="images"))
+    @request
+    def images(self) -> Call[list[dict[str, Any]]]:
+        """Every built guest image: ``[{"name", "size_bytes", "created_at", ...}]``."""
+        return Call("GET", "/v1/images", key="images")
 
     def build_image(self, on_progress: Callable[[str], Any] | None = None, **spec: Any) -> Any:
+        """Build a guest image from ``spec`` (``name``, ``packages``, ``from_dir``...); ``on_progress`` gets each line."""
         return self._stream(Call("POST", "/v1/images", json=spec, timeout=LONG_TIMEOUT_S), progress(on_progress))
 
-    def remove_image(self, name: str) -> Any:
-        return self._send(Call("DELETE", f"/v1/images/{name}", void=True))
+    @request
+    def remove_image(self, name: str) -> Call[None]:
+        """Remove image ``name`` (snapshots made from it keep their own copy)."""
+        return Call("DELETE", f"/v1/images/{name}", void=True)
 
     # snapshots
 
-    def snapshots(self) -> Any:
-        return self._send(Call("GET", "/v1/snapshots", key="snapshots"))
+    @request
+    def snapshots(self) -> Call[list[SnapshotRecord]]:
+        """Every snapshot: ``[{"tag", "status", "image", "created_at", "disk", ...}]``."""
+        return Call("GET", "/v1/snapshots", key="snapshots")
 
-    def snapshot(self, tag: str) -> Any:
-        return self._send(Call("GET", f"/v1/snapshots/{tag}"))
+    @request
+    def snapshot(self, tag: str) -> Call[SnapshotRecord]:
+        """Snapshot ``tag`` in full: status, depth, ancestors, dependents, sizes (``NotFoundException`` if none)."""
+        return Call("GET", f"/v1/snapshots/{tag}")
 
     def create_snapshot(self, tag: str, on_progress: Callable[[str], Any] | None = None, **options: Any) -> Any:
+        """Boot a VM, warm it (``warm_modules``, ``warm_code``, ``warmup_cmd``), save it as ``tag``; ``on_progress`` gets each line."""
         return self._stream(Call("POST", "/v1/snapshots", json={"tag": tag, **options}, timeout=LONG_TIMEOUT_S),
                             progress(on_progress))
 
-    def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> Any:
+    @request
+    def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> Call[list[str]]:
         """The tags removed (``cascade`` removes the snapshots branched from ``tag`` too)."""
-        return self._send(Call("DELETE", f"/v1/snapshots/{tag}", params={"cascade": cascade, "force": force},
-                               key="removed_tags"))
+        return Call("DELETE", f"/v1/snapshots/{tag}", params={"cascade": cascade, "force": force},
+                    key="removed_tags")
 
-    def compact(self, from_tag: str, to_tag: str) -> Any:
+    @request
+    def compact(self, from_tag: str, to_tag: str) -> Call[SnapshotRecord]:
         """Flatten ``from_tag``'s chain into the standalone snapshot ``to_tag``."""
-        return self._send(Call("POST", "/v1/snapshots/compact", json={"from_tag": from_tag, "to_tag": to_tag},
-                               timeout=LONG_TIMEOUT_S))
+        return Call("POST", "/v1/snapshots/compact", json={"from_tag": from_tag, "to_tag": to_tag},
+                    timeout=LONG_TIMEOUT_S)
 
-    def snapshot_diff(self, base_tag: str, tag: str, cmd: str, timeout_s: float = 600.0) -> Any:
+    @request
+    def snapshot_diff(self, base_tag: str, tag: str, cmd: str, timeout_s: float = 600.0) -> Call[SnapshotRecord]:
         """Run ``cmd`` in a child of ``base_tag`` and save what it changed as the diff snapshot ``tag``."""
-        return self._send(Call("POST", "/v1/snapshots/diff", json={"base_tag": base_tag, "tag": tag, "cmd": cmd,
-                                                                   "timeout_s": timeout_s},
-                               timeout=call_timeout(timeout_s)))
+        return Call("POST", "/v1/snapshots/diff", json={"base_tag": base_tag, "tag": tag, "cmd": cmd,
+                                                        "timeout_s": timeout_s},
+                    timeout=call_timeout(timeout_s))
 
     # sandboxes
 
+    @request
     def fork(self, tag: str | None, n: int = 1, *, timeout_s: float | None = None, envs: dict[str, str] | None = None,
              metadata: dict[str, str] | None = None, net: str | None = None, egress: dict[str, Any] | None = None,
              memory_limit_mib: int | None = None, cpu_quota: float | None = None, cpu_weight: int | None = None,
              pids_max: int | None = None, deadline_s: float | None = None, snapshot_digest: str | None = None,
-             idempotency_key: str | None = None, owner: str | None = None) -> Any:
+             idempotency_key: str | None = None, owner: str | None = None) -> Call[ForkAnswer]:
         """``{"sandboxes": [...], "errors": [...]}``: a failed child does not fail the others.
 
         ``timeout_s``: the daemon kills each child that long after it answered (renew with ``set_timeout``);
@@ -264,38 +157,50 @@ class Operations:
         ``snapshot_digest`` instead of ``tag`` forks the snapshot by digest; a retry with the same
         ``idempotency_key`` gets the first answer and forks nothing more; ``owner`` labels every child.
         """
-        return self._send(fork_call(tag, n, locals()))
+        return fork_call(tag, n, locals())
 
-    def set_timeout(self, sandbox_id: str, timeout_s: float) -> Any:
+    @request
+    def set_timeout(self, sandbox_id: str, timeout_s: float) -> Call[float]:
         """Kill the sandbox ``timeout_s`` from now; answers the deadline (Unix time)."""
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/timeout", json={"timeout_s": timeout_s},
-                               key="end_at"))
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/timeout", json={"timeout_s": timeout_s},
+                    key="end_at")
 
-    def sandboxes(self, owner: str | None = None) -> Any:
-        return self._send(Call("GET", "/v1/sandboxes", params={"owner": owner} if owner else None, key="sandboxes"))
+    @request
+    def sandboxes(self, owner: str | None = None) -> Call[list[SandboxRecord]]:
+        """The running sandboxes (only ``owner``'s when given): ``[{"id", "snapshot_tag", "status", "created_at", "end_at", "metadata", ...}]``."""
+        return Call("GET", "/v1/sandboxes", params={"owner": owner} if owner else None, key="sandboxes")
 
-    def kill_owner(self, owner: str) -> Any:
+    @request
+    def kill_owner(self, owner: str) -> Call[list[str]]:
         """Kill every child forked with ``owner``; answers their ids."""
-        return self._send(Call("DELETE", "/v1/sandboxes", params={"owner": owner}, key="killed"))
+        return Call("DELETE", "/v1/sandboxes", params={"owner": owner}, key="killed")
 
-    def sandbox(self, sandbox_id: str) -> Any:
-        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}"))
+    @request
+    def sandbox(self, sandbox_id: str) -> Call[SandboxRecord]:
+        """Sandbox ``sandbox_id``'s record (``NotFoundException`` once it ended and left the daemon's memory)."""
+        return Call("GET", f"/v1/sandboxes/{sandbox_id}")
 
-    def kill(self, sandbox_id: str) -> Any:
-        return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}", void=True))
+    @request
+    def kill(self, sandbox_id: str) -> Call[None]:
+        """Stop the sandbox and free what it held (``NotFoundException`` if it is not running)."""
+        return Call("DELETE", f"/v1/sandboxes/{sandbox_id}", void=True)
 
-    def ping(self, sandbox_id: str) -> Any:
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/ping"))
+    @request
+    def ping(self, sandbox_id: str) -> Call[dict[str, Any]]:
+        """Ask the sandbox's guest agent to answer: ``{"agent_version", "sandbox_id"}``."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/ping")
 
     # pools of ready VMMs
 
-    def pools(self) -> Any:
+    @request
+    def pools(self) -> Call[list[PoolRecord]]:
         """Every snapshot's pool: size, ready members and their memory."""
-        return self._send(Call("GET", "/v1/pools", key="pools"))
+        return Call("GET", "/v1/pools", key="pools")
 
-    def set_pool_size(self, tag: str, size: int) -> Any:
+    @request
+    def set_pool_size(self, tag: str, size: int) -> Call[dict[str, Any]]:
         """Keep ``size`` ready VMMs of ``tag`` (0: none); filled in the background."""
-        return self._send(Call("PUT", f"/v1/pools/{tag}", json={"size": size}))
+        return Call("PUT", f"/v1/pools/{tag}", json={"size": size})
 
     # commands and code
 
@@ -320,24 +225,34 @@ class Operations:
         """
         return self._open_stream(exec_call(sandbox_id, cmd, env, cwd, stdin, timeout_s, user, warm, pty).streamed())
 
-    def processes(self, sandbox_id: str) -> Any:
-        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/processes", key="processes"))
+    @request
+    def processes(self, sandbox_id: str) -> Call[list[dict[str, Any]]]:
+        """The sandbox's commands, running and recently finished: ``[{"pid", "argv", "running", "exit_code", ...}]``."""
+        return Call("GET", f"/v1/sandboxes/{sandbox_id}/processes", key="processes")
 
-    def signal_process(self, sandbox_id: str, pid: int, signal: int = 9) -> Any:
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal",
-                               json={"signal": signal}, void=True))
+    @request
+    def signal_process(self, sandbox_id: str, pid: int, signal: int = 9) -> Call[None]:
+        """Send ``signal`` (default SIGKILL) to command ``pid``'s process group."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal",
+                    json={"signal": signal}, void=True)
 
-    def send_stdin(self, sandbox_id: str, pid: int, data: str, eof: bool = False, pty: bool = False) -> Any:
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin",
-                               json={"data": data, "eof": eof, **({"pty": True} if pty else {})}, void=True))
+    @request
+    def send_stdin(self, sandbox_id: str, pid: int, data: str, eof: bool = False, pty: bool = False) -> Call[None]:
+        """Write ``data`` to command ``pid``'s stdin; ``eof=True`` closes it after. ``pty``: type it into the
+        terminal of a command started with ``pty`` (there end of input is a ``\x04`` in ``data``)."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin",
+                    json={"data": data, "eof": eof, **({"pty": True} if pty else {})}, void=True)
 
-    def resize_terminal(self, sandbox_id: str, pid: int, rows: int, cols: int) -> Any:
-        """The new size of a ``pty`` command's terminal."""
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/resize",
-                               json={"rows": rows, "cols": cols}, void=True))
+    @request
+    def resize_terminal(self, sandbox_id: str, pid: int, rows: int, cols: int) -> Call[None]:
+        """The new size of the terminal of a command started with ``pty`` (its program gets SIGWINCH)."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/resize",
+                    json={"rows": rows, "cols": cols}, void=True)
 
-    def eval(self, sandbox_id: str, expr: str, context: str = "default") -> Any:
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/eval", json={"expr": expr, "context": context}))
+    @request
+    def eval(self, sandbox_id: str, expr: str, context: str = "default") -> Call[EvalAnswer]:
+        """The value of one Python expression in ``context``: ``{"value", "value_json", "error"}``."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/eval", json={"expr": expr, "context": context})
 
     def run_code(self, sandbox_id: str, code: str, context: str = "default", timeout_s: float | None = None,
                  on_event: Callable[[dict[str, Any]], Any] | None = None) -> Any:
@@ -348,20 +263,28 @@ class Operations:
         return self._send_or_stream(Call("POST", f"/v1/sandboxes/{sandbox_id}/run_code", json=body,
                                          timeout=call_timeout(timeout_s)), on_event)
 
+    @request
     def create_context(self, sandbox_id: str, *, context_id: str | None = None, cwd: str | None = None,
-                       language: str = "python") -> Any:
+                       language: str = "python") -> Call[ContextRecord]:
+        """A new code context (its own interpreter, forked from the warm one): ``{"id", "language", "cwd"}``."""
         body = {"id": context_id, "cwd": cwd, "language": language}
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/contexts",
-                               json={k: v for k, v in body.items() if v is not None}))
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/contexts",
+                    json={k: v for k, v in body.items() if v is not None})
 
-    def contexts(self, sandbox_id: str) -> Any:
-        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/contexts", key="contexts"))
+    @request
+    def contexts(self, sandbox_id: str) -> Call[list[ContextRecord]]:
+        """The sandbox's code contexts: ``[{"id", "language", "cwd"}]``."""
+        return Call("GET", f"/v1/sandboxes/{sandbox_id}/contexts", key="contexts")
 
-    def restart_context(self, sandbox_id: str, context_id: str) -> Any:
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}/restart"))
+    @request
+    def restart_context(self, sandbox_id: str, context_id: str) -> Call[ContextRecord]:
+        """Replace ``context_id``'s interpreter with a fresh fork of the warm one (its variables are gone)."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}/restart")
 
-    def remove_context(self, sandbox_id: str, context_id: str) -> Any:
-        return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}", void=True))
+    @request
+    def remove_context(self, sandbox_id: str, context_id: str) -> Call[None]:
+        """End code context ``context_id`` and its interpreter."""
+        return Call("DELETE", f"/v1/sandboxes/{sandbox_id}/contexts/{context_id}", void=True)
 
     # files
 
@@ -381,31 +304,42 @@ class Operations:
         """The file's bytes as they arrive (a large file is never held whole): an iterator or async iterator."""
         raise NotImplementedError
 
-    def write_file(self, sandbox_id: str, path: str, data: Any, mode: int | None = None) -> Any:
+    @request
+    def write_file(self, sandbox_id: str, path: str, data: Any, mode: int | None = None) -> Call[dict[str, Any]]:
         """``data``: bytes, or an iterator (async client: also an async iterator) of byte pieces, streamed."""
         params: dict[str, Any] = {"path": path}
         if mode is not None:
             params["mode"] = mode
-        return self._send(Call("PUT", f"/v1/sandboxes/{sandbox_id}/files", params=params, content=data,
-                               timeout=LONG_TIMEOUT_S))
+        return Call("PUT", f"/v1/sandboxes/{sandbox_id}/files", params=params, content=data,
+                    timeout=LONG_TIMEOUT_S)
 
-    def list_files(self, sandbox_id: str, path: str) -> Any:
-        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/files/list", params={"path": path},
-                               key="entries"))
+    @request
+    def list_files(self, sandbox_id: str, path: str) -> Call[list[FileEntry]]:
+        """The entries directly under ``path``: ``[{"name", "path", "type", "size", "mode", "mtime"}]``."""
+        return Call("GET", f"/v1/sandboxes/{sandbox_id}/files/list", params={"path": path},
+                    key="entries")
 
-    def stat(self, sandbox_id: str, path: str) -> Any:
-        return self._send(Call("GET", f"/v1/sandboxes/{sandbox_id}/files/stat", params={"path": path}))
+    @request
+    def stat(self, sandbox_id: str, path: str) -> Call[FileEntry]:
+        """One entry's ``{"name", "path", "type", "size", "mode", "mtime"}`` (``NotFoundException`` if missing)."""
+        return Call("GET", f"/v1/sandboxes/{sandbox_id}/files/stat", params={"path": path})
 
-    def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> Any:
-        return self._send(Call("DELETE", f"/v1/sandboxes/{sandbox_id}/files",
-                               params={"path": path, "recursive": recursive}, void=True))
+    @request
+    def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> Call[None]:
+        """Remove ``path`` (a directory only with ``recursive=True``)."""
+        return Call("DELETE", f"/v1/sandboxes/{sandbox_id}/files",
+                    params={"path": path, "recursive": recursive}, void=True)
 
-    def make_dir(self, sandbox_id: str, path: str) -> Any:
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/files/mkdir", json={"path": path}, void=True))
+    @request
+    def make_dir(self, sandbox_id: str, path: str) -> Call[None]:
+        """Create directory ``path`` and its parents."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/files/mkdir", json={"path": path}, void=True)
 
-    def rename(self, sandbox_id: str, src: str, dst: str) -> Any:
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/files/rename", json={"src": src, "dst": dst},
-                               void=True))
+    @request
+    def rename(self, sandbox_id: str, src: str, dst: str) -> Call[None]:
+        """Move ``src`` to ``dst`` inside the sandbox."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/files/rename", json={"src": src, "dst": dst},
+                    void=True)
 
     # packs
 
@@ -416,6 +350,7 @@ class Operations:
 
     def unpack(self, path: str, tag: str | None = None, force: bool = False,
                on_progress: Callable[[str], Any] | None = None) -> Any:
+        """Verify the pack at ``path`` (on the daemon's host) and add its snapshots, all or nothing; ``tag`` renames its top one."""
         body: dict[str, Any] = {"path": path, "force": force}
         if tag is not None:
             body["tag"] = tag
@@ -438,55 +373,70 @@ class Operations:
 
     # this daemon as a node of a cluster
 
-    def node(self) -> Any:
+    @request
+    def node(self) -> Call[dict[str, Any]]:
         """Node id, compatibility key, capacity and the snapshots held, by digest."""
-        return self._send(Call("GET", "/v1/node"))
+        return Call("GET", "/v1/node")
 
-    def node_pull(self, digest: str, source: str, source_token: str | None = None) -> Any:
+    @request
+    def node_pull(self, digest: str, source: str, source_token: str | None = None) -> Call[dict[str, Any]]:
         """Pull the chain ending at ``digest`` from the node at ``source`` (only the layers missing here)."""
-        return self._send(Call("POST", "/v1/node/pull", json={"digest": digest, "source": source,
-                                                               "source_token": source_token},
-                               timeout=LONG_TIMEOUT_S))
+        return Call("POST", "/v1/node/pull", json={"digest": digest, "source": source,
+                                                    "source_token": source_token},
+                    timeout=LONG_TIMEOUT_S)
 
-    def drain(self, wait_s: float = 0.0) -> Any:
+    @request
+    def drain(self, wait_s: float = 0.0) -> Call[dict[str, Any]]:
         """Take no new forks (running sandboxes carry on); with ``wait_s``, answer once none is left or that
         time passed: ``{draining, sandboxes, starting}`` (what is left)."""
-        return self._send(Call("POST", "/v1/node/drain", json={"wait_s": wait_s}, timeout=wait_s + 30))
+        return Call("POST", "/v1/node/drain", json={"wait_s": wait_s}, timeout=wait_s + 30)
 
-    def undrain(self) -> Any:
+    @request
+    def undrain(self) -> Call[dict[str, Any]]:
         """Take forks again."""
-        return self._send(Call("DELETE", "/v1/node/drain"))
+        return Call("DELETE", "/v1/node/drain")
 
     # branch
 
-    def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "diff", wait: bool = True) -> Any:
+    @request
+    def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "diff", wait: bool = True) -> Call[SnapshotRecord]:
         """Save a running sandbox as snapshot ``tag`` (it keeps running); ``wait=False`` answers it ``writing``.
 
         Without a tag one is made from the sandbox id.
         """
         tag = tag or f"{sandbox_id}-{secrets.token_hex(4)}"
-        return self._send(Call("POST", f"/v1/sandboxes/{sandbox_id}/branch",
-                               json={"tag": tag, "mode": mode, "wait": wait}, timeout=LONG_TIMEOUT_S))
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/branch",
+                    json={"tag": tag, "mode": mode, "wait": wait}, timeout=LONG_TIMEOUT_S)
 
     # workspaces
 
-    def create_workspace(self, name: str, snapshot_tag: str) -> Any:
-        return self._send(Call("POST", "/v1/workspaces", json={"name": name, "snapshot_tag": snapshot_tag},
-                               timeout=LONG_TIMEOUT_S))
+    @request
+    def create_workspace(self, name: str, snapshot_tag: str) -> Call[dict[str, Any]]:
+        """A long-lived sandbox ``name`` forked from ``snapshot_tag``, suspended and resumed by name."""
+        return Call("POST", "/v1/workspaces", json={"name": name, "snapshot_tag": snapshot_tag},
+                    timeout=LONG_TIMEOUT_S)
 
-    def workspaces(self) -> Any:
-        return self._send(Call("GET", "/v1/workspaces", key="workspaces"))
+    @request
+    def workspaces(self) -> Call[list[dict[str, Any]]]:
+        """Every workspace: ``[{"name", "state", "sandbox_id", "head_tag", ...}]``."""
+        return Call("GET", "/v1/workspaces", key="workspaces")
 
-    def workspace(self, name: str) -> Any:
-        return self._send(Call("GET", f"/v1/workspaces/{name}"))
+    @request
+    def workspace(self, name: str) -> Call[dict[str, Any]]:
+        """Workspace ``name``'s record (``NotFoundException`` if none)."""
+        return Call("GET", f"/v1/workspaces/{name}")
 
-    def suspend_workspace(self, name: str) -> Any:
+    @request
+    def suspend_workspace(self, name: str) -> Call[dict[str, Any]]:
         """Save the workspace as its next diff layer and stop its sandbox (its memory is freed)."""
-        return self._send(Call("POST", f"/v1/workspaces/{name}/suspend", timeout=LONG_TIMEOUT_S))
+        return Call("POST", f"/v1/workspaces/{name}/suspend", timeout=LONG_TIMEOUT_S)
 
-    def resume_workspace(self, name: str) -> Any:
-        return self._send(Call("POST", f"/v1/workspaces/{name}/resume", timeout=LONG_TIMEOUT_S))
+    @request
+    def resume_workspace(self, name: str) -> Call[dict[str, Any]]:
+        """Fork the workspace's last saved layer and run it again."""
+        return Call("POST", f"/v1/workspaces/{name}/resume", timeout=LONG_TIMEOUT_S)
 
-    def remove_workspace(self, name: str) -> Any:
-        return self._send(Call("DELETE", f"/v1/workspaces/{name}", timeout=LONG_TIMEOUT_S, key="removed_tags"))
-
+    @request
+    def remove_workspace(self, name: str) -> Call[list[str]]:
+        """Remove the workspace (its sandbox killed); answers the snapshot tags removed with it."""
+        return Call("DELETE", f"/v1/workspaces/{name}", timeout=LONG_TIMEOUT_S, key="removed_tags")

@@ -6,6 +6,7 @@ handle's output (``for`` or ``async for``); see ``flavour.py`` for how one metho
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +110,7 @@ class CommandHandleCore:
         return self._sandbox.commands.kill(self.pid)
 
     def send_stdin(self, data: str) -> Any:
+        """Write ``data`` to the command's stdin (started with ``stdin=True``)."""
         return self._sandbox.commands.send_stdin(self.pid, data)
 
     def disconnect(self) -> Any:
@@ -152,12 +154,14 @@ class CommandsCore:
         return (yield from found(self._sandbox.api.signal_process, self._sandbox.sandbox_id, pid, 9))
 
     def send_stdin(self, pid: int, data: str) -> Any:
+        """Write ``data`` to command ``pid``'s stdin (started with ``stdin=True``)."""
         return self._sandbox.api.send_stdin(self._sandbox.sandbox_id, pid, data)
 
     def close_stdin(self, pid: int) -> Any:
+        """Close command ``pid``'s stdin: it reads end-of-file."""
         return self._sandbox.api.send_stdin(self._sandbox.sandbox_id, pid, "", eof=True)
 
     @operation
-    def list(self) -> Steps[list[ProcessInfo]]:
+    def list(self) -> Steps[builtins.list[ProcessInfo]]:
         """Running commands and the last finished ones."""
         return [_process(p) for p in (yield self._sandbox.api.processes(self._sandbox.sandbox_id))]

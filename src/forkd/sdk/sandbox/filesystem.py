@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 from collections.abc import Iterable
 from typing import IO, Any, Literal
@@ -71,14 +72,15 @@ class FilesystemCore:
         return WriteInfo(name=os.path.basename(path), path=path)
 
     @operation
-    def write_files(self, files: Iterable[WriteEntry | dict[str, Any]]) -> Steps[list[WriteInfo]]:
+    def write_files(self, files: Iterable[WriteEntry | dict[str, Any]]) -> Steps[builtins.list[WriteInfo]]:
+        """Write several files (``WriteEntry`` or ``{"path", "data"}``), in order."""
         written = []
         for entry in _entries(files):
             written.append((yield from FilesystemCore.write.steps(self, entry.path, entry.data)))
         return written
 
     @operation
-    def list(self, path: str, depth: int = 1) -> Steps[list[EntryInfo]]:
+    def list(self, path: str, depth: int = 1) -> Steps[builtins.list[EntryInfo]]:
         """Entries under ``path``, descending ``depth`` levels (1 = just its children)."""
         _check_depth(depth)
         found = []
@@ -90,10 +92,12 @@ class FilesystemCore:
 
     @operation
     def exists(self, path: str) -> Steps[bool]:
+        """Whether ``path`` exists in the sandbox."""
         return (yield from found(self._sandbox.api.stat, self._sandbox.sandbox_id, path))
 
     @operation
     def get_info(self, path: str) -> Steps[EntryInfo]:
+        """``path``'s ``EntryInfo`` (``NotFoundException`` if it does not exist)."""
         return EntryInfo.from_agent((yield self._sandbox.api.stat(self._sandbox.sandbox_id, path)))
 
     def remove(self, path: str) -> Any:
@@ -102,6 +106,7 @@ class FilesystemCore:
 
     @operation
     def rename(self, old_path: str, new_path: str) -> Steps[EntryInfo]:
+        """Move ``old_path`` to ``new_path``; answers the moved entry's ``EntryInfo``."""
         yield self._sandbox.api.rename(self._sandbox.sandbox_id, old_path, new_path)
         return (yield from FilesystemCore.get_info.steps(self, new_path))
 

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
-from typing import IO, Any, Generic, Protocol, TypeVar
+from typing import IO, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
 from forkd.sdk.errors import NotFoundException
 
 T = TypeVar("T")
+P = ParamSpec("P")
+Obj = TypeVar("Obj")
 #: A core method's body: yields what may need waiting for, is sent its value, returns the answer.
 Steps = Generator[Any, Any, T]
 
@@ -40,6 +42,7 @@ class Flavour:
     collect: Callable[[Any], Any]  # every item of an iterable, as a list (or an awaitable of one)
     close: Callable[[Any], Any]  # end a generator early (its ``finally`` runs): close() or aclose()
     pieces: Callable[[IO[Any]], Any]  # a file object read in upload pieces: an iterator or async iterator
+    sleep: Callable[[float], Any]  # wait that many seconds: time.sleep or asyncio.sleep
 
 
 class Flavoured(Protocol):
@@ -59,22 +62,50 @@ class SandboxRef(Protocol):
     def commands(self) -> Any: ...
 
 
-class operation(Generic[T]):  # noqa: N801 - used as a decorator, like the ones it stands beside
+class SyncSide:
+    """Marks an object of the sync flavour for type checkers: its operations answer values."""
+
+
+class AsyncSide:
+    """Marks an object of the async flavour for type checkers: its operations answer coroutines."""
+
+
+class SidedMethod(Generic[P, T]):
+    """A method whose answer a type checker reads by its object's side: ``T`` on a ``SyncSide`` object, a
+    coroutine of ``T`` on an ``AsyncSide`` one (the subclass's ``__call__`` does the work)."""
+
+    def __call__(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    @overload
+    def __get__(self, instance: None, owner: type[Any] | None = None) -> Self: ...
+
+    @overload
+    def __get__(self, instance: SyncSide, owner: type[Any] | None = None) -> Callable[P, T]: ...
+
+    @overload
+    def __get__(self, instance: AsyncSide, owner: type[Any] | None = None) -> Callable[P, Coroutine[Any, Any, T]]: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type[Any] | None = None) -> Callable[P, Any]: ...
+
+    def __get__(self, instance: object, owner: type[Any] | None = None) -> Any:
+        return self if instance is None else types.MethodType(self, instance)
+
+
+class operation(SidedMethod[P, T], Generic[Obj, P, T]):  # noqa: N801 - used as a decorator, like the ones it stands beside
     """The public method for a step generator, run by its object's flavour: ``sandbox.eval(...)`` answers
     the value (sync) or an awaitable of it (async). ``steps`` is the generator function itself."""
 
-    def __init__(self, steps: Callable[..., Steps[T]]) -> None:
+    def __init__(self, steps: Callable[Concatenate[Obj, P], Steps[T]]) -> None:
         self.steps = steps
         functools.update_wrapper(self, steps)
 
     def __call__(self, obj: Flavoured, *args: Any, **kwargs: Any) -> Any:
-        return obj._flavour.run(self.steps(obj, *args, **kwargs))
-
-    def __get__(self, instance: Any, owner: type | None = None) -> Any:
-        return self if instance is None else types.MethodType(self, instance)
+        return obj._flavour.run(self.steps(obj, *args, **kwargs))  # type: ignore[arg-type]
 
 
-def found(call: Callable[..., Any], *args: Any) -> Steps[bool]:
+def found(call: Callable[..., object], *args: Any) -> Steps[bool]:
     """Steps: whether ``call(*args)`` succeeded; ``False`` when the daemon answered not found (``kill`` of a
     sandbox that already ended, ``exists`` of a missing path), any other error raised."""
     try:

@@ -11,6 +11,7 @@ wait, and their own construction and ``with`` forms.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import secrets
@@ -35,6 +36,8 @@ from forkd.sdk.models import (
 from forkd.sdk.sandbox.commands import CommandsCore
 from forkd.sdk.sandbox.filesystem import FilesystemCore
 from forkd.sdk.sandbox.flavour import Flavour, Steps, found, operation
+from forkd.sdk.sandbox.options import FORK_LIMITS, ConnectOptions, CreateOptions, check_keywords, network
+from forkd.sdk.retry import busy_pauses
 
 DEFAULT_TEMPLATE = "quickstart"  # the snapshot `forkd quickstart` bakes
 DEFAULT_SANDBOX_TIMEOUT_S = 300  # as E2B: a forgotten sandbox does not live forever
@@ -79,33 +82,43 @@ class SandboxCore:
 
     @classmethod
     def create(cls, template: str | None = None, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S,
-               metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
-               url: str | None = None, token: str | None = None, connection: ConnectionConfig | None = None,
-               **_: Any) -> Any:
+               metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None, **options: Any) -> Any:
         """Fork a sandbox from snapshot ``template`` (default ``$FORKD_TEMPLATE`` or ``quickstart``).
 
         The daemon kills the sandbox ``timeout`` seconds after it starts (``set_timeout`` renews; None =
-        never). ``connection`` picks the daemon (default: the environment's); ``url``/``token`` override
-        it. Unknown E2B keyword arguments (``api_key``, ``secure``…) are accepted and ignored.
+        never). ``envs`` is every command's default environment, ``metadata`` labels kept with it. The sandbox
+        has no network unless ``net="nat"`` (E2B's ``allow_internet_access=True`` means the same), then
+        ``egress`` filters where it may connect; ``memory_limit_mib``, ``cpu_quota``, ``cpu_weight`` and
+        ``pids_max`` bound its VMM. ``connection`` picks the daemon (default: the environment's);
+        ``url``/``token``/``request_timeout`` override it. E2B's ``api_key``, ``domain``, ``debug``, ``secure``,
+        ``proxy`` and ``headers`` are accepted and ignored; any other keyword raises ``TypeError``.
+        A ``busy`` daemon (at ``max_sandboxes``) is asked again, backing off, before ``RateLimitException``.
         """
-        api = cls._client(url=url, token=token, connection=connection)
-        return cls._flavour.run(cls._create(api, template or default_template(), timeout, metadata, envs))
+        check_keywords("create", options, CreateOptions)
+        fork_options = {name: options.get(name) for name in FORK_LIMITS}
+        fork_options["net"] = network(options.get("net"), options.get("allow_internet_access"))
+        api = cls._client(url=options.get("url"), token=options.get("token"), timeout=options.get("request_timeout"),
+                          connection=options.get("connection"))
+        return cls._flavour.run(cls._create(api, template or default_template(),
+                                            dict(timeout_s=timeout, envs=envs, metadata=metadata, **fork_options)))
 
     @classmethod
-    def _create(cls, api: Any, template: str, timeout: float | None, metadata: dict[str, str] | None,
-                envs: dict[str, str] | None) -> Steps[Any]:
+    def _create(cls, api: Any, template: str, fork_options: dict[str, Any]) -> Steps[Any]:
         try:
-            result = yield api.fork(template, 1, timeout_s=timeout, envs=envs, metadata=metadata)
+            pauses = busy_pauses()
+            while _refused_busy(result := (yield api.fork(template, 1, **fork_options))) and \
+                    (pause := next(pauses)) is not None:
+                yield cls._flavour.sleep(pause)
             return cls._on(_first_child(result), api)
         except BaseException:
             yield api.close()
             raise
 
     @classmethod
-    def connect(cls, sandbox_id: str, url: str | None = None, token: str | None = None,
-                connection: ConnectionConfig | None = None, **_: Any) -> Any:
-        """Attach to a running sandbox (``NotFoundException`` if there is none with that id)."""
-        sandbox = cls._attach(sandbox_id, ConnectionConfig.resolve(connection, url, token))
+    def connect(cls, sandbox_id: str, **options: Any) -> Any:
+        """Attach to a running sandbox (``NotFoundException`` if there is none with that id); ``options`` are
+        ``connection``, ``url``, ``token``, ``request_timeout`` and E2B's ignored ones, as for ``create``."""
+        sandbox = cls._on(sandbox_id, _client_for(cls, "connect", options))
         return cls._flavour.run(sandbox._checked())
 
     def _checked(self) -> Steps[Any]:
@@ -117,10 +130,9 @@ class SandboxCore:
         return self
 
     @classmethod
-    def list(cls, url: str | None = None, token: str | None = None, connection: ConnectionConfig | None = None,
-             **_: Any) -> Any:
-        """Every running sandbox, as ``SandboxInfo``."""
-        return cls._flavour.run(_listed(cls._client(url=url, token=token, connection=connection)))
+    def list(cls, **options: Any) -> Any:
+        """Every running sandbox, as ``SandboxInfo``; ``options`` pick the daemon, as for ``connect``."""
+        return cls._flavour.run(_listed(_client_for(cls, "list", options)))
 
     @operation
     def kill(self) -> Steps[bool]:
@@ -134,6 +146,7 @@ class SandboxCore:
 
     @operation
     def get_info(self) -> Steps[SandboxInfo]:
+        """The sandbox's ``SandboxInfo``: id, template, metadata, when it started and when the daemon ends it."""
         return SandboxInfo.from_daemon((yield self._api.sandbox(self.sandbox_id)))
 
     @operation
@@ -202,7 +215,8 @@ class SandboxCore:
         return Context.from_agent((yield self._api.create_context(self.sandbox_id, cwd=cwd)))
 
     @operation
-    def list_code_contexts(self) -> Steps[list[Context]]:
+    def list_code_contexts(self) -> Steps[builtins.list[Context]]:
+        """Every code context of the sandbox (``default`` once a cell ran in it)."""
         return [Context.from_agent(c) for c in (yield self._api.contexts(self.sandbox_id))]
 
     @operation
@@ -212,6 +226,7 @@ class SandboxCore:
 
     @operation
     def remove_code_context(self, context: Context | str) -> Steps[None]:
+        """End the context's interpreter; its variables are gone."""
         yield self._api.remove_context(self.sandbox_id, _context_name(context))
 
     @operation
@@ -225,11 +240,12 @@ class SandboxCore:
     def branch(self, tag: str | None = None, mode: Literal["full", "diff", "live"] = "diff",
                wait: bool = True) -> Steps[dict[str, Any]]:
         """Snapshot this running sandbox as ``tag`` (it keeps running); children fork from the tag."""
-        return (yield self._api.branch(self.sandbox_id, tag=tag or _branch_tag(self.sandbox_id), mode=mode,
-                                       wait=wait))
+        snapshot: dict[str, Any] = yield self._api.branch(self.sandbox_id, tag=tag or _branch_tag(self.sandbox_id),
+                                                          mode=mode, wait=wait)
+        return snapshot
 
     @operation
-    def fork(self, count: int = 1, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S) -> Steps[list[Any]]:
+    def fork(self, count: int = 1, timeout: float | None = DEFAULT_SANDBOX_TIMEOUT_S) -> Steps[builtins.list[Any]]:
         """``count`` new sandboxes in this one's exact current state (a BRANCH, then forks of it).
 
         If any child fails the others are killed and ``ForkFailed`` says which failed and why.
@@ -243,7 +259,19 @@ class SandboxCore:
         return [self._attach(sandbox_id, self._api.connection) for sandbox_id in outcome.sandbox_ids()]
 
 
-def _listed(api: Any) -> Steps[list[SandboxInfo]]:
+def _client_for(cls: type[SandboxCore], function: str, options: dict[str, Any]) -> Any:
+    """The client ``connect``/``list`` talk through: ``options`` checked (``TypeError`` for an unknown one)."""
+    check_keywords(function, options, ConnectOptions)
+    return cls._client(url=options.get("url"), token=options.get("token"), timeout=options.get("request_timeout"),
+                       connection=options.get("connection"))
+
+
+def _refused_busy(result: dict[str, Any]) -> bool:
+    """Whether a one-child fork was refused because the daemon is at its ``max_sandboxes``."""
+    return not result["sandboxes"] and bool(result["errors"]) and Failure.from_answer(result["errors"][0]).code == "busy"
+
+
+def _listed(api: Any) -> Steps[builtins.list[SandboxInfo]]:
     try:
         return [SandboxInfo.from_daemon(s) for s in (yield api.sandboxes())]
     finally:
@@ -257,7 +285,7 @@ def _first_child(result: dict[str, Any]) -> str:
             raise ForkdError(500, "fork_failed", "the daemon started no sandbox")
         failure = Failure.from_answer(result["errors"][0])
         raise error_for(failure.kind.status, failure.code, f"the sandbox did not start: {failure}")
-    return result["sandboxes"][0]["id"]
+    return str(result["sandboxes"][0]["id"])
 
 
 def _context_name(context: Any) -> str:
