@@ -14,7 +14,13 @@ Record the load average around a run (it is in the JSON): figures from a busy ma
 
     .venv/bin/python bench/cluster.py --ray-address HEAD:6379 --tag quickstart --replicate quickstart
 
-Writes bench/results/cluster.json.
+or, on this one host (root; bench/cluster_local.py: a Ray head and N forkd nodes on QEMU, each in its
+own network namespace with its own FORKD_HOME; node 0 bakes one snapshot per ``--sizes`` entry; the
+last node is the one killed):
+
+    .venv/bin/python bench/cluster.py --local 3 --sizes 256,1024 --repeats 20 --items 30 --kill-after 6
+
+Writes bench/results/cluster.json and cluster.png (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -91,17 +98,33 @@ def node_death(cluster: Cluster, tag: str, items: int, kill_after: int, kill_com
             "last_retry_answered_s": last_retry_at - killed_at if last_retry_at and killed_at else None}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ray-address", help="the Ray cluster (default $RAY_ADDRESS)")
-    parser.add_argument("--tag", default="quickstart", help="snapshot (tag or digest) to fork")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--replicate", action="append", default=[], metavar="TAG",
-                        help="snapshot to time a pull of (repeatable: several sizes)")
-    parser.add_argument("--kill-command", help="shell command that kills one node (all its processes)")
-    parser.add_argument("--items", type=int, default=60)
-    parser.add_argument("--kill-after", type=int, default=10)
-    args = parser.parse_args()
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Placement (cluster vs local fork), replication seconds against snapshot size, node death."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.5))
+    placed = report["placement"]
+    left.boxplot([placed["local_s"], placed["cluster_s"]], tick_labels=["local fork", "Cluster.create"])
+    left.set_ylabel("seconds")
+    left.set_title(f"placement: p50 ratio {placed['ratio']:.2f}x")
+    pulls = sorted(report["replication"], key=lambda r: r["bytes"])
+    middle.plot([r["bytes"] / (1 << 20) for r in pulls], [r["seconds"] for r in pulls], "o-")
+    middle.set_xlabel("MiB pulled")
+    middle.set_ylabel("seconds")
+    middle.set_title("replication by digest")
+    death = report.get("node_death") or {}
+    bars = {k: death.get(k) for k in ("death_noticed_s", "last_retry_answered_s") if death.get(k) is not None}
+    right.bar(["death noticed", "last retried item answered"][:len(bars)], list(bars.values()))
+    right.set_ylabel("seconds after the kill")
+    right.set_title(f"node death: {death.get('retried', 0)} items retried" if death else "node death: not run")
+    figure.suptitle(f"forkd on Ray, {report['nodes']} nodes, load before {report['load_before'][0]:.1f}")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     with Cluster(args.ray_address) as cluster:
         report: dict[str, Any] = {"nodes": len(cluster.directory.alive), "load_before": load_before,
@@ -110,8 +133,51 @@ def main() -> None:
         if args.kill_command:
             report["node_death"] = node_death(cluster, args.tag, args.items, args.kill_after, args.kill_command)
     report["load_after"] = os.getloadavg()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cluster.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def on_this_host(args: argparse.Namespace) -> None:
+    """Set up the local cluster, run this script again in the head's namespace against it, tear down."""
+    from cluster_local import local_cluster
+
+    sizes = [int(size) for size in args.sizes.split(",")]
+    with local_cluster(args.local, sizes, args.slots, args.vmm) as local:
+        inner = [sys.executable, str(Path(__file__).resolve()), "--ray-address", local.address,
+                 "--tag", local.tags[min(sizes)], "--repeats", str(args.repeats), "--items", str(args.items),
+                 "--kill-after", str(args.kill_after), "--kill-command", local.kill_command, "--out", str(args.out),
+                 *[option for size in sizes for option in ("--replicate", local.tags[size])]]
+        subprocess.run(["ip", "netns", "exec", local.head_netns, *inner], check=True)
+    report = json.loads(args.out.read_text())
+    report["setup"] = {"local_nodes": args.local, "sizes_mib": sizes, "slots_per_node": args.slots,
+                       "vmm": args.vmm, "one_host": True}
+    args.out.write_text(json.dumps(report, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ray-address", help="the Ray cluster (default $RAY_ADDRESS)")
+    parser.add_argument("--local", type=int, metavar="N", help="set up N forkd nodes on this host instead (root)")
+    parser.add_argument("--sizes", default="256,1024", help="with --local: snapshot sizes in MiB to replicate")
+    parser.add_argument("--slots", type=int, default=4, help="with --local: each node's max_sandboxes")
+    parser.add_argument("--vmm", choices=("qemu", "fake"), default="qemu",
+                        help="with --local: the nodes' backend (fake: checks the setup, measures nothing real)")
+    parser.add_argument("--tag", default="quickstart", help="snapshot (tag or digest) to fork")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--replicate", action="append", default=[], metavar="TAG",
+                        help="snapshot to time a pull of (repeatable: several sizes)")
+    parser.add_argument("--kill-command", help="shell command that kills one node (all its processes)")
+    parser.add_argument("--items", type=int, default=60)
+    parser.add_argument("--kill-after", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=RESULTS / "cluster.json")
+    args = parser.parse_args()
+    args.out = args.out.resolve()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.local:
+        on_this_host(args)
+    else:
+        args.out.write_text(json.dumps(measure(args), indent=2))
+    report = json.loads(args.out.read_text())
+    plot(report, args.out.with_suffix(".png"))
     print(json.dumps(report, indent=2))
 
 

@@ -13,11 +13,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import ray
 from cluster_netns import Bridge
 from cluster_nodes import HEALTH_CHECKS, HERE, ForkdNode
+from ray.cluster_utils import Cluster as RayCluster
 
 LINE_BOUND_S = 120.0  # the longest the driver may stay silent
 RAY_PORT = "6379"
@@ -114,3 +118,24 @@ def moved(log: Path, url: str, answered_by: dict[int, str], dead: str) -> dict[i
 def node_id(node: ForkdNode) -> str:
     with node.controller() as controller:
         return str(controller.request("GET", "/v1/node")["node_id"])
+
+
+@contextmanager
+def raylet_nodes(root: Path, forkd: list[ForkdNode]) -> Iterator[RayCluster]:
+    """Ray's own way of testing several nodes on one host: one ``ray.cluster_utils`` raylet per forkd
+    node (the first is the head), each node's workers finding its daemon (already started); all of it
+    shut down afterwards, daemons included."""
+    ray_cluster = RayCluster(initialize_head=True, head_node_args={  # Ray's files under root, not /tmp/ray
+        "num_cpus": 1, "resources": {"forkd": 1}, "env_vars": forkd[0].env, "_system_config": HEALTH_CHECKS,
+        "temp_dir": str(root / "ray")})
+    try:
+        forkd[0].ray_node = ray_cluster.head_node
+        for node in forkd[1:]:
+            node.ray_node = ray_cluster.add_node(num_cpus=1, resources={"forkd": 1}, env_vars=node.env)
+        ray_cluster.wait_for_nodes()
+        yield ray_cluster
+    finally:
+        ray.shutdown()
+        ray_cluster.shutdown()
+        for node in forkd:
+            node.stop_daemon()

@@ -51,6 +51,8 @@ class ForkdNode:
     ray_node: Any = None
     vmm: str = "fake"  # the daemon's FORKD_VMM: "fake" (tier A) or "qemu" (tier B)
     slots: int = SLOTS
+    e2b_keys: Path | None = None  # with a key file, the daemon also serves E2B's API on e2b_port
+    e2b_port: int = field(default_factory=free_port)
 
     @property
     def home(self) -> Path:
@@ -72,9 +74,14 @@ class ForkdNode:
         return ["nsenter", f"--net=/run/netns/{self.netns}", *argv] if self.netns else list(argv)
 
     @property
+    def e2b_url(self) -> str:
+        return f"http://{self.ip}:{self.e2b_port}"
+
+    @property
     def env(self) -> dict[str, str]:
-        """What the node's Ray workers see: where their daemon is."""
-        return {"FORKD_URL": self.url, "FORKD_TOKEN": self.token}
+        """What the node's Ray workers see: where their daemon (and its E2B front) is."""
+        return {"FORKD_URL": self.url, "FORKD_TOKEN": self.token,
+                **({"FORKD_E2B_URL": self.e2b_url} if self.e2b_keys else {})}
 
     def controller(self) -> Controller:
         """The daemon through its Unix socket: reachable from this process whatever its network namespace."""
@@ -97,7 +104,8 @@ class ForkdNode:
         env = self.daemon_env()
         log = open(self.root / "daemon.log", "ab")  # noqa: SIM115 - the daemon writes it until it ends
         self.daemon = subprocess.Popen(self.command(sys.executable, "-m", "forkd", "daemon", "--listen",
-                                                    f"{self.ip}:{self.port}", "--max-sandboxes", str(self.slots)),
+                                                    f"{self.ip}:{self.port}", "--max-sandboxes", str(self.slots),
+                                                    *self.e2b_options()),
                                        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + START_BOUND_S
@@ -111,6 +119,11 @@ class ForkdNode:
                         raise RuntimeError(f"daemon {self.name} did not start: "
                                            f"{(self.root / 'daemon.log').read_text()[-2000:]}") from None
                     time.sleep(0.2)
+
+    def e2b_options(self) -> list[str]:
+        if self.e2b_keys is None:
+            return []
+        return ["--e2b-listen", f"{self.ip}:{self.e2b_port}", "--e2b-keys-file", str(self.e2b_keys)]
 
     def bake(self, tag: str, memory_mib: int = SNAPSHOT_MIB) -> None:
         """A snapshot of the default image made by this node's daemon, nothing warmed."""

@@ -29,9 +29,9 @@ from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
 import cluster_driver  # noqa: E402
 from cluster_harness import (  # noqa: E402
-    LINE_BOUND_S, RAY_PORT, Driver, join, moved, node_id, start_head, wait_for_work)
+    LINE_BOUND_S, RAY_PORT, Driver, join, moved, node_id, raylet_nodes, start_head, wait_for_work)
 from cluster_netns import bridge, left_behind  # noqa: E402
-from cluster_nodes import HEALTH_CHECKS, SLOTS, ForkdNode  # noqa: E402
+from cluster_nodes import SLOTS, ForkdNode  # noqa: E402
 from conftest import run_in_own_process  # noqa: E402
 from forkd.cluster import Cluster, PlacementError  # noqa: E402
 from forkd.sdk.errors import NotFoundException  # noqa: E402
@@ -142,21 +142,9 @@ def nodes(root: Path) -> Iterator[tuple[RayCluster, list[ForkdNode]]]:
     for node in forkd:
         node.start_daemon()
     forkd[0].bake(TAG)
-    ray_cluster = RayCluster(initialize_head=True, head_node_args={  # Ray's files under root, not /tmp/ray
-        "num_cpus": 1, "resources": {"forkd": 1}, "env_vars": forkd[0].env, "_system_config": HEALTH_CHECKS,
-        "temp_dir": str(root / "ray")})
-    try:
-        forkd[0].ray_node = ray_cluster.head_node
-        for node in forkd[1:]:
-            node.ray_node = ray_cluster.add_node(num_cpus=1, resources={"forkd": 1}, env_vars=node.env)
-        ray_cluster.wait_for_nodes()
+    with raylet_nodes(root, forkd) as ray_cluster:
         ray.cloudpickle.register_pickle_by_value(cluster_driver)  # the workers cannot import tests/unit
         yield ray_cluster, forkd
-    finally:
-        ray.shutdown()
-        ray_cluster.shutdown()
-        for node in forkd:
-            node.stop_daemon()
 
 
 DRIVER = """

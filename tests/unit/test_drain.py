@@ -147,3 +147,20 @@ def test_an_owner_reaped_while_a_child_queues_for_a_restore_slot_refuses_it_befo
             assert list(sandboxes.iterdir()) == [] and a.runtime.registry.list_sandboxes() == []
 
     run(scenario)
+
+
+def test_a_drain_is_kept_across_a_daemon_restart(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with node(tmp_path / "a") as a:
+            await bake(a, tmp_path, "base")
+            await a.api.drain()
+        async with node(tmp_path / "a") as a:  # the same FORKD_HOME: restarted while draining
+            described = await a.api.node()
+            assert (described["draining"], described["capacity"]["slots_free"]) == (True, 0)
+            await expect_error(a.api.fork("base", 1), 503, "draining")
+            assert (await a.api.undrain())["draining"] is False
+        async with node(tmp_path / "a") as a:  # undrained before the restart: takes forks
+            assert (await a.api.node())["draining"] is False
+            assert len((await a.api.fork("base", 1))["sandboxes"]) == 1
+
+    run(scenario)

@@ -74,12 +74,16 @@ def node() -> None:
                    "http(s), else http://<this node's IP>:<port of --listen>)")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
               help="the bearer token (default: $FORKD_TOKEN, else one made once under FORKD_HOME)")
+@click.option("--e2b-listen", metavar="HOST:PORT",
+              help="where a daemon this command starts serves E2B's API (for `forkd cluster e2b`)")
+@click.option("--e2b-url", metavar="URL", help="the node's E2B front as the cluster's E2B gateway reaches it "
+                                               "(default $FORKD_E2B_URL, else from --e2b-listen)")
 @click.option("--block", is_flag=True, help="stay in the foreground with Ray's node processes (a container's "
                                             "or a service's main process)")
 @click.argument("ray_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- RAY START OPTIONS]")
 @reports_errors
-def node_start(ray_address: str, listen: str, advertised: str | None, token_file: Path | None, block: bool,
-               ray_args: tuple[str, ...]) -> None:
+def node_start(ray_address: str, listen: str, advertised: str | None, token_file: Path | None,
+               e2b_listen: str | None, e2b_url: str | None, block: bool, ray_args: tuple[str, ...]) -> None:
     """Attach this host's daemon (or start one on TCP) and join the Ray cluster as a forkd node.
 
     A daemon already at the URL (e.g. a Kubernetes DaemonSet's) is attached; otherwise one is started
@@ -91,17 +95,18 @@ def node_start(ray_address: str, listen: str, advertised: str | None, token_file
     token = _token(token_file or paths.home / "node-token")
     env_url = os.environ.get("FORKD_URL", "")
     given = advertised or (env_url if env_url.startswith(("http://", "https://")) else None)
-    host, _, port = listen.rpartition(":")
-    url = given or f"http://{_node_ip(ray_address) if host in ('0.0.0.0', '') else host}:{port}"
+    url = given or _reachable_url(listen, ray_address)
+    e2b_url = e2b_url or os.environ.get("FORKD_E2B_URL") or (_reachable_url(e2b_listen, ray_address)
+                                                              if e2b_listen else None)
     controller = Controller(url=url, token=token)
     if not _answers(controller) and given is None:
         if _answers(Controller(url=f"unix://{paths.socket}")):
             raise click.ClickException(f"a local daemon runs but does not answer at {url}: restart it with "
                                        f"`forkd daemon --listen {listen}` and this token, or pass --url")
-        _start_daemon(paths, listen, token)
+        _start_daemon(paths, listen, token, e2b_listen)
     _wait(controller)
     node_id = controller.request("GET", "/v1/node")["node_id"]
-    env = {**os.environ, "FORKD_URL": url, "FORKD_TOKEN": token}
+    env = {**os.environ, "FORKD_URL": url, "FORKD_TOKEN": token, **({"FORKD_E2B_URL": e2b_url} if e2b_url else {})}
     command = [str(Path(sys.executable).parent / "ray"), "start", "--address", ray_address,
                "--resources", json.dumps({"forkd": 1}), "--labels", f"{LABEL}={node_id}",
                *(["--block"] if block else []), *ray_args]
@@ -124,6 +129,12 @@ def _token(path: Path) -> str:
     return token
 
 
+def _reachable_url(listen: str, ray_address: str) -> str:
+    """``http://HOST:PORT`` for a listen address, a wildcard host replaced by this node's IP."""
+    host, _, port = listen.rpartition(":")
+    return f"http://{_node_ip(ray_address) if host in ('0.0.0.0', '') else host}:{port}"
+
+
 def _node_ip(ray_address: str) -> str:
     """The address this host uses to reach the Ray head: the one its peers can reach it on."""
     host, _, port = ray_address.rpartition(":")
@@ -140,10 +151,11 @@ def _answers(controller: Controller) -> bool:
         return False
 
 
-def _start_daemon(paths: Any, listen: str, token: str) -> None:
+def _start_daemon(paths: Any, listen: str, token: str, e2b_listen: str | None) -> None:
     paths.home.mkdir(parents=True, exist_ok=True)
     with open(paths.daemon_log, "ab") as log:
-        subprocess.Popen([sys.executable, "-m", "forkd", "daemon", "--listen", listen], stdin=subprocess.DEVNULL,
+        subprocess.Popen([sys.executable, "-m", "forkd", "daemon", "--listen", listen,
+                          *(["--e2b-listen", e2b_listen] if e2b_listen else [])], stdin=subprocess.DEVNULL,
                          stdout=log, stderr=log, start_new_session=True, env={**os.environ, "FORKD_TOKEN": token})
 
 
@@ -216,6 +228,29 @@ def replicate(snapshot: str, count: int, ray_address: str | None) -> None:
             console.print(f"{snapshot} is already on enough nodes")
     finally:
         connected.close()
+
+
+@cluster.command("e2b")
+@click.option("--listen", default="127.0.0.1:3000", show_default=True, metavar="HOST:PORT",
+              help="where E2B's SDKs reach the cluster (E2B_API_URL and E2B_SANDBOX_URL)")
+@click.option("--ray-address", metavar="HOST:PORT", help="the Ray cluster (default $RAY_ADDRESS)")
+@reports_errors
+def e2b_gateway(listen: str, ray_address: str | None) -> None:
+    """Serve one E2B endpoint over the cluster: creates placed on the nodes, each sandbox's traffic
+    routed to its node (every node started with `forkd node start --e2b-url`, accepting the same
+    API keys). Runs until stopped. See docs/e2b.md."""
+    import uvicorn
+
+    from forkd.cluster.e2b_gateway import Gateway
+    from forkd.cluster.e2b_view import ClusterView
+
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise click.ClickException(f"--listen {listen!r}: give HOST:PORT")
+    view = ClusterView(_connect(ray_address))
+    fronts = ", ".join(f"{s.node_id} at {s.e2b_url}" for s in view.fronts) or "none yet"
+    console.print(f"forkd E2B gateway on http://{listen} over the nodes' E2B fronts: {fronts}", soft_wrap=True)
+    uvicorn.run(Gateway(view), host=host.strip("[]"), port=int(port), log_level="warning")
 
 
 CLUSTER_COMMANDS = (node, cluster)

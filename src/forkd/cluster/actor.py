@@ -47,9 +47,11 @@ class NodeAgent:
         threading.Thread(target=self._reap_forever, args=(reap_period_s,), name="forkd-reaper", daemon=True).start()
 
     def describe(self) -> dict[str, Any]:
-        """Where the daemon listens and its ``/v1/node`` answer (the directory's entry for this node)."""
+        """Where the daemon (and its E2B front, if any) listens and its ``/v1/node`` answer (the
+        directory's entry for this node)."""
         return {"ray_node_id": ray.get_runtime_context().get_node_id(), "url": self.connection.url,
-                "token": self.connection.token, "pid": os.getpid(), "node": self.controller.node()}
+                "token": self.connection.token, "pid": os.getpid(), "node": self.controller.node(),
+                "e2b_url": os.environ.get("FORKD_E2B_URL")}
 
     def pull(self, digest: str, source: str, source_token: str | None) -> dict[str, Any]:
         return self.controller.node_pull(digest, source, source_token)  # type: ignore[no-any-return]

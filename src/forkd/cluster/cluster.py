@@ -73,7 +73,8 @@ class Cluster:
                 continue
             try:
                 answer = ray.get(ref)
-                state = NodeState.from_answers(ray_node_id, answer["url"], answer["token"], answer["node"])
+                state = NodeState.from_answers(ray_node_id, answer["url"], answer["token"], answer["node"],
+                                               answer.get("e2b_url"))
             except ray.exceptions.RayError as exc:
                 log.warning("forkd node agent on Ray node %s failed: %s", ray_node_id, exc)
                 continue
@@ -204,7 +205,7 @@ class Cluster:
         self.refresh()  # the free slots now, not at the last map
         digest = self.resolve(template)
         self.replicate_for(digest, 1)
-        return self._fork_shares(digest, [(self._best(digest), 1)], timeout_s)[0]
+        return self._fork_shares(digest, [(self.best(digest), 1)], timeout_s)[0]
 
     def fork(self, sandbox: Sandbox, n: int, timeout_s: float | None = 300.0) -> list[Sandbox]:
         """``n`` forks of a running sandbox: BRANCH it on its node, fork the branch there, and spill to
@@ -232,7 +233,8 @@ class Cluster:
             raise PlacementError(f"no room for {left} of {n} forks of {sandbox.sandbox_id} ({self.describe_nodes()})")
         return self._fork_shares(digest, shares, timeout_s)
 
-    def _best(self, digest: str) -> NodeState:
+    def best(self, digest: str) -> NodeState:
+        """The holder of ``digest`` to fork it on next: the one with the most free slots."""
         holders = [s for s in self.directory.holders(digest) if s.slots_free > 0]
         if not holders:
             raise PlacementError(f"every node holding {digest[:12]} is full ({self.describe_nodes()})")

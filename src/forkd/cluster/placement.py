@@ -58,9 +58,11 @@ class NodeState:
     live: int
     snapshots: tuple[SnapshotCopy, ...] = ()
     alive: bool = True
+    e2b_url: str | None = None  # the node's E2B front, when it serves one (``forkd node start --e2b-url``)
 
     @classmethod
-    def from_answers(cls, ray_node_id: str, url: str, token: str | None, node: dict[str, Any]) -> NodeState:
+    def from_answers(cls, ray_node_id: str, url: str, token: str | None, node: dict[str, Any],
+                     e2b_url: str | None = None) -> NodeState:
         """Built from the daemon's ``/v1/node`` answer (bounded: a node names at most what it holds)."""
         capacity = node.get("capacity", {})
         copies = tuple(SnapshotCopy(tag=str(s["tag"]), digest=str(s["digest"]), parent_digest=s.get("parent_digest"),
@@ -70,10 +72,13 @@ class NodeState:
                    compat_key=str(node["compat_key"]), compat=dict(node.get("compat", {})),
                    slots_free=_slots_free(capacity),
                    max_sandboxes=int(capacity.get("max_sandboxes") or 0), live=int(capacity.get("live", 0)),
-                   snapshots=copies)
+                   snapshots=copies, e2b_url=e2b_url or None)
 
     def holds(self, digest: str) -> bool:
         return any(copy.digest == digest and copy.status == "ready" for copy in self.snapshots)
+
+    def digest_of(self, tag: str) -> str | None:
+        return next((copy.digest for copy in self.snapshots if copy.tag == tag), None)
 
     def tag_of(self, digest: str) -> str | None:
         return next((copy.tag for copy in self.snapshots if copy.digest == digest), None)

@@ -82,7 +82,7 @@ class Runtime:
                                  SpaceFloor(self.options.pack_free_floor_bytes, roots.packs if roots else None),
                                  self.options.allow_unpinned_pulls, replacing=self.pools.replacing)
         self.peers = PeerPuller(self.packs)
-        self.drain = DrainService(self.spawner, self.pools, self.sandboxes)
+        self.drain = DrainService(self.spawner, self.pools, self.sandboxes, paths.home)
         self.node = NodeService(paths.home, vmm, self.store, self.sandboxes, self.options, self.drain)
         self.driver_forks = DriverForks(self.registry, self.sandboxes, self.spawner)
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
@@ -128,6 +128,7 @@ class Runtime:
             await self.branches.refuse(sandbox_id, f"the daemon stopped while branching it to {tag!r}, so its "
                                        "disk may hold a layer no snapshot received; fork a new sandbox to branch from")
         await asyncio.to_thread(self.packs.remove_partials)
+        await self.drain.restore()  # before the pools start filling
         await self.pools.start()
         loop = asyncio.get_running_loop()
         self._keepers = [loop.create_task(deadline_keeper(self.sandboxes)),

@@ -113,6 +113,7 @@ class FakeVmm:
         self.requests: list[tuple[str, str]] = []  # (VM name, op) of every request its agent answered
         self.evals: list[str] = []  # expressions the agents were asked to evaluate, in order
         self._agents: dict[str, asyncio.AbstractServer] = {}  # by run dir
+        self._files: dict[str, FakeFiles] = {}  # each guest's files, by run dir (in memory, not kept by a fork)
         self._running: dict[str, asyncio.Event] = {}  # by run dir: cleared while paused, so the agent waits
 
     def capabilities(self) -> Capabilities:
@@ -245,6 +246,7 @@ class FakeVmm:
     def _events(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The events a request gets before its answer: an exec's stderr, in chunks one frame can hold."""
         if request.get("op") == protocol.OP_EXEC:
+            yield protocol.event(request.get("id"), protocol.EVENT_STARTED, {"pid": 1})  # as a real agent does
             data, chunk = self.behaviour.exec_stderr, protocol.FILE_CHUNK_BYTES
             for i in range(0, len(data), chunk):
                 yield protocol.event(request.get("id"), protocol.EVENT_STDERR,
@@ -273,6 +275,12 @@ class FakeVmm:
             return {"id": req_id, "ok": True, "result": {"exit_code": self.behaviour.exec_exit_code, "signal": None,
                                                          "timed_out": False,
                                                          "duration_s": 0.0}}
+        if op in FakeFiles.OPS:
+            files = self._files.setdefault(str(vm.run_dir), FakeFiles())
+            try:
+                return {"id": req_id, "ok": True, "result": files.answer(str(op), args)}
+            except FileNotFoundError as exc:
+                return {"id": req_id, "ok": False, "error": {"code": protocol.ERR_NOT_FOUND, "message": str(exc)}}
         return {"id": req_id, "ok": False, "error": {"code": protocol.ERR_UNKNOWN_OP,
                                                      "message": f"the fake agent does not do {op!r}"}}
 
@@ -282,11 +290,42 @@ class FakeVmm:
 
     async def _stop_agent(self, vm: VmHandle) -> None:
         self._running.pop(str(vm.run_dir), None)
+        self._files.pop(str(vm.run_dir), None)
         server = self._agents.pop(str(vm.run_dir), None)
         if server is not None:
             server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), timeout=1)
+
+
+class FakeFiles:
+    """A fake guest's files, in memory: enough of the agent's ``files.*`` for a front's uploads and
+    downloads to go all the way to a guest and back (regular files only, no directories)."""
+
+    OPS = frozenset({protocol.OP_FILES_READ, protocol.OP_FILES_WRITE, protocol.OP_FILES_STAT})
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytearray] = {}
+
+    def answer(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        path = str(args.get("path"))
+        if op == protocol.OP_FILES_WRITE:
+            content = self.data.setdefault(path, bytearray())
+            if args.get("truncate"):
+                content.clear()
+            offset, piece = int(args.get("offset", 0)), protocol.b64decode(str(args.get("data_b64", "")))
+            content[offset:offset + len(piece)] = piece
+            return {"size": len(content)}
+        if path not in self.data:
+            raise FileNotFoundError(f"no such file in the fake guest: {path}")
+        content = self.data[path]
+        if op == protocol.OP_FILES_STAT:
+            return {"name": path.rsplit("/", 1)[-1], "path": path, "type": "file", "size": len(content),
+                    "mode": 0o644, "mtime": 0.0}
+        offset = int(args.get("offset", 0))
+        piece = bytes(content[offset:offset + protocol.FILE_CHUNK_BYTES])
+        return {"data_b64": protocol.b64encode(piece), "size": len(content),
+                "eof": offset + len(piece) >= len(content)}
 
 
 def _copy_sparse(source: Path, dest: Path) -> None:

@@ -54,4 +54,4 @@ async def drain(runtime: RuntimeDep, body: schemas.NodeDrain | None = None) -> d
 @router.delete("/drain", response_model=schemas.DrainOutcome)
 async def undrain(runtime: RuntimeDep) -> dict[str, Any]:
     """Take forks again (and refill the pools)."""
-    return runtime.drain.undrain()
+    return await runtime.drain.undrain()
