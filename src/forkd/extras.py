@@ -14,7 +14,7 @@ from collections.abc import Iterator
 #: Top-level modules of each extra's packages (import names, not distribution names).
 EXTRA_MODULES: dict[str, frozenset[str]] = {
     "daemon": frozenset({"fastapi", "starlette", "uvicorn", "qemu", "prometheus_client", "zstandard", "pyroute2",
-                         "python_multipart"}),
+                         "python_multipart", "wsproto"}),
     "mcp": frozenset({"mcp", "mcp_types", "uvicorn"}),
 }
 

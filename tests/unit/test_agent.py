@@ -1143,7 +1143,14 @@ def test_cancel_ends_a_command_and_a_cell(agent: AgentClient) -> None:
     req_id, _ = start_process(agent, {"argv": ["sleep", "600"]})
     agent.result(protocol.OP_CANCEL, {"id": req_id})
     result = agent.collect(req_id, timeout=30)[-1][1]["result"]
-    assert result["cancelled"] is True and result["signal"] == signal.SIGKILL
+    assert result["cancelled"] is True and result["signal"] == signal.SIGINT  # gently first
+    req_id, _ = start_process(agent, {"argv": ["python3", "-c", "import signal, sys, time\n"
+                                       "signal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+                                       "time.sleep(600)"]})
+    assert agent.next_frame(req_id, timeout=30)[1]["event"] == "stdout"  # its SIGINT handler is in place
+    agent.result(protocol.OP_CANCEL, {"id": req_id})
+    result = agent.collect(req_id, timeout=30)[-1][1]["result"]
+    assert result["cancelled"] is True and result["signal"] == signal.SIGKILL  # it ignored SIGINT: killed
     run_code(agent, "kept = 7", context="cancel")
     req_id = agent.start(protocol.OP_RUN_CODE, {"code": "print('go', flush=True)\nimport time; time.sleep(600)",
                                                 "context": "cancel"})
@@ -1333,3 +1340,25 @@ def test_pty_session_is_killed_by_signal(agent: AgentClient) -> None:
     pid = agent.next_frame(req)[1]["data"]["pid"]
     assert agent.result(protocol.OP_PTY_KILL, {"pid": pid, "signal": 15}) == {}
     assert agent.collect(req)[-1][1]["result"] == {"exit_code": 143, "signal": 15}
+
+
+def test_pty_flow_pause_stops_reading_and_cancel_hangs_up_then_kills(agent: AgentClient, tmp_path: Path) -> None:
+    """pty.start ignored flow.pause (its terminal was read however fast it wrote) and cancel (it ran on)."""
+    marker = tmp_path / "writer-done"
+    req = agent.start(protocol.OP_PTY_START, {"argv": ["/bin/sh", "-c", f"yes | head -c 2000000; touch {marker}; "
+                                                                        "sleep 600"]})
+    agent.result(protocol.OP_FLOW_PAUSE, {"id": req})
+    time.sleep(1.0)
+    assert not marker.exists()  # blocked on a full terminal: real back-pressure
+    agent.result(protocol.OP_FLOW_RESUME, {"id": req})
+    while not marker.exists():  # the output flows again until the writer is done
+        with contextlib.suppress(queue.Empty):
+            agent.next_frame(req, timeout=0.5)
+    agent.result(protocol.OP_CANCEL, {"id": req})
+    assert agent.collect(req, timeout=30)[-1][1]["result"]["signal"] == signal.SIGHUP  # hung up
+
+    stubborn = agent.start(protocol.OP_PTY_START, {"argv": ["/bin/sh", "-c", "trap '' HUP; echo ready; sleep 600"]})
+    agent.next_frame(stubborn)  # started
+    assert b"ready" in unb64(agent.next_frame(stubborn)[1]["data"]["data_b64"])
+    agent.result(protocol.OP_CANCEL, {"id": stubborn})
+    assert agent.collect(stubborn, timeout=30)[-1][1]["result"]["signal"] == signal.SIGKILL  # then killed

@@ -35,7 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     "image": {"guest", "store", "host"} | BASE,
     "packs": {"store", "vmm", "guest"} | BASE | FACE,
     "runtime": {"vmm", "host", "store", "image", "packs", "guest"} | BASE,
-    "e2b": {"runtime", "vmm", "host", "store", "image", "guest"} | BASE | FACE,
+    # not guest: what runs in a sandbox goes through runtime's sessions (budgets, flow control, deadlines)
+    "e2b": {"runtime", "vmm", "host", "store", "image"} | BASE | FACE,
     "daemon": {"runtime", "e2b", "vmm", "host", "store", "image", "packs", "guest"} | BASE | FACE,
     "sdk": {"guest.protocol"} | BASE,
     # a client of the daemons across a Ray cluster (needs the forkd[ray] extra): the SDK and the node API only
@@ -121,6 +122,7 @@ def test_the_rule_reads_modules_and_rooms() -> None:
     """The checker itself: a module rule admits that module only, a room rule the whole room."""
     assert allowed("store", "forkd.guest.protocol") and not allowed("store", "forkd.guest.agent")
     assert allowed("runtime", "forkd.store.registry") and not allowed("runtime", "forkd.daemon.app")
+    assert not allowed("e2b", "forkd.guest.protocol")  # E2B is an adapter over runtime's sessions
     assert allowed("daemon", "forkd") and not allowed("runtime", "forkd")
     assert "forkd.guest.protocol" in set(imports(SRC / "forkd" / "store" / "layout.py")) | set(
         imports(SRC / "forkd" / "store" / "snapshots.py"))

@@ -134,8 +134,12 @@ def test_sandbox_traffic_needs_its_token_and_a_gone_sandbox_is_not_found(client:
     assert missing.status_code == 401 and missing.json()["code"] == "unauthenticated"
     gone = client.post(rpc, headers=_sandbox_headers("49983", "0" * 64), json={})
     assert gone.status_code == 502 and "was not found" in gone.json()["message"]
-    closed = client.get("/", headers=_sandbox_headers("8080", "0" * 64))
-    assert closed.status_code == 502 and "port 8080 is not open" in closed.json()["message"]
+    for port in ("8080", "3000"):  # any port is served now (tests/unit/test_e2b_port_relay.py): a gone sandbox is gone
+        answer = client.get("/", headers=_sandbox_headers(port, "0" * 64))
+        assert answer.status_code == 502 and "was not found" in answer.json()["message"]
+    for port in ("0", "65536", "http"):
+        answer = client.get("/", headers=_sandbox_headers(port, "0" * 64))
+        assert answer.status_code == 502 and f"port {port} is not open" in answer.json()["message"]
     execute = client.post("/execute", headers=_sandbox_headers("49999"), json={"code": "1"})
     assert execute.status_code == 401
 
@@ -161,7 +165,7 @@ def test_a_slow_process_start_is_still_the_first_message_of_its_stream() -> None
     async def main() -> None:
         process = _Process(config={}, tag=None)
         call = SimpleNamespace(request=SimpleNamespace(headers={"keepalive-ping-interval": "1"}))
-        stream = ProcessService()._stream(process, process.attach(), call)  # type: ignore[arg-type]
+        stream = ProcessService(None)._stream(process, process.attach(), call)  # type: ignore[arg-type]
         first = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(1.5)  # a keepalive interval passes before the guest reports the start
         process.publish({"event": {"start": {"pid": 7}}})

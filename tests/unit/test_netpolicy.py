@@ -8,7 +8,16 @@ import pytest
 
 from forkd.daemon.routes.sandboxes import isolation_of
 from forkd.daemon.schemas import SandboxCreate
-from forkd.host.netpolicy import AddressPool, allow_rule, egress_policy, parse_allow_spec
+from forkd.host.netpolicy import (
+    AddressPool,
+    NetRequest,
+    allow_rule,
+    egress_policy,
+    net_request_of,
+    parse_allow_spec,
+    parse_cidr,
+)
+from forkd.runtime.isolation import SandboxOptions, sandbox_meta
 from forkd.validation import ValidationError
 
 
@@ -70,3 +79,14 @@ def test_pool_blocks() -> None:
 def test_pool_must_be_private_big_enough_and_apart_from_guests(text: str) -> None:
     with pytest.raises(ValidationError):
         AddressPool.parse(text)
+
+
+def test_a_recorded_network_is_requested_again_as_it_was() -> None:
+    """A resumed or forked sandbox starts with the network its predecessor had, rules included."""
+    policy = egress_policy("allow", [allow_rule("198.51.100.7/32", [443], "tcp")],
+                           deny=[parse_cidr("198.51.100.0/24")])
+    for request in (NetRequest(), NetRequest("nat"), NetRequest("nat", policy),
+                    NetRequest("nat", egress_policy("deny", [allow_rule("192.0.2.0/24")], dns=False))):
+        recorded = sandbox_meta(SandboxOptions(net=request), None)["net"]
+        assert net_request_of(recorded) == request
+    assert net_request_of(None) == NetRequest()

@@ -74,3 +74,22 @@ def test_nft_accepts_the_rulesets() -> None:
     for ruleset in (namespace_ruleset(_net(policy)), host_ruleset(_net(EgressPolicy()))):
         done = subprocess.run(["nft", "-c", "-f", "-"], input=ruleset, capture_output=True, text=True, timeout=30)
         assert done.returncode == 0, done.stderr
+
+
+def test_a_deny_list_under_allow_keeps_allowed_exceptions_first() -> None:
+    """E2B's denyOut with allowOut: allowed entries win, the rest of the world stays open."""
+    policy = egress_policy("allow", [parse_allow_spec("198.51.100.7/32")], deny=[ipaddress.IPv4Network("198.51.100.0/24")])
+    forward = namespace_ruleset(_net(policy))
+    forward = forward[forward.index("chain forward"):]
+    allowed = forward.index("ip daddr 198.51.100.7/32 accept")
+    denied = forward.index("ip daddr 198.51.100.0/24 meta l4proto tcp reject with tcp reset")
+    assert allowed < denied < forward.index('oifname "veth0" accept')
+    assert policy.to_dict()["deny"] == ["198.51.100.0/24"]
+
+
+@pytest.mark.root("nft")
+def test_nft_accepts_a_deny_list() -> None:
+    policy = egress_policy("allow", [parse_allow_spec("198.51.100.7/32")], deny=[ipaddress.IPv4Network("198.51.100.0/24")])
+    done = subprocess.run(["nft", "-c", "-f", "-"], input=namespace_ruleset(_net(policy)), capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0, done.stderr

@@ -63,9 +63,9 @@ def test_root_only_unit_tests_fail_without_root_and_name_what_to_install(tmp_pat
     done = _pytest_unprivileged(*ROOT_ONLY, env_extra={"FORKD_TESTS": "unit", "PATH": str(tmp_path)})
     output = done.stdout + done.stderr
     assert done.returncode == pytest.ExitCode.TESTS_FAILED, output
-    assert "5 errors" in output and "skipped" not in output and "passed" not in output, output  # failed in setup
+    assert "6 errors" in output and "skipped" not in output and "passed" not in output, output  # failed in setup
     # Once per test in the ERRORS section (with CI set, pytest repeats each message in its summary too).
-    assert output.count("ERROR at setup of") == 5 and "this test needs root (run the suite as root" in output, output
+    assert output.count("ERROR at setup of") == 6 and "this test needs root (run the suite as root" in output, output
     for needed in ("`nft` (install nftables)", "`ip` (install iproute2)", "`setpriv` (install util-linux)",
                    "`unshare` (install util-linux)", "-m 'not root'"):
         assert needed in output, needed

@@ -24,8 +24,8 @@ from forkd.sdk.controller import Controller
 pytestmark = pytest.mark.vm
 HERE = Path(__file__).resolve().parent.parent / "e2b"
 PYTHON_CHECKS = {"commands", "stdout_streams_before_the_end", "background_command_killed", "stdin", "non_zero_exit",
-                 "files", "watch", "pty", "second_client", "set_timeout", "list", "wrong_api_key", "unknown_sandbox", "run_code",
-                 "charts", "fork", "pause_resume", "kill"}
+                 "files", "watch", "pty", "second_client", "set_timeout", "list", "wrong_api_key", "unknown_sandbox",
+                 "client_timeouts", "run_code", "charts", "fork", "pause_resume", "kill"}
 JS_CHECKS = PYTHON_CHECKS
 
 

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -34,6 +35,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: Exit status of a command forkd could not answer (daemon unreachable, refused, unknown sandbox, ...).
 EXIT_FAILED = 1
+#: Where Debian and Ubuntu keep the CA certificates a machine's admin added (what `update-ca-certificates` reads).
+HOST_CA_DIR = Path("/usr/local/share/ca-certificates")
 
 
 def fail(exc: ForkdError, as_json: bool, status: int = EXIT_FAILED) -> NoReturn:
@@ -155,3 +158,10 @@ def describe_timings(timings: dict[str, float]) -> str:
     """``stop 1.2 · disk_switched 0.4 · ... ms``: the stages of a spawn or a BRANCH in the order they ran."""
     stages = [f"{stage} {ms:.1f}" for stage, ms in timings.items() if stage != "total"]
     return " · ".join(stages) + " ms" if stages else "(no stage timings)"
+
+
+def read_host_ca_certs() -> list[str]:
+    """The CA certificates this machine added to its own trust store, sorted by path."""
+    if not HOST_CA_DIR.is_dir():
+        return []
+    return [path.read_text() for path in sorted(HOST_CA_DIR.rglob("*.crt")) if path.is_file()]

@@ -95,8 +95,8 @@ def exec_command(sandbox_id: str, command: tuple[str, ...], interactive: bool, t
     options: dict[str, Any] = {"env": key_values(envs, "--env"), "cwd": workdir, "timeout_s": timeout}
     try:
         controller = daemon()
-        if tty:
-            result = run_on_terminal(controller, sandbox_id, argv, **options)
+        if tty:  # a terminal has no deadline of its own (the API's PTY runs until its program ends)
+            result = run_on_terminal(controller, sandbox_id, argv, env=options["env"], cwd=workdir)
         elif as_json:
             stdin = click.get_text_stream("stdin").read() if interactive else ""
             result = controller.exec(sandbox_id, argv, stdin=stdin, warm=warm, **options)
@@ -114,11 +114,10 @@ def exec_command(sandbox_id: str, command: tuple[str, ...], interactive: bool, t
 @click.command("shell")
 @click.argument("sandbox_id")
 @click.option("-w", "--workdir", help="directory to start in")
-@click.option("--timeout", default=24 * 3600.0, show_default=True, help="seconds the shell may run")
-def shell_command(sandbox_id: str, workdir: str | None, timeout: float) -> None:
+def shell_command(sandbox_id: str, workdir: str | None) -> None:
     """A login shell in a sandbox, on a terminal (bash where the image has it); exits with its status."""
     try:
-        result = run_on_terminal(daemon(), sandbox_id, SHELL, cwd=workdir, timeout_s=timeout)
+        result = run_on_terminal(daemon(), sandbox_id, SHELL, cwd=workdir)
     except ForkdError as exc:
         fail(exc, False, EXIT_FORKD_FAILED)
     code = result.get("exit_code")

@@ -6,7 +6,6 @@ import contextlib
 import functools
 import sys
 import time
-from pathlib import Path
 from typing import Any, TextIO
 
 import click
@@ -15,6 +14,7 @@ from forkd.cli.branch import BRANCH_COMMANDS, SNAPSHOT_VERBS
 from forkd.cli.cluster import CLUSTER_COMMANDS
 from forkd.cli.common import (
     EXIT_FAILED,
+    HOST_CA_DIR,
     alias,
     console,
     daemon,
@@ -25,6 +25,7 @@ from forkd.cli.common import (
     print_rows,
     progress_display,
     quiet_option,
+    read_host_ca_certs,
     reports_errors,
 )
 from forkd.cli.completion import attach as attach_completion
@@ -35,6 +36,7 @@ from forkd.cli.node_drain import attach as attach_node_commands
 from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
 from forkd.cli.sandboxes import SANDBOX_COMMANDS
+from forkd.cli.templates import template
 from forkd.cli.workspaces import workspace
 from forkd.validation import SANDBOX_ID_PREFIX
 
@@ -48,17 +50,6 @@ def cli() -> None:
 
 
 # images ------------------------------------------------------------------------------------------
-
-#: Where Debian and Ubuntu keep the CA certificates a machine's admin added (what `update-ca-certificates` reads).
-HOST_CA_DIR = Path("/usr/local/share/ca-certificates")
-
-
-def read_host_ca_certs() -> list[str]:
-    """The CA certificates this machine added to its own trust store, sorted by path."""
-    if not HOST_CA_DIR.is_dir():
-        return []
-    return [path.read_text() for path in sorted(HOST_CA_DIR.rglob("*.crt")) if path.is_file()]
-
 
 @cli.group()
 def image() -> None:
@@ -331,7 +322,7 @@ for _command, _name in ((snapshot_ls, "snapshots"), (snapshot_ls, "images"), (sn
     cli.add_command(alias(_command, _name))
 cli.add_command(exec_command)
 cli.add_command(shell_command)
-for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, *CLUSTER_COMMANDS, workspace):
+for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, *CLUSTER_COMMANDS, workspace, template):
     cli.add_command(_command)
 attach_node_commands(cli)  # after the others: `forkd node` may be made by another module
 attach_completion(cli)  # last: it walks every command

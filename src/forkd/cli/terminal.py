@@ -7,6 +7,7 @@ passed on (SIGWINCH). Off a terminal (a pipe) stdin is copied through and ends w
 
 from __future__ import annotations
 
+import base64
 import codecs
 import contextlib
 import os
@@ -54,8 +55,8 @@ def _type_in(controller: Controller, sandbox_id: str, pid: int, fd: int) -> None
     try:
         while chunk := os.read(fd, READ_BYTES):
             if text := decoder.decode(chunk):
-                controller.send_stdin(sandbox_id, pid, text, pty=True)
-        controller.send_stdin(sandbox_id, pid, EOF_KEY, pty=True)
+                controller.pty_input(sandbox_id, pid, text)
+        controller.pty_input(sandbox_id, pid, EOF_KEY)
     except (ForkdError, OSError):
         return
 
@@ -63,7 +64,7 @@ def _type_in(controller: Controller, sandbox_id: str, pid: int, fd: int) -> None
 def _follow_resizes(controller: Controller, sandbox_id: str, pid: int) -> None:
     def resized(_signum: int, _frame: Any) -> None:
         rows, cols = terminal_size()
-        threading.Thread(target=lambda: _quietly(controller.resize_terminal, sandbox_id, pid, rows, cols),
+        threading.Thread(target=lambda: _quietly(controller.pty_resize, sandbox_id, pid, rows, cols),
                          daemon=True).start()  # not in the handler: it interrupts the stream's reads
     signal.signal(signal.SIGWINCH, resized)
 
@@ -73,17 +74,20 @@ def _quietly(call: Any, *args: Any) -> None:
         call(*args)
 
 
-def run_on_terminal(controller: Controller, sandbox_id: str, command: str | list[str], **options: Any) -> dict[str, Any]:
+def run_on_terminal(controller: Controller, sandbox_id: str, command: str | list[str], env: dict[str, str] | None = None,
+                    cwd: str | None = None) -> dict[str, Any]:
     """Run ``command`` on a guest terminal sized like ours, wired to our stdin and stdout; its result."""
     fd = sys.stdin.fileno()
     out = click.get_binary_stream("stdout")
-    events = controller.start_exec(sandbox_id, command, pty=terminal_size(), **options)
+    argv = ["/bin/sh", "-c", command] if isinstance(command, str) else command
+    rows, cols = terminal_size()
+    events = controller.start_pty(sandbox_id, argv, rows=rows, cols=cols, env=env, cwd=cwd)
     with raw_mode(fd):
         for event in events:
             if event.get("event") == "started":
                 threading.Thread(target=_type_in, args=(controller, sandbox_id, event["pid"], fd), daemon=True).start()
                 _follow_resizes(controller, sandbox_id, event["pid"])
             elif event.get("event") == "pty":
-                out.write(str(event["data"]).encode())
+                out.write(base64.b64decode(str(event.get("data_b64", ""))))
                 out.flush()
     return events.result  # type: ignore[no-any-return]

@@ -2,8 +2,7 @@
 JSON Schema counts them (1.0 is one), and rules between fields (exactly one of two) with ``not``.
 
 The models in schemas.py check the same rules in their validators; these keep the document honest about them,
-so a request the schema admits is not refused (tests/unit/test_openapi.py fuzzes exactly that). ``PtySize`` is
-here too, a body of its own (schemas.py is full).
+so a request the schema admits is not refused (tests/unit/test_openapi.py fuzzes exactly that).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import typing
 from typing import Annotated
 
 from annotated_types import Ge, Le
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictInt, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, Strict, ValidationInfo, field_validator
 
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
@@ -80,20 +79,10 @@ EGRESS_RULES = {"if": {"required": ["allow"], "properties": {"allow": {"minItems
 #: One snapshot (tag or digest); a keyed fork is answered once (no stream); egress needs nat.
 FORK_RULES = {**exactly_one_of("snapshot_tag", "snapshot_digest", {"allOf": [present("idempotency_key"), _is("stream", True)]}),
               "if": present("egress"), "then": present("net", "nat")}
-#: A command (cmd or argv); a warm cmd has a word in it; a PTY is streamed and takes no warm, stdin or user.
-EXEC_RULES = {**exactly_one_of("cmd", "argv", {"allOf": [present("pty"), {"not": _is("stream", True)}]},
-                               *({"allOf": [present("pty"), other]} for other in (_is("warm", True), present("stdin"),
-                                                                                  present("user")))),
+#: A command (cmd or argv); a warm cmd has a word in it.
+EXEC_RULES = {**exactly_one_of("cmd", "argv"),
               "if": {"required": ["warm", "cmd"], "properties": {"warm": {"const": True}, "cmd": {"type": "string"}}},
               "then": {"properties": {"cmd": {"pattern": r"\S"}}}}
 #: A pull names a URL or an index entry (its name, not a SHA-256: the index advertises it).
 PULL_RULES = exactly_one_of("url", "index", both("index", "sha256"),
                             {**present("index"), "properties": {"index": _TAKEN, "name": {"type": "null"}}})
-
-
-class PtySize(JsonIntegers):
-    """A terminal's size."""
-
-    model_config = ConfigDict(extra="forbid")
-    rows: StrictInt = Field(default=24, ge=1, le=10_000)
-    cols: StrictInt = Field(default=80, ge=1, le=10_000)

@@ -57,6 +57,7 @@ quickstart = 1
 [e2b]
 listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)  [FORKD_E2B_LISTEN]
 keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
+domain = "sandbox.example.com"     # get_host(port) = PORT-ID.DOMAIN (needs wildcard DNS); default localhost:PORT
 
 [transfers]
 allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any
@@ -159,6 +160,8 @@ class Audit:
 class E2BSettings:
     listen: str | None = Field(default=None, pattern=r"^[^\s:]+:\d{1,5}$")  # host:port; None: no E2B front
     keys_file: Path | None = None  # None: HOME/e2b/api-keys
+    # what get_host(port) builds {port}-{sandboxID}.{domain} from; None: localhost:<listen port>
+    domain: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.-]+(:\d{1,5})?$")
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -18,7 +18,7 @@ from forkd.validation import SANDBOX_ID_PATTERN, TAG_PATTERN
 #: Route module → tag (one per resource; `system` for health, metrics, version and host checks).
 TAGS = {"system": "system", "images": "images", "snapshots": "snapshots", "branch": "snapshots",
         "packs": "packs", "sandboxes": "sandboxes", "commands": "commands", "contexts": "code contexts",
-        "files": "files", "workspaces": "workspaces", "pools": "pools", "node": "node"}
+        "files": "files", "watches": "files", "workspaces": "workspaces", "pools": "pools", "node": "node"}
 TAG_DESCRIPTIONS = {
     "system": "health, Prometheus metrics, version and host checks",
     "images": "guest images (kernel, initramfs, root filesystem) built from a spec",
@@ -26,9 +26,10 @@ TAG_DESCRIPTIONS = {
                  "remove",
     "packs": "snapshots as files: pack, unpack, pull, push",
     "sandboxes": "forked children: fork, list, inspect, kill, timeouts",
-    "commands": "commands and processes inside a sandbox, and Python evaluated in its warm interpreter",
+    "commands": "commands, processes and terminals (PTYs) inside a sandbox, and Python evaluated in its warm "
+                "interpreter",
     "code contexts": "named Python interpreter contexts inside a sandbox",
-    "files": "files inside a sandbox",
+    "files": "files inside a sandbox, and watching its directories",
     "workspaces": "long-lived named sandboxes that suspend to a snapshot and resume",
     "pools": "ready VMMs kept per snapshot tag",
     "node": "this daemon as a cluster node: capacity, layer chains, peer pulls, drain",

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from forkd.daemon.bodies import (CIDR_PATTERN, EGRESS_RULES, EXEC_RULES, FORK_RULES, PORT_RANGE_PATTERN, PULL_RULES,
-                                 JsonIntegers, Port, PtySize)
+                                 JsonIntegers, Port)
 from forkd.host.netpolicy import MAX_ALLOW_RULES, MAX_PORTS_PER_RULE, allow_rule, egress_policy
 from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.runtime.sessions import MAX_TIMEOUT_S
@@ -144,7 +144,22 @@ class SignalBody(Strict):
 class StdinBody(Strict):
     data: str = Field(default="", max_length=MAX_STDIN_CHARS)
     eof: bool = False
-    pty: bool = Field(default=False, description="typed into the terminal of a command started with pty")
+
+
+class PtySize(Strict):
+    rows: StrictInt = Field(default=24, ge=1, le=10_000)
+    cols: StrictInt = Field(default=80, ge=1, le=10_000)
+
+
+class PtyInput(Strict):
+    data: str = Field(max_length=MAX_STDIN_CHARS)
+
+
+class PtyRequest(PtySize):
+    argv: list[str] = Field(default_factory=lambda: ["/bin/bash", "-i"], min_length=1, max_length=4096,
+                            description="the program and its arguments (default: an interactive bash)")
+    env: Envs = Field(default_factory=dict, description="merged over the sandbox's default envs")
+    cwd: str | None = Field(default=None, max_length=4096)
 
 
 class ExecRequest(Strict):
@@ -160,15 +175,11 @@ class ExecRequest(Strict):
     stream: bool = Field(default=False, description="answer with NDJSON events as output arrives")
     warm: bool = Field(default=False, description="run a python3 command line as a fork of the warm template "
                        "(its imports already done); 'cmd' is split like a shell would. See docs/guest-protocol.md")
-    pty: PtySize | None = Field(default=None, description="run on a terminal of this size (needs stream): output "
-                                "comes as `pty` events, input through /stdin with pty, size through /resize")
 
     @model_validator(mode="after")
     def one_command(self) -> ExecRequest:
         if (self.cmd is None) == (self.argv is None):
             raise ValueError("give exactly one of 'cmd' (a shell string) or 'argv' (a list)")
-        if self.pty is not None and (not self.stream or self.warm or self.stdin is not None or self.user is not None):
-            raise ValueError("'pty' needs 'stream' and takes neither 'warm', 'stdin' nor 'user'")
         if self.warm and self.cmd is not None:
             try:
                 self.argv, self.cmd = shlex.split(self.cmd), None
@@ -370,37 +381,6 @@ class Pool(Open):
 
 class PoolList(Open):
     pools: list[Pool]
-
-
-class Snapshot(Open):
-    tag: str
-    status: str
-    image: str
-    path: str
-    created_at: float
-
-
-class DiskUsage(Open):
-    logical_bytes: int = Field(description="sum of the snapshot's file sizes")
-    physical_bytes: int = Field(description="blocks allocated to them, each inode once (holes are free)")
-
-
-class ListedSnapshot(Snapshot):
-    disk: DiskUsage
-
-
-class SnapshotList(Open):
-    snapshots: list[ListedSnapshot]
-
-
-class DescribedSnapshot(ListedSnapshot):
-    """``GET /v1/snapshots/{tag}``: the listing's fields (``disk`` meaning the same) and its chain."""
-    depth: int = Field(description="ancestors below it (0: a full snapshot)")
-    ancestors: list[str] = Field(description="parent first")
-    dependents: list[str] = Field(description="snapshots branched from it directly")
-    all_dependents: list[str]
-    own_bytes: int = Field(description="blocks only it holds (no hard links into the image cache)")
-    chain_bytes: int = Field(description="own_bytes of it and every ancestor")
 
 
 class Printed(Open):

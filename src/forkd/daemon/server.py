@@ -178,8 +178,10 @@ async def serve(config: DaemonConfig) -> None:
         log.info("listening on %s://%s:%d (bearer token required)%s", scheme, tcp.host, tcp.port,
                  "" if tcp.loopback or tcp.tls_cert else "; WARNING: no TLS on a non-loopback address")
     if e2b_address is not None and credentials is not None:
-        front = BodyLimit(E2BFront(runtime, credentials), is_upload=e2b_app.is_upload, is_stream=e2b_app.is_stream,
-                          body_timeout_s=config.server.body_timeout_s, shape=e2b_app.refusal_shape)
+        domain = config.e2b.domain or f"localhost:{e2b_address[1]}"
+        front = BodyLimit(E2BFront(runtime, credentials, domain), is_upload=e2b_app.is_upload,
+                          is_stream=e2b_app.is_stream, body_timeout_s=config.server.body_timeout_s,
+                          shape=e2b_app.refusal_shape)
         servers.append(_server(AuditMiddleware(front, audit, "e2b"), "off", config.server))
         log.info("E2B front on http://%s:%d (keys in %s)%s", *e2b_address, e2b_keys_file(config),
                  "" if is_loopback(e2b_address[0]) else "; WARNING: no TLS on a non-loopback address")

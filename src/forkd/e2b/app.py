@@ -22,8 +22,10 @@ from forkd.e2b.envd import Envd
 from forkd.e2b.errors import ConnectError, E2BError
 from forkd.e2b.interpreter import Interpreter
 from forkd.e2b.keys import Credentials
+from forkd.e2b.ports import Ports
 from forkd.e2b.sandboxes import E2BSandboxes
 from forkd.runtime.runtime import Runtime
+from forkd.runtime.sandboxes import LiveSandbox
 
 ENVD_PORT = 49983
 INTERPRETER_PORT = 49999
@@ -66,16 +68,20 @@ def refusal_shape(status: int, _: str, message: str) -> dict[str, Any]:
 
 
 class E2BFront:
-    def __init__(self, runtime: Runtime, credentials: Credentials) -> None:
+    def __init__(self, runtime: Runtime, credentials: Credentials, domain: str | None = None) -> None:
         self.credentials = credentials
-        self.sandboxes = E2BSandboxes(runtime, credentials)
+        self.sandboxes = E2BSandboxes(runtime, credentials, domain)
         self.control = control_app(self.sandboxes)
         self.envd = Envd(runtime.sessions)
-        self.interpreter = Interpreter()
+        self.interpreter = Interpreter(runtime.sessions)
+        self.ports = Ports(runtime.tunnels)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
-            return  # no lifespan or websockets here: the daemon's main app owns the runtime's life
+            return  # no lifespan here: the daemon's main app owns the runtime's life
         target = sandbox_target(scope)
         if target is None:
             principal = self.credentials.principal(_header(scope, b"x-api-key"))
@@ -90,18 +96,26 @@ class E2BFront:
             response = await self._sandbox(Request(scope, receive), *target)
         await response(scope, receive, send)
 
+    def _admit(self, scope: dict[str, Any], sandbox_id: str, port: str) -> LiveSandbox:
+        """The running sandbox a request may reach: E2BError 401 without its token (a public sandbox's
+        own ports and envd's ``/health`` need none), 502 when it is not running or the port is not one."""
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise E2BError(502, f"The sandbox {sandbox_id} is running but port {port or '(none)'} is not open: "
+                                "name a port 1-65535")
+        tokens = [value.decode("latin-1") for key, value in scope["headers"] if key in TOKEN_HEADERS]
+        system = port in (str(ENVD_PORT), str(INTERPRETER_PORT))
+        if not tokens and not (port == str(ENVD_PORT) and scope["path"] == "/health") \
+                and not (not system and self.sandboxes.public(sandbox_id)):
+            raise E2BError(401, f"missing X-Access-Token for sandbox {sandbox_id}: use the envdAccessToken "
+                                "the API returned when the sandbox was created or connected (E2B-Traffic-Access-Token "
+                                "for its ports)")
+        return self.sandboxes.running(sandbox_id, tokens)
+
     async def _sandbox(self, request: Request, sandbox_id: str, port: str) -> Response:
         path = request.url.path
         rpc_call = path.count("/") == 2 and "." in path.split("/")[1]
         try:
-            if port not in (str(ENVD_PORT), str(INTERPRETER_PORT)):
-                raise E2BError(502, f"The sandbox {sandbox_id} is running but port {port or '(none)'} is not open: "
-                                    f"forkd serves envd ({ENVD_PORT}) and the code interpreter ({INTERPRETER_PORT})")
-            tokens = [value.decode("latin-1") for key, value in request.scope["headers"] if key in TOKEN_HEADERS]
-            if not tokens and not (port == str(ENVD_PORT) and path == "/health"):
-                raise E2BError(401, f"missing X-Access-Token for sandbox {sandbox_id}: use the envdAccessToken "
-                                    "the API returned when the sandbox was created or connected")
-            live = self.sandboxes.running(sandbox_id, tokens)
+            live = self._admit(request.scope, sandbox_id, port)
         except E2BError as exc:
             if rpc_call and exc.status == 401:
                 error = ConnectError("unauthenticated", exc.message)
@@ -109,4 +123,18 @@ class E2BFront:
             return JSONResponse(exc.body(), status_code=exc.status)
         if port == str(ENVD_PORT):
             return await self.envd.handle(request, live)
-        return await self.interpreter.handle(request, live)
+        if port == str(INTERPRETER_PORT):
+            return await self.interpreter.handle(request, live)
+        return await self.ports.http(request, live.record.id, int(port))
+
+    async def _websocket(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """A WebSocket to a sandbox's port; refused (HTTP 403 from the server) for anything else."""
+        target = sandbox_target(scope)
+        try:
+            if target is None or target[1] in (str(ENVD_PORT), str(INTERPRETER_PORT)):
+                raise E2BError(404, "WebSockets go to a sandbox's own ports only")
+            live = self._admit(scope, *target)
+        except E2BError:
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await self.ports.websocket(scope, receive, send, live.record.id, int(target[1]))

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from forkd import __version__
 from forkd.e2b.errors import CONTROL_ERRORS, E2BError, to_http
 from forkd.e2b.keys import Principal
+from forkd.e2b.network import egress, net_request
 from forkd.e2b.sandboxes import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, E2BSandboxes
 
 Timeout = Annotated[int, Field(ge=0, le=MAX_TIMEOUT_S, description="seconds from now")]
@@ -43,8 +44,27 @@ class Loose(BaseModel):
     model_config = ConfigDict(extra="allow")  # fields of E2B's schema that forkd ignores
 
 
+Destinations = Annotated[list[Annotated[str, Field(min_length=1, max_length=253)]], Field(max_length=64)]
+
+
+class NetworkUpdate(Loose):
+    allowOut: Destinations | None = Field(default=None, description="IPv4 CIDRs or addresses let out (domains are "
+                                                                    "refused); they win over denyOut")
+    denyOut: Destinations | None = Field(default=None, description="IPv4 CIDRs or addresses refused; 0.0.0.0/0: all")
+    allow_internet_access: bool | None = None
+
+
+class SandboxNetwork(NetworkUpdate):
+    allowPublicTraffic: bool | None = Field(default=None, description="true: the sandbox's own ports answer without "
+                                                                      "its traffic token (default false)")
+
+
 class NewSandbox(Loose):
     templateID: str = Field(min_length=1, max_length=64, description="a forkd snapshot tag")
+    network: SandboxNetwork | None = None
+    allow_internet_access: bool | None = Field(default=None, description="unset: no network (forkd's default); "
+                                                                         "true: a NAT link; false: a link with "
+                                                                         "everything refused (update_network opens it)")
     timeout: Timeout = DEFAULT_TIMEOUT_S
     metadata: Labels | None = None
     envVars: Labels | None = None
@@ -87,7 +107,10 @@ def control_router(sandboxes: E2BSandboxes) -> APIRouter:
         return {"ok": True, "forkd": __version__}
 
     async def create(body: NewSandbox, caller: Caller) -> JSONResponse:
-        created = await sandboxes.create(caller, body.templateID, body.timeout, body.metadata or {}, body.envVars or {})
+        network = body.network or SandboxNetwork()
+        net = net_request(body.allow_internet_access, network.allowOut, network.denyOut)
+        created = await sandboxes.create(caller, body.templateID, body.timeout, body.metadata or {}, body.envVars or {},
+                                         bool(network.allowPublicTraffic), net)
         return JSONResponse(created, status_code=201)
 
     router.post("/sandboxes", status_code=201)(create)
@@ -143,6 +166,12 @@ def control_router(sandboxes: E2BSandboxes) -> APIRouter:
     @router.post("/sandboxes/{sandboxID}/pause", status_code=204)
     async def pause(sandboxID: SandboxId, caller: Caller) -> Response:
         await sandboxes.pause(caller, sandboxID)
+        return Response(status_code=204)
+
+    @router.put("/sandboxes/{sandboxID}/network", status_code=204)
+    async def update_network(sandboxID: SandboxId, body: NetworkUpdate, caller: Caller) -> Response:
+        """Replace a running sandbox's egress rules (it needs a link: one created with a network option)."""
+        await sandboxes.set_egress(caller, sandboxID, egress(body.allow_internet_access, body.allowOut, body.denyOut))
         return Response(status_code=204)
 
     @router.post("/sandboxes/{sandboxID}/token", status_code=200)

@@ -23,9 +23,8 @@ from forkd.e2b import rpc
 from forkd.e2b.errors import E2BError, to_http
 from forkd.e2b.filesystem import FilesystemService
 from forkd.e2b.process import ProcessService
-from forkd.guest import protocol
 from forkd.runtime.sandboxes import LiveSandbox
-from forkd.runtime.sessions import Sessions
+from forkd.runtime.sessions import WRITE_CHUNK_BYTES, Sessions
 
 MAX_MULTIPART_FILES = 1000
 log = logging.getLogger("forkd.e2b")
@@ -54,7 +53,7 @@ async def _gunzip(parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     try:
         async for part in parts:
             while part:
-                yield inflater.decompress(part, protocol.FILE_CHUNK_BYTES)
+                yield inflater.decompress(part, WRITE_CHUNK_BYTES)
                 part = inflater.unconsumed_tail
         yield inflater.flush()
     except zlib.error as exc:
@@ -83,8 +82,8 @@ class Envd:
 
     def __init__(self, sessions: Sessions) -> None:
         self.sessions = sessions
-        self.processes = ProcessService()
-        self.methods = {**self.processes.methods(), **FilesystemService().methods()}
+        self.processes = ProcessService(sessions)
+        self.methods = {**self.processes.methods(), **FilesystemService(sessions).methods()}
 
     async def handle(self, request: Request, live: LiveSandbox) -> Response:
         path, method = request.url.path, request.method

@@ -1,4 +1,4 @@
-"""envd's ``filesystem.Filesystem`` service on the guest agent's files.* ops."""
+"""envd's ``filesystem.Filesystem`` service, an adapter over the runtime's sessions (files and directory watchers)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from forkd.e2b.errors import ConnectError
 from forkd.e2b.rpc import Call, Message, Method
 from forkd.e2b.sandboxes import rfc3339
-from forkd.guest import protocol
+from forkd.runtime.sessions import Sessions
 
 MAX_LIST_ENTRIES = 10_000  # a ListDir answer; deeper trees are refused, not truncated
 MAX_DEPTH = 64
@@ -39,6 +39,11 @@ def _path(message: Message, key: str = "path") -> str:
 
 
 class FilesystemService:
+    """envd's ``filesystem.Filesystem`` service, an adapter over the runtime's sessions (files, watchers)."""
+
+    def __init__(self, sessions: Sessions) -> None:
+        self.sessions = sessions
+
     def methods(self) -> dict[str, Method]:
         return {
             "/filesystem.Filesystem/Stat": Method("unary", self.stat),
@@ -53,7 +58,7 @@ class FilesystemService:
         }
 
     async def _stat(self, call: Call, path: str) -> Message:
-        return entry_info(await call.live.agent.call(protocol.OP_FILES_STAT, {"path": path}))
+        return entry_info(await self.sessions.stat(call.live.record.id, path))
 
     async def stat(self, call: Call, message: Message) -> Message:
         return {"entry": await self._stat(call, _path(message))}
@@ -66,7 +71,7 @@ class FilesystemService:
         pending = deque([(_path(message), 1)])
         while pending:
             directory, level = pending.popleft()
-            listed = await call.live.agent.call(protocol.OP_FILES_LIST, {"path": directory})
+            listed = await self.sessions.list_files(call.live.record.id, directory)
             for entry in listed.get("entries", []):
                 entries.append(entry_info(entry))
                 if len(entries) > MAX_LIST_ENTRIES:
@@ -78,27 +83,24 @@ class FilesystemService:
 
     async def make_dir(self, call: Call, message: Message) -> Message:
         path = _path(message)
-        await call.live.agent.call(protocol.OP_FILES_MKDIR, {"path": path, "parents": True, "exist_ok": False})
+        await self.sessions.make_dir(call.live.record.id, path, exist_ok=False)
         return {"entry": await self._stat(call, path)}
 
     async def move(self, call: Call, message: Message) -> Message:
         source, destination = _path(message, "source"), _path(message, "destination")
-        await call.live.agent.call(protocol.OP_FILES_RENAME, {"src": source, "dst": destination})
+        await self.sessions.rename(call.live.record.id, source, destination)
         return {"entry": await self._stat(call, destination)}
 
     async def remove(self, call: Call, message: Message) -> Message:
-        await call.live.agent.call(protocol.OP_FILES_REMOVE, {"path": _path(message), "recursive": True})
+        await self.sessions.remove(call.live.record.id, _path(message), recursive=True)
         return {}
 
     async def _watch(self, call: Call, message: Message) -> str:
-        args = {"path": _path(message), "recursive": bool(message.get("recursive"))}
-        return str((await call.live.agent.call(protocol.OP_WATCH_CREATE, args))["id"])
+        return await self.sessions.watch(call.live.record.id, _path(message), bool(message.get("recursive")))
 
     async def _events(self, call: Call, watcher: str, wait_s: float, include_entry: bool) -> list[Message]:
-        read = await call.live.agent.call(protocol.OP_WATCH_READ, {"id": watcher, "wait_s": wait_s},
-                                          timeout=wait_s + 30)
         events = []
-        for event in read.get("events", []):
+        for event in await self.sessions.watch_events(call.live.record.id, watcher, wait_s):
             kind = _EVENT_TYPES.get(event.get("type", ""))
             if kind is None:
                 continue  # the kernel's queue overflowed: those events are lost either way
@@ -125,8 +127,7 @@ class FilesystemService:
                     if not events:
                         yield {"keepalive": {}}
             finally:  # the client went away: free the guest's watcher without awaiting in a cancelled task
-                cleanup = asyncio.get_running_loop().create_task(
-                    call.live.agent.call(protocol.OP_WATCH_REMOVE, {"id": watcher}))
+                cleanup = asyncio.get_running_loop().create_task(self.sessions.unwatch(call.live.record.id, watcher))
                 _CLEANUPS.add(cleanup)
                 cleanup.add_done_callback(_CLEANUPS.discard)
 
@@ -145,7 +146,7 @@ class FilesystemService:
         watcher = message.get("watcherId")
         if not isinstance(watcher, str) or not watcher:
             raise ConnectError("invalid_argument", "watcherId is required")
-        await call.live.agent.call(protocol.OP_WATCH_REMOVE, {"id": watcher})
+        await self.sessions.unwatch(call.live.record.id, watcher)
         return {}
 
 

@@ -1,15 +1,17 @@
-"""E2B's code interpreter (port 49999) on the guest agent's run_code and contexts.* ops.
+"""E2B's code interpreter (port 49999), an adapter over the runtime's sessions (cells and contexts).
 
 ``POST /execute`` answers one JSON object per line as the cell runs: ``stdout``/``stderr`` lines,
 ``result`` (rich results as the agent reports them: ``display()`` calls, matplotlib figures, the
 cell's value as the main result), ``error``, ``number_of_executions``, then ``end_of_execution``.
-Contexts are the agent's: each its own interpreter process with its own working directory. The
-execution count is kept here, per context of each running sandbox.
+The cell is a session :class:`~forkd.runtime.execution.Execution`, so it has the REST API's
+bounds: output a slow client has not read pauses the cell in the guest (flow control), and a
+client that leaves (its timeout, a disconnect) interrupts the cell, which frees its context for
+the next one. Contexts are the agent's: each its own interpreter process with its own working
+directory. The execution count is kept here, per context of each running sandbox.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import json
 from collections.abc import AsyncIterator
@@ -20,13 +22,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from forkd.e2b import connect
 from forkd.e2b.errors import E2BError, to_http
-from forkd.guest import protocol
+from forkd.runtime.results import CellSpec, Notice, Output
 from forkd.runtime.sandboxes import LiveSandbox
+from forkd.runtime.sessions import Sessions
 
 DEFAULT_CONTEXT = "default"
 MAX_CODE_BYTES = 4 << 20
 LANGUAGES = ("python",)
-QUEUE_BYTES = 16 << 20  # output of one /execute waiting for its client (a chart's PNG may take several MiB)
+RESULT_EVENT = "result"
 _CONTEXT_KEYS = ("id", "language", "cwd")
 
 
@@ -46,7 +49,8 @@ def _language(body: dict[str, Any]) -> str:
 
 
 class Interpreter:
-    def __init__(self) -> None:
+    def __init__(self, sessions: Sessions) -> None:
+        self.sessions = sessions
         self._counts: dict[str, tuple[LiveSandbox, dict[str, int]]] = {}
 
     def counts(self, live: LiveSandbox) -> dict[str, int]:
@@ -62,26 +66,26 @@ class Interpreter:
     async def handle(self, request: Request, live: LiveSandbox) -> Response:
         path, method = request.url.path, request.method
         parts = [p for p in path.split("/") if p]
-        agent = live.agent
+        sandbox_id = live.record.id
         try:
             if parts == ["health"] and method == "GET":
                 return JSONResponse("OK")
             if parts == ["execute"] and method == "POST":
                 return await self.execute(request, live)
             if parts == ["contexts"] and method == "GET":
-                listed = await agent.call(protocol.OP_CONTEXTS_LIST, {})
+                listed = await self.sessions.contexts(sandbox_id)
                 return JSONResponse([{k: c.get(k) for k in _CONTEXT_KEYS} for c in listed.get("contexts", [])])
             if parts == ["contexts"] and method == "POST":
                 body = await _json_body(request)
-                args = {"language": _language(body), **({"cwd": body["cwd"]} if body.get("cwd") else {})}
-                created = await agent.call(protocol.OP_CONTEXTS_CREATE, args)
+                created = await self.sessions.create_context(sandbox_id, cwd=body.get("cwd") or None,
+                                                             language=_language(body))
                 return JSONResponse({k: created.get(k) for k in _CONTEXT_KEYS})
             if len(parts) == 2 and parts[0] == "contexts" and method == "DELETE":
-                await agent.call(protocol.OP_CONTEXTS_DELETE, {"id": parts[1]})
+                await self.sessions.remove_context(sandbox_id, parts[1])
                 self.counts(live).pop(parts[1], None)
                 return Response(status_code=204)
             if len(parts) == 3 and parts[0] == "contexts" and parts[2] == "restart" and method == "POST":
-                await agent.call(protocol.OP_CONTEXTS_RESTART, {"id": parts[1]})
+                await self.sessions.restart_context(sandbox_id, parts[1])
                 self.counts(live).pop(parts[1], None)
                 return Response(status_code=204)
         except Exception as exc:
@@ -106,58 +110,37 @@ class Interpreter:
         return StreamingResponse(self._run(live, context, code), media_type="application/x-ndjson")
 
     async def _run(self, live: LiveSandbox, context: str, code: str) -> AsyncIterator[bytes]:
-        queue: asyncio.Queue[tuple[dict[str, Any], int] | None] = asyncio.Queue()  # bounded by `queued` below
-        dropped, queued = 0, 0
-
-        def on_event(name: str, data: dict[str, Any]) -> None:
-            # Never blocks (that would stall the sandbox's agent connection): past QUEUE_BYTES of unread
-            # output (one item always fits), output is dropped and counted, and the stream says so.
-            nonlocal dropped, queued
-            if name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR):
-                item = {"type": name, "text": str(data.get("text", "")), "timestamp": _now()}
-            elif name == protocol.EVENT_RESULT:
-                item = {**data, "type": "result"}
-            else:
-                return
-            size = sum(len(v) for v in item.values() if isinstance(v, str))
-            if queued and queued + size > QUEUE_BYTES:
-                dropped += 1
-                return
-            queued += size
-            queue.put_nowait((item, size))
-
-        async def run() -> None:
-            try:
-                result = await live.agent.call(protocol.OP_RUN_CODE, {"code": code, "context": context},
-                                               timeout=None, on_event=on_event)
-                counts = self.counts(live)
-                counts[context] = counts.get(context, 0) + 1
-                if dropped:
-                    note = f"[forkd: {dropped} output items dropped: the client read too slowly]\n"
-                    await queue.put(({"type": "stderr", "timestamp": _now(), "text": note}, 0))
-                error = result.get("error")
-                if error:
-                    await queue.put(({"type": "error", "name": error.get("name", ""), "value": error.get("value", ""),
-                                     "traceback": error.get("traceback", "")}, 0))
-                await queue.put(({"type": "number_of_executions", "execution_count": counts[context]}, 0))
-                await queue.put(({"type": "end_of_execution"}, 0))
-            except Exception as exc:  # the agent refused or lost the cell: say so in the stream
-                error = to_http(exc)
-                await queue.put(({"type": "error", "name": type(exc).__name__, "value": error.message,
-                                  "traceback": ""}, 0))
-                await queue.put(({"type": "unexpected_end_of_execution"}, 0))
-            finally:
-                await queue.put(None)
-
-        task = asyncio.get_running_loop().create_task(run())
+        """The cell's lines as E2B's ``/execute`` sends them. Starlette closes this generator when the
+        client leaves; the ``finally`` then interrupts the cell in the guest."""
+        execution = None
         try:
-            while (entry := await queue.get()) is not None:
-                item, size = entry
-                queued -= size
-                yield _line(item)
+            execution = await self.sessions.start_cell(live.record.id, CellSpec(code=code, context=context))
+            async for event in execution:
+                if isinstance(event, Output):
+                    yield _line({"type": event.stream, "text": event.text, "timestamp": _now()})
+                elif isinstance(event, Notice) and event.name == RESULT_EVENT:
+                    yield _line({**event.data, "type": "result"})
+            for tail in execution.flush():
+                yield _line({"type": tail.stream, "text": tail.text, "timestamp": _now()})
+            result = await execution.raw_result()
+        except Exception as exc:  # the agent refused or lost the cell: say so in the stream
+            yield _line({"type": "error", "name": type(exc).__name__, "value": to_http(exc).message, "traceback": ""})
+            yield _line({"type": "unexpected_end_of_execution"})
+            return
         finally:
-            if not task.done():
-                task.cancel()
+            if execution is not None:
+                execution.cancel()  # a no-op once the cell answered
+        counts = self.counts(live)
+        counts[context] = counts.get(context, 0) + 1
+        if execution.truncated:
+            yield _line({"type": "stderr", "timestamp": _now(),
+                         "text": "[forkd: output past this call's budget was dropped]\n"})
+        error = result.get("error")
+        if error:
+            yield _line({"type": "error", "name": error.get("name", ""), "value": error.get("value", ""),
+                         "traceback": error.get("traceback", "")})
+        yield _line({"type": "number_of_executions", "execution_count": counts[context]})
+        yield _line({"type": "end_of_execution"})
 
 
 async def _json_body(request: Request) -> dict[str, Any]:

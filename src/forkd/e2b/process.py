@@ -1,26 +1,34 @@
-"""envd's ``process.Process`` service on the guest agent's exec and proc.* ops.
+"""envd's ``process.Process`` service, an adapter over the runtime's sessions (commands, terminals).
 
 A command started here outlives the request that started it (as in E2B, a client may disconnect
-and ``Connect`` again later): the agent call runs in a task owned by the sandbox's process table,
-which fans its events out to every attached stream. Each stream has a bounded outbox (bytes of
-output waiting for its client) and a process takes a bounded number of streams; a client that
-stops reading is dropped, not buffered without end.
+and ``Connect`` again later): its session Execution is read by a task owned by the sandbox's
+process table, which fans its events out to every attached stream. Each stream has a bounded
+outbox (bytes of output waiting for its client) and a process takes a bounded number of streams;
+a client that stops reading is dropped, not buffered without end. As in envd, the Start request's
+``Connect-Timeout-Ms`` (the SDKs' ``timeout``, 60 s by default, none when 0) is the command's
+lifetime: when it passes the command is ended in the guest (SIGINT, then SIGKILL after a grace
+period; a terminal is killed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import contextlib
 import json
 import signal as signals
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
 from forkd.e2b.errors import ConnectError
 from forkd.e2b.rpc import Call, Message, Method
-from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentError
+from forkd.runtime.execution import Execution
+from forkd.runtime.results import CommandSpec, Data, Started
 from forkd.runtime.sandboxes import LiveSandbox
+from forkd.runtime.sessions import Sessions
 
 STREAM_BUFFER_BYTES = 1 << 20  # output waiting for one attached stream's client
 MAX_STREAMS = 8  # streams attached to one process at once (Start, then each Connect)
@@ -128,7 +136,8 @@ class ProcessTable:
 class ProcessService:
     """The RPC handlers; one process table per running sandbox (dropped with the sandbox)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sessions: Sessions) -> None:
+        self.sessions = sessions
         self._tables: dict[str, tuple[LiveSandbox, ProcessTable]] = {}
 
     def table(self, live: LiveSandbox) -> ProcessTable:
@@ -162,45 +171,68 @@ class ProcessService:
             raise ConnectError("invalid_argument", "process.args must be a list of strings")
         if not (isinstance(envs, dict) and all(isinstance(v, str) for v in envs.values())):
             raise ConnectError("invalid_argument", "process.envs must map names to strings")
+        cwd = config.get("cwd") if isinstance(config.get("cwd"), str) and config.get("cwd") else None
         pty = message.get("pty") if isinstance(message.get("pty"), dict) else None  # {} too: a default-size PTY
-        exec_args: dict[str, Any] = {"argv": [cmd, *args], "env": {**call.live.record.meta.get("envs", {}), **envs}}
-        if config.get("cwd"):
-            exec_args["cwd"] = config["cwd"]
-        if pty is not None:
-            exec_args.update(_size(pty))
-        elif message.get("stdin") is not True:  # E2B's default: no stdin, so readers see EOF at once
-            exec_args["stdin_b64"] = ""
-        process = _Process(config={"cmd": cmd, "args": args, "envs": envs, **({"cwd": config["cwd"]} if config.get("cwd") else {})},
+        # E2B's default is no stdin (readers see EOF at once); a PTY's input is its terminal.
+        stdin = None if pty is not None or message.get("stdin") is True else b""
+        spec = CommandSpec(argv=[cmd, *args], env=envs, cwd=cwd, stdin=stdin, timeout_s=None)
+        lifetime_s = _lifetime_seconds(call)
+        process = _Process(config={"cmd": cmd, "args": args, "envs": envs, **({"cwd": cwd} if cwd else {})},
                            tag=message.get("tag") if isinstance(message.get("tag"), str) else None, pty=pty is not None)
         queue = process.attach()
-        op = protocol.OP_PTY_START if pty is not None else protocol.OP_EXEC
-        process.task = asyncio.get_running_loop().create_task(self._run(call.live, process, op, exec_args))
+        sandbox_id = call.live.record.id
+        if pty is not None:
+            started = self.sessions.start_pty(sandbox_id, spec, **_size(pty))
+        else:
+            started = self.sessions.start_exec(sandbox_id, spec, raw=True)
+        process.task = asyncio.get_running_loop().create_task(self._run(call.live, process, started, lifetime_s))
         return self._stream(process, queue, call)
 
-    async def _run(self, live: LiveSandbox, process: _Process, op: str, args: dict[str, Any]) -> None:
+    async def _run(self, live: LiveSandbox, process: _Process, started: Awaitable[Execution],
+                   lifetime_s: float | None) -> None:
+        """Read the command's Execution to its end, publishing its events; end it when its lifetime passes."""
         table = self.table(live)
-
-        def on_event(name: str, data: dict[str, Any]) -> None:
-            if name == protocol.EVENT_STARTED:
-                process.pid = int(data["pid"])
-                table.processes[process.pid] = process
-                process.started.set()
-                process.publish(_event(start={"pid": process.pid}))
-            elif name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR, protocol.EVENT_PTY):
-                process.publish(_event(data={name: data.get("data_b64", "")}))
-
+        execution: Execution | None = None
+        timer: asyncio.TimerHandle | None = None
         try:
-            result = await live.agent.call(op, args, timeout=None, on_event=on_event)
-            process.end = _end_event(result)
+            execution = await started
+            if lifetime_s is not None:
+                timer = asyncio.get_running_loop().call_later(lifetime_s, self._expire, live, process, execution)
+            async for event in execution:
+                if isinstance(event, Started):
+                    process.pid = event.pid
+                    table.processes[process.pid] = process
+                    process.started.set()
+                    process.publish(_event(start={"pid": process.pid}))
+                elif isinstance(event, Data):
+                    process.publish(_event(data={event.stream: base64.b64encode(event.data).decode()}))
+            process.end = _end_event(await execution.raw_result())
             process.publish(process.end)
         except Exception as exc:  # reported to every attached stream
             process.failure = exc
             process.publish(exc)
         finally:
+            if timer is not None:
+                timer.cancel()
+            if execution is not None:
+                execution.cancel()  # a no-op once it answered; else (this task was cancelled) end it
             process.started.set()
             process.publish(_END)
             process.streams.clear()
             table.forget_finished()
+
+    def _expire(self, live: LiveSandbox, process: _Process, execution: Execution) -> None:
+        """The command outlived its Start request's timeout: end it in the guest, as envd does."""
+        if not process.pty:
+            execution.interrupt()
+        elif process.pid is not None:
+            task = asyncio.get_running_loop().create_task(self._kill_terminal(live.record.id, process.pid))
+            _EXPIRING.add(task)
+            task.add_done_callback(_EXPIRING.discard)
+
+    async def _kill_terminal(self, sandbox_id: str, pid: int) -> None:
+        with contextlib.suppress(AgentError):  # it ended (or the sandbox did) meanwhile
+            await self.sessions.pty_signal(sandbox_id, pid, int(signals.SIGKILL))
 
     async def _stream(self, process: _Process, queue: _Outbox, call: Call) -> AsyncIterator[Message]:
         """The process's events; keepalives only once the first (``start``) went out: the SDKs
@@ -232,7 +264,7 @@ class ProcessService:
 
     async def list(self, call: Call, message: Message) -> Message:
         table = self.table(call.live)
-        listed = await call.live.agent.call(protocol.OP_PROC_LIST, {})
+        listed = await self.sessions.processes(call.live.record.id)
         out = []
         for entry in listed.get("processes", []):
             if not entry.get("running"):
@@ -250,7 +282,7 @@ class ProcessService:
                 and pid not in listed_pids]
         return {"processes": out}
 
-    async def _stdin(self, live: LiveSandbox, selector: Message, data_b64: str = "", eof: bool = False,
+    async def _stdin(self, live: LiveSandbox, selector: Message, data: bytes = b"", eof: bool = False,
                      pty: bool = False) -> None:
         """Input for a process: its stdin pipe, or the terminal of a PTY session."""
         pid, process = self.table(live).find(selector)
@@ -261,23 +293,22 @@ class ProcessService:
         if on_pty:
             if eof:
                 raise ConnectError("failed_precondition", "a PTY has no stdin to close; send Ctrl+D (0x04) instead")
-            await live.agent.call(protocol.OP_PTY_INPUT, {"pid": pid, "data_b64": data_b64})
+            await self.sessions.pty_input(live.record.id, pid, data)
         else:
-            await live.agent.call(protocol.OP_PROC_STDIN, {"pid": pid, "data_b64": data_b64, "eof": eof})
+            await self.sessions.write_stdin(live.record.id, pid, data, eof)
 
     @staticmethod
-    def _input(message: Message) -> tuple[str, bool]:
-        """The input's base64 bytes and whether they are for a PTY."""
+    def _input(message: Message) -> tuple[bytes, bool]:
+        """The input's bytes and whether they are for a PTY."""
         given = message.get("input") or {}
         pty = "pty" in given
         data = given.get("pty" if pty else "stdin", "")
         if not isinstance(data, str):
             raise ConnectError("invalid_argument", "input data must be base64 bytes")
         try:
-            protocol.b64decode(data)
-        except ValueError:
+            return base64.b64decode(data, validate=True), pty
+        except (binascii.Error, ValueError):
             raise ConnectError("invalid_argument", "input data is not valid base64") from None
-        return data, pty
 
     async def send_input(self, call: Call, message: Message) -> Message:
         data, pty = self._input(message)
@@ -303,10 +334,12 @@ class ProcessService:
         if sig not in (signals.SIGKILL, signals.SIGTERM):
             raise ConnectError("invalid_argument", f"signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM, not {given!r}")
         try:
-            op = protocol.OP_PTY_KILL if process is not None and process.pty else protocol.OP_PROC_KILL
-            await call.live.agent.call(op, {"pid": pid, "signal": int(sig)})
+            if process is not None and process.pty:
+                await self.sessions.pty_signal(call.live.record.id, pid, int(sig))
+            else:
+                await self.sessions.signal(call.live.record.id, pid, int(sig))
         except AgentError as exc:
-            if exc.code == protocol.ERR_NOT_FOUND:
+            if exc.code == "not_found":
                 raise ConnectError("not_found", f"process {pid} not found") from None
             raise
         return {}
@@ -320,7 +353,7 @@ class ProcessService:
         if process is None or not process.pty:
             raise ConnectError("invalid_argument", f"process {pid} has no PTY to resize")
         if message.get("pty"):
-            await call.live.agent.call(protocol.OP_PTY_RESIZE, {"pid": pid, **_size(message["pty"])})
+            await self.sessions.pty_resize(call.live.record.id, pid, **_size(message["pty"]))
         return {}
 
 
@@ -331,6 +364,17 @@ def _size(pty: Any) -> dict[str, int]:
     if not all(isinstance(v, int) and 1 <= v <= 10_000 for v in (rows, cols)):
         raise ConnectError("invalid_argument", "pty.size needs rows and cols between 1 and 10000")
     return {"rows": rows, "cols": cols}
+
+
+def _lifetime_seconds(call: Call) -> float | None:
+    """The command's lifetime from the Start request's ``Connect-Timeout-Ms`` (None: absent or 0)."""
+    raw = call.request.headers.get("connect-timeout-ms", "")
+    if not raw.isdigit() or len(raw) > 10:
+        return None
+    return int(raw) / 1000 or None
+
+
+_EXPIRING: set[asyncio.Task[None]] = set()  # terminals being killed at the end of their lifetime
 
 
 def _keepalive_seconds(call: Call) -> float | None:

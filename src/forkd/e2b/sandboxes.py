@@ -24,9 +24,11 @@ from typing import Any
 
 from forkd.e2b.errors import E2BError, lifecycle_error, sandbox_gone
 from forkd.e2b.keys import Credentials, Principal
+from forkd.host.netpolicy import EgressPolicy, NetRequest, net_request_of
+from forkd.runtime.isolation import SandboxOptions
 from forkd.store.registry import SnapshotRecord, WorkspaceRecord
 from forkd.runtime.runtime import Runtime
-from forkd.runtime.sandboxes import LiveSandbox, SandboxNotFound
+from forkd.runtime.sandboxes import LiveSandbox, NetworkModeConflict, SandboxNotFound
 from forkd.runtime.spawning import ForkOptions
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.validation import ValidationError, check_sandbox_id
@@ -40,6 +42,7 @@ MAX_TIMEOUT_S = 30 * 24 * 3600
 _WORKSPACE_LABEL = "workspace"  # the label a workspace's sandboxes carry (runtime/workspaces.py)
 OWNER_LABEL = "forkd.e2b-owner"
 NONCE_LABEL = "forkd.e2b-nonce"
+PUBLIC_LABEL = "forkd.e2b-public"  # "true": the sandbox's own ports answer without its token (allowPublicTraffic)
 FORK_PREFIX = "e2b-fork-"
 _DERIVED_META = ("source_sandbox", "compacted_from")  # a snapshot holding some sandbox's state
 
@@ -86,9 +89,10 @@ class Resolved:
 
 
 class E2BSandboxes:
-    def __init__(self, runtime: Runtime, credentials: Credentials) -> None:
+    def __init__(self, runtime: Runtime, credentials: Credentials, domain: str | None = None) -> None:
         self.runtime = runtime
         self.credentials = credentials
+        self.domain = domain  # what the SDKs' get_host(port) builds on: {port}-{sandboxID}.{domain}
 
     # ids
 
@@ -128,6 +132,13 @@ class E2BSandboxes:
             raise sandbox_gone(e2b_id, "it is paused; resume it with Sandbox.connect()")
         return resolved.live
 
+    def public(self, e2b_id: str) -> bool:
+        """Whether the sandbox was created with ``allowPublicTraffic``: its ports need no token (envd still does)."""
+        try:
+            return self._resolve(e2b_id).labels.get(PUBLIC_LABEL) == "true"
+        except E2BError:
+            return False
+
     def _live(self, sandbox_id: str) -> LiveSandbox | None:
         try:
             return self.runtime.sandboxes.get(check_sandbox_id(sandbox_id))
@@ -150,7 +161,7 @@ class E2BSandboxes:
         to envd and ``trafficAccessToken`` to the code interpreter's context routes: one token here."""
         token = self.credentials.access_token(e2b_id, nonce)
         return {"sandboxID": e2b_id, "templateID": template, "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
-                "envdAccessToken": token, "trafficAccessToken": token, "domain": None}
+                "envdAccessToken": token, "trafficAccessToken": token, "domain": self.domain}
 
     def _resources(self, tag: str) -> dict[str, int]:
         record = self.runtime.snapshot(tag)
@@ -190,19 +201,20 @@ class E2BSandboxes:
                 **self._resources(template)}
         if detail:
             info["envdAccessToken"] = self.credentials.access_token(resolved.e2b_id, resolved.nonce)
-            info["domain"] = None
+            info["domain"] = self.domain
         return info
 
     # lifecycle
 
     async def create(self, principal: Principal, template: str, timeout_s: int, metadata: dict[str, str],
-                     envs: dict[str, str]) -> dict[str, Any]:
+                     envs: dict[str, str], public: bool = False, net: NetRequest | None = None) -> dict[str, Any]:
         record = self.runtime.snapshot(template)
         if record is None or not template_visible(record, principal):
             raise E2BError(404, f"template {template!r} not found: templates are forkd snapshots; list them with "
                                 "GET /templates or `forkd snapshots`")
-        labels = self._new_labels(principal, metadata)
-        options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=labels)
+        labels = {**self._new_labels(principal, metadata), **({PUBLIC_LABEL: "true"} if public else {})}
+        options = ForkOptions(timeout_s=timeout_s, envs=envs, metadata=labels,
+                              isolation=SandboxOptions(net=net or NetRequest()))
         (outcome,) = await self.runtime.spawner.fork(template, 1, options)
         if outcome.sandbox is None:
             raise lifecycle_error(outcome.error.kind, f"the sandbox did not start: {outcome.error}")
@@ -251,6 +263,15 @@ class E2BSandboxes:
             except SandboxNotFound:
                 raise E2BError(404, f"sandbox {e2b_id} was not found") from None
 
+    async def set_egress(self, principal: Principal, e2b_id: str, policy: EgressPolicy) -> None:
+        live = self.resolve(e2b_id, principal).live
+        if live is None:
+            raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
+        try:
+            await self.runtime.sandboxes.set_egress(live.record.id, policy)
+        except NetworkModeConflict as exc:
+            raise E2BError(409, f"{exc}: create it with allow_internet_access or a network option") from None
+
     async def rotate_token(self, principal: Principal, e2b_id: str) -> dict[str, Any]:
         """A new nonce, stored with the sandbox or paused workspace: its old token stops working."""
         resolved = self.resolve(e2b_id, principal)
@@ -283,7 +304,8 @@ class E2BSandboxes:
         tag = fork_prefix(principal.owner) + secrets.token_hex(6)
         await self.runtime.branches.branch(live.record.id, tag, mode="diff", wait=True)
         labels = self._new_labels(principal, self._labels(resolved.labels))
-        options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}), metadata=labels)
+        options = ForkOptions(timeout_s=timeout_s, envs=live.record.meta.get("envs", {}), metadata=labels,
+                              isolation=SandboxOptions(net=net_request_of(live.record.meta.get("net"))))
         outcomes = await self.runtime.spawner.fork(tag, count, options)
         return [{"sandbox": self.created(o.sandbox["id"], tag, labels[NONCE_LABEL])} if o.sandbox is not None
                 else {"error": {"code": o.error.kind.status, "message": str(o.error)}} for o in outcomes]

@@ -24,6 +24,7 @@ from .files import FileOps
 from .interpreters import PythonRuntime
 from .processes import ProcessTable
 from .pty import PtyOps
+from .tunnel import TunnelOps
 from .watch import WatchOps
 
 
@@ -85,6 +86,7 @@ def op_families() -> list[OpFamily]:
         FileOps(),
         WatchOps(),
         PtyOps(),
+        TunnelOps(),
     ]
 
 

@@ -222,13 +222,14 @@ def _stream_output(req: Request, proc: _Process, timeout_s: float | None, stdin_
 
     One selector over both pipes, the exit fd, stdin while exec's stdin_b64 is being written,
     and the request's Control, so nothing polls and no thread is started. Paused, the pipes are
-    not read (the command blocks once they are full). At the deadline or a cancel the whole
-    process group is killed; descendants that escaped the group get GRACE_S to release the
-    pipes. Returns "timeout", "cancelled" or None.
+    not read (the command blocks once they are full). At the deadline the whole process group
+    is killed; a cancel sends it SIGINT and kills it GRACE_S later if it is still there.
+    Descendants that escaped the group get GRACE_S to release the pipes. Returns "timeout", "cancelled" or None.
     """
     control = req.control()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     ended: str | None = None
+    interrupted = False  # cancelled: SIGINT sent, SIGKILL not yet
     pending = memoryview(stdin_data) if stdin_data is not None else None
     if pending is not None:
         os.set_blocking(proc.stdin.fileno(), False)
@@ -242,8 +243,8 @@ def _stream_output(req: Request, proc: _Process, timeout_s: float | None, stdin_
         reading = False
         while open_pipes or "exit" in [k.data for k in selector.get_map().values()]:
             if control.cancelled and ended is None:
-                ended = "cancelled"
-                _kill_group(proc.pid, signal.SIGKILL)
+                ended, interrupted = "cancelled", True  # gently first: SIGKILL only after GRACE_S
+                _kill_group(proc.pid, signal.SIGINT)
                 deadline = time.monotonic() + GRACE_S
             want_reading = not control.paused
             if want_reading != reading:
@@ -257,6 +258,11 @@ def _stream_output(req: Request, proc: _Process, timeout_s: float | None, stdin_
             # Checked whether or not anything was ready: a command that writes without pause keeps the
             # selector busy forever, and must still end at its deadline.
             if deadline is not None and time.monotonic() >= deadline:
+                if interrupted:  # a cancelled command that outlived its SIGINT
+                    interrupted = False
+                    _kill_group(proc.pid, signal.SIGKILL)
+                    deadline = time.monotonic() + GRACE_S
+                    continue
                 if ended is not None:
                     break  # killed, and its descendants still hold the pipes after GRACE_S
                 ended = "timeout"

@@ -73,6 +73,9 @@ OP_PTY_START = "pty.start"
 OP_PTY_INPUT = "pty.input"
 OP_PTY_RESIZE = "pty.resize"
 OP_PTY_KILL = "pty.kill"
+OP_TCP_OPEN = "tcp.open"  # a byte tunnel to a TCP port a guest program listens on (guest/tunnel.py)
+OP_TCP_SEND = "tcp.send"
+OP_TCP_ACK = "tcp.ack"
 
 # Control ops about another request in flight (``args: {"id": <its id>}``). An agent that does not
 # know them answers ``unknown_op``; the host then falls back (see runtime/agent_client.py).
@@ -112,6 +115,9 @@ ALL_OPS = frozenset(
         OP_PTY_INPUT,
         OP_PTY_RESIZE,
         OP_PTY_KILL,
+        OP_TCP_OPEN,
+        OP_TCP_SEND,
+        OP_TCP_ACK,
     }
 )
 
@@ -119,6 +125,7 @@ ALL_OPS = frozenset(
 EVENT_STARTED = "started"  # exec: {"pid": int}
 EVENT_STDOUT = "stdout"  # exec: {"data_b64": str}; run_code: {"text": str}
 EVENT_STDERR = "stderr"  # same shapes as stdout
+EVENT_DATA = "data"  # tcp.open: {"data_b64": str}, what the guest program sent on the connection
 EVENT_PTY = "pty"  # pty.start: {"data_b64": str}, what the program wrote to its terminal
 EVENT_RESULT = "result"  # run_code: one rich result (display() or the cell's value), E2B's Result keys
 

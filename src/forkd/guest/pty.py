@@ -3,7 +3,8 @@
 ``pty.start`` runs the command as the leader of a new session whose controlling terminal is the
 PTY's slave side, then streams what the command writes as ``pty {data_b64}`` events until the
 terminal closes; the request's result is the exit status. Input, resize (``TIOCSWINSZ``, which
-sends the foreground group ``SIGWINCH``) and signals address the session by its pid.
+sends the foreground group ``SIGWINCH``) and signals address the session by its pid. Like exec,
+it honours ``flow.pause``/``flow.resume`` and ``cancel`` (a hang-up, then a kill).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import selectors
 import signal
 import struct
 import subprocess
@@ -22,7 +24,7 @@ from typing import Any
 
 from . import protocol
 from .dispatch import AgentError, Handler, Request, inline
-from .processes import _base_env, _exit_status, _kill_group, _own_account
+from .processes import GRACE_S, _base_env, _exit_status, _kill_group, _own_account
 
 MAX_SESSIONS = 64
 READ_BYTES = 64 * 1024
@@ -89,7 +91,7 @@ class PtyOps:
             self._sessions[proc.pid] = _Session(proc, master)
         req.emit(protocol.EVENT_STARTED, {"pid": proc.pid})
         try:
-            self._stream(req, master)
+            self._stream(req, master, proc.pid)
             code, sig = _exit_status(proc.wait())
         finally:
             with self._lock:
@@ -98,19 +100,47 @@ class PtyOps:
         return {"exit_code": code, "signal": sig}
 
     @staticmethod
-    def _stream(req: Request, master: int) -> None:
-        """Forward the terminal's output until every program holding it has closed it (EIO)."""
-        while True:
-            select.select([master], [], [])
-            try:
-                data = os.read(master, READ_BYTES)
-            except BlockingIOError:
-                continue
-            except OSError:  # EIO: the slave side is closed
-                return
-            if not data:
-                return
-            req.emit(protocol.EVENT_PTY, {"data_b64": protocol.b64encode(data)})
+    def _stream(req: Request, master: int, pid: int) -> None:
+        """Forward the terminal's output until every program holding it has closed it (EIO).
+
+        Paused (``flow.pause``), the terminal is not read, so its program blocks once the terminal's
+        buffer is full. A ``cancel`` hangs the session up (SIGHUP to its group, as a closed terminal
+        window does) and kills the group GRACE_S later if the terminal is still open.
+        """
+        control = req.control()
+        hung_up = False
+        kill_at: float | None = None  # cancelled: when the group is killed if the terminal is still open
+        with selectors.DefaultSelector() as selector:
+            selector.register(control.wake_fd, selectors.EVENT_READ, "control")
+            reading = False
+            while True:
+                if control.cancelled and not hung_up:
+                    hung_up = True
+                    _kill_group(pid, signal.SIGHUP)
+                    kill_at = time.monotonic() + GRACE_S
+                if reading == control.paused:
+                    if reading:
+                        selector.unregister(master)
+                    else:
+                        selector.register(master, selectors.EVENT_READ, "terminal")
+                    reading = not reading
+                ready = selector.select(None if kill_at is None else max(0.0, kill_at - time.monotonic()))
+                if kill_at is not None and time.monotonic() >= kill_at:
+                    _kill_group(pid, signal.SIGKILL)
+                    kill_at = None  # once: the terminal closes as the group dies
+                for key, _ in ready:
+                    if key.data == "control":
+                        control.drain()
+                        continue
+                    try:
+                        data = os.read(master, READ_BYTES)
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # EIO: the slave side is closed
+                        return
+                    if not data:
+                        return
+                    req.emit(protocol.EVENT_PTY, {"data_b64": protocol.b64encode(data)})
 
     def _session(self, req: Request) -> _Session:
         pid = req.arg("pid", int, minimum=1)

@@ -231,6 +231,15 @@ def create_child_network(net: ChildNetwork) -> int:
         raise NetworkError(f"cannot set up the network of {net.sandbox_id}: {exc}") from None
 
 
+def replace_egress(net: ChildNetwork) -> None:
+    """Load a running child's namespace rules again with ``net.policy``: one nft transaction, so its
+    connections see the old rules or the new ones, never none (established ones are kept)."""
+    try:
+        in_namespace(netns_name(net.sandbox_id), lambda: run_nft(namespace_ruleset(net)))
+    except (OSError, NetlinkError, subprocess.SubprocessError) as exc:
+        raise NetworkError(f"cannot change the egress rules of {net.sandbox_id}: {exc}") from None
+
+
 def release_network(sandbox_id: str) -> list[str]:
     """Remove the host rules, the veth pair and the namespace of ``sandbox_id``; idempotent.
 

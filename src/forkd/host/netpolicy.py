@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from typing import Any
 
 from forkd.guest import netconf
 from forkd.validation import ValidationError
@@ -37,17 +38,30 @@ class AllowRule:
 @dataclass(frozen=True)
 class EgressPolicy:
     default: str = "allow"  # "allow" or "deny"
-    allow: tuple[AllowRule, ...] = ()
+    allow: tuple[AllowRule, ...] = ()  # let out under "deny"; under "allow", exceptions to ``deny``
     dns: bool = True  # the relayed resolver stays reachable under "deny"
+    deny: tuple[ipaddress.IPv4Network, ...] = ()  # refused under "allow", unless an allow rule matches first
 
     def to_dict(self) -> dict[str, object]:
-        return {"default": self.default, "allow": [r.to_dict() for r in self.allow], "dns": self.dns}
+        return {"default": self.default, "allow": [r.to_dict() for r in self.allow], "dns": self.dns,
+                **({"deny": [str(n) for n in self.deny]} if self.deny else {})}
 
 
 @dataclass(frozen=True)
 class NetRequest:
     mode: str = "none"
     egress: EgressPolicy = field(default_factory=EgressPolicy)
+
+
+def net_request_of(net: dict[str, Any] | None) -> NetRequest:
+    """The request a sandbox's recorded ``net`` (``sandbox_meta``) stands for: what a resume or a fork
+    of it starts its successor with, so a sandbox keeps its network across pause and resume."""
+    if not net or net.get("mode") != "nat":
+        return NetRequest()
+    egress = net.get("egress") or {}
+    allow = [allow_rule(r["cidr"], list(r.get("ports") or []), r.get("protocol", "any")) for r in egress.get("allow", [])]
+    return NetRequest(mode="nat", egress=egress_policy(egress.get("default", "allow"), allow, egress.get("dns", True),
+                                                       [parse_cidr(c) for c in egress.get("deny", [])]))
 
 
 def parse_cidr(text: str) -> ipaddress.IPv4Network:
@@ -93,14 +107,18 @@ def parse_allow_spec(spec: str) -> AllowRule:
     return allow_rule(cidr, [p for p in ports.split(",") if p] if ports else [], protocol)
 
 
-def egress_policy(default: str, allow: list[AllowRule], dns: bool = True) -> EgressPolicy:
+def egress_policy(default: str, allow: list[AllowRule], dns: bool = True,
+                  deny: list[ipaddress.IPv4Network] | None = None) -> EgressPolicy:
     if default not in ("allow", "deny"):
         raise ValidationError(f"egress default {default!r} must be 'allow' or 'deny'")
-    if allow and default == "allow":
-        raise ValidationError("an allow-list only means something with default 'deny'; set default to 'deny'")
-    if len(allow) > MAX_ALLOW_RULES:
-        raise ValidationError(f"at most {MAX_ALLOW_RULES} allow rules")
-    return EgressPolicy(default=default, allow=tuple(allow), dns=dns)
+    if deny and default == "deny":
+        raise ValidationError("a deny-list only means something with default 'allow'; set default to 'allow'")
+    if allow and default == "allow" and not deny:
+        raise ValidationError("an allow-list only means something with default 'deny' (or exceptions to a "
+                              "deny-list); set default to 'deny'")
+    if len(allow) > MAX_ALLOW_RULES or len(deny or ()) > MAX_ALLOW_RULES:
+        raise ValidationError(f"at most {MAX_ALLOW_RULES} allow rules and {MAX_ALLOW_RULES} deny rules")
+    return EgressPolicy(default=default, allow=tuple(allow), dns=dns, deny=tuple(deny or ()))
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,11 @@ def namespace_ruleset(net: ChildNetwork) -> str:
             dnat.append(f'iifname "{TAP}" ip daddr {netconf.GATEWAY} {proto} dport 53 dnat to {net.dns}')
             if net.policy.dns or net.policy.default == "allow":
                 forward.append(f"{out} ip daddr {net.dns} {proto} dport 53 accept")
+    for rule in net.policy.allow:  # under "allow" they are exceptions to the deny-list, so they come first
+        forward.extend(_allow(rule, out))
     if net.policy.default == "allow":
+        forward.extend(f"{out} ip daddr {cidr} {r}" for cidr in net.policy.deny for r in _REJECT)
         forward.append(f"{out} accept")
-    else:
-        for rule in net.policy.allow:
-            forward.extend(_allow(rule, out))
     rejects = [f'iifname "{TAP}" {r}' for r in _REJECT]
     return _ruleset("ip", NS_TABLE, {
         "prerouting": ("type nat hook prerouting priority dstnat; policy accept;", dnat),

@@ -14,6 +14,7 @@ import asyncio
 import codecs
 import collections
 import contextlib
+import json
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,7 +22,7 @@ from typing import Any
 
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, AgentUnavailable
-from forkd.runtime.results import Event, Notice, Output, Started
+from forkd.runtime.results import Data, Event, Notice, Output, Started
 
 log = logging.getLogger("forkd.sessions")
 
@@ -30,6 +31,12 @@ HOLD_FACTOR = 4  # a stream's queue may reach this many buffers before the conne
 _ending: set[asyncio.Task[None]] = set()  # guest calls being ended after their caller left
 # Turns a lost agent connection into the error the caller should see (the sandbox ended, say).
 Explain = Callable[[AgentUnavailable], Awaitable[Exception]]
+
+
+def encoded_size(name: str, data: dict[str, Any]) -> int:
+    """What an event costs the daemon: its payload as the guest encoded it (the frame was at most
+    ``protocol.MAX_FRAME_BYTES`` on the wire, so this is bounded too)."""
+    return len(name) + len(json.dumps(data, separators=(",", ":")))
 
 
 def _payload(data: dict[str, Any]) -> bytes:
@@ -47,7 +54,8 @@ class Execution:
     """
 
     def __init__(self, agent: AgentClient, op: str, args: dict[str, Any], timeout: float | None,
-                 output_limit: int | None, buffer_bytes: int, explain: Explain | None = None) -> None:
+                 output_limit: int | None, buffer_bytes: int, explain: Explain | None = None,
+                 raw: bool = False, notices: bool = True) -> None:
         self._agent = agent
         self._explain = explain
         self._op = op
@@ -59,7 +67,11 @@ class Execution:
         self._queued_bytes = 0
         self._forwarded = 0
         self._decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace")
-                          for name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR, protocol.EVENT_PTY)}
+                          for name in (protocol.EVENT_STDOUT, protocol.EVENT_STDERR)}
+        # raw: output stays bytes (Data events), a terminal's included; else text (Output events)
+        self._raw = raw
+        self._notices = notices  # False: events other than output are not wanted (not held, not counted)
+        self._streams = {protocol.EVENT_STDOUT, protocol.EVENT_STDERR, *([protocol.EVENT_PTY] if raw else [])}
         self._arrived = asyncio.Event()
         self._drained = asyncio.Event()
         self._paused = False
@@ -69,6 +81,11 @@ class Execution:
         self._controls: set[asyncio.Task[Any]] = set()
         self.pid: int | None = None
         self.truncated = False
+
+    @property
+    def paused(self) -> bool:
+        """True while the guest was asked to pause this call because its reader fell behind."""
+        return self._paused
 
     async def start(self) -> Execution:
         self._req_id = await self._agent.start(self._op, self._args, on_event=self._on_event)
@@ -91,7 +108,7 @@ class Execution:
         if name == protocol.EVENT_STARTED and isinstance(data.get("pid"), int):
             self.pid = data["pid"]
             event = Started(self.pid)
-        elif name in self._decoders:
+        elif name in self._streams:
             chunk = _payload(data)
             if self._limit is not None and self._forwarded + len(chunk) > self._limit:
                 chunk = chunk[:max(0, self._limit - self._forwarded)]
@@ -100,8 +117,17 @@ class Execution:
                 return None
             size = len(chunk)
             self._forwarded += size
-            event = Output(name, self._decoders[name].decode(chunk))  # type: ignore[arg-type]
+            event = Data(name, chunk) if self._raw else Output(name, self._decoders[name].decode(chunk))  # type: ignore[arg-type]
+        elif not self._notices:
+            return None
         else:
+            # Rich results (display(), charts) and any other event count what they cost to hold: their
+            # encoded size. One that does not fit in what is left of the budget is dropped whole.
+            size = encoded_size(name, data)
+            if self._limit is not None and self._forwarded + size > self._limit:
+                self.truncated = True
+                return None
+            self._forwarded += size
             event = Notice(name, data)
         self._queue.append((event, size))
         self._queued_bytes += size
@@ -178,8 +204,15 @@ class Execution:
                 await _end_in_guest(self._agent, self._req_id, self.pid)
             raise
 
+    def interrupt(self) -> None:
+        """Ask the guest to end the call (as :meth:`cancel` does) but keep reading its output and result."""
+        if self._req_id is not None and self._result is not None and not self._result.done():
+            ending = asyncio.create_task(_end_in_guest(self._agent, self._req_id, self.pid))
+            _ending.add(ending)
+            ending.add_done_callback(_ending.discard)
+
     def cancel(self) -> None:
-        """End the call: drop its output and end it in the guest (``cancel``, and a kill of a command).
+        """End the call: drop its output and end it in the guest (see :meth:`interrupt`).
 
         Not a coroutine on purpose: it is called from ``finally`` blocks of a stream whose client
         left, where the surrounding cancel scope would cancel any await; the guest is told from a
@@ -190,12 +223,9 @@ class Execution:
         self._closed = True
         self._queue.clear()
         self._drained.set()
+        self.interrupt()
         if self._result is not None and not self._result.done():
             self._result.cancel()
-        if self._req_id is not None:
-            ending = asyncio.create_task(_end_in_guest(self._agent, self._req_id, self.pid))
-            _ending.add(ending)
-            ending.add_done_callback(_ending.discard)
 
     def flush(self) -> list[Output]:
         """What the decoders still hold (a character split at the end of the output)."""
@@ -204,15 +234,15 @@ class Execution:
 
 
 async def _end_in_guest(agent: AgentClient, req_id: int, pid: int | None) -> None:
-    """Ask the agent to cancel the request and, for a command, also kill its process group at once.
+    """Ask the agent to cancel the request; a command of an agent without ``cancel`` is killed instead.
 
-    Both are sent without waiting for the other: an agent without ``cancel`` still kills, and the
-    kill acts as soon as the agent reads it even while its answers queue behind output in flight.
+    The agent ends a cancelled call gently: a cell gets SIGINT (its interpreter raises
+    KeyboardInterrupt, the context lives on), a command's process group SIGINT and, if it is still
+    there after a grace period, SIGKILL (docs/guest-protocol.md, "cancel").
     """
-    calls = [agent.control(protocol.OP_CANCEL, req_id, timeout=CONTROL_TIMEOUT_S)]
-    if pid is not None:
-        calls.append(agent.call(protocol.OP_PROC_KILL, {"pid": pid, "signal": int(signal.SIGKILL)},
-                                timeout=CONTROL_TIMEOUT_S))
-    for outcome in await asyncio.gather(*calls, return_exceptions=True):
-        if isinstance(outcome, Exception):
-            log.debug("ending request %d in the guest: %s", req_id, outcome)
+    try:
+        if await agent.control(protocol.OP_CANCEL, req_id, timeout=CONTROL_TIMEOUT_S) or pid is None:
+            return
+        await agent.call(protocol.OP_PROC_KILL, {"pid": pid, "signal": int(signal.SIGKILL)}, timeout=CONTROL_TIMEOUT_S)
+    except AgentError as exc:
+        log.debug("ending request %d in the guest: %s", req_id, exc)

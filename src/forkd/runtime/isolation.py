@@ -17,8 +17,15 @@ from typing import Any
 from pyroute2 import NetlinkError
 
 from forkd.host.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup, release_cgroup
-from forkd.host.netns import NetworkError, create_child_network, host_resolver, release_network, slots_in_use_on_host
-from forkd.host.netpolicy import AddressPool, Lease, NetRequest
+from forkd.host.netns import (
+    NetworkError,
+    create_child_network,
+    host_resolver,
+    release_network,
+    replace_egress,
+    slots_in_use_on_host,
+)
+from forkd.host.netpolicy import AddressPool, EgressPolicy, Lease, NetRequest
 from forkd.host.nftrules import ChildNetwork
 from forkd.runtime.options import RuntimeOptions
 from forkd.store.registry import LeasesExhausted, Registry
@@ -121,6 +128,17 @@ class Isolation:
             self.release(sandbox_id)
             raise IsolationError(str(exc)) from None
         return prepared
+
+    def replace_egress(self, sandbox_id: str, address: str, policy: EgressPolicy) -> None:
+        """New egress rules for a running ``nat`` child whose namespace address is ``address``. Blocking."""
+        slot = self.pool.slot_of(ipaddress.IPv4Address(address))
+        if slot is None:
+            raise IsolationError(f"{sandbox_id}'s address {address} is not in the pool {self.pool.network}")
+        try:
+            replace_egress(ChildNetwork(sandbox_id=sandbox_id, lease=self.pool.lease(slot), pool=self.pool.network,
+                                        policy=policy, dns=self.dns))
+        except NetworkError as exc:
+            raise IsolationError(str(exc)) from None
 
     def end_reason(self, prepared: Prepared | None) -> str | None:
         """Why a VMM ended, if the host knows better than its exit status (the OOM killer)."""

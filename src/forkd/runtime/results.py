@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Stream = Literal["stdout", "stderr", "pty"]  # pty: what a program on a terminal wrote to it
+Stream = Literal["stdout", "stderr"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,14 @@ class Output:
 
 
 @dataclass(frozen=True)
+class Data:
+    """Output as the bytes the program wrote (fronts that pass bytes on: E2B's envd, a terminal)."""
+
+    stream: Literal["stdout", "stderr", "pty"]
+    data: bytes
+
+
+@dataclass(frozen=True)
 class Notice:
     """An event this host does not model (a newer agent's); passed on as the agent sent it."""
 
@@ -33,7 +41,7 @@ class Notice:
     data: dict[str, Any]
 
 
-Event = Started | Output | Notice
+Event = Started | Output | Data | Notice
 
 
 @dataclass(frozen=True)
@@ -80,14 +88,10 @@ class CommandSpec:
     timeout_s: float | None = 60.0
     user: str | None = None
     warm: bool = False  # a python3 argv forked from the guest's warm template (see docs/guest-protocol.md)
-    pty: tuple[int, int] | None = None  # (rows, cols): on a pseudo-terminal; its output comes as `pty` events
 
     def __post_init__(self) -> None:
         if (self.cmd is None) == (self.argv is None):
             raise ValueError("give exactly one of 'cmd' (a shell string) or 'argv' (a list)")
-        if self.pty is not None and (self.warm or self.stdin is not None or self.user is not None):
-            raise ValueError("a command on a terminal ('pty') takes its input through /stdin: leave out 'warm', "
-                             "'stdin' and 'user'")
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.sessions import Sessions
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
 from forkd.runtime.spawning import Spawner
+from forkd.runtime.tunnels import Tunnels
 from forkd.runtime.workspaces import WorkspaceService
 from forkd.store.chains import describe_chain
 from forkd.store.files import DigestCache
@@ -55,7 +56,7 @@ from forkd.vmm.base import Capabilities, Vmm, VmHandle
 
 # What a front may use of a Runtime: its services and the methods that answer for the store and the VMM.
 FRONT_SURFACE = frozenset({
-    "sandboxes", "spawner", "pools", "sessions", "branches", "workspaces", "packs", "snapshots", "compaction",
+    "sandboxes", "spawner", "pools", "sessions", "tunnels", "branches", "workspaces", "packs", "snapshots", "compaction",
     "peers", "node", "drain", "driver_forks", "metrics", "paths", "start", "stop", "images", "build_image",
     "remove_image", "confine_image_sources", "create_snapshot", "remove_snapshot", "snapshot", "snapshot_by_digest",
     "snapshot_records", "snapshot_listing", "describe_snapshot", "capabilities"})
@@ -92,6 +93,7 @@ class Runtime:
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.spawner,
                                       self.options.max_concurrent_branches, self.metrics)
         self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads)
+        self.tunnels = Tunnels(self.sandboxes)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.spawner, self.branches,
                                            self.remove_snapshot)
         self._image_lock = asyncio.Lock()

@@ -20,6 +20,7 @@ from typing import Any
 
 from forkd.config import Paths
 from forkd.runtime.agent_client import AgentClient
+from forkd.host.netpolicy import EgressPolicy
 from forkd.runtime.isolation import END_OUT_OF_MEMORY, Isolation, Prepared
 from forkd.store.io import remove_tree
 from forkd.store.registry import Registry, SandboxRecord
@@ -43,6 +44,12 @@ class SandboxEnded(RuntimeError):
 # sandbox is released — its VMM exited, it was killed, or a restarted daemon reaps it or finds its
 # directory without a record — so it must be idempotent and must not fail when there is nothing to free.
 Releaser = Callable[[str], None]
+
+
+class NetworkModeConflict(RuntimeError):
+    """A network change the sandbox's mode cannot take (no link to put rules on)."""
+
+    kind = "conflict"
 
 
 @dataclass
@@ -200,6 +207,17 @@ class SandboxService:
         live = self.get(sandbox_id)
         live.record.meta["metadata"] = dict(labels)
         await asyncio.to_thread(self.registry.set_labels, sandbox_id, dict(labels))
+
+    async def set_egress(self, sandbox_id: str, policy: EgressPolicy) -> None:
+        """Replace a running ``nat`` sandbox's egress policy, in its namespace and its record."""
+        live = self.get(sandbox_id)
+        net = live.record.meta.get("net") or {}
+        if net.get("mode") != "nat" or not net.get("address"):
+            raise NetworkModeConflict(f"sandbox {sandbox_id} has no network link (net {net.get('mode', 'none')!r}); "
+                                      "its egress can change only if it was started with net 'nat'")
+        await asyncio.to_thread(self.isolation.replace_egress, sandbox_id, str(net["address"]), policy)
+        live.record.meta["net"] = {**net, "egress": policy.to_dict()}
+        await asyncio.to_thread(self.registry.set_egress, sandbox_id, policy.to_dict())
 
     def describe(self, live: LiveSandbox, with_memory: bool = False) -> dict[str, Any]:
         info = live.record.to_dict()

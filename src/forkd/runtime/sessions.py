@@ -90,9 +90,9 @@ class Sessions:
             raise await self._explainer(sandbox_id)(exc) from None
 
     def _execution(self, sandbox_id: str, op: str, args: dict[str, Any], timeout_s: float | None,
-                   output_limit: int | None) -> Execution:
+                   output_limit: int | None, raw: bool = False, notices: bool = True) -> Execution:
         return Execution(self._agent(sandbox_id), op, args, _call_timeout(timeout_s), output_limit,
-                         self.limits.stream_buffer_bytes, self._explainer(sandbox_id))
+                         self.limits.stream_buffer_bytes, self._explainer(sandbox_id), raw, notices)
 
     # -- commands and cells
 
@@ -112,19 +112,30 @@ class Sessions:
             args["stdin_b64"] = protocol.b64encode(spec.stdin)
         return args
 
-    def _pty_args(self, sandbox_id: str, spec: CommandSpec) -> dict[str, Any]:
-        """``pty.start``'s arguments: an argv (a shell string runs under /bin/sh -c), env, cwd and the size."""
-        envs = self.sandboxes.get(sandbox_id).record.meta.get("envs") or {}
-        rows, cols = spec.pty or (24, 80)
-        args = {"argv": spec.argv or ["/bin/sh", "-c", spec.cmd], "env": {**envs, **spec.env}, "rows": rows, "cols": cols}
-        return {**args, **({"cwd": spec.cwd} if spec.cwd is not None else {})}
+    async def start_exec(self, sandbox_id: str, spec: CommandSpec, raw: bool = False) -> Execution:
+        """Start a command and return it running: iterate its events, then ``command_result``.
 
-    async def start_exec(self, sandbox_id: str, spec: CommandSpec) -> Execution:
-        """Start a command and return it running: iterate its events, then ``command_result``. With ``spec.pty``
-        it runs on a terminal: input through ``write_stdin(pty=True)``, size through ``resize``."""
-        op, args = ((protocol.OP_PTY_START, self._pty_args(sandbox_id, spec)) if spec.pty
-                    else (protocol.OP_EXEC, self._exec_args(sandbox_id, spec)))
-        execution = self._execution(sandbox_id, op, args, spec.timeout_s, self.limits.stream_bytes)
+        ``raw``: its output comes as :class:`Data` (bytes) instead of :class:`Output` (text).
+        """
+        execution = self._execution(sandbox_id, protocol.OP_EXEC, self._exec_args(sandbox_id, spec), spec.timeout_s,
+                                    self.limits.stream_bytes, raw)
+        return await self._guarded(sandbox_id, execution.start())
+
+    async def start_pty(self, sandbox_id: str, spec: CommandSpec, rows: int = 24, cols: int = 80) -> Execution:
+        """Start an argv command on a pseudo-terminal; what it writes comes as ``Data("pty", ...)`` events.
+
+        The terminal's program is steered by pid with :meth:`pty_input`, :meth:`pty_resize` and
+        :meth:`pty_signal`. It has no deadline; like a command it is paused when its reader falls
+        behind, and cancelling it hangs the session up (SIGHUP, then SIGKILL; agents before this
+        one ignore both: end such a terminal with :meth:`pty_signal`).
+        """
+        if spec.argv is None:
+            raise ValueError("a PTY runs an argv command, not a shell string")
+        envs = self.sandboxes.get(sandbox_id).record.meta.get("envs") or {}
+        args: dict[str, Any] = {"argv": spec.argv, "env": {**envs, **spec.env}, "rows": rows, "cols": cols}
+        if spec.cwd is not None:
+            args["cwd"] = spec.cwd
+        execution = self._execution(sandbox_id, protocol.OP_PTY_START, args, None, self.limits.stream_bytes, raw=True)
         return await self._guarded(sandbox_id, execution.start())
 
     async def start_cell(self, sandbox_id: str, spec: CellSpec) -> Execution:
@@ -143,14 +154,15 @@ class Sessions:
     async def exec(self, sandbox_id: str, spec: CommandSpec) -> CommandResult:
         """Run a command to its end; its output (up to the result budget) comes back in the result."""
         execution = self._execution(sandbox_id, protocol.OP_EXEC, self._exec_args(sandbox_id, spec), spec.timeout_s,
-                                    self.limits.result_bytes)
+                                    self.limits.result_bytes, notices=False)
         raw, stdout, stderr = await self._guarded(sandbox_id, self._collect(execution))
         return read_command_result(raw, stdout, stderr, execution.truncated)
 
     async def run_code(self, sandbox_id: str, spec: CellSpec) -> CodeResult:
         """Run a cell to its end; what it printed (up to the result budget) comes back in the result."""
+        # Its rich results come back in the agent's answer: their events are not held (nor counted) here.
         execution = self._execution(sandbox_id, protocol.OP_RUN_CODE, self._cell_args(spec), spec.timeout_s,
-                                    self.limits.result_bytes)
+                                    self.limits.result_bytes, notices=False)
         raw, stdout, stderr = await self._guarded(sandbox_id, self._collect(execution))
         return read_code_result(raw, stdout, stderr, execution.truncated)
 
@@ -193,17 +205,37 @@ class Sessions:
     async def signal(self, sandbox_id: str, pid: int, signum: int) -> None:
         await self._call(sandbox_id, protocol.OP_PROC_KILL, {"pid": pid, "signal": signum})
 
-    async def write_stdin(self, sandbox_id: str, pid: int, data: bytes, eof: bool = False,
-                          pty: bool = False) -> dict[str, Any]:
-        """Input for a command's stdin, or (``pty``) typed into its terminal, where end of input is a ^D in ``data``."""
-        if pty:
-            return await self._call(sandbox_id, protocol.OP_PTY_INPUT, {"pid": pid, "data_b64": protocol.b64encode(data)})
+    async def write_stdin(self, sandbox_id: str, pid: int, data: bytes, eof: bool = False) -> dict[str, Any]:
         return await self._call(sandbox_id, protocol.OP_PROC_STDIN,
                                 {"pid": pid, "data_b64": protocol.b64encode(data), "eof": eof})
 
-    async def resize(self, sandbox_id: str, pid: int, rows: int, cols: int) -> dict[str, Any]:
-        """A terminal's new size (its program gets SIGWINCH)."""
-        return await self._call(sandbox_id, protocol.OP_PTY_RESIZE, {"pid": pid, "rows": rows, "cols": cols})
+    # -- terminals started by start_pty
+
+    async def pty_input(self, sandbox_id: str, pid: int, data: bytes) -> None:
+        await self._call(sandbox_id, protocol.OP_PTY_INPUT, {"pid": pid, "data_b64": protocol.b64encode(data)})
+
+    async def pty_resize(self, sandbox_id: str, pid: int, rows: int, cols: int) -> None:
+        await self._call(sandbox_id, protocol.OP_PTY_RESIZE, {"pid": pid, "rows": rows, "cols": cols})
+
+    async def pty_signal(self, sandbox_id: str, pid: int, signum: int) -> None:
+        await self._call(sandbox_id, protocol.OP_PTY_KILL, {"pid": pid, "signal": signum})
+
+    # -- watching directories (inotify in the guest; events wait there until read)
+
+    async def watch(self, sandbox_id: str, path: str, recursive: bool = False) -> str:
+        """A new watcher's id; its events are read with :meth:`watch_events`, and it is ended with :meth:`unwatch`."""
+        return str((await self._call(sandbox_id, protocol.OP_WATCH_CREATE,
+                                     {"path": path, "recursive": recursive}))["id"])
+
+    async def watch_events(self, sandbox_id: str, watcher: str, wait_s: float = 0.0) -> list[dict[str, Any]]:
+        """The watcher's events so far (``{type, name, path}``), waiting up to ``wait_s`` for a first one."""
+        read = await self._call(sandbox_id, protocol.OP_WATCH_READ, {"id": watcher, "wait_s": wait_s},
+                                _call_timeout(wait_s))
+        events = read.get("events", [])
+        return [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
+
+    async def unwatch(self, sandbox_id: str, watcher: str) -> None:
+        await self._call(sandbox_id, protocol.OP_WATCH_REMOVE, {"id": watcher})
 
     # -- code-interpreter contexts (each a process in the guest forked from the warm interpreter)
 
@@ -297,8 +329,9 @@ class Sessions:
     async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> dict[str, Any]:
         return await self._call(sandbox_id, protocol.OP_FILES_REMOVE, {"path": path, "recursive": recursive})
 
-    async def make_dir(self, sandbox_id: str, path: str) -> dict[str, Any]:
-        return await self._call(sandbox_id, protocol.OP_FILES_MKDIR, {"path": path, "parents": True})
+    async def make_dir(self, sandbox_id: str, path: str, exist_ok: bool = True) -> dict[str, Any]:
+        return await self._call(sandbox_id, protocol.OP_FILES_MKDIR,
+                                {"path": path, "parents": True, **({} if exist_ok else {"exist_ok": False})})
 
     async def rename(self, sandbox_id: str, src: str, dst: str) -> dict[str, Any]:
         return await self._call(sandbox_id, protocol.OP_FILES_RENAME, {"src": src, "dst": dst})

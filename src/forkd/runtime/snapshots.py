@@ -35,6 +35,7 @@ Progress = Callable[[str], None]
 
 BOOT_TIMEOUT_S = 300.0
 WARMUP_TIMEOUT_S = 600.0
+READY_LINE_BYTES = 64 << 10  # a warmup command's output line the host holds while looking for its ready line
 # init_on_alloc=0: the Debian kernel otherwise zeroes, and so dirties, every page it hands out,
 # which turns shared copy-on-write pages into private ones in every child.
 MIB = 1 << 20
@@ -220,24 +221,52 @@ def disk_full_error(exc: BaseException, directory: Path, tag: str) -> SnapshotDi
                             "snapshots) or move FORKD_HOME to a larger filesystem, then create it again")
 
 
+class ReadyLine:
+    """Finds a ``{"ready": true}`` line in a warmup command's stdout, holding at most one bounded line.
+
+    The command's output is the guest's: a line is only kept up to ``READY_LINE_BYTES`` (a longer
+    one cannot be the ready line and is skipped whole), and each chunk is scanned once, so a command
+    that writes without a newline costs neither memory nor quadratic copying.
+    """
+
+    def __init__(self) -> None:
+        self.held = bytearray()  # the line so far, at most READY_LINE_BYTES
+        self._overlong = False  # the current line went past the bound: skip it to its newline
+
+    def feed(self, chunk: bytes) -> bool:
+        """True once a complete ready line has been seen."""
+        *ended, rest = chunk.split(b"\n")
+        for piece in ended:
+            overlong = self._overlong or len(self.held) + len(piece) > READY_LINE_BYTES
+            line = b"" if overlong else bytes(self.held) + piece
+            self.held.clear()
+            self._overlong = False
+            if not overlong and _is_ready(line):
+                return True
+        if not self._overlong:
+            self.held.extend(rest[:READY_LINE_BYTES + 1 - len(self.held)])
+            if len(self.held) > READY_LINE_BYTES:
+                self.held.clear()
+                self._overlong = True
+        return False
+
+
+def _is_ready(line: bytes) -> bool:
+    try:
+        parsed = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("ready") is True
+
+
 async def run_warmup(agent: AgentClient, command: str) -> None:
     """Start ``command`` in the guest and wait until it prints a ``{"ready": true}`` line."""
     ready = asyncio.get_running_loop().create_future()
-    buffered = bytearray()
+    lines = ReadyLine()
 
     def on_event(name: str, data: dict[str, Any]) -> None:
-        if name != protocol.EVENT_STDOUT or ready.done():
-            return
-        buffered.extend(protocol.b64decode(data.get("data_b64", "")))
-        *lines, rest = bytes(buffered).split(b"\n")
-        buffered[:] = rest
-        for line in lines:
-            try:
-                if json.loads(line).get("ready") is True:
-                    ready.set_result(None)
-                    return
-            except (ValueError, AttributeError):
-                continue
+        if name == protocol.EVENT_STDOUT and not ready.done() and lines.feed(protocol.b64decode(data.get("data_b64", ""))):
+            ready.set_result(None)
 
     command_done = asyncio.create_task(
         agent.call(protocol.OP_EXEC, {"shell": command}, timeout=None, on_event=on_event))

@@ -14,8 +14,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from forkd.host.netpolicy import NetRequest, net_request_of
 from forkd.runtime.agent_client import AgentUnavailable
 from forkd.runtime.branches import BranchService
+from forkd.runtime.isolation import SandboxOptions
 from forkd.runtime.sandboxes import SandboxEnded, SandboxNotFound, SandboxService
 from forkd.runtime.spawning import ForkOptions, Spawner
 from forkd.store.errors import SnapshotConflict, SnapshotError
@@ -106,6 +108,7 @@ class WorkspaceService:
             # Labels and default environment carry over to the sandbox a resume starts.
             record.meta["labels"] = {k: v for k, v in live.record.meta.get("metadata", {}).items() if k != "workspace"}
             record.meta["envs"] = live.record.meta.get("envs", {})
+            record.meta["net"] = live.record.meta.get("net")  # and its network (mode, current egress rules)
             try:
                 snapshot = await self.branches.branch(record.sandbox_id, tag, mode="diff", wait=True)
             except (OSError, VmmError, AgentUnavailable, SnapshotError) as exc:
@@ -129,7 +132,7 @@ class WorkspaceService:
             if record.state != "suspended":
                 raise SnapshotConflict(f"workspace {name!r} is already running as {record.sandbox_id}")
             record.sandbox_id = await self._start(name, record.snapshot_tag, record.meta.get("labels", {}),
-                                                  record.meta.get("envs", {}))
+                                                  record.meta.get("envs", {}), net_request_of(record.meta.get("net")))
             record.state = "running"
             await asyncio.to_thread(self.registry.put_workspace, record)
             return record
@@ -158,8 +161,9 @@ class WorkspaceService:
             return removed
 
     async def _start(self, name: str, snapshot_tag: str, labels: dict[str, str] | None = None,
-                     envs: dict[str, str] | None = None) -> str:
-        options = ForkOptions(metadata={**(labels or {}), "workspace": name}, envs=envs or {})
+                     envs: dict[str, str] | None = None, net: NetRequest | None = None) -> str:
+        options = ForkOptions(metadata={**(labels or {}), "workspace": name}, envs=envs or {},
+                              isolation=SandboxOptions(net=net or NetRequest()))
         (outcome,) = await self.spawner.fork(snapshot_tag, 1, options)
         if outcome.sandbox is None:
             raise SnapshotError(f"the workspace's sandbox did not start: {outcome.error}")

@@ -61,14 +61,11 @@ def fork_call(tag: str | None, n: int, options: dict[str, Any]) -> Call[ForkAnsw
 
 
 def exec_call(sandbox_id: str, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None,
-              stdin: str | None, timeout_s: float | None, user: str | None, warm: bool = False,
-              pty: tuple[int, int] | None = None) -> Call[CommandOutcome]:
+              stdin: str | None, timeout_s: float | None, user: str | None, warm: bool = False) -> Call[CommandOutcome]:
     body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
     body.update({"env": env or {}, "timeout_s": timeout_s})
     if warm:
         body["warm"] = True
-    if pty is not None:
-        body["pty"] = {"rows": pty[0], "cols": pty[1]}
     optional = {"cwd": cwd, "stdin": stdin, "user": user}
     body.update({key: value for key, value in optional.items() if value is not None})
     return Call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=call_timeout(timeout_s))

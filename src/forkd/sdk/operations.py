@@ -216,14 +216,21 @@ class Operations:
 
     def start_exec(self, sandbox_id: str, cmd: str | list[str], *, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: str | None = None, timeout_s: float | None = 60.0,
-                   user: str | None = None, warm: bool = False, pty: tuple[int, int] | None = None) -> Any:
+                   user: str | None = None, warm: bool = False) -> Any:
         """Start a command and answer its open event stream (``started`` with the pid comes first).
 
-        ``stdin=None`` keeps the command's stdin open for ``send_stdin``. ``pty=(rows, cols)`` runs it on a
-        terminal: its output comes as ``pty`` events; type into it with ``send_stdin(..., pty=True)`` and
-        resize it with ``resize_terminal``.
+        ``stdin=None`` keeps the command's stdin open for ``send_stdin``.
         """
-        return self._open_stream(exec_call(sandbox_id, cmd, env, cwd, stdin, timeout_s, user, warm, pty).streamed())
+        return self._open_stream(exec_call(sandbox_id, cmd, env, cwd, stdin, timeout_s, user, warm).streamed())
+
+    def start_pty(self, sandbox_id: str, argv: list[str], *, rows: int = 24, cols: int = 80,
+                  env: dict[str, str] | None = None, cwd: str | None = None) -> Any:
+        """Start ``argv`` on a terminal in the guest and answer its open event stream: ``started`` with the pid,
+        ``pty`` events (``data_b64``: what it wrote to its terminal), then its ``{exit_code, signal}``."""
+        body: dict[str, Any] = {"argv": list(argv), "rows": rows, "cols": cols, "env": env or {}}
+        if cwd is not None:
+            body["cwd"] = cwd
+        return self._open_stream(Call("POST", f"/v1/sandboxes/{sandbox_id}/pty", json=body, timeout=LONG_TIMEOUT_S))
 
     @request
     def processes(self, sandbox_id: str) -> Call[list[dict[str, Any]]]:
@@ -237,17 +244,21 @@ class Operations:
                     json={"signal": signal}, void=True)
 
     @request
-    def send_stdin(self, sandbox_id: str, pid: int, data: str, eof: bool = False, pty: bool = False) -> Call[None]:
-        """Write ``data`` to command ``pid``'s stdin; ``eof=True`` closes it after. ``pty``: type it into the
-        terminal of a command started with ``pty`` (there end of input is a ``\x04`` in ``data``)."""
+    def send_stdin(self, sandbox_id: str, pid: int, data: str, eof: bool = False) -> Call[None]:
+        """Write ``data`` to command ``pid``'s stdin; ``eof=True`` closes it after."""
         return Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin",
-                    json={"data": data, "eof": eof, **({"pty": True} if pty else {})}, void=True)
+                    json={"data": data, "eof": eof}, void=True)
 
     @request
-    def resize_terminal(self, sandbox_id: str, pid: int, rows: int, cols: int) -> Call[None]:
-        """The new size of the terminal of a command started with ``pty`` (its program gets SIGWINCH)."""
-        return Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/resize",
-                    json={"rows": rows, "cols": cols}, void=True)
+    def pty_input(self, sandbox_id: str, pid: int, data: str) -> Call[None]:
+        """Type ``data`` at the terminal of ``start_pty``'s program (control characters included: ^D is ``\x04``)."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/pty/{pid}/input", json={"data": data}, void=True)
+
+    @request
+    def pty_resize(self, sandbox_id: str, pid: int, rows: int, cols: int) -> Call[None]:
+        """The new size of ``start_pty``'s terminal (its program gets SIGWINCH)."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/pty/{pid}/resize", json={"rows": rows, "cols": cols},
+                    void=True)
 
     @request
     def eval(self, sandbox_id: str, expr: str, context: str = "default") -> Call[EvalAnswer]:

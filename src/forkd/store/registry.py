@@ -364,6 +364,11 @@ class Registry:
         self._execute("UPDATE sandboxes SET meta = json_set(meta, '$.metadata', json(?)) WHERE id = ?",
                       (json.dumps(labels), sandbox_id))
 
+    def set_egress(self, sandbox_id: str, egress: dict[str, Any]) -> None:
+        """A running sandbox's new egress policy (``meta.net.egress``), the rest of its meta untouched."""
+        self._execute("UPDATE sandboxes SET meta = json_set(meta, '$.net.egress', json(?)) WHERE id = ?",
+                      (json.dumps(egress), sandbox_id))
+
     def set_branch_refused(self, sandbox_id: str, reason: str) -> None:
         """Why a sandbox may not be branched again (``meta.branch_refused``), the rest of its meta untouched."""
         self._execute("UPDATE sandboxes SET meta = json_set(meta, '$.branch_refused', ?) WHERE id = ?",

@@ -7,7 +7,7 @@
 import { randomBytes } from 'node:crypto'
 import { readFileSync } from 'node:fs'
 import assert from 'node:assert/strict'
-import { AuthenticationError, CommandExitError, FilesystemEventType, NotFoundError, Sandbox } from 'e2b'
+import { AuthenticationError, CommandExitError, FilesystemEventType, NotFoundError, Sandbox, TimeoutError } from 'e2b'
 import { Sandbox as CodeSandbox } from '@e2b/code-interpreter'
 
 const TEMPLATE = process.env.E2B_TEST_TEMPLATE
@@ -171,6 +171,27 @@ await check('wrong_api_key', async () => {
 await check('unknown_sandbox', async () => {
   await expectRejects(NotFoundError, () => Sandbox.connect('sb-doesnotexist'))
   await expectRejects(NotFoundError, () => Sandbox.getInfo('sb-doesnotexist'))
+})
+
+await check('client_timeouts', async () => {
+  // A client that gives up stops its work in the guest: the cell is interrupted (the next one answers
+  // instead of waiting for the abandoned sleep), the command ends at its timeout.
+  const code = await CodeSandbox.create(TEMPLATE, { timeoutMs: 600_000 })
+  try {
+    await code.runCode('kept = 1')
+    await expectRejects(TimeoutError, () => code.runCode('import time; time.sleep(3600)', { timeoutMs: 3_000 }))
+    const after = await code.runCode('kept + 1', { timeoutMs: 300_000 }) // before: waited for the hour-long sleep
+    assert.equal(after.text, '2')
+    await expectRejects(Error, () => code.commands.run('sleep 3600 && echo never', { timeoutMs: 3_000 }))
+    let gone = false
+    for (let i = 0; i < 120 && !gone; i++) { // bounds a hang only: the command ends 3 s after it started
+      gone = !(await code.commands.list()).some((p) => [p.cmd, ...p.args].join(' ').includes('sleep 3600'))
+      if (!gone) await new Promise((resolve) => setTimeout(resolve, 1000))
+    }
+    assert.ok(gone, 'the command outlived its timeout')
+  } finally {
+    await code.kill()
+  }
 })
 
 await check('run_code', async () => {

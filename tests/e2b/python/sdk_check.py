@@ -26,6 +26,7 @@ from e2b import (
     Sandbox,
     SandboxQuery,
     SandboxState,
+    TimeoutException,
 )
 from e2b_code_interpreter.charts import ChartType
 from e2b_code_interpreter import Sandbox as CodeSandbox
@@ -175,6 +176,25 @@ def main() -> int:
         expect_raises(NotFoundException, lambda: Sandbox.connect("sb-doesnotexist"))
         expect_raises(NotFoundException, lambda: Sandbox.get_info("sb-doesnotexist"))
 
+    def client_timeouts() -> None:
+        """A client that gives up stops its work in the guest: the cell is interrupted (the next one
+        answers instead of waiting for the abandoned sleep), the command ends at its timeout."""
+        code = CodeSandbox.create(template=TEMPLATE, timeout=600)
+        try:
+            code.run_code("kept = 1")
+            expect_raises(TimeoutException, lambda: code.run_code("import time; time.sleep(3600)", timeout=3))
+            after = code.run_code("kept + 1", timeout=300)  # before: waited for the hour-long sleep
+            assert after.text == "2" and after.error is None, after
+            expect_raises(Exception, lambda: code.commands.run("sleep 3600 && echo never", timeout=3))
+            for _ in range(120):  # bounds a hang only: the command ends 3 s after it started
+                if not any("sleep 3600" in " ".join(p.args) for p in code.commands.list()):
+                    break
+                time.sleep(1)
+            else:
+                raise AssertionError("the command outlived its timeout")
+        finally:
+            code.kill()
+
     def run_code() -> None:
         code = CodeSandbox.create(template=TEMPLATE, timeout=600)
         try:
@@ -245,7 +265,7 @@ def main() -> int:
                        ("background_command_killed", background_command_killed), ("stdin", stdin),
                        ("non_zero_exit", non_zero_exit), ("files", files), ("watch", watch), ("pty", pty), ("second_client", second_client),
                        ("set_timeout", set_timeout), ("list", listing), ("wrong_api_key", wrong_api_key),
-                       ("unknown_sandbox", unknown_sandbox), ("run_code", run_code), ("charts", charts), ("fork", fork),
+                       ("unknown_sandbox", unknown_sandbox), ("client_timeouts", client_timeouts), ("run_code", run_code), ("charts", charts), ("fork", fork),
                        ("pause_resume", pause_resume), ("kill", kill)]:
         if len(sys.argv) == 1 or name in sys.argv[1:]:  # names on the command line: only those checks
             check(name, body)

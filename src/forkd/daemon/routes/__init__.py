@@ -14,9 +14,10 @@ from forkd.daemon.routes import (
     sandboxes,
     snapshots,
     system,
+    watches,
     workspaces,
 )
 
 ROUTERS = (system.router, images.router, snapshots.router, packs.router, sandboxes.router, commands.router,
-           contexts.router, files.router, branch.router, workspaces.router, pools.router,
+           contexts.router, files.router, watches.router, branch.router, workspaces.router, pools.router,
            node.router)

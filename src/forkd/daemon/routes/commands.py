@@ -1,25 +1,26 @@
-"""Commands, Python cells and the processes exec started: the REST face of ``runtime.sessions``.
+"""Commands, Python cells, terminals and the processes exec started: the REST face of ``runtime.sessions``.
 
 exec and run_code answer JSON with the output gathered (up to the configured budget, then
-``truncated: true``), or with ``"stream": true`` NDJSON events as output arrives. Either way the
-call ends in the guest when the client disconnects.
+``truncated: true``), or with ``"stream": true`` NDJSON events as output arrives; a terminal (``pty``)
+always streams. Either way the call ends in the guest when the client disconnects (a terminal is
+hung up).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 
 from forkd.daemon import schemas
-from forkd.daemon.bodies import PtySize
 from forkd.daemon.errors import ClientGone
 from forkd.daemon.deps import Pid, SandboxId, SessionsDep
-from forkd.daemon.ndjson import NDJSONResponse, attached, json_or_ndjson
+from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, attached, json_or_ndjson
 from forkd.runtime.execution import Execution
-from forkd.runtime.results import CellSpec, CommandSpec, Notice, Output, Started
+from forkd.runtime.results import CellSpec, CommandSpec, Data, Event, Output, Started
 from forkd.runtime.sessions import Sessions
 
 router = APIRouter()
@@ -46,10 +47,12 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def _wire(event: Started | Output | Notice) -> dict[str, Any]:
+def _wire(event: Event) -> dict[str, Any]:
     """An event as an NDJSON line (the wire format clients already read)."""
     if isinstance(event, Output):
         return {"event": event.stream, "data": event.text}
+    if isinstance(event, Data):
+        return {"event": event.stream, "data_b64": base64.b64encode(event.data).decode()}
     if isinstance(event, Started):
         return {"event": "started", "pid": event.pid}
     return {"event": event.name, **event.data}
@@ -68,7 +71,7 @@ async def _lines(execution: Execution) -> AsyncIterator[dict[str, Any]]:
 def command_spec(body: schemas.ExecRequest) -> CommandSpec:
     return CommandSpec(cmd=body.cmd, argv=body.argv, env=body.env, cwd=body.cwd, timeout_s=body.timeout_s,
                        user=body.user, stdin=body.stdin.encode() if body.stdin is not None else None,
-                       warm=body.warm, pty=(body.pty.rows, body.pty.cols) if body.pty is not None else None)
+                       warm=body.warm)
 
 
 async def _answer(request: Request, stream: bool, collect: Callable[[], Awaitable[Any]],
@@ -122,10 +125,34 @@ async def signal_process(sandbox_id: SandboxId, pid: Pid, body: schemas.SignalBo
 
 @router.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin")
 async def write_stdin(sandbox_id: SandboxId, pid: Pid, body: schemas.StdinBody, sessions: SessionsDep) -> dict[str, Any]:
-    return await sessions.write_stdin(sandbox_id, pid, body.data.encode(), body.eof, pty=body.pty)
+    return await sessions.write_stdin(sandbox_id, pid, body.data.encode(), body.eof)
 
 
-@router.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/resize")
-async def resize_terminal(sandbox_id: SandboxId, pid: Pid, body: PtySize, sessions: SessionsDep) -> dict[str, Any]:
-    """The new size of the terminal of a command started with ``pty`` (its program gets SIGWINCH)."""
-    return await sessions.resize(sandbox_id, pid, body.rows, body.cols)
+@router.post("/v1/sandboxes/{sandbox_id}/pty", response_model=None, responses=NDJSON_ANSWER)
+async def start_pty(sandbox_id: SandboxId, body: schemas.PtyRequest, sessions: SessionsDep) -> NDJSONResponse:
+    """A program on a pseudo-terminal: NDJSON ``started {pid}``, ``pty {data_b64}`` as it writes to its
+    terminal, then its ``{exit_code, signal}``. Unread output pauses it; a client that leaves hangs it up."""
+    spec = CommandSpec(argv=body.argv, env=body.env, cwd=body.cwd, timeout_s=None)
+    execution = await sessions.start_pty(sandbox_id, spec, body.rows, body.cols)
+    return attached(_lines(execution), execution.raw_result)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/pty/{pid}/input")
+async def pty_input(sandbox_id: SandboxId, pid: Pid, body: schemas.PtyInput, sessions: SessionsDep) -> dict[str, Any]:
+    """``data`` typed at the terminal, control characters included (Ctrl+C is U+0003, Ctrl+D U+0004)."""
+    data = body.data.encode()
+    await sessions.pty_input(sandbox_id, pid, data)
+    return {"pid": pid, "written": len(data)}
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/pty/{pid}/resize")
+async def pty_resize(sandbox_id: SandboxId, pid: Pid, body: schemas.PtySize, sessions: SessionsDep) -> dict[str, Any]:
+    await sessions.pty_resize(sandbox_id, pid, body.rows, body.cols)
+    return {"pid": pid, "rows": body.rows, "cols": body.cols}
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/pty/{pid}/signal")
+async def pty_signal(sandbox_id: SandboxId, pid: Pid, body: schemas.SignalBody, sessions: SessionsDep) -> dict[str, Any]:
+    await sessions.pty_signal(sandbox_id, pid, body.signal)
+    return {"pid": pid, "signal": body.signal}
+

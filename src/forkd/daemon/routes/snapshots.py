@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from forkd.daemon import schemas
+from forkd.daemon import schemas, snapshot_answers
 from forkd.daemon.deps import RuntimeDep
 from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, detached, progress_line
 from forkd.runtime.snapshots import SnapshotRequest
@@ -14,7 +14,7 @@ from forkd.runtime.snapshots import SnapshotRequest
 router = APIRouter()
 
 
-@router.get("/v1/snapshots", response_model=schemas.SnapshotList)
+@router.get("/v1/snapshots", response_model=snapshot_answers.SnapshotList)
 async def snapshots(runtime: RuntimeDep) -> dict[str, Any]:
     return {"snapshots": await runtime.snapshot_listing()}  # walks the store on its own threads
 
