@@ -29,7 +29,7 @@ import pytest
 
 from conftest import require_root
 from forkd.guest import agent as agent_module
-from forkd.guest import channel, processes, protocol
+from forkd.guest import activity, channel, processes, protocol
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,7 +203,7 @@ def test_every_op_is_served_and_rejects_nonsense_args(agent: AgentClient, op: st
     nonsense = {"path": 1, "code": 2, "pid": "x", "modules": 3, "entropy_b64": 4, "id": [5], "expr": 6}
     _, terminal = agent.call(op, nonsense)
     if terminal["ok"]:
-        assert op in (protocol.OP_PING, protocol.OP_PROC_LIST, protocol.OP_CONTEXTS_LIST)
+        assert op in (protocol.OP_PING, protocol.OP_PROC_LIST, protocol.OP_CONTEXTS_LIST, protocol.OP_ACTIVITY)
     else:
         assert terminal["error"]["code"] == protocol.ERR_BAD_REQUEST, terminal
 
@@ -1340,6 +1340,21 @@ def test_pty_session_is_killed_by_signal(agent: AgentClient) -> None:
     pid = agent.next_frame(req)[1]["data"]["pid"]
     assert agent.result(protocol.OP_PTY_KILL, {"pid": pid, "signal": 15}) == {}
     assert agent.collect(req)[-1][1]["result"] == {"exit_code": 143, "signal": 15}
+
+
+def test_activity_counts_user_processes_but_not_the_agents_own_kernel_threads_or_zombies(tmp_path: Path) -> None:
+    """What keeps a guest from being stopped for being idle: every process with a command line but the agent's."""
+    for pid, cmdline in ((1, b"python3\0-m\0forkd_guest.init"), (7, b""), (40, b"python3\0-m\0forkd_guest.agent"),
+                         (41, b"python3\0template"), (99, b"sleep\0300"), (120, b"python3\0-m\0http.server")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(cmdline)
+    (tmp_path / "self").mkdir()
+    assert activity.user_processes({1, 40, 41}, str(tmp_path)) == [99, 120]
+
+
+def test_clock_set_checks_its_argument(agent: AgentClient) -> None:
+    _, terminal = agent.call(protocol.OP_CLOCK_SET, {"time_ns": -1})
+    assert terminal["error"]["code"] == protocol.ERR_BAD_REQUEST
 
 
 def test_pty_flow_pause_stops_reading_and_cancel_hangs_up_then_kills(agent: AgentClient, tmp_path: Path) -> None:

@@ -113,13 +113,15 @@ def ls(as_json: bool, quiet: bool, pools: bool, label_filters: tuple[str, ...]) 
     elif quiet:
         print_ids(item["id"] for item in items)
     else:
-        print_rows((Column("id", no_wrap=True, min_width=15), "snapshot", "status", "pid", "net", "limits",
+        print_rows((Column("id", no_wrap=True, min_width=15), "snapshot", "status", "vm", "pid", "net", "limits",
                     "answered in", "age"), map(_sandbox_row, items))
 
 
 def _sandbox_row(item: dict[str, Any]) -> tuple[str, ...]:
     answered = item.get("seconds_to_answer")
-    return (item["id"], item["snapshot_tag"], item["status"], str(item["pid"]), describe_net(item),
+    # vm: running, or idle_stopped (stopped for being idle: its next request continues it)
+    return (item["id"], item["snapshot_tag"], item["status"], item.get("vm_state", "running"), str(item["pid"]),
+            describe_net(item),
             describe_limits(item), f"{answered * 1000:.0f} ms" if answered else "-",
             f"{time.time() - item['created_at']:.0f} s")
 

@@ -31,6 +31,7 @@ max_branches = 2                 # branches written at once; more answer 503  [F
 
 [sandboxes]
 keep_on_stop = false             # true: stopping the daemon leaves VMMs for the next one to re-adopt
+idle_stop_s = 60                 # a child idle this long is stopped, continued by its next request; 0 never  [FORKD_IDLE_STOP_S]
 
 [network]
 pool = "10.213.0.0/16"           # private IPv4 range nat children's /30s come from  [FORKD_NET_POOL]
@@ -86,6 +87,7 @@ from forkd.config import Paths
 from forkd.hostpaths import HostRoots
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
 from forkd.packs.space import DEFAULT_FLOOR_BYTES as DEFAULT_PACK_FLOOR_BYTES
+from forkd.runtime.idle import DEFAULT_IDLE_STOP_S
 from forkd.runtime.options import DEFAULT_MAX_BRANCHES, OutputLimits, RuntimeOptions
 from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.validation import ValidationError as FieldError
@@ -99,7 +101,7 @@ ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socke
             "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file",
             "FORKD_LOG_FORMAT": "log_format", "FORKD_NET_POOL": "network.pool",
             "FORKD_DNS": "network.dns", "FORKD_MAX_BRANCHES": "limits.max_branches",
-            "FORKD_E2B_LISTEN": "e2b.listen", "FORKD_VMM": "vmm"}
+            "FORKD_E2B_LISTEN": "e2b.listen", "FORKD_VMM": "vmm", "FORKD_IDLE_STOP_S": "sandboxes.idle_stop_s"}
 
 
 DEFAULT_MAX_SANDBOXES = 500
@@ -121,6 +123,7 @@ class Limits:
 @dataclass(frozen=True, config=_STRICT)
 class SandboxPolicy:
     keep_on_stop: bool = False
+    idle_stop_s: float = Field(default=DEFAULT_IDLE_STOP_S, ge=0, le=1 << 30)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -228,6 +231,7 @@ class DaemonConfig:
                               max_concurrent_forks=self.limits.max_concurrent_forks,
                               max_concurrent_branches=self.limits.max_branches,
                               keep_sandboxes_on_stop=self.sandboxes.keep_on_stop,
+                              idle_stop_s=self.sandboxes.idle_stop_s,
                               net_pool=self.network.pool, dns=str(self.network.dns) if self.network.dns else None,
                               output=OutputLimits(result_bytes=self.output.result_bytes,
                                                   stream_bytes=self.output.stream_bytes,

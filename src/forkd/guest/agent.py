@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from . import protocol, reseed
+from .activity import ActivityOps
 from .channel import log, open_channel
 from .dispatch import Dispatcher, Handler, OpFamily, Request, inline
 from .files import FileOps
@@ -79,13 +80,15 @@ class AgentOps:
 def op_families() -> list[OpFamily]:
     """Every op family the agent serves; registering a new op module is one line here."""
     python = PythonRuntime()
+    watches = WatchOps()
     return [
         AgentOps(python),
         ProcessTable(python.template),
         python,
         FileOps(),
-        WatchOps(),
+        watches,
         PtyOps(),
+        ActivityOps(python.own_pids, watches.count),
         TunnelOps(),
     ]
 

@@ -110,6 +110,13 @@ class PythonRuntime:
         except OSError as exc:
             log(f"cannot start the warm template yet: {exc}")
 
+    def own_pids(self) -> list[int]:
+        """The interpreters' own processes (the template, the contexts), which idle between calls."""
+        with self._lock:
+            pids = [context.pid for context in self._contexts.values()]
+        template = self.template.pid
+        return pids if template is None else [template, *pids]
+
     @property
     def warm_modules(self) -> list[str]:
         return self.template.warm_modules

@@ -73,6 +73,8 @@ OP_PTY_START = "pty.start"
 OP_PTY_INPUT = "pty.input"
 OP_PTY_RESIZE = "pty.resize"
 OP_PTY_KILL = "pty.kill"
+OP_ACTIVITY = "activity"  # what keeps the guest busy (user processes, watches): may the host stop it?
+OP_CLOCK_SET = "clock.set"  # set the guest's wall clock (a guest the host stopped and continued lags)
 OP_TCP_OPEN = "tcp.open"  # a byte tunnel to a TCP port a guest program listens on (guest/tunnel.py)
 OP_TCP_SEND = "tcp.send"
 OP_TCP_ACK = "tcp.ack"
@@ -86,6 +88,8 @@ OP_CANCEL = "cancel"  # end that request: kill its process group / interrupt its
 ALL_OPS = frozenset(
     {
         OP_PING,
+        OP_ACTIVITY,
+        OP_CLOCK_SET,
         OP_RESEED,
         OP_WARM,
         OP_EXEC,

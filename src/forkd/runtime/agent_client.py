@@ -96,6 +96,10 @@ class AgentClient:
         self._reader_task = asyncio.create_task(self._read_loop())
         self.on_roundtrip: Callable[[str, float], None] | None = None  # (op, seconds) of each answered call
         self.on_violation: Callable[[str], None] | None = None  # the guest broke the protocol (reason)
+        # Awaited before every request is sent (unless ``wake=False``): the one point every request to
+        # a sandbox passes, where an idle-stopped guest is continued first (runtime/idle.py).
+        self.before_request: Callable[[], Awaitable[None]] | None = None
+        self.last_request = time.monotonic()  # when the last request was sent
 
     @classmethod
     async def connect(cls, vm: VmHandle, timeout: float = 10.0) -> AgentClient:
@@ -115,16 +119,31 @@ class AgentClient:
     def closed(self) -> bool:
         return self._closed_reason is not None
 
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not yet answered (a running command, a watch's long poll, ...)."""
+        return len(self._pending)
+
     async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = 60.0,
-                   on_event: EventHandler | None = None) -> dict[str, Any]:
+                   on_event: EventHandler | None = None, wake: bool = True) -> dict[str, Any]:
         """Send one request and return its result; raise :class:`AgentError` on an error frame."""
-        return await self.wait(await self.start(op, args, on_event=on_event), timeout=timeout)
+        return await self.wait(await self.start(op, args, on_event=on_event, wake=wake), timeout=timeout)
 
     async def start(self, op: str, args: dict[str, Any] | None = None, *,
-                    on_event: EventHandler | None = None) -> int:
-        """Send one request and return its id; its events go to ``on_event`` until :meth:`wait` ends it."""
+                    on_event: EventHandler | None = None, wake: bool = True) -> int:
+        """Send one request and return its id; its events go to ``on_event`` until :meth:`wait` ends it.
+
+        ``wake=False`` skips ``before_request``: for the one who stops and continues the guest itself.
+        """
         if self._closed_reason is not None:
             raise AgentUnavailable(self._closed_reason)
+        if wake:
+            self.last_request = time.monotonic()
+            if self.before_request is not None:
+                await self.before_request()
+                if self._closed_reason is not None:
+                    raise AgentUnavailable(self._closed_reason)
+        # No await between the hook and the request counting as in flight: a stop checks ``in_flight``.
         req_id = next(self._ids)
         self._pending[req_id] = _Pending(op, on_event)
         try:

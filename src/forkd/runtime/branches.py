@@ -161,9 +161,10 @@ class BranchService:
                     raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} is not ready")
                 memory = chain_memory(self.store.ancestry(parent))
                 timings = Timings()
-                capture = await branching_of(self.vmm).capture(
-                    live.vm, parent.meta["identity"]["memory_mib"] << 20, build_dir / STATE_FILE,
-                    live=mode == "live", mark=timings.mark)
+                async with self.sandboxes.idle.awake(live.record.id):  # continued if idle-stopped
+                    capture = await branching_of(self.vmm).capture(
+                        live.vm, parent.meta["identity"]["memory_mib"] << 20, build_dir / STATE_FILE,
+                        live=mode == "live", mark=timings.mark)
                 # A restarted daemon adopts the new top.
                 await asyncio.to_thread(self.registry.set_vmm_state, live.record.id, live.vm.state)
                 meta = await self._assemble(build_dir, parent, memory, capture, mode, timings)

@@ -1,6 +1,7 @@
 """The daemon's keepers: background rounds over the running VMMs that no error of one round ends.
 
-The deadline keeper kills sandboxes past their timeout; the console keeper cuts consoles that grow
+The deadline keeper kills sandboxes past their timeout; the idle keeper stops children idle long
+enough (runtime/idle.py); the console keeper cuts consoles that grow
 past their bound: those of live sandboxes and of parents being baked into snapshots (a parent may
 boot and warm for up to 15 minutes, its guest writing its serial port all the while). Each must
 outlive any error of one round, or what it enforces would stop being enforced without anyone noticing.
@@ -12,10 +13,12 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
+from forkd.runtime.idle import IdleStops
 from forkd.runtime.sandboxes import SandboxService
 from forkd.vmm.base import VmHandle
 
 CONSOLE_MAX_BYTES = 16 << 20  # a live sandbox's console is cut past this (see VmHandle.bound_logs)
+IDLE_CHECK_MAX_S = 5.0  # how often idle children are looked for, at most
 LOG_CHECK_S = 5.0  # how often: a console can outgrow the bound by what a guest writes in this time
 log = logging.getLogger("forkd.keepers")
 
@@ -28,6 +31,20 @@ async def deadline_keeper(sandboxes: SandboxService, interval_s: float = 1.0) ->
             await sandboxes.expire()
         except Exception:
             log.exception("the deadline keeper's round failed; it goes on")
+
+
+async def idle_keeper(idle: IdleStops, interval_s: float | None = None) -> None:
+    """Stop idle children; a child is stopped at most ``interval_s`` (a fifth of the idle time, at most
+    ``IDLE_CHECK_MAX_S``) after it became idle for long enough."""
+    if idle.idle_s <= 0:
+        return
+    interval_s = interval_s or min(IDLE_CHECK_MAX_S, max(0.05, idle.idle_s / 5))
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await idle.sweep()
+        except Exception:
+            log.exception("the idle keeper's round failed; it goes on")
 
 
 async def console_keeper(consoles: Callable[[], Iterable[VmHandle]], interval_s: float = LOG_CHECK_S,

@@ -61,6 +61,16 @@ class _PoolGauges(Collector):
         yield from (ready, size, memory)
 
 
+class _IdleGauge(Collector):
+    def __init__(self, stopped: Callable[[], int]) -> None:
+        self._stopped = stopped
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        yield GaugeMetricFamily("forkd_sandboxes_idle_stopped",
+                                "Live sandboxes whose VMM is stopped for being idle (runtime/idle.py)",
+                                value=self._stopped())
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -108,6 +118,9 @@ class Metrics:
 
     def watch_pools(self, pools: Callable[[], Iterable[dict[str, Any]]]) -> None:
         self.registry.register(_PoolGauges(pools))
+
+    def watch_idle(self, stopped: Callable[[], int]) -> None:
+        self.registry.register(_IdleGauge(stopped))
 
     def count_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.http_requests.labels(route, method, str(status)).inc()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from forkd.host.netpolicy import DEFAULT_POOL
 from forkd.hostpaths import HostRoots
 from forkd.packs.space import DEFAULT_FLOOR_BYTES
+from forkd.runtime.idle import DEFAULT_IDLE_STOP_S
 
 DEFAULT_MAX_BRANCHES = 2
 
@@ -58,6 +59,9 @@ class RuntimeOptions:
     # a pooled child then skips the translation of that guest code, at the cost of the member's
     # larger footprint (docs/operations.md). False: members wait before their state is loaded.
     warm_pools: bool = True
+    # A child no request reached for this long, with nothing running in it, is stopped (its VMM uses no
+    # CPU) and continued by its next request (runtime/idle.py); 0: never.
+    idle_stop_s: float = DEFAULT_IDLE_STOP_S
 
     def restore_slots(self) -> int:
         """Children restored at once: the configured bound, else what this host's CPUs can serve."""

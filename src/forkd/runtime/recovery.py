@@ -9,13 +9,13 @@ is gone, a run directory without a record, the parent and build directory of a s
 being baked. Reaping goes through :meth:`SandboxService.release`, so every plugged-in releaser
 (network namespace, cgroup, ...) runs for each id, whatever state it was left in.
 
-A live sandbox's guest is stopped only inside a BRANCH's pause (``runtime/branches.py``), and a
+A live sandbox's guest is stopped inside a BRANCH's pause (``runtime/branches.py``) or for being
+idle (``runtime/idle.py``). So a sandbox is adopted even when its VMM is stopped and is resumed
+(``cont``) before it must answer, then its clock is set: a daemon killed inside a branch's pause
+loses the branch (the store's reaper marks the snapshot ``failed``), never the user's sandbox. A
 branch registers its snapshot as ``writing``, naming its source sandbox, before it stops the
-source. So a sandbox named by a ``writing`` snapshot is adopted even when its VMM is stopped and is
-resumed (``cont``) before it must answer: a daemon killed inside the pause loses the branch (the
-store's reaper marks the snapshot ``failed``), never the user's sandbox. The sandbox keeps running
-but is listed in ``Recovery.resumed``: its disk may hold a layer no snapshot received, so the
-runtime refuses to branch it again.
+source; such a sandbox keeps running but is listed in ``Recovery.resumed``: its disk may hold a
+layer no snapshot received, so the runtime refuses to branch it again.
 
 Recovery runs before the daemon serves, so no record may stop it: a VMM that fails its adoption in
 any way is reaped like one that does not answer, and a record whose reaping itself fails is logged
@@ -35,6 +35,7 @@ from pathlib import Path
 
 from forkd.guest import protocol
 from forkd.runtime.agent_client import connect_when_answering
+from forkd.runtime.idle import correct_clock
 from forkd.store.registry import SandboxRecord
 from forkd.runtime.sandboxes import SandboxService
 from forkd.store.io import blocking
@@ -105,11 +106,12 @@ async def _recover_one(sandboxes: SandboxService, record: SandboxRecord, refs: l
             process = AdoptedProcess(record.pid, pidfd)
             try:
                 vm = await sandboxes.vmm.adopt(record.id, process, record.run_dir, record.vmm_state,
-                                               stopped_ok=branching)
+                                               stopped_ok=True)
+                await sandboxes.vmm.resume(vm)  # `cont` of a running guest changes nothing
                 if branching:
-                    await sandboxes.vmm.resume(vm)  # `cont` of a running guest changes nothing
                     log.warning("sandbox %s was being branched when the daemon stopped; it runs again", record.id)
                 agent, _ = await connect_when_answering(vm, ADOPT_ANSWER_TIMEOUT_S, protocol.OP_PING)
+                await correct_clock(agent)  # it may have been stopped (idle, or in a branch's pause) for long
             except Exception as exc:  # VmmError, AgentError, or anything else: it cannot be served
                 log.warning("sandbox %s does not answer (%s); reaping it", record.id, exc)
                 with contextlib.suppress(ProcessLookupError):

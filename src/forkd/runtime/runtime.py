@@ -34,7 +34,7 @@ from forkd.runtime.compact import CompactService
 from forkd.runtime.drain import DrainService
 from forkd.runtime.driver_forks import DriverForks
 from forkd.runtime.isolation import Isolation
-from forkd.runtime.keepers import console_keeper, deadline_keeper
+from forkd.runtime.keepers import console_keeper, deadline_keeper, idle_keeper
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.node import NodeService
 from forkd.runtime.options import RuntimeOptions
@@ -73,7 +73,7 @@ class Runtime:
         self.store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
         self.snapshots = SnapshotService(paths, self.store, vmm)
         self.metrics = Metrics()
-        self.sandboxes = SandboxService(paths, registry, vmm, isolation)
+        self.sandboxes = SandboxService(paths, registry, vmm, isolation, self.options.idle_stop_s)
         self.pools = PoolService(paths, registry, vmm, self.store, isolation, self.sandboxes.release, new_sandbox_id,
                                  self.options.pool_sizes, warm=self.options.warm_pools)
         self.spawner = Spawner(paths, registry, vmm, self.store, self.sandboxes, self.pools, isolation, self.metrics,
@@ -89,6 +89,7 @@ class Runtime:
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.metrics.watch_pools(self.pools.list)
+        self.metrics.watch_idle(self.sandboxes.idle.stopped)
         self.compaction = CompactService(self.store, vmm.disk)
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.spawner,
                                       self.options.max_concurrent_branches, self.metrics)
@@ -134,7 +135,8 @@ class Runtime:
         await self.pools.start()
         loop = asyncio.get_running_loop()
         self._keepers = [loop.create_task(deadline_keeper(self.sandboxes)),
-                         loop.create_task(console_keeper(self.consoles))]
+                         loop.create_task(console_keeper(self.consoles)),
+                         loop.create_task(idle_keeper(self.sandboxes.idle))]
         return recovery
 
     async def stop(self) -> None:

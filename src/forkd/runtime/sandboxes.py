@@ -21,6 +21,7 @@ from typing import Any
 from forkd.config import Paths
 from forkd.runtime.agent_client import AgentClient
 from forkd.host.netpolicy import EgressPolicy
+from forkd.runtime.idle import IdleStops
 from forkd.runtime.isolation import END_OUT_OF_MEMORY, Isolation, Prepared
 from forkd.store.io import remove_tree
 from forkd.store.registry import Registry, SandboxRecord
@@ -66,7 +67,8 @@ class LiveSandbox:
 class SandboxService:
     """The live sandboxes of this daemon, and what ended lately."""
 
-    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, isolation: Isolation) -> None:
+    def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, isolation: Isolation,
+                 idle_stop_s: float = 0.0) -> None:
         self.paths = paths
         self.registry = registry
         self.vmm = vmm
@@ -76,6 +78,7 @@ class SandboxService:
         self._live: dict[str, LiveSandbox] = {}
         self._ended: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._killers: set[asyncio.Task[None]] = set()  # kills started by a callback, kept until done
+        self.idle = IdleStops(vmm, idle_stop_s)  # idle children stopped, continued on their next request
 
     def watch(self, record: SandboxRecord, vm: VmHandle, agent: AgentClient,
               isolation: Prepared | None = None) -> LiveSandbox:
@@ -83,6 +86,7 @@ class SandboxService:
         live = LiveSandbox(record=record, vm=vm, agent=agent, isolation=isolation)
         live.watcher = asyncio.create_task(self._watch(live))
         agent.on_violation = lambda detail: self._agent_violated(live, detail)
+        self.idle.attach(record.id, vm, agent)
         self._live[record.id] = live
         return live
 
@@ -115,6 +119,7 @@ class SandboxService:
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
         await self.release(record.id, record.run_dir)
+        self.idle.forget(record.id)
         self._live.pop(record.id, None)  # listed until released: gone from `ls` means gone from the host
 
     def _release_isolation(self, sandbox_id: str) -> None:
@@ -220,7 +225,7 @@ class SandboxService:
         await asyncio.to_thread(self.registry.set_egress, sandbox_id, policy.to_dict())
 
     def describe(self, live: LiveSandbox, with_memory: bool = False) -> dict[str, Any]:
-        info = live.record.to_dict()
+        info = {**live.record.to_dict(), **self.idle.state(live.record.id)}
         if with_memory:
             with contextlib.suppress(VmmError):
                 stats: MemoryStats = self.vmm.memory_stats(live.vm)
@@ -249,6 +254,7 @@ class SandboxService:
                 with contextlib.suppress(asyncio.CancelledError):
                     await live.watcher
             await live.agent.close()
+            self.idle.forget(live.record.id)  # a stopped one stays stopped: the next daemon continues it
             close = getattr(live.vm.process, "close", None)  # an adopted VMM's pidfd
             if close is not None:
                 close()

@@ -36,12 +36,18 @@ Progress = Callable[[str], None]
 BOOT_TIMEOUT_S = 300.0
 WARMUP_TIMEOUT_S = 600.0
 READY_LINE_BYTES = 64 << 10  # a warmup command's output line the host holds while looking for its ready line
-# init_on_alloc=0: the Debian kernel otherwise zeroes, and so dirties, every page it hands out,
-# which turns shared copy-on-write pages into private ones in every child.
 MIB = 1 << 20
 SPACE_SLACK_BYTES = 64 * MIB
 DISK_FULL_BELOW_BYTES = 8 * MIB  # a failure with less than this free is reported as "disk full"
-BASE_CMDLINE = "console=ttyS0 panic=-1 quiet loglevel=4 init_on_alloc=0"
+# init_on_alloc=0: the Debian kernel otherwise zeroes, and so dirties, every page it hands out,
+# which turns shared copy-on-write pages into private ones in every child.
+# The rest keeps an idle guest from waking its emulated CPU (each wake costs its VMM CPU under TCG;
+# measured with a guest ftrace, docs/operations.md "Idle children are stopped"): no lockup
+# watchdogs, no clocksource watchdog (QEMU's TSC is the host's clock: tsc=reliable), no
+# transparent huge pages (khugepaged's scans, and a huge page zeroed in a child is 2 MiB of its
+# memory copied on write), no proactive compaction (kcompactd every 500 ms).
+BASE_CMDLINE = ("console=ttyS0 panic=-1 quiet loglevel=4 init_on_alloc=0 nowatchdog nmi_watchdog=0 tsc=reliable "
+                "transparent_hugepage=never sysctl.vm.compaction_proactiveness=0")
 
 
 @dataclass(frozen=True)

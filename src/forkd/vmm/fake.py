@@ -63,6 +63,7 @@ class FakeBehaviour:
     stalled: set[str] = field(default_factory=set)  # names whose "monitor" never answers: adopt times out
     exec_stderr: bytes = b""  # what every exec writes to stderr (sent as events) before it ends
     exec_exit_code: int = 0
+    busy: set[str] = field(default_factory=set)  # names whose guest runs a user process (``activity``)
 
 
 class FakeDisk:
@@ -112,6 +113,7 @@ class FakeVmm:
         self.reseeds: list[str] = []  # sandbox ids whose agent answered a reseed, in order
         self.requests: list[tuple[str, str]] = []  # (VM name, op) of every request its agent answered
         self.evals: list[str] = []  # expressions the agents were asked to evaluate, in order
+        self.clock_sets: list[tuple[str, int]] = []  # (VM name, time_ns) of every clock.set, in order
         self._agents: dict[str, asyncio.AbstractServer] = {}  # by run dir
         self._files: dict[str, FakeFiles] = {}  # each guest's files, by run dir (in memory, not kept by a fork)
         self._running: dict[str, asyncio.Event] = {}  # by run dir: cleared while paused, so the agent waits
@@ -271,6 +273,12 @@ class FakeVmm:
             return {"id": req_id, "ok": True, "result": {"value": "None", "value_json": None}}
         if op == protocol.OP_RUN_CODE:
             return {"id": req_id, "ok": True, "result": {"value": None, "value_json": None, "error": None}}
+        if op == protocol.OP_ACTIVITY:
+            processes = 1 if vm.name in self.behaviour.busy else 0
+            return {"id": req_id, "ok": True, "result": {"processes": processes, "pids": [], "watches": 0}}
+        if op == protocol.OP_CLOCK_SET:
+            self.clock_sets.append((vm.name, int(args.get("time_ns", 0))))
+            return {"id": req_id, "ok": True, "result": {"clock": True}}
         if op == protocol.OP_EXEC:
             return {"id": req_id, "ok": True, "result": {"exit_code": self.behaviour.exec_exit_code, "signal": None,
                                                          "timed_out": False,

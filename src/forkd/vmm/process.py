@@ -21,6 +21,7 @@ from forkd.vmm.base import MemoryStats, VmmError
 
 # An adopted VMM is not our child: its exit status cannot be collected, only the fact that it exited.
 EXIT_STATUS_UNKNOWN = 255
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def start_time(pid: int) -> int | None:
@@ -32,6 +33,16 @@ def start_time(pid: int) -> int | None:
     # The command name (field 2) may hold spaces and parentheses; the fields after it may not.
     fields = stat.rsplit(")", 1)[1].split()
     return int(fields[19]) if fields[0] != "Z" else None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time ``pid`` has used (all its threads); ``None`` when it no longer exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
 
 
 def cmdline(pid: int) -> bytes:

@@ -1,0 +1,313 @@
+"""Density: N children alive at once on this host, with idle stops off and on side by side in one run.
+
+The bench runs its own daemon on its own home (the image cache is shared), bakes ``--tag`` there if
+it is missing (the quickstart's settings: 1 GiB, numpy warm), then:
+
+1. **idle stops off** (``idle_stop_s = 0``): forks ``--n`` children in requests of ``--batch`` (the
+   time of each request and of all); pings every child (how many answer); after ``--settle`` s an
+   idle-CPU window of ``--window`` s (utime + stime of every VMM from /proc, so a loaded machine
+   distorts it least: a core's share per child and the cores all of them burn); Private_Dirty per
+   child with its breakdown by mapping (/proc/PID/smaps: TCG translation cache, guest RAM copied on
+   write, QEMU heap, other anonymous memory (glibc arenas, device state), files); eval round trips
+   (p50/p90) on ``--sample`` random children while all are alive.
+2. **idle stops on**: the daemon stops, leaving its VMMs (``keep_on_stop``); a daemon with
+   ``idle_stop_s = --idle-stop`` re-adopts them and stops each once idle; when all are stopped, the
+   same CPU window; then evals on a random sample again, each the first request after its stop
+   (``cont``, the clock set, the eval).
+
+The load average is recorded before and after every phase; take figures on an idle machine only.
+Everything the bench started is killed at the end (its daemon kills its children when it stops).
+
+    .venv/bin/python bench/density.py --n 500 --batch 50 --window 30 --sample 50
+
+Writes bench/results/density.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from spawn import load, quantiles, smaps_breakdown  # noqa: E402  (bench/spawn.py, next to this script)
+
+from forkd.sdk.controller import Controller, DaemonUnreachable  # noqa: E402
+
+RESULTS = Path(__file__).with_name("results")
+TICKS = os.sysconf("SC_CLK_TCK")
+START_BOUND_S = 600.0  # a daemon re-adopting hundreds of children answers late
+
+
+def cpu_seconds(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+class BenchDaemon:
+    """``forkd daemon`` on the bench's home, its config file rewritten before each start."""
+
+    def __init__(self, home: Path, n: int) -> None:
+        self.home = home
+        self.n = n
+        self.socket = home / "forkd.sock"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.keeps = False  # whether the running daemon leaves its children when it stops
+
+    def start(self, idle_stop_s: float, keep_on_stop: bool) -> Controller:
+        (self.home / "forkd.toml").write_text(
+            f"[limits]\nmax_sandboxes = {self.n + 16}\n\n"
+            f"[sandboxes]\nidle_stop_s = {idle_stop_s}\nkeep_on_stop = {str(keep_on_stop).lower()}\n")
+        env = {**os.environ, "FORKD_HOME": str(self.home), "FORKD_SOCKET": str(self.socket),
+               "FORKD_CONFIG": str(self.home / "forkd.toml")}
+        for variable in ("FORKD_URL", "FORKD_LISTEN", "FORKD_E2B_LISTEN", "FORKD_IDLE_STOP_S"):
+            env.pop(variable, None)
+        with open(self.home / "daemon.log", "ab") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "forkd", "daemon"], env=env, stdout=log, stderr=log)
+        self.keeps = keep_on_stop
+        controller = Controller(url=f"unix://{self.socket}")
+        deadline = time.monotonic() + START_BOUND_S
+        while True:
+            try:
+                controller.health()
+                return controller
+            except DaemonUnreachable:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise SystemExit(f"the bench daemon did not start; see {self.home / 'daemon.log'}") from None
+                time.sleep(0.2)
+
+    def stop(self, leave_children: bool = False) -> None:
+        """Stop the daemon; its children die with it unless ``leave_children`` (for the next daemon)."""
+        if self.process is None:
+            return
+        if self.keeps and not leave_children:  # a bench that failed half-way leaves nothing running
+            with contextlib.suppress(Exception), Controller(url=f"unix://{self.socket}") as controller:
+                for sandbox in controller.sandboxes():
+                    with contextlib.suppress(Exception):
+                        controller.kill(sandbox["id"])
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=START_BOUND_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def idle_stopped(self) -> int:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), timeout=60) as client:
+            text = client.get("http://forkd/metrics").text
+        return int(float(next(line.split()[1] for line in text.splitlines()
+                              if line.startswith("forkd_sandboxes_idle_stopped "))))
+
+
+def fork_all(controller: Controller, tag: str, n: int, batch: int) -> dict[str, Any]:
+    """Fork ``n`` in requests of ``batch``, one after another (the earlier children stay alive)."""
+    ids: list[str] = []
+    errors: list[dict[str, Any]] = []
+    requests = []
+    started = time.monotonic()
+    while len(ids) + len(errors) < n:
+        count = min(batch, n - len(ids) - len(errors))
+        t0 = time.monotonic()
+        result = controller.fork(tag, count)
+        requests.append({"n": count, "seconds": time.monotonic() - t0, "errors": len(result["errors"])})
+        ids += [child["id"] for child in result["sandboxes"]]
+        errors += result["errors"]
+        print(f"forked {len(ids)}/{n} ({len(errors)} failed), last request {requests[-1]['seconds']:.1f} s",
+              flush=True)
+    return {"ids": ids, "errors": errors[:10], "failed": len(errors), "requests": requests,
+            "total_s": time.monotonic() - started}
+
+
+def answering(controller: Controller, ids: list[str]) -> int:
+    def ping(sandbox_id: str) -> bool:
+        try:
+            controller.ping(sandbox_id)
+            return True
+        except Exception:
+            return False
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return sum(pool.map(ping, ids))
+
+
+def idle_cpu(pids: list[int], window_s: float) -> dict[str, Any]:
+    """CPU the VMMs used over ``window_s``: per child (share of a core) and all together (cores)."""
+    before = {pid: cpu_seconds(pid) for pid in pids}
+    t0 = time.monotonic()
+    time.sleep(window_s)
+    elapsed = time.monotonic() - t0
+    used = [(cpu_seconds(pid) or 0.0) - start for pid, start in before.items() if start is not None]
+    shares = [u / elapsed for u in used]
+    return {"window_s": elapsed, "children": len(shares), "cores_total": sum(shares),
+            "core_share_per_child": {**quantiles(shares), "mean": sum(shares) / max(1, len(shares))}}
+
+
+def memory(pids: list[int], memory_file: str) -> dict[str, Any]:
+    per_child = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            per_child.append(smaps_breakdown(pid, memory_file))
+    n = max(1, len(per_child))
+    breakdown = {k: round(sum(c[k] for c in per_child) / n, 2) for k in (per_child[0] if per_child else {})}
+    return {"children": len(per_child), "private_dirty_mib_mean": round(sum(breakdown.values()), 2),
+            "private_dirty_breakdown_mib_mean": breakdown,
+            "private_dirty_mib": quantiles([sum(c.values()) for c in per_child])}
+
+
+def eval_latency(controller: Controller, ids: list[str], sample: int, seed: int) -> dict[str, Any]:
+    chosen = random.Random(seed).sample(ids, min(sample, len(ids)))
+    times, failed = [], 0
+    for sandbox_id in chosen:
+        t0 = time.perf_counter()
+        try:
+            controller.eval(sandbox_id, "1 + 1")
+        except Exception:
+            failed += 1
+            continue
+        times.append((time.perf_counter() - t0) * 1000)
+    return {**quantiles(times), "failed": failed}
+
+
+def phase_off(controller: Controller, args: argparse.Namespace, memory_file: str) -> dict[str, Any]:
+    load_before = load()
+    forked = fork_all(controller, args.tag, args.n, args.batch)
+    ids = forked.pop("ids")
+    pids = {s["id"]: s["pid"] for s in controller.sandboxes()}
+    answered = answering(controller, ids)
+    time.sleep(args.settle)
+    cpu = idle_cpu([pids[i] for i in ids if i in pids], args.window)
+    mem = memory([pids[i] for i in ids if i in pids], memory_file)
+    evals = eval_latency(controller, ids, args.sample, seed=1)
+    return {"ids": ids, "fork": forked, "answered": answered, "idle_cpu": cpu, "memory": mem,
+            "eval_ms": evals, "load_before": load_before, "load_after": load()}
+
+
+def phase_on(daemon: BenchDaemon, controller: Controller, ids: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    load_before = load()
+    alive = {s["id"]: s["pid"] for s in controller.sandboxes()}
+    adopted = [i for i in ids if i in alive]
+    t0 = time.monotonic()
+    # Every child stopped within this, or the window is taken with those that are (an agent without
+    # `activity` is never stopped: a snapshot baked by an older forkd).
+    deadline = t0 + 120 + 10 * args.idle_stop + 0.5 * len(adopted)
+    while (stopped := daemon.idle_stopped()) < len(adopted):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    stopped_after = time.monotonic() - t0
+    cpu = idle_cpu([alive[i] for i in adopted], args.window)
+    evals = eval_latency(controller, adopted, args.sample, seed=2)  # each the first request after its stop
+    return {"adopted": len(adopted), "stopped": stopped, "all_stopped_after_s": stopped_after, "idle_cpu": cpu,
+            "eval_after_stop_ms": evals, "load_before": load_before, "load_after": load()}
+
+
+def plot(report: dict[str, Any], out: Path) -> None:
+    off, on = report["off"], report["on"]
+    fig, (ax_cpu, ax_mem, ax_eval, ax_fork) = plt.subplots(1, 4, figsize=(19, 4.5))
+    ax_cpu.bar(["idle stops off", "idle stops on"],
+               [100 * off["idle_cpu"]["core_share_per_child"]["mean"], 100 * on["idle_cpu"]["core_share_per_child"]["mean"]],
+               color=["tab:gray", "tab:green"])
+    ax_cpu.set_ylabel(f"% of a core per idle child ({off['idle_cpu']['window_s']:.0f} s window)")
+    breakdown = off["memory"]["private_dirty_breakdown_mib_mean"]
+    bottom = 0.0
+    for kind, mib in breakdown.items():
+        ax_mem.bar(["per child"], [mib], bottom=bottom, label=kind)
+        bottom += mib
+    ax_mem.set_ylabel(f"Private_Dirty MiB, mean of {off['memory']['children']} children")
+    ax_mem.legend(fontsize=8)
+    labels = ["running", "after idle stop"]
+    ax_eval.bar([0, 1], [off["eval_ms"].get("p50", 0), on["eval_after_stop_ms"].get("p50", 0)], width=0.4,
+                label="p50")
+    ax_eval.bar([0.4, 1.4], [off["eval_ms"].get("p90", 0), on["eval_after_stop_ms"].get("p90", 0)], width=0.4,
+                label="p90")
+    ax_eval.set_xticks([0.2, 1.2], labels)
+    ax_eval.set_ylabel(f"eval round trip ms, {report['n']} alive")
+    ax_eval.legend(fontsize=8)
+    done = 0
+    xs, ys = [], []
+    for request in off["fork"]["requests"]:
+        done += request["n"]
+        xs.append(done)
+        ys.append(request["seconds"])
+    ax_fork.plot(xs, ys, marker="o")
+    ax_fork.set_xlabel("children alive after the request")
+    ax_fork.set_ylabel(f"seconds per request of {report['batch']}")
+    fig.suptitle(f"forkd density: {off['answered']}/{report['n']} answer "
+                 f"(load {report['load_start']:.1f} → {report['load_end']:.1f})")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=500, help="children alive at once")
+    parser.add_argument("--batch", type=int, default=50, help="children per fork request")
+    parser.add_argument("--tag", default="density", help="snapshot forked (baked in the bench home if missing)")
+    parser.add_argument("--window", type=float, default=30.0, help="seconds of each idle-CPU window")
+    parser.add_argument("--settle", type=float, default=10.0, help="seconds between the last fork and the window")
+    parser.add_argument("--sample", type=int, default=50, help="children whose eval round trip is timed")
+    parser.add_argument("--idle-stop", type=float, default=5.0, help="idle_stop_s of the 'on' phase")
+    parser.add_argument("--home", type=Path, help="the bench daemon's FORKD_HOME (default: a new one, removed)")
+    parser.add_argument("--out", default="density")
+    args = parser.parse_args()
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` still cleans up below
+    home = args.home or Path(tempfile.mkdtemp(prefix="forkd-density-", dir="/var/tmp"))
+    home.mkdir(parents=True, exist_ok=True)
+    daemon = BenchDaemon(home, args.n)
+    report: dict[str, Any] = {"n": args.n, "batch": args.batch, "window_s": args.window, "idle_stop_s": args.idle_stop,
+                              "cpus": os.cpu_count(), "load_start": load()}
+    try:
+        controller = daemon.start(idle_stop_s=0, keep_on_stop=True)
+        version = controller.version()
+        report["host"] = {k: version[k] for k in ("accelerator", "vmm", "vmm_version")}
+        if not any(s["tag"] == args.tag for s in controller.snapshots()):
+            controller.build_image(name="default")  # reused when it is the one this forkd builds
+            controller.create_snapshot(args.tag, on_progress=lambda line: print(f"[bake] {line}", flush=True))
+        memory_file = str(Path(controller.snapshot(args.tag)["path"]) / "memory")
+        off = phase_off(controller, args, memory_file)
+        ids = off.pop("ids")
+        report["off"] = off
+        print(f"off: {off['answered']}/{args.n} answer, "
+              f"{100 * off['idle_cpu']['core_share_per_child']['mean']:.3f} % of a core per idle child", flush=True)
+        controller.close()
+        daemon.stop(leave_children=True)  # keep_on_stop: the children stay for the next daemon
+        controller = daemon.start(idle_stop_s=args.idle_stop, keep_on_stop=False)
+        report["on"] = phase_on(daemon, controller, ids, args)
+        print(f"on: {report['on']['stopped']}/{report['on']['adopted']} stopped, "
+              f"{100 * report['on']['idle_cpu']['core_share_per_child']['mean']:.3f} % of a core per child", flush=True)
+        controller.close()
+    finally:
+        daemon.stop()  # its children die with it (killed first if this daemon would keep them)
+        if args.home is None:
+            shutil.rmtree(home, ignore_errors=True)
+    report["load_end"] = load()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2))
+    plot(report, RESULTS / f"{args.out}.png")
+    print(json.dumps({k: report[k] for k in ("load_start", "load_end", "off", "on")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

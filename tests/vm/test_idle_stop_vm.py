@@ -1,0 +1,125 @@
+"""Idle-stopped children (runtime/idle.py) on real QEMU guests through a real daemon: a child no request
+reached for ``idle_stop_s`` is stopped, and answers its next request of any kind with its clock right;
+a child running a server of its own is never stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import start_daemon, stop_daemon, vm_env_for
+from forkd.sdk.controller import Controller, ForkdError
+
+pytestmark = pytest.mark.vm
+
+IDLE_S = 1.0  # the daemon's idle_stop_s here: its keeper looks every 0.2 s
+STOP_WAIT_S = 60.0  # bound on waiting for a child to be stopped (a loaded host answers slowly)
+SNAPSHOT = "idle"
+
+
+@pytest.fixture(scope="module")
+def idle_daemon() -> Iterator[Controller]:
+    home = Path(tempfile.mkdtemp(prefix="forkd-idle-", dir="/var/tmp"))
+    env = vm_env_for(home)
+    env["FORKD_IDLE_STOP_S"] = str(IDLE_S)
+    process, controller = start_daemon(home, env)
+    try:
+        controller.build_image(name="default")
+        controller.create_snapshot(SNAPSHOT, memory_mib=512, warm_modules=[])
+        yield controller
+    finally:
+        stop_daemon(process, controller, home)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def child(idle_daemon: Controller) -> Iterator[str]:
+    result = idle_daemon.fork(SNAPSHOT, 1)
+    assert result["errors"] == []
+    sandbox_id = result["sandboxes"][0]["id"]
+    yield sandbox_id
+    with contextlib.suppress(ForkdError):
+        idle_daemon.kill(sandbox_id)
+
+
+def _vm_state(daemon: Controller, sandbox_id: str) -> str:
+    [item] = [s for s in daemon.sandboxes() if s["id"] == sandbox_id]
+    return item.get("vm_state", "missing")
+
+
+def _stopped(daemon: Controller, sandbox_id: str) -> None:
+    """Wait (bounded) until the child is idle-stopped; listing it is no request to its guest."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    while _vm_state(daemon, sandbox_id) != "idle_stopped":
+        assert time.monotonic() < deadline, f"{sandbox_id} was not stopped within {STOP_WAIT_S} s of idling"
+        time.sleep(0.2)
+
+
+def _metric(socket: str, name: str) -> float:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=socket), timeout=30) as client:
+        text = client.get("http://forkd/metrics").text
+    [line] = [line for line in text.splitlines() if line.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+def test_a_stopped_child_answers_exec_run_code_files_branch_and_fork(idle_daemon: Controller, child: str) -> None:
+    _stopped(idle_daemon, child)
+    assert _metric(idle_daemon.url.removeprefix("unix://"), "forkd_sandboxes_idle_stopped") >= 1
+    assert idle_daemon.exec(child, "echo awake")["stdout"] == "awake\n"
+    assert _vm_state(idle_daemon, child) == "running"
+    _stopped(idle_daemon, child)
+    assert idle_daemon.run_code(child, "x = 6 * 7\nx")["value"] == "42"
+    _stopped(idle_daemon, child)
+    idle_daemon.write_file(child, "/root/kept.txt", b"written to a stopped child")
+    _stopped(idle_daemon, child)
+    assert idle_daemon.read_file(child, "/root/kept.txt") == b"written to a stopped child"
+    _stopped(idle_daemon, child)
+    branch = idle_daemon.branch(child, "idle-branch", mode="diff")
+    assert branch["status"] == "ready"
+    assert _vm_state(idle_daemon, child) == "running"
+    try:
+        forked = idle_daemon.fork("idle-branch", 1)
+        assert forked["errors"] == []
+        grandchild = forked["sandboxes"][0]["id"]
+        assert idle_daemon.read_file(grandchild, "/root/kept.txt") == b"written to a stopped child"
+        assert idle_daemon.run_code(grandchild, "x")["value"] == "42"
+        idle_daemon.kill(grandchild)
+    finally:
+        with contextlib.suppress(ForkdError):
+            idle_daemon.remove_snapshot("idle-branch", force=True)
+
+
+def test_a_woken_childs_clock_is_right(idle_daemon: Controller, child: str) -> None:
+    _stopped(idle_daemon, child)
+    time.sleep(5)  # a stopped guest's clock stands still: 5 s behind unless set on waking
+    guest = float(idle_daemon.exec(child, "date +%s.%N")["stdout"])
+    assert abs(guest - time.time()) < 2.0
+
+
+def _serves(daemon: Controller, sandbox_id: str) -> bool:
+    fetch = daemon.exec(sandbox_id, "python3 -c \"import urllib.request as u; "
+                                    "print(u.urlopen('http://127.0.0.1:8000/').status)\"")
+    return fetch["stdout"] == "200\n"
+
+
+def test_a_child_running_a_server_is_never_stopped(idle_daemon: Controller, child: str) -> None:
+    other = idle_daemon.fork(SNAPSHOT, 1)["sandboxes"][0]["id"]
+    try:
+        idle_daemon.exec(child, "nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+        deadline = time.monotonic() + STOP_WAIT_S
+        while not _serves(idle_daemon, child):  # its server is up (a loaded TCG guest starts it slowly)
+            assert time.monotonic() < deadline, "the guest's server did not start"
+            time.sleep(0.5)
+        _stopped(idle_daemon, other)  # the idle one is stopped meanwhile ...
+        time.sleep(IDLE_S * 3)
+        assert _vm_state(idle_daemon, child) == "running"  # ... the serving one never
+        assert _serves(idle_daemon, child)
+    finally:
+        idle_daemon.kill(other)
