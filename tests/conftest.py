@@ -193,11 +193,12 @@ def vm_env(forkd_home: Path) -> dict[str, str]:
     return vm_env_for(forkd_home)
 
 
-def start_daemon(home: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Controller]:
-    """A real daemon process on ``home``, answering on its socket (fails the test if it does not start)."""
+def start_daemon(home: Path, env: dict[str, str], socket: Path | None = None) -> tuple[subprocess.Popen[bytes], Controller]:
+    """A real daemon process on ``home``, answering on its socket (``FORKD_SOCKET``'s unless ``socket`` names
+    the one its config gives it; fails the test if it does not start)."""
     with open(home / "daemon.log", "ab") as log:
         process = subprocess.Popen([sys.executable, "-m", "forkd", "daemon"], env=env, stdout=log, stderr=log)
-    controller = Controller(url=f"unix://{env['FORKD_SOCKET']}")
+    controller = Controller(url=f"unix://{socket or env['FORKD_SOCKET']}")
     deadline = time.monotonic() + 30
     while True:
         try:

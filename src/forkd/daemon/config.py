@@ -16,6 +16,7 @@ tls_key = "/etc/forkd/tls.key"
 log_file = "/var/log/forkd/daemon.log"  # default: stderr (the journal under systemd)
 log_max_bytes = 10485760         # rotate the log file at this size ...
 log_backups = 5                  # ... keeping this many old files
+log_format = "text"              # text, or json: one object a line (ts, level, logger, message)  [FORKD_LOG_FORMAT]
 vmm = "qemu"                     # VMM backend: qemu, or fake (no VMs: real processes answer the guest protocol)  [FORKD_VMM]
 accelerator = "auto"             # auto | kvm | tcg
 tcg_tb_size_mib = 32             # TCG translation buffer per VMM: 16 saves 17 MiB a child, costs ~1.8x its CPU
@@ -104,7 +105,8 @@ DEFAULT_HOME = Path("/var/lib/forkd")
 DEFAULT_CACHE = Path("/var/cache/forkd")
 # Environment variable → top-level key. FORKD_SOCKET defaults to HOME/forkd.sock when unset everywhere.
 ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socket", "FORKD_LISTEN": "listen",
-            "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file", "FORKD_NET_POOL": "network.pool",
+            "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file",
+            "FORKD_LOG_FORMAT": "log_format", "FORKD_NET_POOL": "network.pool",
             "FORKD_DNS": "network.dns", "FORKD_MAX_BRANCHES": "limits.max_branches",
             "FORKD_E2B_LISTEN": "e2b.listen", "FORKD_VMM": "vmm", "FORKD_IDLE_STOP_S": "sandboxes.idle_stop_s"}
 
@@ -201,6 +203,7 @@ class DaemonConfig:
     log_file: Path | None = None
     log_max_bytes: int = Field(default=10 << 20, ge=4096)
     log_backups: int = Field(default=5, ge=0)
+    log_format: Literal["text", "json"] = "text"
     vmm: str = DEFAULT_BACKEND
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
     tcg_tb_size_mib: int = Field(default=BackendOptions.tcg_tb_size_mib, ge=1, le=2048)

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.routing import Route
 
 from forkd.errors import KINDS, ErrorKind, kind_for, kind_for_status, message_for
 from forkd.daemon.middleware.body_limit import BodyTooLarge
@@ -59,6 +60,19 @@ def _problems(exc: RequestValidationError) -> tuple[str, bool]:
     return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()), malformed
 
 
+def allowed_methods(request: Request) -> str:
+    """Every method some route of the app serves on this request's path (RFC 9110's ``Allow``)."""
+    methods: set[str] = set()
+    pending = list(request.app.router.routes)
+    while pending:
+        route = pending.pop()
+        if hasattr(route, "original_router"):  # FastAPI's included router: its own routes carry the full paths
+            pending.extend(route.original_router.routes)
+        elif isinstance(route, Route) and route.path_regex.match(request.url.path):
+            methods |= route.methods or set()
+    return ", ".join(sorted(methods))
+
+
 def install(app: FastAPI) -> None:
     """Answer every error the app can raise with the documented body."""
     async def runtime_error(_: Request, exc: Exception) -> JSONResponse:
@@ -85,7 +99,7 @@ def install(app: FastAPI) -> None:
         return answer(KINDS["invalid_request"], problems)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 400 and "parsing the body" in detail:
             return answer(KINDS["malformed_body"], "the body is not valid JSON")
@@ -93,4 +107,6 @@ def install(app: FastAPI) -> None:
         response.status_code = exc.status_code
         if exc.headers:
             response.headers.update(exc.headers)
+        if exc.status_code == 405:  # Starlette names the first matching route's methods; a path may have several
+            response.headers["Allow"] = allowed_methods(request)
         return response

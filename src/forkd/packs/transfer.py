@@ -32,7 +32,8 @@ from urllib.parse import SplitResult, unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from forkd.packs.archive import CHUNK, Meter, Progress
+from forkd.packs.archive import CHUNK, Progress
+from forkd.packs.meter import Meter
 from forkd.packs.format import MAX_FILE_BYTES, PackError
 
 HTTP_TIMEOUT = httpx.Timeout(60.0, read=300.0)

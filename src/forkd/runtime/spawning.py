@@ -206,7 +206,7 @@ class Spawner:
             try:
                 sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline, child)
             except Exception as exc:  # one child's failure, a bug's included, never takes its siblings with it
-                self.metrics.spawn_failures.inc()
+                self.metrics.spawn_failures.labels(kind_for(exc).code).inc()
                 if kind_for(exc) is INTERNAL:  # no kind: a bug, whose traceback the log keeps
                     log.exception("spawning a child of %s failed", tag)
                 done.put_nowait(ForkOutcome(index=index, error=Failure.of(exc), timings=timings.as_ms()))
