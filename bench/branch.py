@@ -69,7 +69,7 @@ def one_branch(controller: Controller, tag: str, mode: str, mib: int, name: str)
     return {"pause_ms": info["pause_ms"], "latency_s": latency, "timings_ms": info["timings"],
             "private_pages": info["private_pages"], "changed_pages": info["changed_pages"],
             "precopied": info.get("precopied"), "memory_file_bytes": info["sizes"][own],
-            "disk_layer_bytes": info["sizes"]["disk.qcow2"], "physical_bytes": sizes["physical_bytes"]}
+            "disk_layer_bytes": info["sizes"]["disk.qcow2"], "physical_bytes": sizes["own_bytes"]}
 
 
 def stage_p50(timings: list[dict[str, float]]) -> dict[str, float]:

@@ -171,6 +171,10 @@ def vm_env_for(home: Path) -> dict[str, str]:
     # nat guests' DNS relay goes to the "outside" namespace tests/vm/test_network.py makes, never off the host.
     env["FORKD_DNS"] = "192.168.250.2"
     env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{_free_port()}"  # the E2B front (tests/vm/test_e2b_clients.py)
+    # Pulls and pushes reach the HTTP servers tests run on loopback (a private address needs naming).
+    config = home / "forkd-test.toml"
+    config.write_text('[transfers]\nallow_hosts = ["127.0.0.1"]\n')
+    env["FORKD_CONFIG"] = str(config)
     return env
 
 
@@ -189,11 +193,12 @@ def vm_env(forkd_home: Path) -> dict[str, str]:
     return vm_env_for(forkd_home)
 
 
-def start_daemon(home: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Controller]:
-    """A real daemon process on ``home``, answering on its socket (fails the test if it does not start)."""
+def start_daemon(home: Path, env: dict[str, str], socket: Path | None = None) -> tuple[subprocess.Popen[bytes], Controller]:
+    """A real daemon process on ``home``, answering on its socket (``FORKD_SOCKET``'s unless ``socket`` names
+    the one its config gives it; fails the test if it does not start)."""
     with open(home / "daemon.log", "ab") as log:
         process = subprocess.Popen([sys.executable, "-m", "forkd", "daemon"], env=env, stdout=log, stderr=log)
-    controller = Controller(url=f"unix://{env['FORKD_SOCKET']}")
+    controller = Controller(url=f"unix://{socket or env['FORKD_SOCKET']}")
     deadline = time.monotonic() + 30
     while True:
         try:

@@ -1342,6 +1342,29 @@ def test_pty_session_is_killed_by_signal(agent: AgentClient) -> None:
     assert agent.collect(req)[-1][1]["result"] == {"exit_code": 143, "signal": 15}
 
 
+def test_generators_made_by_warm_code_are_reseeded(unprivileged_agent: AgentClient) -> None:
+    """A restore copies every generator the warm code made into each sibling: after a reseed their
+    draws must depend on the reseed's entropy only, not on the state they were saved with."""
+    code = ("import random, numpy\nrng = random.Random()\ngen = numpy.random.default_rng()\n"
+            "legacy = numpy.random.RandomState()\nbits = numpy.random.PCG64()\nsystem = random.SystemRandom()")
+    warmed = unprivileged_agent.result(protocol.OP_WARM, {"modules": ["numpy"], "code": code})
+    assert warmed["warm_generators"] >= 4
+    expr = "[rng.random(), float(gen.random()), float(legacy.standard_normal()), int(bits.random_raw())]"
+    unprivileged_agent.result(protocol.OP_EVAL, {"expr": expr})  # the default context exists before the reseeds
+    entropy = os.urandom(32)
+    assert reseed(unprivileged_agent, entropy)["contexts_reseeded"] == 1
+    first = unprivileged_agent.result(protocol.OP_EVAL, {"expr": expr})["value_json"]
+    reseed(unprivileged_agent, entropy)
+    assert unprivileged_agent.result(protocol.OP_EVAL, {"expr": expr})["value_json"] == first
+    reseed(unprivileged_agent, os.urandom(32))
+    other = unprivileged_agent.result(protocol.OP_EVAL, {"expr": expr})["value_json"]
+    assert all(a != b for a, b in zip(first, other)), (first, other)
+    # A context forked from the template later reseeds itself from the kernel as it starts.
+    unprivileged_agent.result(protocol.OP_CONTEXTS_CREATE, {"id": "later"})
+    later = unprivileged_agent.result(protocol.OP_EVAL, {"expr": expr, "context": "later"})["value_json"]
+    assert all(a != b for a, b in zip(first, later)), (first, later)
+
+
 def test_activity_counts_user_processes_but_not_the_agents_own_kernel_threads_or_zombies(tmp_path: Path) -> None:
     """What keeps a guest from being stopped for being idle: every process with a command line but the agent's."""
     for pid, cmdline in ((1, b"python3\0-m\0forkd_guest.init"), (7, b""), (40, b"python3\0-m\0forkd_guest.agent"),

@@ -8,6 +8,7 @@ import pytest
 
 from forkd.store.chains import ChainBroken, ancestry, chain_memory, descendants, describe_chain, parent_digests
 from forkd.store.registry import Registry, SnapshotRecord
+from forkd.store.usage import directory_usage
 
 DISK = "disk.layer"  # the backend's disk layer name: the store knows no other
 
@@ -64,5 +65,6 @@ def test_descendants_deepest_first_and_description(chain: Registry) -> None:
     assert order.index("c") < order.index("full") < order.index("b")
     info = describe_chain(chain, chain.get_snapshot("c"))
     assert (info["depth"], info["ancestors"]) == (4, ["full", "b", "a", "root"])
-    assert info["dependents"] == [] and 0 < info["physical_bytes"] < info["logical_bytes"]
+    assert info["dependents"] == [] and 0 < info["own_bytes"] < info["chain_bytes"]
+    assert info["disk"] == directory_usage(chain.get_snapshot("c").path)  # the listing's meaning, not another
     assert sorted(describe_chain(chain, chain.get_snapshot("a"))["dependents"]) == ["b", "side"]

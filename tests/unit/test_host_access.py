@@ -167,7 +167,7 @@ def test_an_index_body_is_refused_once_it_passes_the_limit_not_after_buffering_i
     }
     for path in ("/endless.json", "/announced.json"):
         with pytest.raises(PackError, match=f"larger than {MAX_INDEX_BYTES} bytes"):
-            asyncio.run(load_index(server + path))
+            asyncio.run(load_index(server + path, UrlPolicy(("127.0.0.1",))))
 
 
 def test_a_malformed_url_is_a_clear_refusal_not_a_crash() -> None:

@@ -232,7 +232,7 @@ def test_a_pull_that_would_break_the_free_space_floor_is_disk_full_before_fetchi
     """The pack and its unpacked layers must fit above the floor (set above any disk's free space here)."""
     async def scenario() -> None:
         async with node(tmp_path / "a") as a, \
-                node(tmp_path / "b", options=RuntimeOptions(pack_free_floor_bytes=1 << 60)) as b:
+                node(tmp_path / "b", options=RuntimeOptions(free_floor_bytes=1 << 60)) as b:
             base = await bake(a, tmp_path, "base")
             message = await expect_error(b.api.node_pull(base, a.url, a.token), 507, "disk_full")
             assert f"pulling {base[:12]} from {a.url}" in message and "forkd rmi" in message

@@ -30,7 +30,7 @@ from forkd.packs.format import PackError, layer_digest
 from forkd.packs.transfer import UrlPolicy
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.runtime import Runtime
-from forkd.store.errors import SnapshotDiskFull
+from forkd.store.errors import DiskFull
 from forkd.vmm.fake import FakeVmm
 
 from store_helpers import MEMORY_BYTES, make_runtime, make_snapshot, pack_of, run, unpack
@@ -279,28 +279,28 @@ def test_a_pinned_pull_with_a_wrong_digest_is_refused_and_the_right_one_pulls(go
 
 def test_the_free_space_floor_refuses_pack_unpack_and_pull(runtime: Runtime, good_pack: Path, served: _Served,
                                                             tmp_path: Path) -> None:
-    other = make_runtime(tmp_path / "b", RuntimeOptions(pack_free_floor_bytes=HUGE_FLOOR, transfer_hosts=("127.0.0.1",)))
+    other = make_runtime(tmp_path / "b", RuntimeOptions(free_floor_bytes=HUGE_FLOOR, transfer_hosts=("127.0.0.1",)))
     make_snapshot(other, "mine")
-    with pytest.raises(SnapshotDiskFull, match=r"a pack of 'mine' needs up to \d+ MiB under .*\(`\[packs\] "
+    with pytest.raises(DiskFull, match=r"a pack of 'mine' needs up to \d+ MiB under .*\(`\[disk\] "
                                                r"min_free_mib`\).*`forkd rmi TAG`"):
         run(other.packs.pack("mine", tmp_path / "mine.tar.zst", False, lambda _: None))
     assert not list(tmp_path.glob("*mine.tar.zst*"))
-    with pytest.raises(SnapshotDiskFull, match="unpacking 'base' needs up to"):
+    with pytest.raises(DiskFull, match="unpacking 'base' needs up to"):
         unpack(other, good_pack)
     digest = hashlib.sha256(good_pack.read_bytes()).hexdigest()
     source = run(other.packs.resolve(f"{served.url}/{good_pack.name}", None, None, digest, None))
-    with pytest.raises(SnapshotDiskFull, match="the download of http://127.0.0.1:.* needs up to"):
+    with pytest.raises(DiskFull, match="the download of http://127.0.0.1:.* writes under"):
         run(other.packs.pull(source, False, lambda _: None))
     assert served.requests == []  # refused before a byte was fetched
     assert store_state(other) == (["mine"], ["mine"])
-    assert load_config(env={}, overrides={"packs.min_free_mib": 5}).runtime_options.pack_free_floor_bytes == 5 << 20
+    assert load_config(env={}, overrides={"disk.min_free_mib": 5}).runtime_options.free_floor_bytes == 5 << 20
 
 
 def test_rest_unpack_over_the_floor_is_disk_full_before_streaming(good_pack: Path, tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
     from forkd.daemon.app import create_app
-    other = make_runtime(tmp_path / "b", RuntimeOptions(pack_free_floor_bytes=HUGE_FLOOR))
+    other = make_runtime(tmp_path / "b", RuntimeOptions(free_floor_bytes=HUGE_FLOOR))
     api = TestClient(create_app(other), raise_server_exceptions=False)
     refused = api.post("/v1/packs/unpack", json={"path": str(good_pack), "tag": "copy"})
     assert refused.status_code == 507 and refused.json()["error"]["code"] == "disk_full"
@@ -345,6 +345,6 @@ def test_running_out_of_space_midway_is_disk_full_and_leaves_nothing(runtime: Ru
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(archive, "_pwrite_all", full)
     before = store_state(runtime)
-    with pytest.raises(SnapshotDiskFull, match="disk full under .* while unpacking .*forkd rmi TAG"):
+    with pytest.raises(DiskFull, match="disk full under .* while unpacking .*forkd rmi TAG"):
         unpack(runtime, good_pack, tag="copy")
     assert store_state(runtime) == before

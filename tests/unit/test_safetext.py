@@ -37,11 +37,12 @@ def test_cli_error_lines_show_a_guests_markup_and_escapes_literally(monkeypatch)
 
 
 def test_progress_lines_from_a_guest_are_shown_literally(monkeypatch) -> None:
-    from forkd.cli import main
+    from forkd.cli import common
 
     captured = io.StringIO()
-    monkeypatch.setattr(main.err_console, "file", captured)
-    main.progress_printer()(HOSTILE)
+    monkeypatch.setattr(common.err_console, "file", captured)
+    with common.progress_display() as show:  # off a terminal: timed lines
+        show(HOSTILE)
     shown = captured.getvalue()
     assert "[bold]loud[/bold] [/oops]" in shown and "\x1b[31m" not in shown
 

@@ -7,7 +7,9 @@ cancel); the real agent is exercised by tests/unit/test_agent.py and the VM test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import socket
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -24,6 +26,9 @@ from forkd.runtime.options import OutputLimits
 from forkd.runtime.sandboxes import SandboxEnded
 from forkd.runtime.results import CellSpec, CommandSpec, Output, Started
 from forkd.runtime.sessions import WRITE_CHUNK_BYTES, Sessions
+from forkd.runtime.spool import SpoolBudget
+from forkd.store.errors import DiskFull
+from forkd.store.space import SpaceFloor
 
 CHUNK = b"x" * 4096
 
@@ -278,6 +283,7 @@ def test_an_empty_upload_creates_the_file_and_a_broken_body_fails_the_write() ->
 
         with pytest.raises(ConnectionResetError, match="client went away"):
             await sessions.write_file("sb-1", "/broken", broken())
+        assert (sessions.spool_budget.held_bytes, sessions.spool_budget.open_files) == (0, 0)  # all given back
 
     run(main())
 
@@ -292,6 +298,7 @@ def test_a_failed_guest_write_ends_the_upload_and_stops_reading_the_body() -> No
             await sessions.write_file("sb-1", "/no/such/dir/file", body)
         assert failed.value.code == protocol.ERR_NOT_FOUND
         assert len(pulled) < 10_000
+        assert (sessions.spool_budget.held_bytes, sessions.spool_budget.open_files) == (0, 0)
 
     run(main())
 
@@ -339,3 +346,62 @@ def test_an_e2b_upload_over_tcp_survives_a_client_that_gives_up_on_a_shut_window
             await serving
 
     run(main())
+
+
+def _spool_files(directory: Any) -> list[int]:
+    """Sizes on disk (bytes allocated) of this process's open spool files under ``directory``."""
+    sizes = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"{directory}/"):
+                sizes.append(os.fstat(int(fd)).st_blocks * 512)
+    return sizes
+
+
+def test_stalled_uploads_stay_within_the_daemon_wide_spool_budget_and_descriptor_bound(tmp_path: Any) -> None:
+    """8 uploads to a guest that writes nothing: the spool holds at most its budget's bytes on disk in at
+    most its budget's files (one per upload), and the bodies stop being read; all finish once it writes."""
+    uploads, pieces, budget = 8, 6, SpoolBudget(max_bytes=8 * WRITE_CHUNK_BYTES, max_files=4)
+
+    async def main() -> None:
+        guest = ScriptedGuest(writes_held=asyncio.Event())
+        sessions, _, _ = await _connected(guest, OutputLimits())
+        sessions.spool_dir, sessions.spool_budget = tmp_path, budget
+        pulled: list[list[int]] = [[] for _ in range(uploads)]
+        writing = [asyncio.create_task(sessions.write_file("sb-1", f"/up{i}", _upload(pulled[i], pieces,
+                                                                                      WRITE_CHUNK_BYTES)))
+                   for i in range(uploads)]
+        while budget.held_bytes < budget.max_bytes or budget.open_files < budget.max_files:
+            await asyncio.sleep(0.01)  # bounded by run()
+        await asyncio.sleep(0.3)  # anything over the bounds would happen now
+        files = _spool_files(tmp_path)
+        assert len(files) == budget.open_files == budget.max_files
+        assert sum(files) <= budget.held_bytes == budget.max_bytes
+        ahead = budget.upload_bytes(WRITE_CHUNK_BYTES) // WRITE_CHUNK_BYTES
+        assert sum(map(len, pulled)) <= budget.max_files * (ahead + 2) + (uploads - budget.max_files)
+        assert not any(task.done() for task in writing)
+        guest.writes_held.set()  # type: ignore[union-attr]
+        assert await asyncio.gather(*writing) == [pieces * WRITE_CHUNK_BYTES] * uploads
+        for i in range(uploads):
+            writes = [args for op, args in guest.seen if op == protocol.OP_FILES_WRITE and args["path"] == f"/up{i}"]
+            assert b"".join(protocol.b64decode(w["data_b64"]) for w in writes) == b"".join(
+                bytes([index]) * WRITE_CHUNK_BYTES for index in range(pieces))
+        assert (budget.held_bytes, budget.open_files, _spool_files(tmp_path)) == (0, 0, [])
+
+    run(main())
+
+
+def test_an_upload_that_would_break_the_free_space_floor_is_disk_full(tmp_path: Any) -> None:
+    async def main() -> None:
+        sessions, _, _ = await _connected(ScriptedGuest(), OutputLimits())
+        sessions.spool_dir, sessions.space = tmp_path, SpaceFloor(floor_bytes=1 << 60)
+        with pytest.raises(DiskFull, match=r"uploading '/x' to sb-1 writes under .*`\[disk\] min_free_mib`"):
+            await sessions.write_file("sb-1", "/x", _upload([], 1, 10))
+
+    run(main())
+
+
+def test_the_spool_budget_is_daemon_config() -> None:
+    from forkd.daemon.config import load_config
+    options = load_config(env={}, overrides={"uploads.spool_mib": 64, "uploads.spool_files": 3}).runtime_options
+    assert (options.spool_bytes, options.spool_files) == (64 << 20, 3)

@@ -35,3 +35,16 @@ def test_state_written_private_and_roots_inside_writable_paths(service: configpa
     writable = service["ReadWritePaths"].split()
     # imports_dir and packs_dir default to HOME/imports and HOME/packs, under the state directory.
     assert "/var/lib/forkd" in writable and service["StateDirectory"] == "forkd"
+
+
+def test_start_waits_for_the_socket_and_sandbox_cgroups_are_delegated(service: configparser.SectionProxy) -> None:
+    assert service["Type"] == "notify"  # daemon/notify.py sends READY=1 once the socket serves
+    assert service.get("NotifyAccess", "main") == "main"  # the daemon itself sends it, no helper process
+    assert service["Delegate"] == "yes"
+
+
+def test_exec_start_runs_what_setup_installs(service: configparser.SectionProxy) -> None:
+    program = service["ExecStart"].split()[0]
+    setup = (UNIT.parents[2] / "scripts" / "setup").read_text()
+    assert f'ln -sfn "$PWD/.venv/bin/forkd" {program}' in setup
+    assert service["ExecStart"].split()[1:] == ["daemon"]

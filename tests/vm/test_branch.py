@@ -178,7 +178,9 @@ def test_three_layer_chain_info_tamper_and_removal(daemon: Controller, snapshot_
         top = daemon.snapshot(tags[2])
         assert (top["depth"], top["ancestors"], top["parent_tag"]) == (3, [tags[1], tags[0], snapshot_tag], tags[1])
         assert top["dependents"] == [] and top["memory_kind"] == "diff"
-        assert 0 < top["physical_bytes"] < top["logical_bytes"]
+        assert 0 < top["own_bytes"] < top["chain_bytes"]
+        listed = {s["tag"]: s for s in daemon.snapshots()}
+        assert top["disk"]["logical_bytes"] == listed[tags[2]]["disk"]["logical_bytes"]  # one meaning in both
         base = daemon.snapshot(tags[0])
         assert base["dependents"] == [tags[1]] and set(base["all_dependents"]) == set(tags[1:])
         assert tags[0] in daemon.snapshot(snapshot_tag)["dependents"]

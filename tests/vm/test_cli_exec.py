@@ -43,3 +43,21 @@ def test_cli_exec_passes_stdin_and_reports_why_a_command_never_ran(daemon: Contr
     assert forkd("-w", "/no/such/dir", sandbox, "--", "true").returncode == 126  # the program exists; the dir not
     assert forkd("--shell", sandbox, "--", "no-such-program").returncode == 127  # the shell's own 127
     assert forkd("sb-000000000000", "--", "true").returncode == 125
+
+
+def test_cli_exec_t_and_shell_run_on_a_terminal(daemon: Controller, sandbox: str, vm_env: dict[str, str]) -> None:
+    """The guest's PTY through REST (exec with pty, /stdin with pty): not a terminal here, so piped input is
+    typed in and ends with ^D, and the size is the default 24x80."""
+    def forkd(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "forkd", *args], env=vm_env, input=stdin,
+                              capture_output=True, text=True, timeout=300)
+
+    on_tty = forkd("exec", "-t", sandbox, "--", "sh", "-c", "tty; stty size; echo $TERM; exit 5")
+    assert on_tty.returncode == 5, on_tty.stderr
+    assert "/dev/pts/" in on_tty.stdout and "24 80" in on_tty.stdout and "xterm" in on_tty.stdout
+    typed = forkd("exec", "-t", sandbox, "--", "sh", "-c", "read line; echo got:$line", stdin="hello\n")
+    assert "got:hello" in typed.stdout and typed.returncode == 0, typed.stderr
+    shell = forkd("shell", sandbox, stdin="echo in-shell:$((6*7))\nexit 4\n")
+    assert "in-shell:42" in shell.stdout and shell.returncode == 4, shell.stderr
+    assert forkd("shell", "sb-000000000000").returncode == 125
+    assert forkd("exec", "-t", "--json", sandbox, "--", "true").returncode == 2

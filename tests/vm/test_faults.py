@@ -418,7 +418,9 @@ def test_disk_full_during_snapshot_registers_nothing(fault_snapshot: str) -> Non
     # Room for the image files copied in (another filesystem than the cache) and the preflight's
     # estimate, so the build starts; then the disk is filled while the parent boots.
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400m", "tmpfs", str(snapshots)], check=True)
-    full = Daemon(home)
+    config = home / "forkd.toml"
+    config.write_text("[disk]\nmin_free_mib = 16\n")  # a floor the 1400 MiB tmpfs can keep while it builds
+    full = Daemon(home, "--config", str(config))
     try:
         full.start()
         client = full.controller

@@ -21,7 +21,8 @@ const FORK_KEYS: Record<keyof ForkOptions, true> = {
   timeout_s: true, envs: true, metadata: true, net: true, egress: true, memory_limit_mib: true, cpu_quota: true,
   cpu_weight: true, pids_max: true, deadline_s: true, snapshot_digest: true, idempotency_key: true, owner: true,
 };
-type ExecFields = Omit<ExecRequest, "cmd" | "argv" | "stream">;
+// `pty` (a command on a terminal) is not offered here yet: the Python SDK and the CLI (`exec -t`) have it.
+type ExecFields = Omit<ExecRequest, "cmd" | "argv" | "stream" | "pty">;
 const EXEC_FIELDS: Record<keyof ExecFields, true> = {
   env: true, cwd: true, stdin: true, timeout_s: true, user: true, warm: true,
 };

@@ -37,7 +37,7 @@ def branch(sandbox_id: str, tag: str, mode: str, no_wait: bool, as_json: bool, v
 @reports_errors
 def snapshot_info(tag: str, as_json: bool) -> None:
     """A snapshot's status, chain (depth, ancestors, dependents) and sizes."""
-    info = daemon().snapshot(tag)
+    info = daemon(start=False).snapshot(tag)
     if as_json:
         print_json(info)
         return
@@ -45,8 +45,9 @@ def snapshot_info(tag: str, as_json: bool) -> None:
                   + (f", mode {info['mode']}" if "mode" in info else ""))
     console.print(f"  ancestors:  {' ← '.join(info['ancestors']) or '(none: a baked snapshot)'}")
     console.print(f"  dependents: {', '.join(info['all_dependents']) or '(none)'}")
-    console.print(f"  size: {info['physical_bytes'] / 2**20:.1f} MiB own, "
-                  f"{info['logical_bytes'] / 2**20:.1f} MiB with its chain")
+    console.print(f"  size: {info['own_bytes'] / 2**20:.1f} MiB own, {info['chain_bytes'] / 2**20:.1f} MiB with its "
+                  f"chain; files {info['disk']['logical_bytes'] / 2**20:.0f} MiB logical, "
+                  f"{info['disk']['physical_bytes'] / 2**20:.0f} MiB physical")
     if "error" in info:
         console.print(f"  error: {for_rich(info['error'])}")
 

@@ -7,20 +7,23 @@ here, never from each other, so the command modules form no import circle.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
 from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn, TransferSpeedColumn)
 from rich.table import Column, Table
 
-from forkd.config import paths_from_env
+from forkd.config import ConfigFileError, paths_from_env
 from forkd.safetext import for_rich, visible
 from forkd.sdk.autostart import ensure_daemon
 from forkd.sdk.controller import Controller, ForkdError
@@ -91,13 +94,48 @@ def print_ids(ids: Iterable[str]) -> None:
         click.echo(visible(item))
 
 
-def daemon() -> Controller:
-    return ensure_daemon(paths_from_env())
+def daemon(start: bool = True) -> Controller:
+    """The local daemon's client (``FORKD_URL``'s, when set). ``start``: start this host's daemon when none
+    answers; read-only commands (listings, ``info``, ``inspect``) pass False and report an unreachable daemon."""
+    try:
+        paths = paths_from_env()
+    except ConfigFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    return ensure_daemon(paths) if start else Controller()
 
 
 def progress_printer(prefix: str = "") -> Callable[[str], None]:
     started = time.monotonic()
     return lambda line: err_console.print(f"[dim]{time.monotonic() - started:7.1f}s[/dim] {prefix}{for_rich(line)}")
+
+
+@contextlib.contextmanager
+def progress_display() -> Iterator[Callable[[str], None]]:
+    """What a long daemon operation reports, on stderr: on a terminal a bar with bytes, speed and ETA while
+    the daemon counts bytes (packs, pulls, pushes; a pulsing one with the elapsed time for steps it cannot
+    count, such as an image build), each other line printed above it; elsewhere one timed line each."""
+    if not err_console.is_terminal:
+        yield progress_printer()
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        printer = progress_printer()
+        task = bar.add_task("working", total=None)
+        verb = ""
+
+        def show(line: str) -> None:
+            nonlocal task, verb
+            done = getattr(line, "done_bytes", None)
+            if done is None:
+                printer(line)
+                return
+            if line.split(" ", 1)[0] != verb:  # a new phase (verified, then unpacked): a bar of its own
+                verb = line.split(" ", 1)[0]
+                bar.remove_task(task)
+                task = bar.add_task(for_rich(verb), total=getattr(line, "total_bytes", None))
+            bar.update(task, completed=done)
+        yield show
 
 
 def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str]:

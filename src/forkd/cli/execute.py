@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from forkd.cli.common import daemon, err_console, fail, json_option, key_values, print_json
+from forkd.cli.terminal import SHELL, run_on_terminal
 from forkd.sdk.controller import Controller, ForkdError
 
 EXIT_FORKD_FAILED = 125
@@ -74,32 +75,50 @@ def _run(controller: Controller, sandbox_id: str, command: str | list[str], inte
 @click.argument("sandbox_id")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.option("-i", "--interactive", is_flag=True, help="pass stdin to the command (otherwise it reads nothing)")
+@click.option("-t", "--tty", is_flag=True, help="run it on a terminal (keys, colours, resizes pass through)")
 @click.option("--shell", "-s", is_flag=True, help="run COMMAND as one /bin/sh -c string")
 @click.option("--env", "-e", "envs", multiple=True, help="KEY=VALUE (repeatable)")
 @click.option("-w", "--workdir", "--cwd", "workdir", help="directory to run COMMAND in")
 @click.option("--timeout", default=60.0, show_default=True, help="seconds")
 @click.option("--warm", is_flag=True, help="COMMAND is python3 ...: run it as a fork of the warm interpreter")
 @json_option
-def exec_command(sandbox_id: str, command: tuple[str, ...], interactive: bool, shell: bool, envs: tuple[str, ...],
-                 workdir: str | None, timeout: float, warm: bool, as_json: bool) -> None:
+def exec_command(sandbox_id: str, command: tuple[str, ...], interactive: bool, tty: bool, shell: bool,
+                 envs: tuple[str, ...], workdir: str | None, timeout: float, warm: bool, as_json: bool) -> None:
     """Run a command in a sandbox, streaming its output; exits with the command's status.
 
     If it never ran: 125 forkd failed (daemon unreachable, no such sandbox), 126 not executable,
     127 not found. With --json, prints the result (exit_code, stdout, stderr) once it ended.
     """
     argv: str | list[str] = " ".join(command) if shell else list(command)
-    options: dict[str, Any] = {"env": key_values(envs, "--env"), "cwd": workdir, "timeout_s": timeout, "warm": warm}
+    if tty and (as_json or warm):
+        raise click.UsageError("-t runs the command on a terminal: it takes neither --json nor --warm")
+    options: dict[str, Any] = {"env": key_values(envs, "--env"), "cwd": workdir, "timeout_s": timeout}
     try:
         controller = daemon()
-        if as_json:
+        if tty:  # a terminal has no deadline of its own (the API's PTY runs until its program ends)
+            result = run_on_terminal(controller, sandbox_id, argv, env=options["env"], cwd=workdir)
+        elif as_json:
             stdin = click.get_text_stream("stdin").read() if interactive else ""
-            result = controller.exec(sandbox_id, argv, stdin=stdin, **options)
+            result = controller.exec(sandbox_id, argv, stdin=stdin, warm=warm, **options)
             print_json(result)
         else:
-            result = _run(controller, sandbox_id, argv, interactive, **options)
+            result = _run(controller, sandbox_id, argv, interactive, warm=warm, **options)
     except ForkdError as exc:
         fail(exc, as_json, status_for(exc, workdir))
     if result.get("timed_out") and not as_json:
         err_console.print(f"[red]timed out after {timeout} s[/red]")
+    code = result.get("exit_code")
+    sys.exit(code if isinstance(code, int) else EXIT_FORKD_FAILED)
+
+
+@click.command("shell")
+@click.argument("sandbox_id")
+@click.option("-w", "--workdir", help="directory to start in")
+def shell_command(sandbox_id: str, workdir: str | None) -> None:
+    """A login shell in a sandbox, on a terminal (bash where the image has it); exits with its status."""
+    try:
+        result = run_on_terminal(daemon(), sandbox_id, SHELL, cwd=workdir)
+    except ForkdError as exc:
+        fail(exc, False, EXIT_FORKD_FAILED)
     code = result.get("exit_code")
     sys.exit(code if isinstance(code, int) else EXIT_FORKD_FAILED)

@@ -23,14 +23,15 @@ from forkd.cli.common import (
     print_ids,
     print_json,
     print_rows,
-    progress_printer,
+    progress_display,
     quiet_option,
     read_host_ca_certs,
     reports_errors,
 )
+from forkd.cli.completion import attach as attach_completion
 from forkd.cli.daemon import daemon_command
 from forkd.cli.doctor import doctor
-from forkd.cli.execute import exec_command
+from forkd.cli.execute import exec_command, shell_command
 from forkd.cli.node_drain import attach as attach_node_commands
 from forkd.cli.packs import PACK_COMMANDS
 from forkd.cli.quickstart import quickstart
@@ -80,7 +81,8 @@ def image_build(name: str, packages: tuple[str, ...], mirror: str | None, source
                        ("disk_size_mib", disk_size_mib)):
         if value is not None:
             spec[key] = value
-    result = daemon().build_image(on_progress=progress_printer(), **spec)
+    with progress_display() as on_progress:
+        result = daemon().build_image(on_progress=on_progress, **spec)
     if as_json:
         print_json(result)
         return
@@ -94,7 +96,7 @@ def image_build(name: str, packages: tuple[str, ...], mirror: str | None, source
 @reports_errors
 def image_ls(as_json: bool, quiet: bool) -> None:
     """List guest images."""
-    items = daemon().images()
+    items = daemon(start=False).images()
     if as_json:
         print_json(items)
     elif quiet:
@@ -143,7 +145,8 @@ def snapshot_create(tag: str, image_name: str, memory_mib: int, vcpus: int, warm
         options["warm_code"] = warm_code
     if warmup_cmd:
         options["warmup_cmd"] = warmup_cmd
-    result = daemon().create_snapshot(tag, on_progress=progress_printer(), **options)
+    with progress_display() as on_progress:
+        result = daemon().create_snapshot(tag, on_progress=on_progress, **options)
     if as_json:
         print_json(result)
         return
@@ -160,7 +163,7 @@ def _snapshot_row(item: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _list_snapshots(as_json: bool, quiet: bool) -> None:
-    items = daemon().snapshots()
+    items = daemon(start=False).snapshots()
     if as_json:
         print_json(items)
     elif quiet:
@@ -268,7 +271,7 @@ def files() -> None:
 @reports_errors
 def files_ls(sandbox_id: str, path: str, as_json: bool, quiet: bool) -> None:
     """List a directory in the sandbox (-q: names only)."""
-    entries = daemon().list_files(sandbox_id, path)
+    entries = daemon(start=False).list_files(sandbox_id, path)
     if as_json:
         print_json(entries)
     elif quiet:
@@ -286,7 +289,7 @@ def files_ls(sandbox_id: str, path: str, as_json: bool, quiet: bool) -> None:
 @reports_errors
 def files_stat(sandbox_id: str, path: str, as_json: bool) -> None:
     """A file's type, size, mode and times, as JSON (--json is accepted and changes nothing)."""
-    print_json(daemon().stat(sandbox_id, path))
+    print_json(daemon(start=False).stat(sandbox_id, path))
 
 
 @files.command("rm")
@@ -318,10 +321,12 @@ for _command, _name in ((snapshot_ls, "snapshots"), (snapshot_ls, "images"), (sn
                         *((verb, f"snapshot-{verb.name}") for verb in SNAPSHOT_VERBS)):
     cli.add_command(alias(_command, _name))
 cli.add_command(exec_command)
+cli.add_command(shell_command)
 for _command in (*PACK_COMMANDS, *BRANCH_COMMANDS, *CLUSTER_COMMANDS, workspace, template):
     cli.add_command(_command)
 attach_node_commands(cli)  # after the others: `forkd node` may be made by another module
+attach_completion(cli)  # last: it walks every command
 
 
 def main() -> None:
-    cli()
+    cli(prog_name="forkd")  # also under `python -m forkd`: its usage lines and completion variable say forkd

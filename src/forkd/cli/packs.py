@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from forkd.cli.common import console, daemon, json_option, print_json, progress_printer, reports_errors
+from forkd.cli.common import console, daemon, json_option, print_json, progress_display, reports_errors
 
 
 def _absolute(path: str) -> str:
@@ -41,7 +41,8 @@ def _report_unpacked(result: dict[str, Any], as_json: bool) -> None:
 @reports_errors
 def pack(tag: str, output: str, force: bool, as_json: bool) -> None:
     """Bundle a snapshot, its chain and its disk into one verified .tar.zst file."""
-    result = daemon().pack(tag, _absolute(output), force=force, on_progress=progress_printer())
+    with progress_display() as on_progress:
+        result = daemon().pack(tag, _absolute(output), force=force, on_progress=on_progress)
     if as_json:
         print_json(result)
         return
@@ -58,8 +59,9 @@ def pack(tag: str, output: str, force: bool, as_json: bool) -> None:
 @reports_errors
 def unpack(pack_file: str, tag: str | None, force: bool, as_json: bool) -> None:
     """Verify every file of a pack, then register its snapshots (all of them or none)."""
-    _report_unpacked(daemon().unpack(_absolute(pack_file), tag=tag, force=force, on_progress=progress_printer()),
-                     as_json)
+    with progress_display() as on_progress:
+        unpacked = daemon().unpack(_absolute(pack_file), tag=tag, force=force, on_progress=on_progress)
+    _report_unpacked(unpacked, as_json)
 
 
 @click.command("pull")
@@ -81,11 +83,13 @@ def pull(source: str, index: str | None, sha256: str | None, tag: str | None, fo
             raise click.UsageError(f"{source!r} is neither a URL nor a pack file; to pull a pack by name give "
                                    "--index FILE_OR_URL (or set FORKD_INDEX)")
         url = source if _is_url(source) else _absolute(source)
-        result = daemon().pull(url, sha256=sha256, tag=tag, force=force, on_progress=progress_printer())
+        with progress_display() as on_progress:
+            result = daemon().pull(url, sha256=sha256, tag=tag, force=force, on_progress=on_progress)
     else:
         if sha256:
             raise click.UsageError("--sha256 is for a URL; an index advertises the digest of each pack")
-        result = daemon().pull(index=index, name=source, tag=tag, force=force, on_progress=progress_printer())
+        with progress_display() as on_progress:
+            result = daemon().pull(index=index, name=source, tag=tag, force=force, on_progress=on_progress)
     _report_unpacked(result, as_json)
 
 
@@ -96,7 +100,8 @@ def pull(source: str, index: str | None, sha256: str | None, tag: str | None, fo
 @reports_errors
 def push(tag: str, url: str, as_json: bool) -> None:
     """Pack a snapshot and upload it with one HTTP PUT (e.g. to a presigned URL)."""
-    result = daemon().push(tag, url, on_progress=progress_printer())
+    with progress_display() as on_progress:
+        result = daemon().push(tag, url, on_progress=on_progress)
     if as_json:
         print_json(result)
         return

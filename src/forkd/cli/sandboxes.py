@@ -85,17 +85,29 @@ def fork(tag: str, count: int, timeout_s: float | None, envs: tuple[str, ...], l
         sys.exit(1)
 
 
+def label_option(func: Any) -> Any:
+    return click.option("--label", "-l", "label_filters", multiple=True, metavar="KEY=VALUE",
+                        help="only sandboxes with this label (`fork --label`); repeat: all must match")(func)
+
+
+def labelled(items: list[dict[str, Any]], label_filters: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The sandboxes whose labels (their metadata) hold every ``KEY=VALUE`` of ``label_filters``."""
+    wanted = key_values(label_filters, "--label").items()
+    return [item for item in items if wanted <= (item.get("metadata") or {}).items()]
+
+
 @click.command("ls")
 @json_option
 @quiet_option
 @click.option("--pool", "pools", is_flag=True, help="list the pools of ready VMMs instead, with their memory")
+@label_option
 @reports_errors
-def ls(as_json: bool, quiet: bool, pools: bool) -> None:
+def ls(as_json: bool, quiet: bool, pools: bool, label_filters: tuple[str, ...]) -> None:
     """List running sandboxes (or, with --pool, the ready VMMs kept per snapshot)."""
     if pools:
         list_pools(as_json, quiet)
         return
-    items = daemon().sandboxes()
+    items = labelled(daemon(start=False).sandboxes(), label_filters)
     if as_json:
         print_json(items)
     elif quiet:
@@ -115,7 +127,7 @@ def _sandbox_row(item: dict[str, Any]) -> tuple[str, ...]:
 
 
 def list_pools(as_json: bool, quiet: bool) -> None:
-    items = daemon().pools()
+    items = daemon(start=False).pools()
     if as_json:
         print_json(items)
     elif quiet:
@@ -146,14 +158,16 @@ def pool(tag: str, size: int, as_json: bool) -> None:
 
 @click.command("kill")
 @click.argument("sandbox_ids", nargs=-1)
-@click.option("--all", "kill_all", is_flag=True, help="kill every sandbox")
+@click.option("--all", "kill_all", is_flag=True, help="kill every sandbox (with --label: every one labelled so)")
+@label_option
 @reports_errors
-def kill(sandbox_ids: tuple[str, ...], kill_all: bool) -> None:
+def kill(sandbox_ids: tuple[str, ...], kill_all: bool, label_filters: tuple[str, ...]) -> None:
     """Kill sandboxes and release their resources; goes on past one that fails (then exits 1)."""
-    if not sandbox_ids and not kill_all:
-        raise click.UsageError("name sandbox ids or pass --all")
+    if bool(sandbox_ids) == (kill_all or bool(label_filters)):
+        raise click.UsageError("name sandbox ids, or pass --all and/or --label KEY=VALUE")
+    kill_all = kill_all or bool(label_filters)
     controller = daemon()
-    targets = [s["id"] for s in controller.sandboxes()] if kill_all else list(sandbox_ids)
+    targets = [s["id"] for s in labelled(controller.sandboxes(), label_filters)] if kill_all else list(sandbox_ids)
     failed = 0
     for sandbox_id in targets:
         try:
@@ -175,7 +189,7 @@ def kill(sandbox_ids: tuple[str, ...], kill_all: bool) -> None:
 @reports_errors
 def inspect(sandbox_id: str, as_json: bool) -> None:
     """A sandbox's whole record as JSON (--json is accepted and changes nothing)."""
-    print_json(daemon().sandbox(sandbox_id))
+    print_json(daemon(start=False).sandbox(sandbox_id))
 
 
 @click.group("sandbox")

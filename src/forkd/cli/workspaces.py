@@ -47,7 +47,7 @@ def create(name: str, tag: str, as_json: bool) -> None:
 @reports_errors
 def ls(as_json: bool, quiet: bool) -> None:
     """Workspaces: running (with their sandbox), suspended (with their snapshot) or lost."""
-    items = daemon().workspaces()
+    items = daemon(start=False).workspaces()
     if as_json:
         print_json(items)
     elif quiet:

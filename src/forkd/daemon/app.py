@@ -6,6 +6,7 @@ mapping of runtime exceptions to error bodies in ``errors.py``; this module only
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 
 from forkd import __version__
-from forkd.daemon import errors, schemas
+from forkd.daemon import contract, errors, schemas
 from forkd.daemon.middleware.metrics import RequestMetrics
 from forkd.daemon.routes import ROUTERS
 from forkd.errors import KINDS
@@ -46,6 +47,8 @@ def create_app(runtime: Runtime | None = None, background: Sequence[Background] 
         # Shutdown runs here, not after uvicorn returns: uvicorn re-raises SIGTERM once it has
         # served, which would end the process before any later cleanup.
         recovered = await runtime.start()
+        caps = await asyncio.to_thread(runtime.capabilities)  # asks the VMM binary its version: off the loop
+        runtime.metrics.set_build(__version__, caps.kind, caps.version)
         if recovered.adopted:
             log.info("re-adopted %d sandboxes: %s", len(recovered.adopted), ", ".join(recovered.adopted))
         if recovered.reaped or recovered.removed_builds:
@@ -68,7 +71,8 @@ def create_app(runtime: Runtime | None = None, background: Sequence[Background] 
     def openapi_with_error_kinds() -> dict[str, Any]:
         """FastAPI's document plus the error table, so clients in other languages generate it, not copy it."""
         if app.openapi_schema is None:
-            FastAPI.openapi(app)["x-error-kinds"] = [dataclasses.asdict(kind) for kind in KINDS.values()]
+            document = contract.finish_document(FastAPI.openapi(app), ROUTERS)
+            document["x-error-kinds"] = [dataclasses.asdict(kind) for kind in KINDS.values()]
         return app.openapi_schema  # type: ignore[return-value]  # set by FastAPI.openapi just above
 
     app.openapi = openapi_with_error_kinds  # type: ignore[method-assign]  # FastAPI's documented hook

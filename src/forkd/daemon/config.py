@@ -16,6 +16,7 @@ tls_key = "/etc/forkd/tls.key"
 log_file = "/var/log/forkd/daemon.log"  # default: stderr (the journal under systemd)
 log_max_bytes = 10485760         # rotate the log file at this size ...
 log_backups = 5                  # ... keeping this many old files
+log_format = "text"              # text, or json: one object a line (ts, level, logger, message)  [FORKD_LOG_FORMAT]
 vmm = "qemu"                     # VMM backend: qemu, or fake (no VMs: real processes answer the guest protocol)  [FORKD_VMM]
 accelerator = "auto"             # auto | kvm | tcg
 tcg_tb_size_mib = 32             # TCG translation buffer per VMM: 16 saves 17 MiB a child, costs ~1.8x its CPU
@@ -62,11 +63,17 @@ min_free_mib = 1024                # E2B snapshots, forks and pauses refused (50
 domain = "sandbox.example.com"     # get_host(port) = PORT-ID.DOMAIN (needs wildcard DNS); default localhost:PORT
 
 [transfers]
-allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any
+allow_hosts = ["packs.example.com", "*.s3.amazonaws.com"]  # hosts pull/push may reach; default any public one
+                                 # (a loopback, private or link-local address only when its host is named here)
 allow_unpinned = false           # true: pull from a URL with no SHA-256 pin (a pack is code: docs/packs.md)
 
-[packs]
-min_free_mib = 1024              # pack, unpack and pull refuse (disk_full) to leave less free than this
+[disk]
+min_free_mib = 1024              # forks, branches, snapshots, uploads, packs, unpacks and pulls refuse (disk_full)
+                                 # to leave less free than this on the filesystem they write to
+
+[uploads]                        # uploads wait for their guest in a spool under home/uploads
+spool_mib = 1024                 # bytes all uploads together hold on disk; more wait (back-pressure)
+spool_files = 64                 # uploads holding a spool file (a descriptor) at once; more wait
 ```
 """
 
@@ -87,10 +94,11 @@ from pydantic.dataclasses import dataclass
 from forkd.config import Paths
 from forkd.hostpaths import HostRoots
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
-from forkd.packs.space import DEFAULT_FLOOR_BYTES as DEFAULT_PACK_FLOOR_BYTES
 from forkd.runtime.idle import DEFAULT_IDLE_STOP_S
 from forkd.runtime.options import DEFAULT_MAX_BRANCHES, OutputLimits, RuntimeOptions
 from forkd.runtime.pool import MAX_POOL_SIZE
+from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
+from forkd.store.space import DEFAULT_FLOOR_BYTES
 from forkd.validation import ValidationError as FieldError
 from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, check_backend
 
@@ -99,7 +107,8 @@ DEFAULT_HOME = Path("/var/lib/forkd")
 DEFAULT_CACHE = Path("/var/cache/forkd")
 # Environment variable → top-level key. FORKD_SOCKET defaults to HOME/forkd.sock when unset everywhere.
 ENV_KEYS = {"FORKD_HOME": "home", "FORKD_CACHE": "cache", "FORKD_SOCKET": "socket", "FORKD_LISTEN": "listen",
-            "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file", "FORKD_NET_POOL": "network.pool",
+            "FORKD_TOKEN_FILE": "token_file", "FORKD_LOG_FILE": "log_file",
+            "FORKD_LOG_FORMAT": "log_format", "FORKD_NET_POOL": "network.pool",
             "FORKD_DNS": "network.dns", "FORKD_MAX_BRANCHES": "limits.max_branches",
             "FORKD_E2B_LISTEN": "e2b.listen", "FORKD_VMM": "vmm", "FORKD_IDLE_STOP_S": "sandboxes.idle_stop_s"}
 
@@ -176,8 +185,14 @@ class Transfers:
 
 
 @dataclass(frozen=True, config=_STRICT)
-class Packs:
-    min_free_mib: int = Field(default=DEFAULT_PACK_FLOOR_BYTES >> 20, ge=0, le=1 << 30)
+class Disk:
+    min_free_mib: int = Field(default=DEFAULT_FLOOR_BYTES >> 20, ge=0, le=1 << 30)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Uploads:
+    spool_mib: int = Field(default=DEFAULT_SPOOL_BYTES >> 20, ge=16, le=1 << 30)
+    spool_files: int = Field(default=DEFAULT_SPOOL_FILES, ge=1, le=1 << 16)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -192,6 +207,7 @@ class DaemonConfig:
     log_file: Path | None = None
     log_max_bytes: int = Field(default=10 << 20, ge=4096)
     log_backups: int = Field(default=5, ge=0)
+    log_format: Literal["text", "json"] = "text"
     vmm: str = DEFAULT_BACKEND
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
     tcg_tb_size_mib: int = Field(default=BackendOptions.tcg_tb_size_mib, ge=1, le=2048)
@@ -207,7 +223,8 @@ class DaemonConfig:
     imports_dir: Path | None = None  # None: HOME/imports
     packs_dir: Path | None = None  # None: HOME/packs
     transfers: Transfers = field(default_factory=Transfers)
-    packs: Packs = field(default_factory=Packs)
+    disk: Disk = field(default_factory=Disk)
+    uploads: Uploads = field(default_factory=Uploads)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -242,7 +259,8 @@ class DaemonConfig:
                               transfer_hosts=(None if self.transfers.allow_hosts is None
                                               else tuple(self.transfers.allow_hosts)),
                               allow_unpinned_pulls=self.transfers.allow_unpinned,
-                              pack_free_floor_bytes=self.packs.min_free_mib << 20)
+                              free_floor_bytes=self.disk.min_free_mib << 20,
+                              spool_bytes=self.uploads.spool_mib << 20, spool_files=self.uploads.spool_files)
 
     @property
     def host_roots(self) -> HostRoots:

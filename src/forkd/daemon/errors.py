@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.routing import Route
 
 from forkd.errors import KINDS, ErrorKind, kind_for, kind_for_status, message_for
 from forkd.daemon.middleware.body_limit import BodyTooLarge
@@ -24,14 +25,14 @@ from forkd.runtime.driver_forks import IdempotencyConflict
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.sandboxes import SandboxEnded
 from forkd.runtime.spawning import Draining
-from forkd.store.errors import SnapshotError
+from forkd.store.errors import DiskFull, SnapshotError
 from forkd.validation import ValidationError
 from forkd.vmm.base import VmmError
 
 # Registered per class (not for Exception, which Starlette re-raises after answering); each carries its
 # kind (``forkd.errors.kind_for``), which gives the status and code.
 HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmError, AgentError, OSError, PackError,
-                  SandboxEnded, IncompatibleSnapshot, IdempotencyConflict, Draining)
+                  SandboxEnded, IncompatibleSnapshot, IdempotencyConflict, Draining, DiskFull)
 
 
 BUSY_RETRY_AFTER_S = "1"  # seconds; a branch or fork slot frees in about that time on a loaded host
@@ -57,6 +58,19 @@ def _problems(exc: RequestValidationError) -> tuple[str, bool]:
     """A readable list of what failed the schema, and whether the body was not JSON at all."""
     malformed = any(e.get("type") == "json_invalid" for e in exc.errors())
     return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()), malformed
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method some route of the app serves on this request's path (RFC 9110's ``Allow``)."""
+    methods: set[str] = set()
+    pending = list(request.app.router.routes)
+    while pending:
+        route = pending.pop()
+        if hasattr(route, "original_router"):  # FastAPI's included router: its own routes carry the full paths
+            pending.extend(route.original_router.routes)
+        elif isinstance(route, Route) and route.path_regex.match(request.url.path):
+            methods |= route.methods or set()
+    return ", ".join(sorted(methods))
 
 
 def install(app: FastAPI) -> None:
@@ -85,7 +99,7 @@ def install(app: FastAPI) -> None:
         return answer(KINDS["invalid_request"], problems)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 400 and "parsing the body" in detail:
             return answer(KINDS["malformed_body"], "the body is not valid JSON")
@@ -93,4 +107,6 @@ def install(app: FastAPI) -> None:
         response.status_code = exc.status_code
         if exc.headers:
             response.headers.update(exc.headers)
+        if exc.status_code == 405:  # Starlette names the first matching route's methods; a path may have several
+            response.headers["Allow"] = allowed_methods(request)
         return response

@@ -21,6 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from forkd.daemon.errors import error_body
+from forkd.packs.meter import Measured
 
 NDJSON = "application/x-ndjson"
 CLOSE_TIMEOUT_S = 30.0  # ending a streamed call in the guest (cancel, or a kill) takes at most this
@@ -30,6 +31,13 @@ _DOC = {"schema": {"type": "string", "description": "one JSON object per line: p
                                                      "then one {\"result\": ...} or {\"error\": ...} line"}}
 # How the routes that always answer NDJSON are documented.
 NDJSON_ANSWER: dict[int | str, dict[str, Any]] = {200: {"content": {NDJSON: _DOC}, "description": "NDJSON"}}
+
+
+def progress_line(line: str) -> dict[str, Any]:
+    """``{"progress": text}``, with ``done_bytes`` and ``total_bytes`` (null when unknown) when the line counts bytes."""
+    if isinstance(line, Measured):
+        return {"progress": str(line), "done_bytes": line.done, "total_bytes": line.total}
+    return {"progress": line}
 
 
 def json_or_ndjson(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:

@@ -8,8 +8,11 @@ import shlex
 
 from typing import Annotated, Literal
 
+
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from forkd.daemon.bodies import (CIDR_PATTERN, EGRESS_RULES, EXEC_RULES, FORK_RULES, PORT_RANGE_PATTERN, PULL_RULES,
+                                 JsonIntegers, Port)
 from forkd.host.netpolicy import MAX_ALLOW_RULES, MAX_PORTS_PER_RULE, allow_rule, egress_policy
 from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.runtime.sessions import MAX_TIMEOUT_S
@@ -22,7 +25,9 @@ MAX_SANDBOX_TIMEOUT_S = 30 * 24 * 3600
 MAX_STDIN_CHARS = 8 << 20  # base64 of it must fit one 16 MiB agent frame
 
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
-Envs = Annotated[dict[EnvName, Annotated[str, Field(max_length=1 << 16)]], Field(max_length=1024)]
+# additionalProperties: the pattern is the only way a name is accepted (JSON Schema lets other keys through).
+Envs = Annotated[dict[EnvName, Annotated[str, Field(max_length=1 << 16)]],
+                 Field(max_length=1024, json_schema_extra={"additionalProperties": False})]
 MetadataKey = Annotated[str, Field(min_length=1, max_length=128)]
 Metadata = Annotated[dict[MetadataKey, Annotated[str, Field(max_length=4096)]], Field(max_length=64)]
 SandboxTimeout = Annotated[float, Field(ge=MIN_TIMEOUT_S, le=MAX_SANDBOX_TIMEOUT_S,
@@ -30,7 +35,7 @@ SandboxTimeout = Annotated[float, Field(ge=MIN_TIMEOUT_S, le=MAX_SANDBOX_TIMEOUT
 CallTimeout = Annotated[float, Field(ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S, description="seconds")]
 
 
-class Strict(BaseModel):
+class Strict(JsonIntegers):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -69,13 +74,14 @@ MIN_PIDS = 16
 
 
 class AllowRuleBody(Strict):
-    cidr: str = Field(max_length=64, description="IPv4 network, e.g. 203.0.113.0/24")
-    ports: list[Annotated[StrictInt, Field(ge=1, le=65535)] | Annotated[str, Field(pattern=r"^[0-9]{1,5}(-[0-9]{1,5})?$")]] = Field(
+    cidr: str = Field(max_length=64, pattern=CIDR_PATTERN, description="IPv4 network, e.g. 203.0.113.0/24 (no host bits)")
+    ports: list[Port | Annotated[str, Field(pattern=PORT_RANGE_PATTERN)]] = Field(
         default_factory=list, max_length=MAX_PORTS_PER_RULE, description="ports or 'low-high' ranges; empty: all")
     protocol: Literal["tcp", "udp", "any"] = "any"
 
 
 class EgressBody(Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=EGRESS_RULES)
     default: Literal["allow", "deny"] = "allow"
     allow: list[AllowRuleBody] = Field(default_factory=list, max_length=MAX_ALLOW_RULES)
     dns: bool = Field(default=True, description="the relayed DNS resolver stays reachable under 'deny'")
@@ -87,6 +93,7 @@ Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="a snapshot
 
 
 class SandboxCreate(Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=FORK_RULES)
     snapshot_tag: Tag | None = Field(default=None, description="the snapshot to fork (or give snapshot_digest)")
     snapshot_digest: Digest | None = Field(default=None, description="the snapshot by digest (GET /v1/node)")
     idempotency_key: Label | None = Field(default=None, description=(
@@ -156,6 +163,7 @@ class PtyRequest(PtySize):
 
 
 class ExecRequest(Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=EXEC_RULES)
     cmd: str | None = Field(default=None, max_length=1 << 20, description="shell command (/bin/sh -c)")
     argv: list[str] | None = Field(default=None, min_length=1, max_length=4096)
     env: Envs = Field(default_factory=dict, description="merged over the sandbox's default envs")
@@ -231,6 +239,7 @@ class PackUnpack(Strict):
 
 
 class PackPull(Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=PULL_RULES)
     url: PackUrl | None = None
     index: PackUrl | None = Field(default=None, description="index file or URL; then name a pack in it")
     name: Tag | None = None
@@ -372,27 +381,6 @@ class Pool(Open):
 
 class PoolList(Open):
     pools: list[Pool]
-
-
-class Snapshot(Open):
-    tag: str
-    status: str
-    image: str
-    path: str
-    created_at: float
-
-
-class DiskUsage(Open):
-    logical_bytes: int = Field(description="sum of the snapshot's file sizes")
-    physical_bytes: int = Field(description="blocks allocated to them, each inode once (holes are free)")
-
-
-class ListedSnapshot(Snapshot):
-    disk: DiskUsage
-
-
-class SnapshotList(Open):
-    snapshots: list[ListedSnapshot]
 
 
 class Printed(Open):

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import logging.handlers
 import os
 import signal
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,8 @@ from forkd.daemon.middleware.audit import AuditLog, AuditMiddleware
 from forkd.daemon.middleware.auth import TokenAuth
 from forkd.daemon.middleware.body_limit import BodyLimit
 from forkd.daemon.config import DaemonConfig, Server
+from forkd.daemon.lock import DaemonAlreadyRunning, HomeLock
+from forkd.daemon.notify import notify
 from forkd.e2b import app as e2b_app
 from forkd.e2b.app import E2BFront
 from forkd.e2b.keys import Credentials, CredentialsError
@@ -38,10 +42,6 @@ from forkd.safetext import visible
 from forkd.vmm.backends import create_vmm
 
 log = logging.getLogger("forkd.daemon")
-
-
-class DaemonAlreadyRunning(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,8 @@ def _server(app: object, lifespan: str, limits: Server, listener: TcpListener | 
     tls = {"ssl_certfile": str(listener.tls_cert), "ssl_keyfile": str(listener.tls_key)} \
         if listener is not None and listener.tls_cert is not None else {}
     return uvicorn.Server(uvicorn.Config(
-        app, log_level="warning", timeout_graceful_shutdown=5, lifespan=lifespan,
+        # log_config=None: uvicorn's loggers reach the daemon's handler (its file, its format) instead of stderr.
+        app, log_level="warning", log_config=None, timeout_graceful_shutdown=5, lifespan=lifespan,
         http=functools.partial(HeadDeadline, header_timeout_s=limits.header_timeout_s),  # type: ignore[arg-type]
         limit_concurrency=limits.max_connections, timeout_keep_alive=limits.keep_alive_s,
         h11_max_incomplete_event_size=1 << 20, **tls))  # type: ignore[arg-type]
@@ -146,10 +147,15 @@ async def serve(config: DaemonConfig) -> None:
     tcp = TcpListener.from_config(config)
     e2b_address = parse_address(config.e2b.listen, "--e2b-listen", 3000) if config.e2b.listen else None
     credentials = e2b_credentials(config) if e2b_address is not None else None
+    home_lock = HomeLock.acquire(paths.home, paths.socket)
     try:
         sockets = [bind_private_socket(paths.socket)]
     except SocketInUse:
+        home_lock.release()
         raise DaemonAlreadyRunning(f"a forkd daemon already listens on {paths.socket}") from None
+    except BaseException:
+        home_lock.release()
+        raise
     try:
         if tcp is not None:
             sockets.append(bind_tcp(tcp.host, tcp.port))
@@ -159,6 +165,7 @@ async def serve(config: DaemonConfig) -> None:
         for sock in sockets:
             sock.close()
         paths.socket.unlink(missing_ok=True)
+        home_lock.release()
         raise
     vmm = create_vmm(config.vmm, config.backend_options)
     runtime = await Runtime.open(paths, vmm, config.runtime_options)
@@ -183,8 +190,11 @@ async def serve(config: DaemonConfig) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, audit.reopen)
     try:
         tasks = [asyncio.create_task(server.serve(sockets=[sock])) for server, sock in zip(servers, sockets)]
+        ready = asyncio.create_task(_notify_when_serving(servers, paths.socket))
         # uvicorn's signal handling reaches the last server started; stop the others with it.
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        notify("STOPPING=1")
         for server in servers:
             server.should_exit = True
         await asyncio.gather(*tasks)
@@ -192,6 +202,15 @@ async def serve(config: DaemonConfig) -> None:
         audit.close()
         with contextlib.suppress(FileNotFoundError):
             paths.socket.unlink()
+        home_lock.release()
+
+
+async def _notify_when_serving(servers: list[uvicorn.Server], socket: Path) -> None:
+    """``READY=1`` to systemd once every listener has run its startup (the runtime is open, sockets accept)."""
+    while not all(server.started for server in servers):
+        await asyncio.sleep(0.05)  # uvicorn offers no started callback; its flag is set once, then stays
+    log.info("ready: serving on %s", socket)
+    notify("READY=1")
 
 
 def e2b_keys_file(config: DaemonConfig) -> Path:
@@ -214,8 +233,12 @@ def configure_logging(config: DaemonConfig) -> None:
         config.log_file.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.handlers.RotatingFileHandler(config.log_file, maxBytes=config.log_max_bytes,
                                                        backupCount=config.log_backups)
-    handler.setFormatter(VisibleFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handler.setFormatter(JsonFormatter() if config.log_format == "json"
+                         else VisibleFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
+    # qemu.qmp logs each failed connect at ERROR; monitor() (vmm/qemu_machine.py) retries those while QEMU
+    # starts and raises an error of its own when it gives up, so they are noise in a healthy log.
+    logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
 
 
 class VisibleFormatter(logging.Formatter):
@@ -229,6 +252,17 @@ class VisibleFormatter(logging.Formatter):
         # start a line that reads as a record of its own (every record starts at column 0).
         shown = visible(super().formatException(ei), keep_newlines=True)
         return "\n".join(f"  {line}" for line in shown.split("\n"))
+
+
+class JsonFormatter(logging.Formatter):
+    """``log_format = "json"``: one JSON object a line, for log shippers (guest text is escaped by JSON itself)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
 
 
 def run(config: DaemonConfig) -> None:

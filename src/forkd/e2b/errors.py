@@ -16,7 +16,7 @@ from forkd.errors import ErrorKind, kind_for, message_for
 from forkd.runtime.agent_client import AgentError, AgentUnavailable
 from forkd.runtime.sandboxes import SandboxEnded
 from forkd.runtime.spawning import Draining
-from forkd.store.errors import SnapshotError
+from forkd.store.errors import DiskFull, SnapshotError
 from forkd.validation import ValidationError
 from forkd.vmm.base import VmmError
 
@@ -32,7 +32,8 @@ _ERRNO_CODES = {"EEXIST": "already_exists", "EACCES": "permission_denied", "EPER
                 "ENOSPC": "resource_exhausted"}
 # forkd's kinds (``forkd.errors``) as Connect codes; any other kind is "internal".
 _CONNECT_CODES = {"not_found": "not_found", "invalid_request": "invalid_argument", "bad_request": "invalid_argument",
-                  "timeout": "deadline_exceeded", "unknown_op": "unimplemented", "agent_unavailable": "unavailable"}
+                  "timeout": "deadline_exceeded", "unknown_op": "unimplemented", "agent_unavailable": "unavailable",
+                  "disk_full": "resource_exhausted"}
 
 
 class E2BError(Exception):
@@ -85,7 +86,8 @@ def to_connect(exc: BaseException) -> ConnectError:
 _LIFECYCLE_KINDS = frozenset({"sandbox_ended", "snapshot_mismatch", "snapshot_corrupt", "conflict", "busy",
                               "draining", "snapshot_error", "disk_full", "vmm_error", "isolation_error"})
 #: What the control plane answers in E2B's shape rather than as an unexpected failure.
-CONTROL_ERRORS = (ValidationError, LookupError, AgentError, OSError, SandboxEnded, SnapshotError, VmmError, Draining)
+CONTROL_ERRORS = (ValidationError, LookupError, AgentError, OSError, SandboxEnded, SnapshotError, VmmError, Draining,
+                  DiskFull)
 
 
 def lifecycle_error(kind: ErrorKind, message: str) -> E2BError:

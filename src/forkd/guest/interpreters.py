@@ -147,12 +147,13 @@ class PythonRuntime:
         code = req.arg("code", str, None)
         started = time.monotonic()
         args = {"modules": modules, "code": code}
-        self.template.request(protocol.OP_WARM, args, on_event=req.emit)
+        warmed = self.template.request(protocol.OP_WARM, args, on_event=req.emit)
         self.template.warm_log.append(args)
         for name in modules:
             if name not in self.template.warm_modules:
                 self.template.warm_modules.append(name)
-        return {"imported": modules, "seconds": time.monotonic() - started}
+        return {"imported": modules, "seconds": time.monotonic() - started,
+                "warm_generators": warmed.get("warm_generators", 0)}
 
     def run_code(self, req: Request) -> dict[str, Any]:
         args = {"code": req.arg("code", str), **self._cell_limits(req)}

@@ -130,8 +130,9 @@ class Template:
         # Move everything warmed so far out of the collector's reach: a full collection in a
         # fork would otherwise touch (and so copy) every object page it inherited.
         gc.collect()
+        generators = reseed.find_warm_generators()  # before the freeze hides them from gc.get_objects
         gc.freeze()
-        return {"imported": args["modules"]}
+        return {"imported": args["modules"], "warm_generators": generators}
 
     def _fork(self, args: dict[str, Any], fds: list[int]) -> int:
         pid = os.fork()

@@ -19,6 +19,12 @@ class ImageNotFound(ImageError, LookupError):
     kind = "not_found"
 
 
+class ImageBusy(ImageError):
+    """Another build or removal of the image holds its lock (in this daemon or another process)."""
+
+    kind = "conflict"
+
+
 class ImageDamaged(ImageError):
     """An image directory exists but its manifest or files are missing or unreadable."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.config import Paths
-from forkd.image.errors import ImageDamaged, ImageNotFound
+from forkd.image.errors import ImageBusy, ImageDamaged, ImageNotFound
 from forkd.store.files import RENAME_EXCHANGE, fsync_dir, renameat2, write_json_atomic
 from forkd.validation import ValidationError, check_tag
 
@@ -124,10 +124,18 @@ def remove_image(paths: Paths, name: str) -> None:
 
 @contextmanager
 def image_lock(paths: Paths, name: str) -> Iterator[None]:
-    """Exclusive hold on image ``name`` across processes, for as long as the block runs."""
+    """Exclusive hold on image ``name`` across processes, for as long as the block runs.
+
+    Held already (a build takes minutes), it is :class:`ImageBusy` at once: a caller never waits for
+    it on a thread, which a few waiting requests would take all of."""
     paths.images.mkdir(parents=True, exist_ok=True)
-    with open(paths.images / f".lock.{check_tag(name, 'image name')}", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    path = paths.images / f".lock.{check_tag(name, 'image name')}"
+    with open(path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ImageBusy(f"image {name!r} is being built or removed by another request or process (it holds "
+                            f"{path}); retry when that is done") from None
         yield
 
 

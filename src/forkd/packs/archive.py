@@ -37,6 +37,7 @@ from forkd.packs.format import (
     parse_manifest,
 )
 from forkd.packs.partials import partial_path
+from forkd.packs.meter import Meter
 from forkd.store.files import fsync_dir, link_or_copy
 from forkd.vmm.disk import DiskFormat, UnsafeDisk
 
@@ -49,7 +50,6 @@ ZSTD_LEVEL = 3
 MAX_WINDOW_BYTES = 1 << 27  # bounds the decompressor's memory whatever the frame asks for
 _MEMBER_OVERHEAD = 4096  # pax + ustar headers and padding of one member, generously
 _MAX_TAR_HEADER_BYTES = 64 * 1024
-PROGRESS_EVERY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -88,27 +88,6 @@ class Plan:
     targets: dict[str, Path]
     reuse: set[str] = field(default_factory=set)
     store_files: dict[str, set[str]] = field(default_factory=dict)
-
-
-class Meter:
-    """Progress over a known number of bytes, reported at most every couple of seconds."""
-
-    def __init__(self, progress: Progress, verb: str, total: int) -> None:
-        self.progress, self.verb, self.total = progress, verb, total
-        self.done = 0
-        self._last = time.monotonic()
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self._last >= PROGRESS_EVERY_S:
-            self._last = now
-            self.progress(self.line())
-
-    def line(self) -> str:
-        if not self.total:  # e.g. a download whose size nobody announced
-            return f"{self.verb} {self.done / 2**20:.0f} MiB"
-        return f"{self.verb} {self.done / 2**20:.0f} of {self.total / 2**20:.0f} MiB ({100 * self.done / self.total:.0f}%)"
 
 
 # writing -------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ and nowhere else (never in a message or a log line).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import hashlib
 import io
@@ -40,7 +41,7 @@ from forkd.packs import archive, transfer
 from forkd.packs.format import MAX_CHAIN_DEPTH, MAX_FILE_BYTES, PackError
 from forkd.packs.service import PackService, Progress
 from forkd.store.chains import record_digest
-from forkd.store.io import remove_tree
+from forkd.store.io import long_job, remove_tree
 from forkd.store.registry import SnapshotRecord
 from forkd.store.snapshots import HostIdentity
 from forkd.vmm.base import BootSpec
@@ -160,7 +161,7 @@ async def stream_pack(chain: list[archive.SourceSnapshot]) -> AsyncIterator[byte
         else:
             pipe.put(None)
 
-    writer = asyncio.ensure_future(asyncio.to_thread(write))
+    writer = asyncio.ensure_future(long_job(write))
     try:
         while (item := await queue.get()) is not None:
             if isinstance(item, BaseException):
@@ -182,12 +183,19 @@ class PeerPuller:
         # One pull per digest at a time (the second then finds it held), with how many use the lock.
         self._pulls: dict[str, tuple[asyncio.Lock, int]] = {}
 
+    @property
+    def urls(self) -> transfer.UrlPolicy:
+        """The daemon's URL policy, with private addresses allowed: peers are the cluster's own nodes,
+        usually on a private network, and a peer pull reaches only their node API (its answers parsed,
+        never shown), so it is not the way to reach a metadata service that a pull or push would be."""
+        return dataclasses.replace(self.packs.urls, private_ok=True)
+
     def compat(self) -> dict[str, str]:
         return compat_of(self.store.host_identity)
 
     async def pull(self, digest: str, source: str, token: str | None, progress: Progress) -> dict[str, Any]:
         """Pull the chain ending at ``digest`` from the node at ``source``: only the layers missing here."""
-        source = self.packs.urls.check(source.rstrip("/"))
+        source = self.urls.check(source.rstrip("/"))
         lock, waiting = self._pulls.get(digest, (asyncio.Lock(), 0))
         self._pulls[digest] = (lock, waiting + 1)
         try:
@@ -243,7 +251,7 @@ class PeerPuller:
     async def _node(self, source: str, token: str | None) -> _PeerNode:
         peer = transfer.shown(source)
         try:
-            async with transfer.fetch(f"{source}/v1/node", self.packs.urls, _auth(token)) as response:
+            async with transfer.fetch(f"{source}/v1/node", self.urls, _auth(token)) as response:
                 body = await transfer.read_limited(response, MAX_NODE_ANSWER, f"{peer}'s /v1/node answer")
                 status = response.status_code
         except httpx.HTTPError as exc:
@@ -261,7 +269,7 @@ class PeerPuller:
 
     async def _download(self, url: str, pack: Path, limit: int, token: str | None, peer: str) -> int:
         try:
-            async with transfer.fetch(url, self.packs.urls, _auth(token)) as response:
+            async with transfer.fetch(url, self.urls, _auth(token)) as response:
                 if response.status_code != 200:
                     raise PeerError(f"{peer} answered HTTP {response.status_code} for the chain")
                 received = 0

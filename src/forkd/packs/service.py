@@ -38,9 +38,9 @@ from forkd.packs.bounds import check_declared_sizes
 from forkd.packs.format import MAX_CHAIN_DEPTH, META_NAME, Manifest, PackError, layer_digest
 from forkd.packs.index import entry_url, load_index
 from forkd.packs.partials import remove_partials
-from forkd.packs.space import SpaceFloor
+from forkd.store.space import SpaceFloor
 from forkd.store.errors import SnapshotConflict, SnapshotError
-from forkd.store.io import blocking, remove_tree
+from forkd.store.io import long_job, remove_tree
 from forkd.store.layout import BASE_DISK_FILE
 from forkd.store.registry import SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
@@ -148,7 +148,7 @@ class PackService:
         sources = [archive.SourceSnapshot(tag=r.tag, directory=r.path, image=r.image, created_at=r.created_at,
                                           parent_tag=r.parent_tag) for r in chain]
         with self.space.reported(output.parent, f"writing a pack of {tag!r}"):
-            written = await asyncio.to_thread(archive.write_pack, output, sources, progress, force)
+            written = await long_job(archive.write_pack, output, sources, progress, force)
         return {"path": str(written.path), "size": written.size, "sha256": written.sha256,
                 "seconds": round(time.monotonic() - started, 3), **archive.manifest_summary(written.manifest)}
 
@@ -245,7 +245,7 @@ class PackService:
                 work = self.store.build_dir("unpack")
                 try:
                     with self.space.reported(self.store.directory, "unpacking"):
-                        return await blocking(self._unpack, claim, work, source, tag, force, progress)
+                        return await long_job(self._unpack, claim, work, source, tag, force, progress)
                 finally:
                     await remove_tree(work)
 
@@ -365,7 +365,7 @@ class PackService:
                          "digests protect this download, and they come with it")
             if local is not None:
                 progress(f"checking {local}")
-                digest = await asyncio.to_thread(transfer.check_advertised, local, source.sha256, source.size, progress)
+                digest = await long_job(transfer.check_advertised, local, source.sha256, source.size, progress)
                 pack = local
             else:
                 progress(f"downloading {transfer.shown(source.url)}")

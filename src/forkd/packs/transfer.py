@@ -6,17 +6,24 @@ it. Presigned URLs carry credentials in their query string, so only the scheme, 
 a URL are ever shown.
 
 Network URLs are http(s) only, to the hosts of the daemon's allow-list when it has one
-(``[transfers] allow_hosts``). A redirect is followed only to the same scheme and an allowed host,
-and each hop is checked like the first URL; an upload follows none. No body is read whole before
-its size is checked.
+(``[transfers] allow_hosts``). A host name is resolved once per request, every address it resolves
+to must be public (not loopback, link-local such as cloud metadata, private, shared or reserved)
+unless the allow-list names the host itself (not by a ``*`` pattern), and the request connects to
+that address (its ``Host`` header and TLS name stay the URL's): a second lookup, which a rebinding
+DNS server could answer differently, is never made. A redirect is followed only to the same scheme
+and an allowed host, and each hop is checked like the first URL; an upload follows none. No body
+is read whole before its size is checked, and a remote's answer is never put in an error message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fnmatch
 import hashlib
+import ipaddress
 import os
+import socket
 import stat
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,13 +32,15 @@ from urllib.parse import SplitResult, unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from forkd.packs.archive import CHUNK, Meter, Progress
+from forkd.packs.archive import CHUNK, Progress
+from forkd.packs.meter import Meter
 from forkd.packs.format import MAX_FILE_BYTES, PackError
 
 HTTP_TIMEOUT = httpx.Timeout(60.0, read=300.0)
 NETWORK_SCHEMES = ("http", "https")
 MAX_REDIRECTS = 5
-ERROR_BODY_BYTES = 200  # of a failed upload's answer, shown to the user
+# A download whose size nobody advertised stops here (a pinned digest would only fail after it all).
+MAX_UNSIZED_BYTES = 64 << 30
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,9 @@ class UrlPolicy:
     """Which network URLs the daemon fetches from or uploads to."""
 
     allow_hosts: tuple[str, ...] | None = None  # host names or ``*.example.com`` patterns; None: any host
+    # Peers are forkd nodes of one cluster, on its own (often private) network: a peer pull reaches
+    # only forkd's node API there, and its answers are parsed, never shown.
+    private_ok: bool = False
 
     def check(self, url: str) -> str:
         """``url`` if it is http(s) to an allowed host, else :class:`PackError` saying what is accepted."""
@@ -51,6 +63,62 @@ class UrlPolicy:
                             "add it to `[transfers] allow_hosts` in the daemon's config to use it")
         return url
 
+    def names(self, host: str) -> bool:
+        """The allow-list names ``host`` itself (a pattern does not count): it may be a private address."""
+        return self.allow_hosts is not None and host.lower() in (h.lower() for h in self.allow_hosts)
+
+    async def address(self, url: str) -> str:
+        """The address a request to ``url`` connects to: its host resolved once, every answer public
+        unless the host is named in the allow-list (or this policy is a peer's)."""
+        parts = _split(url)
+        host = parts.hostname or ""
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            answers = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise PackError(f"cannot resolve the host of {shown(url)}: {exc}") from None
+        addresses = [ipaddress.ip_address(str(answer[4][0]).split("%")[0]) for answer in answers]
+        if not addresses:
+            raise PackError(f"the host of {shown(url)} resolves to no address")
+        if not (self.private_ok or self.names(host)):
+            for address in addresses:
+                if not _public(address):
+                    raise PackError(
+                        f"{host!r} resolves to {address}, a {_kind(address)} address: the daemon reaches only "
+                        "public addresses unless `[transfers] allow_hosts` in its config names the host itself "
+                        f"(add {host!r} there to pull from or push to it)")
+        return str(addresses[0])
+
+
+def _public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_global and not address.is_multicast
+
+
+def _kind(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    for kind in ("loopback", "link_local", "private", "multicast", "unspecified", "reserved"):
+        if getattr(address, f"is_{kind}"):
+            return kind.replace("_", "-")
+    return "non-public"
+
+
+def _pinned(client: httpx.AsyncClient, method: str, url: str, address: str,
+            headers: dict[str, str] | None = None, **options: object) -> httpx.Request:
+    """A request for ``url`` sent to ``address``: the URL's host goes in the Host header and, over
+    https, in the TLS server name the certificate is checked against."""
+    parts = urlsplit(url)
+    host = f"[{address}]" if ":" in address else address
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = (f"{userinfo}@" if userinfo else "") + host + (f":{parts.port}" if parts.port is not None else "")
+    original = parts.netloc.rpartition("@")[2]
+    extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+    return client.build_request(method, urlunsplit((parts.scheme, netloc, parts.path, parts.query, "")),
+                                headers={**(headers or {}), "Host": original}, extensions=extensions,
+                                **options)  # type: ignore[arg-type]
+
 
 @contextlib.asynccontextmanager
 async def fetch(url: str, policy: UrlPolicy, headers: dict[str, str] | None = None) -> AsyncIterator[httpx.Response]:
@@ -60,10 +128,12 @@ async def fetch(url: str, policy: UrlPolicy, headers: dict[str, str] | None = No
     """
     first = urlsplit(policy.check(url))
     scheme, origin = first.scheme, first.netloc
-    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, follow_redirects=False) as client:
+    # No proxy from the environment: the request must go to the address just checked.
+    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, follow_redirects=False, trust_env=False) as client:
         for _ in range(MAX_REDIRECTS + 1):
             same_origin = urlsplit(url).netloc == origin
-            response = await client.send(client.build_request("GET", url, headers=headers if same_origin else None),
+            address = await policy.address(url)
+            response = await client.send(_pinned(client, "GET", url, address, headers if same_origin else None),
                                          stream=True)
             try:
                 if not response.is_redirect:
@@ -160,7 +230,7 @@ async def download(url: str, destination: Path, sha256: str | None, size: int | 
                    policy: UrlPolicy = UrlPolicy(), written: Callable[[int], None] = lambda _n: None) -> str:
     """Stream ``url`` into ``destination``; refuses more bytes than advertised or another digest.
     ``written`` is told each chunk's size as it lands (a free-space watch may raise to stop it)."""
-    limit = size if size is not None else MAX_FILE_BYTES
+    limit = size if size is not None else min(MAX_FILE_BYTES, MAX_UNSIZED_BYTES)
     digest = hashlib.sha256()
     received = 0
     try:
@@ -173,7 +243,10 @@ async def download(url: str, destination: Path, sha256: str | None, size: int | 
                 async for chunk in response.aiter_bytes(CHUNK):
                     received += len(chunk)
                     if received > limit:
-                        raise PackError(f"{shown(url)} sent more than the {limit} bytes advertised; refused")
+                        raise PackError(f"{shown(url)} sent more than the {limit} bytes advertised; refused"
+                                        if size is not None else
+                                        f"{shown(url)} sent more than {limit} bytes and no size was advertised; "
+                                        "refused (pull it through an index entry, which gives its size)")
                     digest.update(chunk)
                     out.write(chunk)
                     written(len(chunk))
@@ -191,6 +264,7 @@ async def download(url: str, destination: Path, sha256: str | None, size: int | 
 async def upload(path: Path, url: str, progress: Progress, policy: UrlPolicy = UrlPolicy()) -> int:
     """PUT ``path`` to ``url`` (e.g. a presigned object-store URL) as one streamed body of known length."""
     policy.check(url)
+    address = await policy.address(url)
     size = path.stat().st_size
     meter = Meter(progress, "uploaded", size)
 
@@ -201,18 +275,15 @@ async def upload(path: Path, url: str, progress: Progress, policy: UrlPolicy = U
                 yield chunk
 
     try:
-        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, follow_redirects=False) as client:
-            request = client.build_request("PUT", url, content=body(), headers={"Content-Length": str(size)})
+        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, follow_redirects=False, trust_env=False) as client:
+            request = _pinned(client, "PUT", url, address, {"Content-Length": str(size)}, content=body())
             response = await client.send(request, stream=True)
             try:
                 if not response.is_success:  # a redirect too: the body cannot be sent twice
-                    answer = bytearray()
-                    async for chunk in response.aiter_bytes(ERROR_BODY_BYTES):
-                        answer += chunk
-                        if len(answer) >= ERROR_BODY_BYTES:
-                            break
-                    text = answer[:ERROR_BODY_BYTES].decode("utf-8", errors="replace")
-                    raise PackError(f"uploading to {shown(url)} failed: HTTP {response.status_code} {text}")
+                    # The status only: the answer's body is the remote's and may be anything (a metadata
+                    # service's credentials, say), so it is neither read nor shown.
+                    raise PackError(f"uploading to {shown(url)} failed: HTTP {response.status_code}; check the URL "
+                                    "(a presigned URL may have expired)")
             finally:
                 await response.aclose()
     except httpx.HTTPError as exc:

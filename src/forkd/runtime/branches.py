@@ -42,6 +42,7 @@ from forkd.store.layout import (
 )
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
+from forkd.store.space import SpaceFloor
 from forkd.vmm.base import Pages, Vmm
 from forkd.vmm.branching import Capture, branching_of
 
@@ -66,8 +67,9 @@ class _SourceState:
 
 class BranchService:
     def __init__(self, paths: Paths, store: SnapshotStore, vmm: Vmm, sandboxes: SandboxService, spawner: Spawner,
-                 max_concurrent: int, metrics: Metrics) -> None:
+                 max_concurrent: int, metrics: Metrics, space: SpaceFloor) -> None:
         self.paths = paths
+        self.space = space  # a branch writes its memory and disk layers under paths.snapshots
         self.metrics = metrics
         self.store = store
         self.registry: Registry = store.registry
@@ -102,8 +104,9 @@ class BranchService:
         if mode not in MODES:
             raise SnapshotError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         branching_of(self.vmm)  # a backend without the capability is refused before anything is claimed
-        claim = claim or self.store.claim(tag, "branched")
+        claim = claim or self.store.claim(tag, "branched")  # before any await: the first request takes the tag
         try:
+            await asyncio.to_thread(self.space.check, self.paths.snapshots, 0, f"branching {sandbox_id} to {tag!r}")
             live = self.sandboxes.get(sandbox_id)
             if len(self._builds) >= self.max_concurrent:
                 raise BranchBusy(f"{len(self._builds)} branches are being written (the limit is "

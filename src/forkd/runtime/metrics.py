@@ -10,7 +10,10 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+import platform
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, PlatformCollector, ProcessCollector,
+                               disable_created_metrics, generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -19,6 +22,10 @@ disable_created_metrics()  # the *_created series double the output and say noth
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+# States a gauge shows even at 0, so a dashboard's series exist (and alerts on them work) before the first
+# sandbox or snapshot; a state outside these still appears once something is in it.
+SANDBOX_STATES = ("running",)
+SNAPSHOT_STATES = ("ready", "writing", "failed")
 
 
 class _StateGauges(Collector):
@@ -27,10 +34,13 @@ class _StateGauges(Collector):
         self._snapshot_states = snapshot_states
 
     def collect(self):  # type: ignore[no-untyped-def]
-        for name, doc, states in (("forkd_sandboxes", "Sandboxes by state", self._sandbox_states),
-                                  ("forkd_snapshots", "Snapshots by status", self._snapshot_states)):
+        for name, doc, states, known in (
+                ("forkd_sandboxes", "Sandboxes by state", self._sandbox_states, SANDBOX_STATES),
+                ("forkd_snapshots", "Snapshots by status", self._snapshot_states, SNAPSHOT_STATES)):
             family = GaugeMetricFamily(name, doc, labels=["state"])
-            for state, count in sorted(Tally(states()).items()):
+            counts = Tally(dict.fromkeys(known, 0))
+            counts.update(states())
+            for state, count in sorted(counts.items()):
                 family.add_metric([state], count)
             yield family
 
@@ -70,8 +80,8 @@ class Metrics:
         self.spawn_stage_seconds = Histogram(
             "forkd_spawn_stage_seconds", "Time spent in each spawn stage (runtime/timings.py), per child", ["stage"],
             buckets=_STAGE_BUCKETS, registry=self.registry)
-        self.spawn_failures = Counter("forkd_spawn_failures", "Children that failed to start",
-                                      registry=self.registry)
+        self.spawn_failures = Counter("forkd_spawn_failures", "Children that failed to start, by error code",
+                                      ["reason"], registry=self.registry)
         self.branch_seconds = Histogram(
             "forkd_branch_seconds", "BRANCH latency seen by the caller, by mode", ["mode"],
             buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -88,6 +98,19 @@ class Metrics:
                                      ["route", "method", "status"], registry=self.registry)
         self.http_errors = Counter("forkd_http_errors", "HTTP answers with status >= 400 by route and status",
                                    ["route", "status"], registry=self.registry)
+        self.http_request_seconds = Histogram(
+            "forkd_http_request_duration_seconds",
+            "Request start to the answer's last byte (a stream's whole length), by route template and method",
+            ["route", "method"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.build = Info("forkd_build", "The daemon's version, VMM backend and Python", registry=self.registry)
+        self.build.info({"version": "unknown", "python": platform.python_version()})
+        # process_* (CPU seconds, resident memory, open fds, start time) and python_info, as every exporter has.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+
+    def set_build(self, version: str, vmm: str, vmm_version: str) -> None:
+        self.build.info({"version": version, "vmm": vmm, "vmm_version": vmm_version,
+                         "python": platform.python_version()})
 
     def watch_states(self, sandbox_states: Callable[[], Iterable[str]],
                      snapshot_states: Callable[[], Iterable[str]]) -> None:
@@ -99,8 +122,9 @@ class Metrics:
     def watch_idle(self, stopped: Callable[[], int]) -> None:
         self.registry.register(_IdleGauge(stopped))
 
-    def count_request(self, route: str, method: str, status: int) -> None:
+    def count_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.http_requests.labels(route, method, str(status)).inc()
+        self.http_request_seconds.labels(route, method).observe(seconds)
         if status >= 400:
             self.http_errors.labels(route, str(status)).inc()
 

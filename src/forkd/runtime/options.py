@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 from forkd.host.netpolicy import DEFAULT_POOL
 from forkd.hostpaths import HostRoots
-from forkd.packs.space import DEFAULT_FLOOR_BYTES
 from forkd.runtime.idle import DEFAULT_IDLE_STOP_S
+from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
+from forkd.store.space import DEFAULT_FLOOR_BYTES
 
 DEFAULT_MAX_BRANCHES = 2
 
@@ -53,7 +54,10 @@ class RuntimeOptions:
     host_roots: HostRoots | None = None
     transfer_hosts: tuple[str, ...] | None = None  # hosts pulls and pushes may reach; None: any http(s) host
     allow_unpinned_pulls: bool = False  # pull from a network URL with no SHA-256 pin (packs/service.py)
-    pack_free_floor_bytes: int = DEFAULT_FLOOR_BYTES  # free space pack, unpack and pull leave (packs/space.py)
+    # Free space forks, branches, snapshot builds, uploads, packs, unpacks and pulls leave (store/space.py).
+    free_floor_bytes: int = DEFAULT_FLOOR_BYTES
+    spool_bytes: int = DEFAULT_SPOOL_BYTES  # upload data all uploads together spool on disk (runtime/spool.py)
+    spool_files: int = DEFAULT_SPOOL_FILES  # uploads holding a spool file at once
     pool_sizes: dict[str, int] = field(default_factory=dict)  # ready VMMs kept per snapshot tag (runtime/pool.py)
     # Pool members load their state, run a fork's first calls and wait stopped (runtime/warmup.py):
     # a pooled child then skips the translation of that guest code, at the cost of the member's

@@ -27,7 +27,7 @@ from forkd.image.builder import (
 )
 from forkd.packs.peer import PeerPuller
 from forkd.packs.service import PackService
-from forkd.packs.space import SpaceFloor
+from forkd.store.space import SpaceFloor
 from forkd.packs.transfer import UrlPolicy
 from forkd.runtime.branches import BranchService
 from forkd.runtime.compact import CompactService
@@ -44,11 +44,12 @@ from forkd.runtime.sandboxes import SandboxService
 from forkd.runtime.sessions import Sessions
 from forkd.runtime.snapshots import SnapshotRequest, SnapshotService
 from forkd.runtime.spawning import Spawner
+from forkd.runtime.spool import SpoolBudget
 from forkd.runtime.tunnels import Tunnels
 from forkd.runtime.workspaces import WorkspaceService
 from forkd.store.chains import describe_chain
 from forkd.store.files import DigestCache
-from forkd.store.io import blocking
+from forkd.store.io import blocking, long_job
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.validation import new_sandbox_id
@@ -71,16 +72,16 @@ class Runtime:
         self.registry = registry
         self.options = options or RuntimeOptions()
         self.store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
-        self.snapshots = SnapshotService(paths, self.store, vmm)
+        roots = self.options.host_roots
+        space = SpaceFloor(self.options.free_floor_bytes, roots.packs if roots else None)
+        self.snapshots = SnapshotService(paths, self.store, vmm, space)
         self.metrics = Metrics()
         self.sandboxes = SandboxService(paths, registry, vmm, isolation, self.options.idle_stop_s)
         self.pools = PoolService(paths, registry, vmm, self.store, isolation, self.sandboxes.release, new_sandbox_id,
                                  self.options.pool_sizes, warm=self.options.warm_pools)
         self.spawner = Spawner(paths, registry, vmm, self.store, self.sandboxes, self.pools, isolation, self.metrics,
-                               self.options)
-        roots = self.options.host_roots
-        self.packs = PackService(self.store, self.spawner.count_of, roots, UrlPolicy(self.options.transfer_hosts),
-                                 SpaceFloor(self.options.pack_free_floor_bytes, roots.packs if roots else None),
+                               space, self.options)
+        self.packs = PackService(self.store, self.spawner.count_of, roots, UrlPolicy(self.options.transfer_hosts), space,
                                  self.options.allow_unpinned_pulls, replacing=self.pools.replacing)
         self.peers = PeerPuller(self.packs)
         self.drain = DrainService(self.spawner, self.pools, self.sandboxes, paths.home)
@@ -92,8 +93,9 @@ class Runtime:
         self.metrics.watch_idle(self.sandboxes.idle.stopped)
         self.compaction = CompactService(self.store, vmm.disk)
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.spawner,
-                                      self.options.max_concurrent_branches, self.metrics)
-        self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads)
+                                      self.options.max_concurrent_branches, self.metrics, space)
+        self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads, space,
+                                 SpoolBudget(self.options.spool_bytes, self.options.spool_files))
         self.tunnels = Tunnels(self.sandboxes)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.spawner, self.branches,
                                            self.remove_snapshot)
@@ -192,13 +194,14 @@ class Runtime:
     async def build_image(self, spec: ImageSpec, progress: Callable[[str], None], force: bool = False) -> Image:
         spec = self.confine_image_sources(spec)
         async with self._image_lock:  # two builds would race on the same cache directories
-            return await asyncio.to_thread(build_image, spec, self.paths, progress, force)
+            return await long_job(build_image, spec, self.paths, progress, force)
 
     def images(self) -> list[Image]:
         return list_images(self.paths)
 
     async def remove_image(self, name: str) -> None:
-        # Off the loop: it waits for the image's lock (a build holds it for minutes) and removes gigabytes.
+        # Off the loop: it removes gigabytes. A build holding the image's lock makes it a 409 (ImageBusy)
+        # at once: it never waits for the lock on a thread.
         await blocking(remove_image, self.paths, name)
 
     async def create_snapshot(self, request: SnapshotRequest, progress: Callable[[str], None],

@@ -31,7 +31,8 @@ from forkd.runtime.results import (
     read_command_result,
 )
 from forkd.runtime.sandboxes import SandboxEnded
-from forkd.runtime.spool import Spool
+from forkd.runtime.spool import Spool, SpoolBudget
+from forkd.store.space import SpaceFloor
 
 MAX_TIMEOUT_S = 24 * 3600  # longest a command, cell or eval may be given
 CALL_GRACE_S = 30.0  # the host waits this much longer than the guest's own timeout
@@ -66,10 +67,13 @@ def _call_timeout(timeout_s: float | None) -> float:
 
 class Sessions:
     def __init__(self, sandboxes: SandboxLookup, limits: OutputLimits | None = None,
-                 spool_dir: Path | None = None) -> None:
+                 spool_dir: Path | None = None, space: SpaceFloor | None = None,
+                 spool_budget: SpoolBudget | None = None) -> None:
         self.sandboxes = sandboxes
         self.limits = limits or OutputLimits()
         self.spool_dir = spool_dir  # where uploads wait for their guest (None: the system's temp dir)
+        self.space = space  # the free space uploads leave under spool_dir (None: no floor)
+        self.spool_budget = spool_budget or SpoolBudget()  # what all uploads together may spool
 
     def _agent(self, sandbox_id: str) -> AgentClient:
         return self.sandboxes.get(sandbox_id).agent
@@ -280,30 +284,35 @@ class Sessions:
 
         The body is read at the client's speed into a :class:`Spool` while the guest is fed from it
         at its own, so a slow guest makes an upload slower but never leaves the client's TCP window
-        shut (some clients abort after 30 s of that: see runtime/spool.py).
+        shut (some clients abort after 30 s of that: see runtime/spool.py), as long as the daemon's
+        spool budget has room.
         """
         agent = self._agent(sandbox_id)
-        spool = Spool(self.spool_dir, WRITE_CHUNK_BYTES)
+        if self.space is not None and self.spool_dir is not None:
+            await asyncio.to_thread(self.space.check, self.spool_dir, 0, f"uploading {path!r} to {sandbox_id}")
+        spool = Spool(self.spool_dir, WRITE_CHUNK_BYTES, self.spool_budget, self.space)
 
         async def receive() -> None:
-            buffer, spooled = bytearray(), 0
+            buffer = bytearray()
             try:
                 async for part in body:
                     buffer.extend(part)
                     while len(buffer) >= WRITE_CHUNK_BYTES:
                         await spool.put(bytes(buffer[:WRITE_CHUNK_BYTES]))
                         del buffer[:WRITE_CHUNK_BYTES]
-                        spooled += 1
-                if buffer or not spooled:  # an empty body still creates (or truncates) the file
+                if buffer:
                     await spool.put(bytes(buffer))
-            except Exception as exc:  # a broken body (client gone, bad encoding) ends the write with its error
-                spool.fail(exc)
+            except Exception as exc:  # a broken body (client gone, bad encoding), a full disk: the write fails
+                await spool.fail(exc)
                 return
             await spool.close()
 
         async def send_all() -> int:
-            written = 0
-            while (piece := await spool.get()) is not None:
+            written, calls = 0, 0
+            # An empty body still makes one write: it creates (or truncates) the file.
+            while (piece := await spool.get()) is not None or calls == 0:
+                piece = piece or b""
+                calls += 1
                 args: dict[str, Any] = {"path": path, "data_b64": protocol.b64encode(piece), "offset": written,
                                         "truncate": written == 0}
                 if mode is not None:
@@ -318,7 +327,7 @@ class Sessions:
         finally:
             receiving.cancel()
             await asyncio.gather(receiving, return_exceptions=True)
-            spool.discard()
+            await spool.release()
 
     async def list_files(self, sandbox_id: str, path: str) -> dict[str, Any]:
         return await self._call(sandbox_id, protocol.OP_FILES_LIST, {"path": path})

@@ -23,7 +23,8 @@ from forkd.guest import protocol
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.builder import Image
 from forkd.runtime.agent_client import AgentClient, connect_when_answering
-from forkd.store.errors import SnapshotDiskFull, SnapshotError
+from forkd.store.errors import DiskFull, SnapshotDiskFull, SnapshotError
+from forkd.store.space import SpaceFloor
 from forkd.store.files import link_or_copy
 from forkd.store.io import blocking, remove_tree
 from forkd.store.layout import BASE_DISK_FILE, INITRD_FILE, KERNEL_FILE, MEMORY_FILE, STATE_FILE, baked_files
@@ -62,8 +63,9 @@ class SnapshotRequest:
 
 
 class SnapshotService:
-    def __init__(self, paths: Paths, store: SnapshotStore, vmm: Vmm) -> None:
+    def __init__(self, paths: Paths, store: SnapshotStore, vmm: Vmm, space: SpaceFloor) -> None:
         self.paths = paths
+        self.space = space
         self.store = store
         self.vmm = vmm
         self._parents: set[VmHandle] = set()  # parents being baked, killed if the daemon stops
@@ -83,7 +85,8 @@ class SnapshotService:
             tag = held.tags[0]
             build_dir = self.store.build_dir(tag)
             try:
-                check_free_space(self.paths.snapshots, _space_needed(request, image, self.paths.snapshots))
+                await blocking(self.space.check, self.paths.snapshots,
+                               _space_needed(request, image, self.paths.snapshots), f"a snapshot {tag!r} of this size")
                 meta = await self._bake(request, image, build_dir, progress)
                 record = SnapshotRecord(tag=tag, status="ready", image=image.name, path=self.paths.snapshots / tag,
                                         created_at=time.time(), meta=meta)
@@ -197,22 +200,14 @@ def _space_needed(request: SnapshotRequest, image: Image, directory: Path) -> in
     return needed
 
 
-def check_free_space(directory: Path, needed: int) -> None:
-    free = shutil.disk_usage(directory).free
-    if free < needed:
-        raise SnapshotDiskFull(f"disk full: {free / MIB:.0f} MiB free under {directory}, a snapshot of this size "
-                               f"needs up to {needed / MIB:.0f} MiB; free space (`forkd rmi` unused snapshots) or "
-                               "move FORKD_HOME to a larger filesystem")
-
-
-def disk_full_error(exc: BaseException, directory: Path, tag: str) -> SnapshotDiskFull | None:
+def disk_full_error(exc: BaseException, directory: Path, tag: str) -> DiskFull | None:
     """A clear "disk full" error when ``exc`` came from running out of space, else ``None``.
 
     Out of space shows up in many guises: ENOSPC from a copy, a failed migration, or a parent VMM
     killed by SIGBUS when its shared RAM file could not grow. Any of them with (almost) no space
     left is reported as what it is.
     """
-    if isinstance(exc, SnapshotDiskFull):
+    if isinstance(exc, DiskFull):
         return exc
     causes = [exc, exc.__cause__, exc.__context__]
     out_of_space = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes)

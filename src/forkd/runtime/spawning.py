@@ -32,8 +32,9 @@ from forkd.runtime.pool import Member, PoolService
 from forkd.runtime.sandboxes import LiveSandbox, SandboxEnded, SandboxService
 from forkd.runtime.timings import Timings
 from forkd.runtime.warmup import reseed_args
-from forkd.store.registry import Registry, SandboxRecord
+from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
 from forkd.store.snapshots import SnapshotStore
+from forkd.store.space import SpaceFloor
 from forkd.validation import new_sandbox_id
 from forkd.vmm.base import BootSpec, SavedVm, Vmm, VmHandle
 from forkd.vmm.process import start_time
@@ -125,7 +126,7 @@ class Spawner:
     """Turns fork requests into live children, handing each to ``sandboxes`` once it answered."""
 
     def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, store: SnapshotStore, sandboxes: SandboxService,
-                 pool: PoolService, isolation: Isolation, metrics: Metrics,
+                 pool: PoolService, isolation: Isolation, metrics: Metrics, space: SpaceFloor,
                  options: RuntimeOptions | None = None) -> None:
         self.paths = paths
         self.registry = registry
@@ -135,6 +136,7 @@ class Spawner:
         self.pool = pool
         self.isolation = isolation
         self.metrics = metrics
+        self.space = space  # children's disk overlays grow under paths.sandboxes: forks leave its floor free
         self.options = options or RuntimeOptions()
         self._forking: Counter[str] = Counter()  # children being restored, per snapshot tag
         self._restoring = 0
@@ -189,7 +191,7 @@ class Spawner:
         # Counted before the first await, so `rmi` of this tag is refused while its children start.
         self._forking[tag] += count
         try:
-            record, saved, spec = await asyncio.to_thread(self.store.open, tag)
+            record, saved, spec = await asyncio.to_thread(self._open, tag, count)
         except BaseException:
             self._forking[tag] -= count
             raise
@@ -204,7 +206,7 @@ class Spawner:
             try:
                 sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline, child)
             except Exception as exc:  # one child's failure, a bug's included, never takes its siblings with it
-                self.metrics.spawn_failures.inc()
+                self.metrics.spawn_failures.labels(kind_for(exc).code).inc()
                 if kind_for(exc) is INTERNAL:  # no kind: a bug, whose traceback the log keeps
                     log.exception("spawning a child of %s failed", tag)
                 done.put_nowait(ForkOutcome(index=index, error=Failure.of(exc), timings=timings.as_ms()))
@@ -227,6 +229,12 @@ class Spawner:
                 yield await done.get()
 
         return outcomes()
+
+    def _open(self, tag: str, count: int) -> tuple[SnapshotRecord, SavedVm, BootSpec]:
+        """The snapshot to fork, once the disk the children's overlays grow on is above the floor (a
+        guest that fills it gets I/O errors; forking more onto it would only starve them all)."""
+        self.space.check(self.paths.sandboxes, 0, f"forking {count} child{'ren' if count != 1 else ''} of {tag!r}")
+        return self.store.open(tag)
 
     async def _spawn(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions, timings: Timings,
                      member: Member | None, deadline: float | None, child: Starting) -> LiveSandbox:

@@ -50,12 +50,6 @@ class Call(Generic[T]):
         return cast(T, answer if self.key is None else answer[self.key])
 
 
-def progress(on_progress: Callable[[str], Any] | None) -> Callable[[dict[str, Any]], Any] | None:
-    if on_progress is None:
-        return None
-    return lambda line: on_progress(str(line.get("progress", line)))
-
-
 def fork_call(tag: str | None, n: int, options: dict[str, Any]) -> Call[ForkAnswer]:
     unknown = set(options) - {*FORK_OPTIONS, "self", "tag", "n"}
     if unknown:

@@ -16,11 +16,19 @@ from typing import Any
 
 import httpx
 
-from forkd.config import paths_from_env
+from forkd.config import ConfigFileError, paths_from_env
 from forkd.sdk.errors import InvalidArgumentException
 
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
 UNIX_BASE_URL = "http://forkd"  # httpx needs a host; the socket path picks the daemon
+
+
+def _local_socket() -> str:
+    """This host's daemon's socket, as the daemon's config file and environment place it (forkd/config.py)."""
+    try:
+        return str(paths_from_env().socket)
+    except ConfigFileError as exc:
+        raise InvalidArgumentException(400, "invalid_request", str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,7 @@ class ConnectionConfig:
     def from_env(cls, url: str | None = None, token: str | None = None,
                  request_timeout: float | None = None) -> ConnectionConfig:
         """The environment's daemon; arguments that are not None win over it."""
-        return cls(url=url or os.environ.get("FORKD_URL") or f"unix://{paths_from_env().socket}",
+        return cls(url=url or os.environ.get("FORKD_URL") or f"unix://{_local_socket()}",
                    token=token or os.environ.get("FORKD_TOKEN") or None,
                    ca_cert=os.environ.get("FORKD_CA_CERT") or None,
                    request_timeout=request_timeout or DEFAULT_REQUEST_TIMEOUT_S)

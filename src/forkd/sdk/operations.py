@@ -20,10 +20,10 @@ from forkd.sdk.calls import (
     call_timeout,
     exec_call,
     fork_call,
-    progress,
     request,
 )
 from forkd.sdk.connection import ConnectionConfig
+from forkd.sdk.progress import progress
 from forkd.sdk.records import (
     ContextRecord,
     EvalAnswer,
@@ -223,6 +223,15 @@ class Operations:
         """
         return self._open_stream(exec_call(sandbox_id, cmd, env, cwd, stdin, timeout_s, user, warm).streamed())
 
+    def start_pty(self, sandbox_id: str, argv: list[str], *, rows: int = 24, cols: int = 80,
+                  env: dict[str, str] | None = None, cwd: str | None = None) -> Any:
+        """Start ``argv`` on a terminal in the guest and answer its open event stream: ``started`` with the pid,
+        ``pty`` events (``data_b64``: what it wrote to its terminal), then its ``{exit_code, signal}``."""
+        body: dict[str, Any] = {"argv": list(argv), "rows": rows, "cols": cols, "env": env or {}}
+        if cwd is not None:
+            body["cwd"] = cwd
+        return self._open_stream(Call("POST", f"/v1/sandboxes/{sandbox_id}/pty", json=body, timeout=LONG_TIMEOUT_S))
+
     @request
     def processes(self, sandbox_id: str) -> Call[list[dict[str, Any]]]:
         """The sandbox's commands, running and recently finished: ``[{"pid", "argv", "running", "exit_code", ...}]``."""
@@ -239,6 +248,17 @@ class Operations:
         """Write ``data`` to command ``pid``'s stdin; ``eof=True`` closes it after."""
         return Call("POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin",
                     json={"data": data, "eof": eof}, void=True)
+
+    @request
+    def pty_input(self, sandbox_id: str, pid: int, data: str) -> Call[None]:
+        """Type ``data`` at the terminal of ``start_pty``'s program (control characters included: ^D is ``\x04``)."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/pty/{pid}/input", json={"data": data}, void=True)
+
+    @request
+    def pty_resize(self, sandbox_id: str, pid: int, rows: int, cols: int) -> Call[None]:
+        """The new size of ``start_pty``'s terminal (its program gets SIGWINCH)."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/pty/{pid}/resize", json={"rows": rows, "cols": cols},
+                    void=True)
 
     @request
     def eval(self, sandbox_id: str, expr: str, context: str = "default") -> Call[EvalAnswer]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from forkd.store.layout import LAYER_FILE, MEMORY_FILE, memory_layer_name
 from forkd.store.registry import Registry, SnapshotRecord
+from forkd.store.usage import directory_usage
 
 
 class ChainBroken(LookupError):
@@ -103,7 +104,9 @@ def descendants(registry: Registry, tag: str) -> list[str]:
 
 
 def describe_chain(registry: Registry, record: SnapshotRecord) -> dict[str, Any]:
-    """Depth, ancestors, dependents, and physical (this link's own files) vs logical (whole chain) size."""
+    """Depth, ancestors, dependents; ``disk`` as ``GET /v1/snapshots`` gives it (logical: file sizes, physical:
+    allocated blocks); ``own_bytes`` (blocks only this link holds: not its hard links into the image cache) and
+    ``chain_bytes`` (own_bytes of this link and every ancestor: what forking it needs on disk)."""
     ancestors: list[SnapshotRecord] = []
     link = record
     while link.parent_tag is not None and (parent := registry.get_snapshot(link.parent_tag)) is not None:
@@ -114,8 +117,9 @@ def describe_chain(registry: Registry, record: SnapshotRecord) -> dict[str, Any]
         "ancestors": [a.tag for a in ancestors],
         "dependents": registry.snapshot_children(record.tag),
         "all_dependents": descendants(registry, record.tag),
-        "physical_bytes": own_bytes(record.path),
-        "logical_bytes": sum(own_bytes(r.path) for r in (record, *ancestors)),
+        "disk": directory_usage(record.path),
+        "own_bytes": own_bytes(record.path),
+        "chain_bytes": sum(own_bytes(r.path) for r in (record, *ancestors)),
     }
 
 

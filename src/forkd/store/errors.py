@@ -19,7 +19,14 @@ class SnapshotConflict(SnapshotError):
     kind = "conflict"
 
 
-class SnapshotDiskFull(SnapshotError):
+class DiskFull(RuntimeError):
+    """A filesystem the daemon writes to is (nearly) full: the work was refused before it wrote, or
+    what it wrote was removed; the message names the directory and what to free."""
+
+    kind = "disk_full"
+
+
+class SnapshotDiskFull(DiskFull, SnapshotError):
     """The filesystem holding snapshots ran out of space; nothing was registered or left behind."""
 
     kind = "disk_full"

@@ -370,7 +370,10 @@ class QemuMachine:
             "-object",
             f"memory-backend-file,id=ram,size={spec.memory_mib}M,mem-path={memory},share={'on' if share else 'off'}",
             *kernel,
-            "-drive", f"file={disk},format=qcow2,if=none,id=root,cache=writeback,discard=unmap",
+            # A host disk that fills (or fails) gives the guest I/O errors; QEMU's default (werror=enospc)
+            # would pause the VM, and its agent would stop answering until recovery killed it.
+            "-drive", f"file={disk},format=qcow2,if=none,id=root,cache=writeback,discard=unmap,"
+                      "werror=report,rerror=report",
             "-device", "virtio-blk-pci,drive=root,id=rootdisk",
             "-netdev", netdev,
             "-device", f"virtio-net-pci,netdev=net0,mac={netconf.GUEST_MAC},id={NIC_ID}",

@@ -1,7 +1,8 @@
-"""Request metrics: every answer counted by route template, method and status (errors included)."""
+"""Request metrics: every answer counted by route template, method and status (errors included), and timed."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from forkd.daemon.middleware import StatusSeen
@@ -20,8 +21,9 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         seen = StatusSeen(send)
+        started = time.monotonic()
         try:
             await self.app(scope, receive, seen)
         finally:  # the router put the matched route into this scope
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.count_request(route, scope["method"], seen.status)
+            self.metrics.count_request(route, scope["method"], seen.status, time.monotonic() - started)

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from forkd.daemon import schemas
+from forkd.daemon import schemas, snapshot_answers
 from forkd.daemon.deps import RuntimeDep, SandboxId
 
 router = APIRouter()
@@ -20,7 +20,7 @@ async def branch(sandbox_id: SandboxId, body: schemas.BranchRequest, runtime: Ru
     return JSONResponse(record.to_dict(), status_code=201 if record.status == "ready" else 202)
 
 
-@router.get("/v1/snapshots/{tag}")
+@router.get("/v1/snapshots/{tag}", response_model=snapshot_answers.DescribedSnapshot)
 async def snapshot_info(tag: str, runtime: RuntimeDep) -> dict[str, Any]:
     return runtime.describe_snapshot(tag)
 

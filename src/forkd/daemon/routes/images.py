@@ -9,7 +9,7 @@ from fastapi import APIRouter
 
 from forkd.daemon import schemas
 from forkd.daemon.deps import RuntimeDep
-from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, detached
+from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, detached, progress_line
 from forkd.image.builder import ImageSpec
 from forkd.image.spec import BASE_PACKAGES
 
@@ -30,7 +30,7 @@ async def build_image(body: schemas.ImageBuild, runtime: RuntimeDep) -> NDJSONRe
     spec = runtime.confine_image_sources(spec)  # refused before the stream starts
 
     async def work(emit):  # type: ignore[no-untyped-def]
-        image = await runtime.build_image(spec, lambda line: emit({"progress": line}), force=body.force)
+        image = await runtime.build_image(spec, lambda line: emit(progress_line(line)), force=body.force)
         return image.to_dict()
 
     return detached(work)

@@ -6,15 +6,15 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from forkd.daemon import schemas
+from forkd.daemon import schemas, snapshot_answers
 from forkd.daemon.deps import RuntimeDep
-from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, detached
+from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, detached, progress_line
 from forkd.runtime.snapshots import SnapshotRequest
 
 router = APIRouter()
 
 
-@router.get("/v1/snapshots", response_model=schemas.SnapshotList)
+@router.get("/v1/snapshots", response_model=snapshot_answers.SnapshotList)
 async def snapshots(runtime: RuntimeDep) -> dict[str, Any]:
     return {"snapshots": await runtime.snapshot_listing()}  # walks the store on its own threads
 
@@ -27,7 +27,7 @@ async def create_snapshot(body: schemas.SnapshotCreate, runtime: RuntimeDep) -> 
     claim = runtime.snapshots.claim(body.tag)  # a taken or claimed tag is a 409 before any streaming starts
 
     async def work(emit):  # type: ignore[no-untyped-def]
-        record = await runtime.create_snapshot(request, lambda line: emit({"progress": line}), claim=claim)
+        record = await runtime.create_snapshot(request, lambda line: emit(progress_line(line)), claim=claim)
         return record.to_dict()
 
     return detached(work)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -13,6 +12,7 @@ from forkd.daemon import schemas
 from forkd.daemon.deps import RuntimeDep
 from forkd.host.doctor import run_checks
 from forkd.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from forkd.store.io import long_job
 
 router = APIRouter()
 
@@ -39,4 +39,4 @@ async def version(runtime: RuntimeDep) -> dict[str, Any]:
 
 @router.get("/v1/doctor")
 async def doctor(runtime: RuntimeDep) -> dict[str, Any]:
-    return {"checks": [c.to_dict() for c in await asyncio.to_thread(run_checks, runtime.paths)]}
+    return {"checks": [c.to_dict() for c in await long_job(run_checks, runtime.paths)]}  # probes take seconds

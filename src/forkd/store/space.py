@@ -1,8 +1,11 @@
-"""The free-space floor packs keep: a pack job starts only when what it may write fits and leaves the floor.
+"""The daemon's free-space floor: work that writes to the host's disk starts only when it fits and
+leaves the floor.
 
-A full disk pauses every VM writing to it (and SQLite with them), so packing, unpacking and pulling
-check the filesystem they write to first, refusing with ``disk_full`` (HTTP 507) and naming what to
-free; a download of unknown size checks again as it grows. The floor is ``[packs] min_free_mib``.
+Forks (their disk overlays), branches, snapshot builds, uploads (their spool), packs, unpacks and
+pulls check the filesystem they write to first and refuse with ``disk_full`` (HTTP 507), naming
+what to free; a stream of unknown length checks again as it grows. Guests whose disk fills anyway
+get I/O errors (the VMM reports them to the guest instead of pausing it), and the next fork is
+refused here. The floor is ``[disk] min_free_mib``.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkd.store.errors import SnapshotDiskFull
+from forkd.store.errors import DiskFull
 
 MIB = 1 << 20
 DEFAULT_FLOOR_BYTES = 1 << 30
-RECHECK_EVERY_BYTES = 64 << 20  # a growing download looks at the free space again after this much
+RECHECK_EVERY_BYTES = 64 << 20  # a growing stream looks at the free space again after this much
+FLOOR_KEY = "[disk] min_free_mib"
 
 
 @dataclass(frozen=True)
@@ -26,16 +30,19 @@ class SpaceFloor:
     floor_bytes: int = DEFAULT_FLOOR_BYTES
     packs_dir: Path | None = None  # where old pack files may be freed, named in the message
 
+    def _what_to_free(self) -> str:
+        packs = f", old pack files under {self.packs_dir}" if self.packs_dir is not None else ""
+        return f"unused snapshots with `forkd rmi TAG`, idle sandboxes with `forkd kill ID`{packs}"
+
     def check(self, directory: Path, needed: int, what: str) -> None:
         """Refuse ``what`` unless ``directory``'s filesystem has ``needed`` bytes free above the floor."""
         free = shutil.disk_usage(directory).free
         if free >= needed + self.floor_bytes:
             return
-        packs = f", old pack files under {self.packs_dir}" if self.packs_dir is not None else ""
-        raise SnapshotDiskFull(
-            f"disk full: {what} needs up to {_mib(needed)} MiB under {directory} and the daemon keeps "
-            f"{_mib(self.floor_bytes)} MiB free (`[packs] min_free_mib`), but only {_mib(free)} MiB are free; "
-            f"free space there (unused snapshots with `forkd rmi TAG`{packs}) and try again")
+        needs = f"needs up to {_mib(needed)} MiB under {directory} and" if needed else f"writes under {directory};"
+        raise DiskFull(
+            f"disk full: {what} {needs} the daemon keeps {_mib(self.floor_bytes)} MiB free (`{FLOOR_KEY}`), "
+            f"but only {_mib(free)} MiB are free; free space there ({self._what_to_free()}) and try again")
 
     @contextlib.contextmanager
     def reported(self, directory: Path, what: str) -> Iterator[None]:
@@ -46,10 +53,8 @@ class SpaceFloor:
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            packs = f", old pack files under {self.packs_dir}" if self.packs_dir is not None else ""
-            raise SnapshotDiskFull(f"disk full under {directory} while {what} ({exc.strerror}); nothing was kept. "
-                                   f"Free space there (unused snapshots with `forkd rmi TAG`{packs}) and try "
-                                   "again") from None
+            raise DiskFull(f"disk full under {directory} while {what} ({exc.strerror}); nothing was kept. "
+                           f"Free space there ({self._what_to_free()}) and try again") from None
 
     def watch(self, directory: Path, what: str) -> Callable[[int], None]:
         """A callback for a stream of unknown length: given each chunk's size, it checks the floor again
