@@ -26,6 +26,7 @@ from forkd.e2b.metrics import cpu_times, disk, memory
 from forkd.e2b.storage import GRACE_S, Storage
 from forkd.runtime.recovery import recover
 from forkd.runtime.runtime import Runtime
+from forkd.store.space import SpaceFloor
 from forkd.vmm.fake import FakeVmm
 
 # Every route of E2B's control-plane OpenAPI document (spec/openapi.yml of e2b-dev/E2B, 2026-08).
@@ -288,8 +289,8 @@ def test_fork_snapshots_and_pause_layers_are_collected_and_quota_and_floor_refus
                     assert (await limited.post(f"/sandboxes/{sb}/fork", headers=_key(A), json={})).status_code == 507
                     other = (await _create(limited, B))["sandboxID"]  # another owner is not held to A's use
                     assert (await limited.post(f"/sandboxes/{other}/snapshots", headers=_key(B), json={})).status_code == 201
-                full = Storage(runtime, min_free_bytes=1 << 62)
-                _, starved = _front_with(runtime, full)
+                runtime.space = SpaceFloor(floor_bytes=1 << 62)  # the daemon's floor, out of reach
+                _, starved = _front_with(runtime, Storage(runtime))
                 async with _client(starved) as cramped:
                     answer = await cramped.post(f"/sandboxes/{other}/pause", headers=_key(B))
                     assert answer.status_code == 507 and "disk full" in answer.json()["message"]

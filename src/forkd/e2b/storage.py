@@ -1,5 +1,5 @@
 """What E2B's users leave on disk: fork snapshots, their own snapshots and pause layers; who owns
-which, the per-owner quota and free-space floor, and the collector that removes what nothing uses.
+which, the per-owner quota, and the collector that removes what nothing uses.
 
 Every such snapshot is a diff layer: a later BRANCH of the same sandbox (another snapshot, a fork,
 a pause) is written on top of it, and a child forked from it maps it. So a layer can be removed
@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -31,7 +30,6 @@ OWNER_LABEL = "forkd.e2b-owner"  # a sandbox's owner, stored with it (a pause ca
 FORK_PREFIX = "e2b-fork-"
 SNAPSHOT_PREFIX = "e2b-snap-"
 GRACE_S = 60.0  # a layer younger than this is never collected: its fork may not have started its children yet
-DEFAULT_MIN_FREE_MIB = 1024
 log = logging.getLogger("forkd.e2b.storage")
 
 
@@ -53,11 +51,9 @@ def owned_by(tag: str, owner: str) -> bool:
 
 
 class Storage:
-    def __init__(self, runtime: Runtime, quota_bytes: int | None = None,
-                 min_free_bytes: int = DEFAULT_MIN_FREE_MIB << 20) -> None:
+    def __init__(self, runtime: Runtime, quota_bytes: int | None = None) -> None:
         self.runtime = runtime
         self.quota_bytes = quota_bytes
-        self.min_free_bytes = min_free_bytes
         self._doomed_file = runtime.paths.home / "e2b" / "doomed.json"
         self.doomed: set[str] = self._load()
 
@@ -87,13 +83,9 @@ class Storage:
     # space
 
     async def check(self, owner: str | None, why: str) -> None:
-        """Refuse ``why`` (a BRANCH about to be written) when the disk is nearly full or ``owner`` is
-        over its quota, with what to do next (507, E2B's shape; the daemon's ``disk_full`` status)."""
-        free = (await asyncio.to_thread(shutil.disk_usage, self.runtime.paths.snapshots)).free
-        if free < self.min_free_bytes:
-            raise E2BError(507, f"disk full: {why} refused, {free >> 20} MiB free under {self.runtime.paths.home} "
-                                f"(the floor is {self.min_free_bytes >> 20} MiB); delete snapshots "
-                                "(Sandbox.delete_snapshot) or kill paused sandboxes, then retry")
+        """Refuse ``why`` (a BRANCH about to be written) when the disk is below the daemon's free-space
+        floor (``disk_full``, 507) or ``owner`` is over its quota, with what to do next."""
+        await asyncio.to_thread(self.runtime.space.check, self.runtime.paths.snapshots, 0, why)
         if owner is None or self.quota_bytes is None:
             return
         used = await self.usage(owner)

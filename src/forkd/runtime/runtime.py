@@ -60,7 +60,7 @@ FRONT_SURFACE = frozenset({
     "sandboxes", "spawner", "pools", "sessions", "tunnels", "branches", "workspaces", "packs", "snapshots", "compaction",
     "peers", "node", "drain", "driver_forks", "metrics", "paths", "start", "stop", "images", "build_image",
     "remove_image", "confine_image_sources", "create_snapshot", "remove_snapshot", "snapshot", "snapshot_by_digest",
-    "snapshot_records", "snapshot_listing", "describe_snapshot", "capabilities"})
+    "snapshot_records", "snapshot_listing", "describe_snapshot", "capabilities", "space"})
 
 
 class Runtime:
@@ -73,7 +73,7 @@ class Runtime:
         self.options = options or RuntimeOptions()
         self.store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
         roots = self.options.host_roots
-        space = SpaceFloor(self.options.free_floor_bytes, roots.packs if roots else None)
+        self.space = space = SpaceFloor(self.options.free_floor_bytes, roots.packs if roots else None)
         self.snapshots = SnapshotService(paths, self.store, vmm, space)
         self.metrics = Metrics()
         self.sandboxes = SandboxService(paths, registry, vmm, isolation, self.options.idle_stop_s)
