@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TextIO, TypeVar
 
 import click
 from rich.console import Console
@@ -69,6 +69,19 @@ def alias(command: click.Command, name: str, hidden: bool = True) -> click.Comma
 
 def json_option(func: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="print the answer as JSON on stdout")(func)
+
+
+def ca_cert_options(func: F) -> F:
+    """``--ca-cert FILE`` (repeatable) and ``--host-ca-certs``, handed to the command as one list ``ca_certs`` of
+    PEM texts: what an image build adds to the guest's trust store (e.g. a TLS-intercepting proxy's CA)."""
+    @functools.wraps(func)
+    def wrapper(*args: Any, ca_cert_files: tuple[TextIO, ...], host_ca_certs: bool, **kwargs: Any) -> Any:
+        kwargs["ca_certs"] = [f.read() for f in ca_cert_files] + (read_host_ca_certs() if host_ca_certs else [])
+        return func(*args, **kwargs)
+    with_host = click.option("--host-ca-certs", is_flag=True, help=f"add the CA certificates this host trusts "
+                             f"locally ({HOST_CA_DIR}/*.crt), e.g. a TLS proxy's")(wrapper)
+    return click.option("--ca-cert", "ca_cert_files", multiple=True, type=click.File("r"),  # type: ignore[return-value]
+                        help="PEM CA certificate to add to the guest's trust store (repeatable)")(with_host)
 
 
 def quiet_option(func: F) -> F:

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any
 
 import click
 
@@ -14,8 +14,8 @@ from forkd.cli.branch import BRANCH_COMMANDS, SNAPSHOT_VERBS
 from forkd.cli.cluster import CLUSTER_COMMANDS
 from forkd.cli.common import (
     EXIT_FAILED,
-    HOST_CA_DIR,
     alias,
+    ca_cert_options,
     console,
     daemon,
     err_console,
@@ -25,7 +25,6 @@ from forkd.cli.common import (
     print_rows,
     progress_display,
     quiet_option,
-    read_host_ca_certs,
     reports_errors,
 )
 from forkd.cli.completion import attach as attach_completion
@@ -64,18 +63,14 @@ def image() -> None:
 @click.option("--from-oci", "source_oci", type=click.Path(exists=True, dir_okay=False),
               help="use an OCI image tarball (docker save or OCI layout)")
 @click.option("--disk-size-mib", type=int)
-@click.option("--ca-cert", "ca_cert_files", multiple=True, type=click.File("r"),
-              help="PEM CA certificate to add to the guest's trust store (repeatable)")
-@click.option("--host-ca-certs", is_flag=True,
-              help=f"add the CA certificates this host trusts locally ({HOST_CA_DIR}/*.crt), e.g. a TLS proxy's")
+@ca_cert_options
 @click.option("--force", is_flag=True, help="rebuild even if the cached image is current")
 @json_option
 @reports_errors
 def image_build(name: str, packages: tuple[str, ...], mirror: str | None, source_dir: str | None,
-                source_oci: str | None, disk_size_mib: int | None, ca_cert_files: tuple[TextIO, ...],
-                host_ca_certs: bool, force: bool, as_json: bool) -> None:
+                source_oci: str | None, disk_size_mib: int | None, ca_certs: list[str], force: bool,
+                as_json: bool) -> None:
     """Build (or reuse from cache) a guest image."""
-    ca_certs = [f.read() for f in ca_cert_files] + (read_host_ca_certs() if host_ca_certs else [])
     spec: dict[str, Any] = {"name": name, "packages": list(packages), "force": force, "ca_certs": ca_certs}
     for key, value in (("mirror", mirror), ("source_dir", source_dir), ("source_oci", source_oci),
                        ("disk_size_mib", disk_size_mib)):

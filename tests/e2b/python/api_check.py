@@ -12,28 +12,17 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable
 
 import httpx
 from e2b import NotFoundException, Sandbox, SandboxException, SandboxState
 from e2b_code_interpreter import Sandbox as CodeSandbox
 
+from checks import check, failures
+
 TEMPLATE = os.environ["E2B_TEST_TEMPLATE"]
 API = {"base_url": os.environ["E2B_API_URL"], "headers": {"X-API-KEY": os.environ["E2B_API_KEY"]}, "timeout": 300}
 CYCLES = 10
-failures: list[str] = []
-
-
-def check(name: str, body: Callable[[], object]) -> None:
-    try:
-        body()
-    except Exception as exc:  # reported, and the remaining checks still run
-        failures.append(name)
-        print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
-        traceback.print_exc()
-    else:
-        print(f"ok {name}", flush=True)
 
 
 def wait_for(what: str, test: Callable[[], bool], within_s: float) -> None:

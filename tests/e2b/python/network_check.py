@@ -11,26 +11,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import traceback
-from collections.abc import Callable
 
 from e2b import CommandExitException, Sandbox
+
+from checks import check, failures
 
 TEMPLATE = os.environ["E2B_TEST_TEMPLATE"]
 PROBE = ("python3 -c \"import socket, sys\ntry:\n socket.create_connection(('{ip}', 80), 20)\nexcept "
          "ConnectionRefusedError:\n sys.exit(3)\nexcept OSError as e:\n print(e); sys.exit(4)\"")
-failures: list[str] = []
-
-
-def check(name: str, body: Callable[[], object]) -> None:
-    try:
-        body()
-    except Exception as exc:
-        failures.append(name)
-        print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
-        traceback.print_exc()
-    else:
-        print(f"ok {name}", flush=True)
 
 
 def rules(sbx: Sandbox) -> str:

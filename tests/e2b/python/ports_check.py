@@ -13,8 +13,6 @@ import os
 import socket
 import sys
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,21 +21,11 @@ from e2b import CommandExitException, Sandbox
 from wsproto import ConnectionType, WSConnection
 from wsproto import events as ws
 
+from checks import check, failures
+
 TEMPLATE = os.environ["E2B_TEST_TEMPLATE"]
 FRONT = urlsplit(os.environ["E2B_SANDBOX_URL"])
 WS_ECHO = (Path(__file__).resolve().parent.parent / "ws_echo.py").read_text()
-failures: list[str] = []
-
-
-def check(name: str, body: Callable[[], object]) -> None:
-    try:
-        body()
-    except Exception as exc:
-        failures.append(name)
-        print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
-        traceback.print_exc()
-    else:
-        print(f"ok {name}", flush=True)
 
 
 def get(host: str, path: str = "/", headers: dict[str, str] | None = None) -> httpx.Response:

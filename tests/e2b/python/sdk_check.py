@@ -9,11 +9,10 @@ given as arguments run only those (the sandbox is still created, and killed only
 
 from __future__ import annotations
 
-import os
 import base64
+import os
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,32 +20,22 @@ from e2b import (
     AuthenticationException,
     CommandExitException,
     FilesystemEventType,
-    PtySize,
     NotFoundException,
+    PtySize,
     Sandbox,
     SandboxQuery,
     SandboxState,
     TimeoutException,
 )
-from e2b_code_interpreter.charts import ChartType
 from e2b_code_interpreter import Sandbox as CodeSandbox
+from e2b_code_interpreter.charts import ChartType
+
+from checks import check, failures
 
 TEMPLATE = os.environ["E2B_TEST_TEMPLATE"]
 CHART_CELL = (Path(__file__).resolve().parent.parent / "chart_cell.py").read_text()
 MATPLOTLIB_CELL = (Path(__file__).resolve().parent.parent / "matplotlib_cell.py").read_text()
 BIG = 20 << 20
-failures: list[str] = []
-
-
-def check(name: str, body: Callable[[], object]) -> None:
-    try:
-        body()
-    except Exception as exc:  # reported, and the remaining checks still run
-        failures.append(name)
-        print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
-        traceback.print_exc()
-    else:
-        print(f"ok {name}", flush=True)
 
 
 def expect_raises(kind: type[BaseException], body: Callable[[], object]) -> BaseException:

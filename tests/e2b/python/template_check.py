@@ -7,24 +7,12 @@ imported. Pointed at forkd only through E2B_API_URL, E2B_SANDBOX_URL and E2B_API
 from __future__ import annotations
 
 import sys
-import traceback
-from collections.abc import Callable
 
 from e2b_code_interpreter import Sandbox
 
+from checks import check, failures
+
 WARM = ("numpy", "pandas", "matplotlib", "scipy", "sklearn", "seaborn", "requests")
-failures: list[str] = []
-
-
-def check(name: str, body: Callable[[], object]) -> None:
-    try:
-        body()
-    except Exception as exc:
-        failures.append(name)
-        print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
-        traceback.print_exc()
-    else:
-        print(f"ok {name}", flush=True)
 
 
 def main() -> int:
