@@ -99,7 +99,7 @@ def node_death(cluster: Cluster, tag: str, items: int, kill_after: int, kill_com
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Placement (cluster vs local fork), replication seconds against snapshot size, node death."""
+    """Placement (cluster vs local fork), replication seconds per snapshot, node death."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -109,11 +109,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.boxplot([placed["local_s"], placed["cluster_s"]], tick_labels=["local fork", "Cluster.create"])
     left.set_ylabel("seconds")
     left.set_title(f"placement: p50 ratio {placed['ratio']:.2f}x")
-    pulls = sorted(report["replication"], key=lambda r: r["bytes"])
-    middle.plot([r["bytes"] / (1 << 20) for r in pulls], [r["seconds"] for r in pulls], "o-")
-    middle.set_xlabel("MiB pulled")
+    pulls = report["replication"]  # in --replicate order; the bytes moved are what a snapshot's layers hold
+    middle.bar([f"{r['tag']}\n{r['bytes'] / (1 << 20):.0f} MiB pulled" for r in pulls], [r["seconds"] for r in pulls])
     middle.set_ylabel("seconds")
-    middle.set_title("replication by digest")
+    middle.set_title("replication by digest, per snapshot")
     death = report.get("node_death") or {}
     bars = {k: death.get(k) for k in ("death_noticed_s", "last_retry_answered_s") if death.get(k) is not None}
     right.bar(["death noticed", "last retried item answered"][:len(bars)], list(bars.values()))
