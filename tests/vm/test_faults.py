@@ -418,8 +418,10 @@ def test_disk_full_during_snapshot_registers_nothing(fault_snapshot: str) -> Non
     # Room for the image files copied in (another filesystem than the cache) and the preflight's
     # estimate, so the build starts; then the disk is filled while the parent boots.
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400m", "tmpfs", str(snapshots)], check=True)
-    config = home / "forkd.toml"
-    config.write_text("[disk]\nmin_free_mib = 16\n")  # a floor the 1400 MiB tmpfs can keep while it builds
+    # A floor the 1400 MiB tmpfs can keep while it builds; the file lives outside home, since a process
+    # whose command line names home counts as a VMM left behind below (the daemon's would).
+    config = Path(tempfile.mkstemp(prefix="forkd-floor-", suffix=".toml", dir="/var/tmp")[1])
+    config.write_text("[disk]\nmin_free_mib = 16\n")
     full = Daemon(home, "--config", str(config))
     try:
         full.start()
@@ -453,3 +455,4 @@ def test_disk_full_during_snapshot_registers_nothing(fault_snapshot: str) -> Non
         full.stop()
         subprocess.run(["umount", str(snapshots)], check=False)
         shutil.rmtree(home, ignore_errors=True)
+        config.unlink(missing_ok=True)

@@ -97,6 +97,9 @@ def test_the_live_daemon_answers_every_generated_request_within_its_schema(
     # refuse every later test's forks on this shared daemon and wait up to an hour for its live sandboxes.
     schema = schema.exclude(path_regex="^/v1/packs").exclude(method="POST", path="/v1/node/pull")
     schema = schema.exclude(path_regex="^/v1/node/drain")
+    # A terminal's output stream ends only when its client leaves (as `docker exec -it` does): a generated
+    # call would hold its read for the whole client timeout. tests/vm/test_cli_exec.py drives it.
+    schema = schema.exclude(method="POST", path="/v1/sandboxes/{sandbox_id}/pty")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) > 30
     failures: list[str] = []
