@@ -5,9 +5,13 @@ backend directly (no daemon), from the same snapshot: reseed, a numpy eval, a sh
 reads what the child cost. Figures that load on a shared machine distorts least: Private_Dirty by
 what holds it (TCG translation cache, guest RAM copied on write, QEMU heap, other), the VMM's CPU
 time (utime + stime from /proc, not wall time) and the TCG translation-buffer flush count from
-HMP ``info jit``. Variants: ``tb16`` (today), ``tb8``, ``tb32`` (TCG ``tb-size`` MiB), ``arena1``
-(``MALLOC_ARENA_MAX=1`` for QEMU), or ``snapshot=TAG`` to compare another snapshot (e.g. one baked
-with other guest settings).
+HMP ``info jit``, and the finer breakdown of ``vmm_memory.py`` (thread stacks, malloc arenas, ...).
+Variants: ``tb16``, ``tb8``, ``tb32`` (TCG ``tb-size`` MiB; ``--tb`` for the others), an allocator
+setting for QEMU's environment (``arena1``, ``arena2``: ``MALLOC_ARENA_MAX``; ``trim``: glibc
+tunables that return freed memory at once), ``nothp`` (QEMU started with transparent huge pages
+disabled, ``PR_SET_THP_DISABLE``, which it inherits), or ``snapshot=TAG`` to compare another
+snapshot (e.g. one baked with other guest settings or another machine type); parts combine with
+``+`` (``tb16+nothp``).
 
     FORKD_HOME=... .venv/bin/python bench/child_cost.py --tag quickstart --rounds 5 tb16 tb8 tb32 arena1
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import json
 import os
 import re
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from spawn import smaps_breakdown  # bench/spawn.py, next to this script
+from vmm_memory import detailed
 
 from forkd.config import paths_from_env
 from forkd.guest import protocol
@@ -41,6 +47,18 @@ from forkd.vmm.qemu_machine import monitor
 
 RESULTS = Path(__file__).with_name("results")
 TICKS = os.sysconf("SC_CLK_TCK")
+PR_SET_THP_DISABLE = 41
+#: What a variant puts into the environment QEMU inherits.
+ENVIRONMENTS = {
+    "arena1": {"MALLOC_ARENA_MAX": "1"},
+    "arena2": {"MALLOC_ARENA_MAX": "2"},
+    "trim": {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0:glibc.malloc.mmap_threshold=65536"},
+}
+
+
+def set_thp_disable(disabled: bool) -> None:
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, int(disabled), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE)")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -65,24 +83,29 @@ async def info_jit(vm: VmHandle) -> dict[str, int]:
 
 
 async def one_child(variant: str, snapshots: SnapshotStore, default_tag: str, scratch: Path,
-                    index: int) -> dict[str, Any]:
-    tag = variant.split("=", 1)[1] if variant.startswith("snapshot=") else default_tag
-    tb = int(variant[2:]) if variant.startswith("tb") else 16
-    env_before = os.environ.get("MALLOC_ARENA_MAX")
-    if variant == "arena1":
-        os.environ["MALLOC_ARENA_MAX"] = "1"  # inherited by the QEMU process started next
+                    index: int, tb_default: int) -> dict[str, Any]:
+    parts = variant.split("+")
+    tag = next((p.split("=", 1)[1] for p in parts if p.startswith("snapshot=")), default_tag)
+    tb = next((int(p[2:]) for p in parts if p.startswith("tb")), tb_default)
+    env = {k: v for p in parts for k, v in ENVIRONMENTS.get(p, {}).items()}
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # inherited by the QEMU process started next
     _, saved, spec = await asyncio.to_thread(snapshots.open, tag)
     run_dir = scratch / f"c{index}"
     run_dir.mkdir()
     vmm = QemuVmm(tb_size_mib=tb)
     started = time.monotonic()
+    if "nothp" in parts:
+        set_thp_disable(True)  # inherited by the QEMU process started next (and kept across its exec)
     try:
         vm = await restore(vmm, f"c{index}", saved, spec, run_dir)
     finally:
-        if env_before is None:
-            os.environ.pop("MALLOC_ARENA_MAX", None)
-        else:
-            os.environ["MALLOC_ARENA_MAX"] = env_before
+        set_thp_disable(False)
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     try:
         agent, _ = await connect_when_answering(vm, 120, protocol.OP_RESEED, {
             "entropy_b64": protocol.b64encode(os.urandom(64)), "time_ns": time.time_ns(),
@@ -94,7 +117,8 @@ async def one_child(variant: str, snapshots: SnapshotStore, default_tag: str, sc
         finally:
             await agent.close()
         return {"variant": variant, "answered_s": answered, "cpu_s": cpu_seconds(vm.pid),
-                "private_dirty_mib": private_dirty(vm.pid, str(saved.memory)), "jit": await info_jit(vm)}
+                "private_dirty_mib": private_dirty(vm.pid, str(saved.memory)), "jit": await info_jit(vm),
+                "detail_mib": detailed(vm.pid, str(saved.memory))}
     finally:
         await vmm.kill(vm)
 
@@ -109,6 +133,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "answered_s_p50": med(r["answered_s"] for r in mine),
             "private_dirty_mib_p50": {k: med(r["private_dirty_mib"][k] for r in mine)
                                       for k in mine[0]["private_dirty_mib"]},
+            "detail_mib_p50": {k: med(r["detail_mib"].get(k, 0) for r in mine) for k in mine[0]["detail_mib"]
+                               if isinstance(mine[0]["detail_mib"][k], float)},
+            "threads": mine[0]["detail_mib"]["threads"],
+            "largest_other": mine[0]["detail_mib"]["largest_other"],
             "tb_flush_count_max": max(r["jit"].get("tb_flush_count", -1) for r in mine),
             "n": len(mine),
         }
@@ -119,13 +147,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     paths = paths_from_env()
     registry = Registry(paths.db)
     vmm = QemuVmm()
-    snapshots = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity)
+    snapshots = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
     runs = []
     with tempfile.TemporaryDirectory(prefix="forkd-child-cost-", dir="/var/tmp") as scratch:
         index = 0
         for round_ in range(args.rounds):
             for variant in args.variants:
-                runs.append(await one_child(variant, snapshots, args.tag, Path(scratch), index))
+                runs.append(await one_child(variant, snapshots, args.tag, Path(scratch), index, args.tb))
                 index += 1
                 print(f"round {round_} {variant}: cpu {runs[-1]['cpu_s']:.2f} s, Private_Dirty "
                       f"{runs[-1]['private_dirty_mib']['total']:.1f} MiB, jit {runs[-1]['jit']}", flush=True)
@@ -137,6 +165,7 @@ def main() -> None:
     parser.add_argument("--tag", default="quickstart")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="child_cost")
+    parser.add_argument("--tb", type=int, default=32, help="tb-size (MiB) of the variants that do not set one")
     parser.add_argument("variants", nargs="*", default=["tb16", "tb8", "tb32", "arena1"])
     args = parser.parse_args()
     load_before = os.getloadavg()[0]

@@ -20,6 +20,7 @@ log_format = "text"              # text, or json: one object a line (ts, level, 
 vmm = "qemu"                     # VMM backend: qemu, or fake (no VMs: real processes answer the guest protocol)  [FORKD_VMM]
 accelerator = "auto"             # auto | kvm | tcg
 tcg_tb_size_mib = 32             # TCG translation buffer per VMM: 16 saves 17 MiB a child, costs ~1.8x its CPU
+vmm_huge_pages = false           # true: VMMs may use transparent huge pages (2-4 MiB more private memory a child)
 warm_pools = true                # pool members run a fork's first calls, then wait stopped (more memory each)
 imports_dir = "/var/lib/forkd/imports"  # image sources API clients may name (default HOME/imports)
 packs_dir = "/var/lib/forkd/packs"      # pack files API clients may write and read (default HOME/packs)
@@ -209,6 +210,7 @@ class DaemonConfig:
     vmm: str = DEFAULT_BACKEND
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
     tcg_tb_size_mib: int = Field(default=BackendOptions.tcg_tb_size_mib, ge=1, le=2048)
+    vmm_huge_pages: bool = BackendOptions.vmm_huge_pages
     warm_pools: bool = True
     limits: Limits = field(default_factory=Limits)
     sandboxes: SandboxPolicy = field(default_factory=SandboxPolicy)
@@ -235,7 +237,8 @@ class DaemonConfig:
 
     @property
     def backend_options(self) -> BackendOptions:
-        return BackendOptions(accelerator=self.accelerator, tcg_tb_size_mib=self.tcg_tb_size_mib)
+        return BackendOptions(accelerator=self.accelerator, tcg_tb_size_mib=self.tcg_tb_size_mib,
+                              vmm_huge_pages=self.vmm_huge_pages)
 
     @property
     def paths(self) -> Paths:

@@ -30,10 +30,12 @@ class BackendOptions:
 
     accelerator: str = "auto"  # auto | kvm | tcg
     tcg_tb_size_mib: int = TCG_TB_SIZE_MIB  # translation cache of a VMM that translates guest code
+    vmm_huge_pages: bool = False  # transparent huge pages for the VMM's own memory (2-4 MiB more per child)
 
 
 BACKENDS: dict[str, Callable[[BackendOptions], Vmm]] = {
-    "qemu": lambda options: QemuVmm(accelerator=options.accelerator, tb_size_mib=options.tcg_tb_size_mib),
+    "qemu": lambda options: QemuVmm(accelerator=options.accelerator, tb_size_mib=options.tcg_tb_size_mib,
+                                     huge_pages=options.vmm_huge_pages),
     "fake": lambda options: FakeVmm(),
 }
 

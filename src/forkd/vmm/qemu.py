@@ -70,10 +70,11 @@ class QemuVmm:
     run_leftovers: tuple[str, ...] = RUN_LEFTOVERS
 
     def __init__(self, binary: str = QEMU_BINARY, accelerator: str = "auto",
-                 tb_size_mib: int = TCG_TB_SIZE_MIB) -> None:
+                 tb_size_mib: int = TCG_TB_SIZE_MIB, huge_pages: bool = False) -> None:
         self.program = Path(binary).name
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
-        self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator), tb_size_mib=tb_size_mib)
+        self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator), tb_size_mib=tb_size_mib,
+                                   huge_pages=huge_pages)
         self.branching = QemuBranching()
         self.disk: DiskFormat = QemuDisk()
         self._offline: set[VmHandle] = set()  # prepared children without a tap: their link goes down on load
