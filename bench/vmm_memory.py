@@ -75,9 +75,7 @@ def detailed(pid: int, memory_file: str) -> dict[str, Any]:
             add("guest_ram_cow", kib)
         elif path == "[heap]":
             add("heap_main_arena", kib)
-        elif path == "[stack]":
-            add("thread_stacks", kib)
-        elif holder is not None:
+        elif path == "[stack]" or holder is not None:
             add("thread_stacks", kib)
         elif not path and "x" in perms:
             add("tcg_cache", kib)
