@@ -178,6 +178,12 @@ def vm_env_for(home: Path) -> dict[str, str]:
     return env
 
 
+def e2b_front(home: Path, env: dict[str, str]) -> tuple[str, str]:
+    """The URL of the daemon's E2B front (``FORKD_E2B_LISTEN``) and an API key from its key file."""
+    keys = (home / "e2b" / "api-keys").read_text().split()
+    return f"http://{env['FORKD_E2B_LISTEN']}", next(k for k in keys if k.startswith("e2b_"))
+
+
 @pytest.fixture(scope="session")
 def forkd_home() -> Iterator[Path]:
     home = Path(tempfile.mkdtemp(prefix="forkd-test-", dir="/var/tmp"))

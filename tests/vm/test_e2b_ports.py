@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import e2b_front
 
 from forkd.sdk.controller import Controller
 
@@ -24,10 +25,9 @@ E2B = Path(__file__).resolve().parent.parent / "e2b"
 
 @pytest.fixture(scope="module")
 def e2b_env(daemon: Controller, snapshot_tag: str, vm_env: dict[str, str], forkd_home: Path) -> dict[str, str]:
-    keys = (forkd_home / "e2b" / "api-keys").read_text().split()
-    url = f"http://{vm_env['FORKD_E2B_LISTEN']}"
+    url, key = e2b_front(forkd_home, vm_env)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FORKD_", "E2B_"))}
-    env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=next(k for k in keys if k.startswith("e2b_")),
+    env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=key,
                E2B_TEST_TEMPLATE=snapshot_tag)
     return env
 
