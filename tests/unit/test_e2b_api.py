@@ -5,6 +5,7 @@ owners' keys."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -326,3 +327,33 @@ def test_the_pause_policy_and_deleted_snapshots_outlive_a_daemon_restart_and_the
             await restarted.stop()
 
     run(scenario)
+
+
+def test_a_timeout_set_while_the_sandbox_is_being_paused_resumes_it_or_answers_409(on_front: OnFront) -> None:
+    """Before: set_timeout saw the sandbox running, then found it paused under the lifecycle lock
+    and failed an assertion (500)."""
+    async def scenario(runtime: Runtime, front: E2BFront, client: httpx.AsyncClient) -> None:
+        for auto_resume, status in ((True, 204), (False, 409)):
+            made = await _create(client, A, timeout=300, autoPause=True, autoResume={"enabled": auto_resume})
+            sa = made["sandboxID"]
+            lock = front.sandboxes.lock(sa)
+            await lock.acquire()  # what a pause at the timeout holds
+            try:
+                call = asyncio.ensure_future(client.post(f"/sandboxes/{sa}/timeout", headers=_key(A),
+                                                         json={"timeout": 120}))
+                await asyncio.sleep(0.2)  # it saw the sandbox running and now waits for the lock
+                assert not call.done()
+                await front.sandboxes._pause(None, sa)
+            finally:
+                lock.release()
+            answer = await call
+            assert answer.status_code == status, answer.text
+            info = (await client.get(f"/sandboxes/{sa}", headers=_key(A))).json()
+            assert info["state"] == ("running" if auto_resume else "paused")
+            if auto_resume:  # the new deadline holds from now
+                labels = front.sandboxes.resolve(sa).labels
+                assert abs(float(labels[PAUSE_AT_LABEL]) - (time.time() + 120)) < 10
+            else:
+                assert "paused" in answer.json()["message"]
+
+    on_front(scenario)

@@ -284,23 +284,32 @@ class E2BSandboxes:
         described = [self.describe(r) for r in found if principal.sees(r.owner)]
         return [d for d in described if all(d["metadata"].get(k) == v for k, v in metadata.items())]
 
-    async def set_timeout(self, principal: Principal, e2b_id: str, timeout_s: int, extend_only: bool = False) -> None:
-        resolved = self.resolve(e2b_id, principal)
-        if resolved.live is None:
-            if not Policy.of(resolved.labels).auto_resume:
-                raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
-            resolved = await self._resume(e2b_id, timeout_s)
-        live = resolved.live
-        assert live is not None
-        pausing = Policy.of(resolved.labels).pause
-        current = pause_at(resolved.labels) if pausing else live.record.end_at
-        if extend_only and current is not None and current >= time.time() + timeout_s:
-            return
-        if pausing:
+    async def set_timeout(self, principal: Principal, e2b_id: str, timeout_s: int, extend_only: bool = False,
+                          resume: bool = False) -> None:
+        """A new deadline; a paused sandbox is resumed first when it has ``autoResume`` (or ``resume``).
+        A pause between the first look and the lifecycle lock makes it start over: as if this request
+        came after the pause (a few times at most, then 409)."""
+        for _ in range(3):
+            resolved = self.resolve(e2b_id, principal)
+            if resolved.live is None:
+                if not (resume or Policy.of(resolved.labels).auto_resume):
+                    raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
+                resolved = await self._resume(e2b_id, timeout_s)
+            live = resolved.live
+            assert live is not None
+            pausing = Policy.of(resolved.labels).pause
+            current = pause_at(resolved.labels) if pausing else live.record.end_at
+            if extend_only and current is not None and current >= time.time() + timeout_s:
+                return
+            if not pausing:
+                await self.runtime.sandboxes.set_timeout(live.record.id, timeout_s)
+                return
             async with self.lock(e2b_id):
-                await self._set_pause_at(self.resolve(e2b_id), timeout_s)
-        else:
-            await self.runtime.sandboxes.set_timeout(live.record.id, timeout_s)
+                now = self.resolve(e2b_id, principal)
+                if now.live is not None:
+                    await self._set_pause_at(now, timeout_s)
+                    return
+        raise E2BError(409, f"sandbox {e2b_id} was paused again while its timeout was set; try again")
 
     async def connect(self, principal: Principal, e2b_id: str, timeout_s: int) -> tuple[int, dict[str, Any]]:
         """Resume a paused sandbox (201) or extend a running one's deadline (200)."""
@@ -309,7 +318,7 @@ class E2BSandboxes:
         if resolved.live is None:
             await self._resume(e2b_id, timeout_s)
             status = 201
-        await self.set_timeout(principal, e2b_id, timeout_s, extend_only=status == 200)
+        await self.set_timeout(principal, e2b_id, timeout_s, extend_only=status == 200, resume=True)
         resolved = self.resolve(e2b_id, principal)
         return status, self.created(e2b_id, self.describe(resolved)["templateID"], resolved.nonce)
 
