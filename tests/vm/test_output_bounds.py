@@ -232,7 +232,8 @@ def test_the_e2b_front_holds_stalled_readers_and_endless_envelopes_under_50_mib(
         before_kib = _reset_peak(pid)
         try:
             refused = client.post("/process.Process/Start", headers=rpc, content=endless())
-            assert refused.status_code in (200, 413), refused.text[:300]
+            # refused at the second envelope; what the client sends after that is not kept
+            assert refused.status_code == 413 or b'"invalid_argument"' in refused.content, refused.content[:300]
         except httpx.TransportError:
             pass  # the front closed the connection on a body it would not read
         growth["envelopes"] = (_status_kib(pid, "VmHWM") - before_kib) / 1024
