@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import uvicorn
 from mcp import Client
-from test_clients_leaving import SANDBOX, _agent, _gone_terminal, _until
+from test_clients_leaving import SANDBOX, _agent, _gone_terminal, _until, serve_app
 from test_runtime_fake_vmm import run
 
 from forkd.daemon.app import create_app
@@ -33,13 +31,9 @@ SHELL = {"sandbox_id": SANDBOX, "command": "exec sh -i", "env": {"PS1": "$ "}}
 async def _mcp(idle_s: float = 900.0) -> AsyncIterator[tuple[Client, Holdings, Sessions]]:
     """An MCP client on forkd-mcp's tools, whose daemon is the REST app over one agent process."""
     async with _agent() as sessions:
-        app = create_app(SimpleNamespace(sessions=sessions, metrics=Metrics()))  # type: ignore[arg-type]
-        listener = socket.create_server(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        serving = asyncio.create_task(server.serve(sockets=[listener]))
-        host, port = listener.getsockname()
+        url, server, serving = await serve_app(create_app(SimpleNamespace(sessions=sessions, metrics=Metrics())))  # type: ignore[arg-type]
         try:
-            async with AsyncController(url=f"http://{host}:{port}") as controller:
+            async with AsyncController(url=url) as controller:
                 holdings = Holdings(controller, idle_s=idle_s)
                 try:
                     async with Client(build_server(controller, holdings)) as client:

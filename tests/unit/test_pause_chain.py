@@ -8,15 +8,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from test_e2b_api import _create
-from test_e2b_tenants import KEYS, SECRET, A, _client, _key
+from test_e2b_api import _create, _front_with
+from test_e2b_tenants import A, _client, _key
 from test_runtime_fake_vmm import _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
-from forkd.daemon.middleware.body_limit import BodyLimit
-from forkd.e2b import app as e2b_app
-from forkd.e2b.app import E2BFront
-from forkd.e2b.keys import Credentials
 from forkd.e2b.storage import GRACE_S
 from forkd.vmm.fake import FakeVmm
 
@@ -27,8 +23,7 @@ CYCLES = 10
 def test_many_pauses_keep_the_chain_within_the_bound_and_the_replaced_layers_are_collected(tmp_path: Path) -> None:
     async def scenario() -> None:
         runtime = await _runtime(tmp_path, FakeVmm())
-        front = E2BFront(runtime, Credentials(KEYS, SECRET), max_pause_chain=BOUND)
-        app = BodyLimit(front, is_upload=e2b_app.is_upload, is_stream=e2b_app.is_stream, shape=e2b_app.refusal_shape)
+        front, app = _front_with(runtime, max_pause_chain=BOUND)
         try:
             async with _client(app) as client:
                 sa = (await _create(client, A))["sandboxID"]
@@ -91,9 +86,7 @@ def test_a_compacted_workspace_is_removed_whole_and_a_bound_of_zero_never_compac
             assert set(removed) == {f"ws-w-{n}" for n in range(1, 7)}
             assert {r.tag for r in runtime.snapshot_records()} == {"base"}
 
-            front = E2BFront(runtime, Credentials(KEYS, SECRET), max_pause_chain=0)
-            app = BodyLimit(front, is_upload=e2b_app.is_upload, is_stream=e2b_app.is_stream,
-                            shape=e2b_app.refusal_shape)
+            _, app = _front_with(runtime, max_pause_chain=0)
             async with _client(app) as client:
                 sa = (await _create(client, A))["sandboxID"]
                 for _ in range(3):

@@ -24,7 +24,7 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from forkd.sdk.async_controller import AsyncController
 from forkd.sdk.errors import ForkdError
@@ -139,6 +139,18 @@ class Watcher:
     used: float = field(default_factory=time.monotonic)
 
 
+Held = TypeVar("Held", Terminal, Watcher)
+
+
+def _named(table: dict[str, Held], key: str, missing: str) -> Held:
+    """The one ``key`` names, marked as used now; ``Gone`` with ``missing`` when there is none."""
+    held = table.get(key)
+    if held is None:
+        raise Gone(missing)
+    held.used = time.monotonic()
+    return held
+
+
 class Holdings:
     """This forkd-mcp's terminals and watchers, by their ids; bounded in number, closed when idle."""
 
@@ -169,12 +181,8 @@ class Holdings:
         return terminal
 
     def terminal(self, terminal_id: str) -> Terminal:
-        terminal = self.terminals.get(terminal_id)
-        if terminal is None:
-            raise Gone(f"no terminal {terminal_id!r}: it was closed (terminal_close, or after {self.idle_s:.0f} s "
-                       "without a call); open one with terminal_open")
-        terminal.used = time.monotonic()
-        return terminal
+        return _named(self.terminals, terminal_id, f"no terminal {terminal_id!r}: it was closed (terminal_close, or "
+                      f"after {self.idle_s:.0f} s without a call); open one with terminal_open")
 
     async def close_terminal(self, terminal_id: str) -> Terminal:
         terminal = self.terminal(terminal_id)
@@ -194,12 +202,8 @@ class Holdings:
         return watcher
 
     def watcher(self, watch_id: str) -> Watcher:
-        watcher = self.watchers.get(watch_id)
-        if watcher is None:
-            raise Gone(f"no watcher {watch_id!r}: it was stopped (watch_stop, or after {self.idle_s:.0f} s "
-                       "without a call); start one with watch_start")
-        watcher.used = time.monotonic()
-        return watcher
+        return _named(self.watchers, watch_id, f"no watcher {watch_id!r}: it was stopped (watch_stop, or after "
+                      f"{self.idle_s:.0f} s without a call); start one with watch_start")
 
     async def watch_events(self, watch_id: str, wait_s: float, max_events: int) -> tuple[list[dict[str, Any]], bool]:
         """Up to ``max_events`` events, waiting up to ``wait_s`` for a first one (in long polls of at most
