@@ -59,6 +59,7 @@ quickstart = 1
 listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)  [FORKD_E2B_LISTEN]
 keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
 owner_quota_mib = 20480            # disk per E2B owner: snapshots, forks, paused sandboxes (default: none)
+max_pause_chain = 8                # a pause leaving a chain deeper than this compacts it (0: never)
 domain = "sandbox.example.com"     # get_host(port) = PORT-ID.DOMAIN (needs wildcard DNS); default localhost:PORT
 
 [transfers]
@@ -91,6 +92,7 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic.dataclasses import dataclass
 
 from forkd.config import Paths
+from forkd.e2b.sandboxes import MAX_PAUSE_CHAIN
 from forkd.hostpaths import HostRoots
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
 from forkd.runtime.idle import DEFAULT_IDLE_STOP_S
@@ -172,6 +174,7 @@ class E2BSettings:
     listen: str | None = Field(default=None, pattern=r"^[^\s:]+:\d{1,5}$")  # host:port; None: no E2B front
     keys_file: Path | None = None  # None: HOME/e2b/api-keys
     owner_quota_mib: int | None = Field(default=None, ge=1, le=1 << 30)  # disk per owner (snapshots, forks, pauses)
+    max_pause_chain: int = Field(default=MAX_PAUSE_CHAIN, ge=0, le=1000)  # deeper after a pause: compacted; 0 never
     # what get_host(port) builds {port}-{sandboxID}.{domain} from; None: localhost:<listen port>
     domain: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.-]+(:\d{1,5})?$")
 
