@@ -70,6 +70,12 @@ allow_unpinned = false           # true: pull from a URL with no SHA-256 pin (a 
 min_free_mib = 1024              # forks, branches, snapshots, uploads, packs, unpacks and pulls refuse (disk_full)
                                  # to leave less free than this on the filesystem they write to
 
+[confinement]                    # each QEMU VMM like Firecracker's jailer (docs/security.md)
+enabled = true                   # false: VMMs run as root (a host without namespaces or util-linux)
+uid_range = "1900000000-1900065535"  # one uid (and gid) per VMM, from ids no user or subuid range holds
+max_open_files = 2048            # RLIMIT_NOFILE of each VMM
+max_file_size_mib = 262144       # RLIMIT_FSIZE of each VMM: its disk overlay stops growing here
+
 [uploads]                        # uploads wait for their guest in a spool under home/uploads
 spool_mib = 1024                 # bytes all uploads together hold on disk; more wait (back-pressure)
 spool_files = 64                 # uploads holding a spool file (a descriptor) at once; more wait
@@ -100,6 +106,8 @@ from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
 from forkd.store.space import DEFAULT_FLOOR_BYTES
 from forkd.validation import ValidationError as FieldError
 from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, check_backend
+from forkd.vmm.jail import DEFAULT_MAX_FILE_SIZE_MIB, DEFAULT_MAX_OPEN_FILES, JailSettings
+from forkd.vmm.vmm_uids import DEFAULT_UID_RANGE, UidRange, UidRangeError
 
 _STRICT = ConfigDict(extra="forbid")
 DEFAULT_HOME = Path("/var/lib/forkd")
@@ -194,6 +202,20 @@ class Uploads:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class Confinement:
+    enabled: bool = True
+    uid_range: str = DEFAULT_UID_RANGE
+    max_open_files: int = Field(default=DEFAULT_MAX_OPEN_FILES, ge=64, le=1 << 20)
+    max_file_size_mib: int = Field(default=DEFAULT_MAX_FILE_SIZE_MIB, ge=64, le=1 << 32)
+
+    def __post_init__(self) -> None:
+        try:
+            UidRange.parse(self.uid_range)
+        except UidRangeError as exc:
+            raise ValueError(f"confinement.uid_range: {exc}") from None
+
+
+@dataclass(frozen=True, config=_STRICT)
 class DaemonConfig:
     home: Path = DEFAULT_HOME
     cache: Path = DEFAULT_CACHE
@@ -223,6 +245,7 @@ class DaemonConfig:
     transfers: Transfers = field(default_factory=Transfers)
     disk: Disk = field(default_factory=Disk)
     uploads: Uploads = field(default_factory=Uploads)
+    confinement: Confinement = field(default_factory=Confinement)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -235,7 +258,11 @@ class DaemonConfig:
 
     @property
     def backend_options(self) -> BackendOptions:
-        return BackendOptions(accelerator=self.accelerator, tcg_tb_size_mib=self.tcg_tb_size_mib)
+        jail = self.confinement
+        return BackendOptions(accelerator=self.accelerator, tcg_tb_size_mib=self.tcg_tb_size_mib,
+                              confinement=JailSettings(enabled=jail.enabled, uid_range=jail.uid_range,
+                                                       max_open_files=jail.max_open_files,
+                                                       max_file_size_mib=jail.max_file_size_mib))
 
     @property
     def paths(self) -> Paths:
