@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import IO
 
 from forkd.vmm.base import VmmError
-from forkd.vmm.vmm_uids import DEFAULT_UID_RANGE, UidAllocator, UidRange, UidRangeError, host_conflicts, real_uid
+from forkd.vmm.vmm_uids import DEFAULT_UID_RANGE, UidAllocator, UidRange, UidRangeError, host_conflicts
 
 CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
@@ -220,13 +220,6 @@ class Jail:
             self._problems = [f"the VMM start thread could not return to the daemon's namespaces ({exc}); "
                               "restart the daemon"]
             raise
-
-
-def hand_over(pid: int, path: Path) -> None:
-    """Make ``path`` (a file the daemon made for it) the VMM's own: owned by the uid process ``pid`` runs as."""
-    uid = real_uid(pid)
-    if uid:  # 0: an unconfined VMM (as root it needs nothing); None: it is gone
-        os.chown(path, uid, uid)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

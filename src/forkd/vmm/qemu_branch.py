@@ -30,7 +30,6 @@ from qemu.qmp import QMPError
 from forkd.vmm import guest_ram, procmem
 from forkd.vmm.base import Pages, VmHandle, VmmError
 from forkd.vmm.branching import Capture
-from forkd.vmm.jail import hand_over
 from forkd.vmm.qemu_disk import qemu_img
 from forkd.vmm.qemu_machine import DISK_KEY, MEMORY_KEY, Monitor, disk_of, monitor
 
@@ -115,11 +114,16 @@ async def _prepare_overlay(qmp: Monitor, frozen: Path, new_top: Path) -> str:
     await qemu_img("create", "-q", "-f", "qcow2", "-u", "-b", str(frozen), "-F", "qcow2", str(new_top), str(size))
     node = f"top-{secrets.token_hex(4)}"
     try:
-        # A jailed QEMU opens the new top itself, as its own uid, and reopens the frozen one read-only by name.
-        for path in (new_top, frozen):
-            hand_over(qmp.vm.pid, path)
+        # A jailed QEMU may not reach the file by its name: it gets descriptors, read-write and read-only
+        # (for when the next BRANCH freezes this top), in an fd set that lives as long as the VMM.
+        fds = [os.open(new_top, mode | os.O_CLOEXEC) for mode in (os.O_RDWR, os.O_RDONLY)]
+        try:
+            name = await qmp.add_fds(fds, f"forkd:{new_top.name}")
+        finally:
+            for fd in fds:
+                os.close(fd)
         await qmp.execute("blockdev-add", {"driver": "qcow2", "node-name": node, "discard": "unmap",
-                                           "file": {"driver": "file", "filename": str(new_top)}, "backing": None})
+                                           "file": {"driver": "file", "filename": name}, "backing": None})
     except BaseException:
         new_top.unlink(missing_ok=True)
         raise
@@ -128,16 +132,16 @@ async def _prepare_overlay(qmp: Monitor, frozen: Path, new_top: Path) -> str:
 
 @contextlib.asynccontextmanager
 async def _passed_file(qmp: Monitor, path: Path) -> AsyncIterator[str]:
-    """``path`` created by the daemon, handed to QEMU as a descriptor in an fd set: the name QEMU opens it by."""
+    """``path`` created by the daemon and handed to QEMU for one command (a jailed QEMU may not create
+    files): the name QEMU opens it by."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        qmp.send_fd_scm(fd)
-        fdset = (await qmp.execute("add-fd", {"opaque": f"forkd:{path.name}"}))["fdset-id"]
+        name = await qmp.add_fds([fd], f"forkd:{path.name}")
         try:
-            yield f"/dev/fdset/{fdset}"
+            yield name
         finally:
             with contextlib.suppress(QMPError, VmmError):
-                await qmp.execute("remove-fd", {"fdset-id": fdset})
+                await qmp.execute("remove-fd", {"fdset-id": int(name.rsplit("/", 1)[1])})
     finally:
         os.close(fd)
 

@@ -168,6 +168,17 @@ class Monitor:
     def send_fd_scm(self, fd: int) -> None:
         self._client.send_fd_scm(fd)
 
+    async def add_fds(self, fds: list[int], opaque: str) -> str:
+        """Copies of ``fds`` in a new fd set of the VMM; the name QEMU opens them by (``/dev/fdset/N``
+        gives whichever has the access mode asked for)."""
+        fdset: int | None = None
+        for fd in fds:
+            self.send_fd_scm(fd)
+            added = await self.execute("add-fd", {"opaque": opaque} if fdset is None
+                                       else {"opaque": opaque, "fdset-id": fdset})
+            fdset = added["fdset-id"]
+        return f"/dev/fdset/{fdset}"
+
     def listen(self, listener: EventListener) -> contextlib.AbstractContextManager[Any]:
         return self._client.listen(listener)
 
@@ -441,4 +452,9 @@ def jailed_argv(argv: list[str], uid: int) -> list[str]:
     before any monitor command (so any device state) is read."""
     jailed = list(argv)
     jailed[jailed.index("-sandbox") + 1] = SECCOMP_JAILED
+    # -drive defaults to auto-read-only=on: when a disk stops being written (a migration's end, a top that
+    # BRANCH freezes) QEMU reopens it read-only *by name*, which its uid may not reach. Off: it keeps its fd.
+    for at, arg in enumerate(argv[:-1]):
+        if arg == "-drive":
+            jailed[at + 1] = f"{argv[at + 1]},auto-read-only=off"
     return [*jailed, "-runas", f"{uid}:{uid}"]
