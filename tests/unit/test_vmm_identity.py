@@ -1,5 +1,4 @@
 import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
