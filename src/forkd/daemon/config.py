@@ -105,9 +105,7 @@ from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
 from forkd.store.space import DEFAULT_FLOOR_BYTES
 from forkd.validation import ValidationError as FieldError
-from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, check_backend
-from forkd.vmm.jail import DEFAULT_MAX_FILE_SIZE_MIB, DEFAULT_MAX_OPEN_FILES, JailSettings
-from forkd.vmm.vmm_uids import DEFAULT_UID_RANGE, UidRange, UidRangeError
+from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, JailSettings, check_backend
 
 _STRICT = ConfigDict(extra="forbid")
 DEFAULT_HOME = Path("/var/lib/forkd")
@@ -204,15 +202,19 @@ class Uploads:
 @dataclass(frozen=True, config=_STRICT)
 class Confinement:
     enabled: bool = True
-    uid_range: str = DEFAULT_UID_RANGE
-    max_open_files: int = Field(default=DEFAULT_MAX_OPEN_FILES, ge=64, le=1 << 20)
-    max_file_size_mib: int = Field(default=DEFAULT_MAX_FILE_SIZE_MIB, ge=64, le=1 << 32)
+    uid_range: str = JailSettings.uid_range
+    max_open_files: int = Field(default=JailSettings.max_open_files, ge=64, le=1 << 20)
+    max_file_size_mib: int = Field(default=JailSettings.max_file_size_mib, ge=64, le=1 << 32)
 
-    def __post_init__(self) -> None:
-        try:
-            UidRange.parse(self.uid_range)
-        except UidRangeError as exc:
-            raise ValueError(f"confinement.uid_range: {exc}") from None
+    @field_validator("uid_range")
+    @classmethod
+    def _valid_range(cls, text: str) -> str:
+        return JailSettings(uid_range=text).uid_range  # a malformed or privileged range: a ValueError naming it
+
+    @property
+    def jail(self) -> JailSettings:
+        return JailSettings(enabled=self.enabled, uid_range=self.uid_range, max_open_files=self.max_open_files,
+                            max_file_size_mib=self.max_file_size_mib)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -258,11 +260,8 @@ class DaemonConfig:
 
     @property
     def backend_options(self) -> BackendOptions:
-        jail = self.confinement
         return BackendOptions(accelerator=self.accelerator, tcg_tb_size_mib=self.tcg_tb_size_mib,
-                              confinement=JailSettings(enabled=jail.enabled, uid_range=jail.uid_range,
-                                                       max_open_files=jail.max_open_files,
-                                                       max_file_size_mib=jail.max_file_size_mib))
+                              confinement=self.confinement.jail)
 
     @property
     def paths(self) -> Paths:

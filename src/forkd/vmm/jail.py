@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import IO
 
 from forkd.vmm.base import VmmError
-from forkd.vmm.vmm_uids import DEFAULT_UID_RANGE, UidAllocator, UidRange, UidRangeError, host_conflicts
+from forkd.vmm.vmm_uids import DEFAULT_UID_RANGE, UidAllocator, UidRange, host_conflicts
 
 CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
@@ -63,6 +63,13 @@ class JailSettings:
     uid_range: str = DEFAULT_UID_RANGE
     max_open_files: int = DEFAULT_MAX_OPEN_FILES
     max_file_size_mib: int = DEFAULT_MAX_FILE_SIZE_MIB
+
+    @property
+    def ids(self) -> UidRange:
+        return UidRange.parse(self.uid_range)
+
+    def __post_init__(self) -> None:
+        self.ids  # UidRangeError (a ValueError) names what is wrong with it
 
 
 class JailUnavailable(VmmError):
@@ -117,10 +124,7 @@ class Jail:
 
     def __init__(self, settings: JailSettings = JailSettings()) -> None:
         self.settings = settings
-        try:
-            self.ids = UidRange.parse(settings.uid_range)
-        except UidRangeError as exc:
-            raise JailUnavailable(how_to_fix([f"{exc} (`uid_range` under [confinement])"])) from None
+        self.ids = settings.ids
         self.uids = UidAllocator(self.ids)
         # Every start on this one thread: it alone changes namespaces, and always returns to the daemon's.
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="forkd-vmm-jail")
