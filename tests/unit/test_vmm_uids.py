@@ -4,6 +4,7 @@ or dead holder's uid reused, and the holders a previous daemon left re-learned f
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,18 @@ def test_ids_the_host_already_uses_are_named(tmp_path: Path) -> None:
     assert host_conflicts(UidRange(1000, 1000), tmp_path) == ["passwd entry 'alice' (1000)"]
     assert host_conflicts(UidRange(165535, 170000), tmp_path) == ["subuid range of 'alice' (100000-165535)"]
     assert host_conflicts(UidRange.parse(DEFAULT_UID_RANGE)) == []  # the default is free on this host
+
+
+def test_daemons_sharing_a_host_never_hand_out_one_uid_twice(tmp_path: Path) -> None:
+    """Each daemon claims its uids in one host-wide lock file: another daemon skips them (a cluster's nodes)."""
+    claims = tmp_path / "run" / "vmm-uids.lock"
+    mine = UidAllocator(UidRange(10, 12), scan=lambda _ids: [], started=_alive, claims=claims)
+    assert mine.allocate() == 10
+    script = ("import sys; from pathlib import Path; from forkd.vmm.vmm_uids import UidAllocator, UidRange; "
+              "a = UidAllocator(UidRange(10, 12), scan=lambda _i: [], started=lambda p: 1, claims=Path(sys.argv[1])); "
+              "print(a.allocate(), a.allocate())")
+    other = subprocess.run([sys.executable, "-c", script, str(claims)], capture_output=True, text=True, timeout=60)
+    assert other.stdout.split() == ["11", "12"], other.stderr  # 10 is this daemon's
+    mine.release(10)
+    other = subprocess.run([sys.executable, "-c", script, str(claims)], capture_output=True, text=True, timeout=60)
+    assert other.stdout.split() == ["10", "11"], other.stderr

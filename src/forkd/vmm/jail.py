@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import IO
 
 from forkd.vmm.base import VmmError
-from forkd.vmm.vmm_uids import DEFAULT_UID_RANGE, UidAllocator, UidRange, host_conflicts
+from forkd.vmm.vmm_uids import CLAIMS, DEFAULT_UID_RANGE, UidAllocator, UidRange, host_conflicts
 
 CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
@@ -125,7 +125,7 @@ class Jail:
     def __init__(self, settings: JailSettings = JailSettings()) -> None:
         self.settings = settings
         self.ids = settings.ids
-        self.uids = UidAllocator(self.ids)
+        self.uids = UidAllocator(self.ids, claims=CLAIMS)
         # Every start on this one thread: it alone changes namespaces, and always returns to the daemon's.
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="forkd-vmm-jail")
         self._home: tuple[int, int] | None = None  # the daemon's mount and pid namespaces, opened on the thread

@@ -4,11 +4,15 @@ A VMM's uid (its gid has the same number) is reserved before its process starts,
 process once it has a pid, and free again when that process has exited. Nothing is persisted: a
 restarted daemon re-learns who holds which uid from ``/proc`` (any live process whose real uid is
 in the range holds it, a VMM the previous daemon left or anything else), and a holder is checked by
-pid *and* start time, so a reused pid never keeps a uid taken.
+pid *and* start time, so a reused pid never keeps a uid taken. Daemons sharing a host (a cluster's
+nodes, tests) also hold each uid they hand out as a byte lock in one host-wide file
+(:data:`CLAIMS`), so two of them never give one uid to two VMMs.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import threading
 from collections.abc import Callable, Iterable
@@ -21,6 +25,9 @@ from forkd.vmm.process import start_time
 #: Far above the ids Debian gives users (1000-59999), subordinate ids (100000 + 65536·n) and
 #: systemd's dynamic and container ranges (up to 1879048191), inside the range systemd leaves unused.
 DEFAULT_UID_RANGE = "1900000000-1900065535"
+#: One byte lock per uid (at offset uid - first) for every daemon of the host; under /run/forkd, which
+#: the systemd unit keeps writable.
+CLAIMS = Path("/run/forkd/vmm-uids.lock")
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 _MAX_ID = (1 << 32) - 2  # (uid_t)-1 means "no change" to set*id
 
@@ -110,10 +117,13 @@ class UidAllocator:
 
     def __init__(self, ids: UidRange,
                  scan: Callable[[UidRange], Iterable[tuple[int, int, int]]] = live_holders,
-                 started: Callable[[int], int | None] = start_time) -> None:
+                 started: Callable[[int], int | None] = start_time, claims: Path | None = None) -> None:
+        """``claims``: the host-wide lock file other daemons claim uids in too (None: this allocator alone)."""
         self.ids = ids
         self._scan = scan
         self._started = started
+        self._claims_path = claims
+        self._claims = -1  # its descriptor, opened on the first allocation
         self._held: dict[int, tuple[int, int]] = {}  # uid → (pid, start time) of its holder, or _PENDING
         self._next = ids.first
         self._learned = False
@@ -126,11 +136,15 @@ class UidAllocator:
                 self._learned = True
                 for uid, pid, started in self._scan(self.ids):
                     self._held[uid] = (pid, started)
+                if self._claims_path is not None:
+                    self._claims_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    self._claims = os.open(self._claims_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             for _ in range(len(self.ids)):
                 uid = self._next
                 self._next = uid + 1 if uid < self.ids.last else self.ids.first
                 holder = self._held.get(uid)
-                if holder is None or (holder != _PENDING and self._started(holder[0]) != holder[1]):
+                free = holder is None or (holder != _PENDING and self._started(holder[0]) != holder[1])
+                if free and self._claim(uid, fcntl.LOCK_EX | fcntl.LOCK_NB):
                     self._held[uid] = _PENDING
                     return uid
             raise VmmError(f"every VMM uid of the range {self.ids} ({len(self.ids)}) is held by a live process; "
@@ -139,15 +153,26 @@ class UidAllocator:
     def bind(self, uid: int, pid: int) -> None:
         """``uid`` is now held by process ``pid`` (checked by its start time from now on)."""
         started = self._started(pid)
+        if started is None:  # already gone
+            self.release(uid)
+            return
         with self._lock:
-            if started is None:  # already gone
-                self._held.pop(uid, None)
-            else:
-                self._held[uid] = (pid, started)
+            self._held[uid] = (pid, started)
 
     def release(self, uid: int) -> None:
         with self._lock:
             self._held.pop(uid, None)
+            self._claim(uid, fcntl.LOCK_UN)
+
+    def _claim(self, uid: int, operation: int) -> bool:
+        """Take (or give back) ``uid``'s byte lock in the host-wide file; False if another daemon holds it."""
+        if self._claims < 0:
+            return True
+        try:
+            fcntl.lockf(self._claims, operation, 1, uid - self.ids.first)
+        except OSError:  # EAGAIN/EACCES: another process holds it
+            return False
+        return True
 
     def held(self) -> dict[int, tuple[int, int]]:
         """uid → (pid, start time) of each holder known (pending reservations as ``(0, 0)``)."""
