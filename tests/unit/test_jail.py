@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import short_tmp_dir
+from forkd.host.doctor import _jail as doctor_jail_check
 from forkd.vmm import jail as jail_module
 from forkd.vmm.backends import BackendOptions, create_vmm
 from forkd.vmm.jail import Jail, JailSettings, JailUnavailable
@@ -87,6 +88,7 @@ def test_a_host_that_cannot_jail_is_refused_naming_the_fix_and_the_opt_out(monke
         create_vmm("qemu", BackendOptions(accelerator="tcg"))
     with pytest.raises(UidRangeError, match=r"uid range '0-10' must satisfy 0 < FIRST"):
         JailSettings(uid_range="0-10")
+    assert doctor_jail_check().status == "fail"  # `forkd doctor` says so too
     opted_out = create_vmm("qemu", BackendOptions(accelerator="tcg", confinement=JailSettings(enabled=False)))
     assert opted_out.machine.jail is None  # type: ignore[attr-defined]
 
