@@ -102,6 +102,9 @@ def test_daemons_sharing_a_host_never_hand_out_one_uid_twice(tmp_path: Path) -> 
               "print(a.allocate(), a.allocate())")
     other = subprocess.run([sys.executable, "-c", script, str(claims)], capture_output=True, text=True, timeout=60)
     assert other.stdout.split() == ["11", "12"], other.stderr  # 10 is this daemon's
+    wider = subprocess.run([sys.executable, "-c", script.replace("UidRange(10, 12)", "UidRange(9, 12)"), str(claims)],
+                           capture_output=True, text=True, timeout=60)
+    assert wider.stdout.split() == ["9", "11"], wider.stderr  # another daemon's range overlapping this one's
     mine.release(10)
     other = subprocess.run([sys.executable, "-c", script, str(claims)], capture_output=True, text=True, timeout=60)
     assert other.stdout.split() == ["10", "11"], other.stderr

@@ -25,7 +25,7 @@ from forkd.vmm.process import start_time
 #: Far above the ids Debian gives users (1000-59999), subordinate ids (100000 + 65536·n) and
 #: systemd's dynamic and container ranges (up to 1879048191), inside the range systemd leaves unused.
 DEFAULT_UID_RANGE = "1900000000-1900065535"
-#: One byte lock per uid (at offset uid - first) for every daemon of the host; under /run/forkd, which
+#: One byte lock per uid (at offset uid) for every daemon of the host; under /run/forkd, which
 #: the systemd unit keeps writable.
 CLAIMS = Path("/run/forkd/vmm-uids.lock")
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
@@ -169,7 +169,7 @@ class UidAllocator:
         if self._claims < 0:
             return True
         try:
-            fcntl.lockf(self._claims, operation, 1, uid - self.ids.first)
+            fcntl.lockf(self._claims, operation, 1, uid)  # by the uid itself: daemons' ranges may differ
         except OSError:  # EAGAIN/EACCES: another process holds it
             return False
         return True
