@@ -71,6 +71,12 @@ allow_unpinned = false           # true: pull from a URL with no SHA-256 pin (a 
 min_free_mib = 1024              # forks, branches, snapshots, uploads, packs, unpacks and pulls refuse (disk_full)
                                  # to leave less free than this on the filesystem they write to
 
+[confinement]                    # each QEMU VMM like Firecracker's jailer (docs/security.md)
+enabled = true                   # false: VMMs run as root (a host without namespaces or util-linux)
+uid_range = "1900000000-1900065535"  # one uid (and gid) per VMM, from ids no user or subuid range holds
+max_open_files = 2048            # RLIMIT_NOFILE of each VMM
+max_file_size_mib = 262144       # RLIMIT_FSIZE of each VMM: its disk overlay stops growing here
+
 [uploads]                        # uploads wait for their guest in a spool under home/uploads
 spool_mib = 1024                 # bytes all uploads together hold on disk; more wait (back-pressure)
 spool_files = 64                 # uploads holding a spool file (a descriptor) at once; more wait
@@ -101,7 +107,7 @@ from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
 from forkd.store.space import DEFAULT_FLOOR_BYTES
 from forkd.validation import ValidationError as FieldError
-from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, check_backend
+from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, JailSettings, check_backend
 
 _STRICT = ConfigDict(extra="forbid")
 DEFAULT_HOME = Path("/var/lib/forkd")
@@ -197,6 +203,24 @@ class Uploads:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class Confinement:
+    enabled: bool = True
+    uid_range: str = JailSettings.uid_range
+    max_open_files: int = Field(default=JailSettings.max_open_files, ge=64, le=1 << 20)
+    max_file_size_mib: int = Field(default=JailSettings.max_file_size_mib, ge=64, le=1 << 32)
+
+    @field_validator("uid_range")
+    @classmethod
+    def _valid_range(cls, text: str) -> str:
+        return JailSettings(uid_range=text).uid_range  # a malformed or privileged range: a ValueError naming it
+
+    @property
+    def jail(self) -> JailSettings:
+        return JailSettings(enabled=self.enabled, uid_range=self.uid_range, max_open_files=self.max_open_files,
+                            max_file_size_mib=self.max_file_size_mib)
+
+
+@dataclass(frozen=True, config=_STRICT)
 class DaemonConfig:
     home: Path = DEFAULT_HOME
     cache: Path = DEFAULT_CACHE
@@ -226,6 +250,7 @@ class DaemonConfig:
     transfers: Transfers = field(default_factory=Transfers)
     disk: Disk = field(default_factory=Disk)
     uploads: Uploads = field(default_factory=Uploads)
+    confinement: Confinement = field(default_factory=Confinement)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -238,7 +263,8 @@ class DaemonConfig:
 
     @property
     def backend_options(self) -> BackendOptions:
-        return BackendOptions(accelerator=self.accelerator, tcg_tb_size_mib=self.tcg_tb_size_mib)
+        return BackendOptions(accelerator=self.accelerator, tcg_tb_size_mib=self.tcg_tb_size_mib,
+                              confinement=self.confinement.jail)
 
     @property
     def paths(self) -> Paths:
