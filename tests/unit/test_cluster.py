@@ -182,8 +182,8 @@ def test_dead_drivers_are_read_from_ray_without_its_dashboard() -> None:
     head = ray.init(num_cpus=1, include_dashboard=False, namespace="forkd")
     try:
         mine = ray.get_runtime_context().get_job_id()
-        driver = subprocess.run([sys.executable, "-c", "import sys, ray; ray.init(address=sys.argv[1]); "
-                                 "print(ray.get_runtime_context().get_job_id())", head.address_info["address"]],
+        script = "import sys, ray; ray.init(address=sys.argv[1]); print(ray.get_runtime_context().get_job_id())"
+        driver = subprocess.run([sys.executable, "-c", script, head.address_info["address"]],
                                 capture_output=True, text=True, timeout=120, check=False)
         assert driver.returncode == 0, driver.stderr[-3000:]
         ended = driver.stdout.split()[-1]
