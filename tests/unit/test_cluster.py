@@ -179,6 +179,9 @@ def test_dead_drivers_are_read_from_ray_without_its_dashboard_in_a_process_of_it
 def test_dead_drivers_are_read_from_ray_without_its_dashboard() -> None:
     """The reaper's one private Ray call (``forkd.cluster.actor.dead_jobs``) against the Ray installed,
     on a head with no dashboard: a driver that ended is dead, this one is not. Fails if Ray moves it."""
+    # A local head made by ray.init writes a token to ~/.ray/auth_token unless told not to, and every other
+    # Ray started on this host would then need it (the map test's `ray start` nodes failed to join).
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     head = ray.init(num_cpus=1, include_dashboard=False, namespace="forkd")
     try:
         mine = ray.get_runtime_context().get_job_id()

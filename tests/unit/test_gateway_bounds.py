@@ -19,17 +19,15 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from conftest import run_bounded
+from conftest import run_bounded, served_on_loopback
 from forkd.cluster.e2b_gateway import ENVD_PORT, Gateway
 from forkd.cluster.e2b_view import ClusterView
 from forkd.cluster.placement import NodeState
-from forkd.daemon.server import bind_tcp
 
 T = TypeVar("T")
 IDLE_S = 0.5  # the gateway's idle bound in these tests (its default is 30 s)
@@ -62,28 +60,6 @@ class StandInCluster:
 def node_at(name: str, url: str) -> NodeState:
     return NodeState(ray_node_id=f"ray-{name}", node_id=name, url=url, token=None, compat_key="c", compat={},
                      slots_free=1, max_sandboxes=0, live=0, e2b_url=url)
-
-
-async def serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None], str]:
-    sock = bind_tcp("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="critical", timeout_graceful_shutdown=1))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    return server, task, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
-@contextlib.asynccontextmanager
-async def served(app: Any) -> AsyncIterator[str]:
-    server, task, url = await serve(app)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        server.force_exit = True
-        await task
 
 
 @contextlib.asynccontextmanager
@@ -154,7 +130,7 @@ async def gateway(nodes: list[NodeState], sandbox: str, on: NodeState, control_s
     """The gateway in front of ``nodes``, knowing ``sandbox`` runs ``on`` one of them."""
     view = ClusterView(StandInCluster(nodes))  # type: ignore[arg-type]
     view.remember(sandbox, on)
-    async with served(Gateway(view, control_s=control_s, idle_s=IDLE_S, probe_s=PROBE_S)) as url:
+    async with served_on_loopback(Gateway(view, control_s=control_s, idle_s=IDLE_S, probe_s=PROBE_S)) as url:
         yield url
 
 
@@ -194,7 +170,7 @@ def test_a_control_plane_call_to_a_node_that_never_answers_ends_at_its_bound() -
 @pytest.mark.parametrize("path", ["/process.Process/Start", "/execute", "/files"])
 def test_a_quiet_stream_goes_on_while_its_node_answers_its_health_check(path: str) -> None:
     async def scenario() -> None:
-        async with served(quiet_front(asyncio.Event())) as front:
+        async with served_on_loopback(quiet_front(asyncio.Event())) as front:
             quiet = node_at("quiet", front)
             async with gateway([quiet], "sb-q", quiet) as url, httpx.AsyncClient(timeout=15) as client:
                 method = "GET" if path == "/files" else "POST"
@@ -216,7 +192,7 @@ def test_a_stream_whose_node_hangs_ends_with_an_error_in_its_own_format() -> Non
     async def scenario() -> None:
         hangs = asyncio.Event()
         hangs.set()
-        async with served(quiet_front(hangs)) as front:
+        async with served_on_loopback(quiet_front(hangs)) as front:
             stuck = node_at("stuck-3", front)
             async with gateway([stuck], "sb-h", stuck) as url, httpx.AsyncClient(timeout=15) as client:
                 started = asyncio.get_running_loop().time()

@@ -20,18 +20,16 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-import uvicorn
 import zstandard
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from conftest import run_bounded, short_tmp_dir
+from conftest import run_bounded, served_on_loopback, short_tmp_dir
 from forkd.config import Paths
 from forkd.daemon.app import create_app
 from forkd.daemon.middleware.auth import TokenAuth
-from forkd.daemon.server import bind_tcp
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import Image
 from forkd.packs import archive
@@ -66,35 +64,18 @@ class Node:
     api: AsyncController
 
 
-async def _serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None], str]:
-    sock = bind_tcp("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="critical", timeout_graceful_shutdown=5))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    return server, task, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
-async def _stop(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
-    server.should_exit = True
-    await task
-
-
 @contextlib.asynccontextmanager
 async def node(root: Path, vmm: FakeVmm | None = None, options: RuntimeOptions | None = None) -> AsyncIterator[Node]:
     """A daemon on loopback TCP with its own FORKD_HOME under ``root`` and its own token."""
     runtime = await Runtime.open(Paths(home=root / "home", cache=root / "cache", socket=root / "forkd.sock"),
                                  vmm or FakeVmm(), options)
     token = secrets.token_hex(32)
-    server, task, url = await _serve(TokenAuth(create_app(runtime), token))
-    api = AsyncController(url, token)
-    try:
-        yield Node(runtime, url, token, api)
-    finally:
-        await api.close()
-        await _stop(server, task)
+    async with served_on_loopback(TokenAuth(create_app(runtime), token)) as url:
+        api = AsyncController(url, token)
+        try:
+            yield Node(runtime, url, token, api)
+        finally:
+            await api.close()
 
 
 def _image(root: Path) -> Image:
@@ -299,11 +280,8 @@ async def hostile_peer(real: Node, chain: Callable[[bytes], AsyncIterator[bytes]
         return StreamingResponse(chain(pack), media_type="application/octet-stream")
 
     app = Starlette(routes=[Route("/v1/node", describe), Route("/v1/node/chains/{digest}", serve_chain)])
-    server, task, url = await _serve(app)
-    try:
+    async with served_on_loopback(app) as url:
         yield url
-    finally:
-        await _stop(server, task)
 
 
 def test_a_peer_serving_a_corrupted_layer_is_refused_and_nothing_is_registered(tmp_path: Path) -> None:
