@@ -23,14 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from figures import plt, save  # bench/figures.py, next to this script
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from forkd.config import paths_from_env  # noqa: E402
-from forkd.sdk.autostart import ensure_daemon  # noqa: E402
-from forkd.sdk.controller import Controller, ForkdError  # noqa: E402
+from forkd.config import paths_from_env
+from forkd.sdk.autostart import ensure_daemon
+from forkd.sdk.controller import Controller, ForkdError
 
 RESULTS = Path(__file__).with_name("results")
 PAGE = 4096
@@ -163,8 +160,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     chain = {k: v for k, v in data["chain"].items() if isinstance(v, dict)}
     axes[2].bar(list(chain), [v["p50"] for v in chain.values()])
     axes[2].set(ylabel="seconds to first answer (p50)", title="spawn through a diff chain")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def main() -> None:
