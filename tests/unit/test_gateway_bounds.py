@@ -210,3 +210,19 @@ def test_a_stream_whose_node_hangs_ends_with_an_error_in_its_own_format() -> Non
         assert waited < 3 * (IDLE_S + PROBE_S) + 5, waited
 
     run(scenario)
+
+
+def test_more_quiet_streams_than_a_connection_pool_holds_all_go_on() -> None:
+    """Streams hold their connections to the node; the health check must not queue behind them (and
+    read a busy node as a hung one): 110 quiet cells at once, more than httpx's default pool of 100."""
+    async def scenario() -> None:
+        async with served_on_loopback(quiet_front(asyncio.Event())) as front:
+            quiet = node_at("busy", front)
+            async with gateway([quiet], "sb-many", quiet) as url, \
+                    httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=None)) as client:
+                answers = await asyncio.gather(*(client.post(f"{url}/execute", headers=traffic("sb-many", "49999"),
+                                                             content=b"{}") for _ in range(110)))
+        assert all(a.status_code == 200 and a.content.endswith(b'{"type": "end_of_execution"}\n') for a in answers), \
+            sorted({(a.status_code, a.content[-200:]) for a in answers})
+
+    run(scenario)

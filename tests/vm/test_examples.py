@@ -26,9 +26,22 @@ def run_example(name: str, vm_env: dict[str, str], snapshot_tag: str, *args: str
                              timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
         printed = [part.decode(errors="replace") if isinstance(part, bytes) else part or "" for part in (exc.stdout, exc.stderr)]
-        pytest.fail(f"{name} did not end within {timeout_s:.0f} s; it printed:\n" + "\n".join(printed))
+        pytest.fail(f"{name} did not end within {timeout_s:.0f} s; it printed:\n" + "\n".join(printed)
+                    + f"\nthe daemon then:\n{daemon_state(vm_env)}")
     assert ran.returncode == 0, f"{name} failed:\n{ran.stdout}\n{ran.stderr}"
     return ran.stdout
+
+
+def daemon_state(vm_env: dict[str, str]) -> str:
+    """What the daemon holds and the end of its log: where a hung example waits is usually visible there."""
+    try:
+        with Controller(url=f"unix://{vm_env['FORKD_SOCKET']}", timeout=10) as api:
+            held = json.dumps({"sandboxes": [(s["id"], s["snapshot_tag"], s.get("vm_state")) for s in api.sandboxes()],
+                               "snapshots": [(s["tag"], s["status"]) for s in api.snapshots()]})
+    except Exception as exc:  # noqa: BLE001 - a daemon that does not answer is itself the answer
+        held = f"(the daemon did not answer: {exc})"
+    log = Path(vm_env["FORKD_HOME"]) / "daemon.log"
+    return held + "\n" + (log.read_text(errors="replace")[-4000:] if log.exists() else "(no daemon.log)")
 
 
 def test_e2b_sample_runs_unchanged(daemon: Controller, snapshot_tag: str, vm_env: dict[str, str]) -> None:

@@ -126,7 +126,10 @@ class Gateway:
     def __init__(self, view: ClusterView, control_s: float = CONTROL_S, idle_s: float = IDLE_S,
                  probe_s: float = PROBE_S) -> None:
         self.view = view
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(control_s, connect=CONNECT_S))
+        # No cap on connections to the nodes: each is one client's request passed on (long-lived streams
+        # included); a cap would queue health checks behind streams and read a busy node as a hung one.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(control_s, connect=CONNECT_S),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=20))
         self.idle_s, self.probe_s = idle_s, probe_s
         self._heard: dict[str, float] = {}  # Ray node id -> when its front last answered anything (monotonic)
         self._probes: dict[str, asyncio.Future[bool]] = {}  # health checks under way, one per node
