@@ -14,6 +14,7 @@ import errno
 import os
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -170,8 +171,21 @@ class Request:
         self._inflight = inflight
         self._control: Control | None = None
         self._held = b""  # encoded events that go out with the next frame, in one write
+        self.trace: list[list[Any]] | None = None  # [stage, ns] marks, when the host asked (protocol.TRACE)
         if inflight is not None:
             inflight.add(self)
+
+    def mark(self, stage: str) -> None:
+        """End stage ``stage`` now, in the answer's trace (if the host asked for one)."""
+        if self.trace is not None and len(self.trace) < protocol.MAX_TRACE_MARKS:
+            self.trace.append([stage, time.monotonic_ns()])
+
+    def add_marks(self, marks: Any) -> None:
+        """Marks another process of the guest took (a context's), checked and bounded like the host does."""
+        checked = protocol.trace_marks({protocol.TRACE: marks})
+        for stage, at in checked or ():
+            if self.trace is not None and len(self.trace) < protocol.MAX_TRACE_MARKS:
+                self.trace.append([stage, at])
 
     def control(self) -> Control:
         """This request's Control (made on first use: by the op, or by a flow.* / cancel for it)."""
@@ -181,10 +195,14 @@ class Request:
             return self._control
 
     def run(self, handler: Handler) -> None:
+        self.mark("started")
         try:
             frame = protocol.ok(self.id, handler(self))
         except Exception as exc:
             frame = error_frame(self.id, exc)
+        if self.trace is not None:
+            self.mark("handled")
+            frame[protocol.TRACE] = self.trace
         if self._inflight is not None:
             self._inflight.remove(self)
         if self._control is not None:
@@ -381,6 +399,7 @@ class Dispatcher:
                 log(f"shutdown failed:\n{traceback.format_exc()}")
 
     def _dispatch(self, channel: Channel, line: bytes) -> None:
+        read_at = time.monotonic_ns() if b'"trace"' in line else 0  # a clock read only for traced requests
         frame = None
         try:
             frame = protocol.decode_frame(line)
@@ -392,7 +411,12 @@ class Dispatcher:
         if handler is None:
             channel.send(protocol.error(req_id, protocol.ERR_UNKNOWN_OP, f"unknown op {op!r}"))
             return
-        if getattr(handler, "inline", False):
-            Request(channel, req_id, op, args).run(handler)
+        inline_op = getattr(handler, "inline", False)
+        request = Request(channel, req_id, op, args, None if inline_op else self.inflight)
+        if protocol.traced(frame):
+            request.trace = [["read", read_at or time.monotonic_ns()]]
+            request.mark("decoded")
+        if inline_op:
+            request.run(handler)
         else:
-            self._workers.submit(Request(channel, req_id, op, args, self.inflight).run, handler)
+            self._workers.submit(request.run, handler)

@@ -308,7 +308,9 @@ class PythonRuntime:
         control = req.control()
         control.on_cancel(lambda: _interrupt(context.pid))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        context.link.send(protocol.request(next(context.ids), op, {**args, "deadline": deadline}))
+        context.link.send(protocol.request(next(context.ids), op, {**args, "deadline": deadline},
+                                           trace=req.trace is not None))
+        req.mark("ctx_sent")
         wake_at = deadline  # then: when a cell that ignored its interrupt is killed
         interrupted = False
         cancel_deadline: float | None = None
@@ -333,6 +335,8 @@ class PythonRuntime:
             if frame is None:
                 return self._crashed(req, op, context)
             if protocol.is_terminal(frame):
+                req.add_marks(frame.get(protocol.TRACE))
+                req.mark("ctx_answered")
                 if frame.get("ok"):
                     return frame.get("result") or {}
                 err = dict(frame.get("error") or {})
