@@ -81,6 +81,10 @@ def test_a_client_that_asks_gets_the_stages_of_its_request() -> None:
     stages = dict(part.strip().split(";dur=") for part in answer.headers["server-timing"].split(","))
     assert list(stages) == ["routed", "answer_ready", "total"]
     assert float(stages["total"]) >= float(stages["routed"]) >= 0
+    # A task started during the request keeps its context: once answered, its Timings take no more marks.
+    seen = sessions.seen[0]
+    seen.mark("late")
+    assert seen.closed and list(seen.stages()) == ["routed", "answer_ready"]
 
 
 def test_a_client_that_does_not_ask_pays_nothing_for_it() -> None:

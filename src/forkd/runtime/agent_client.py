@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from forkd.guest import protocol
-from forkd.runtime.timings import CURRENT, Timings
+from forkd.runtime.timings import Timings, current
 from forkd.vmm.base import VmHandle
 
 EventHandler = Callable[[str, dict[str, Any]], Awaitable[None] | None]
@@ -162,7 +162,7 @@ class AgentClient:
         """
         if self._closed_reason is not None:
             raise AgentUnavailable(self._closed_reason)
-        timings = CURRENT.get()
+        timings = current()
         if timings is not None:
             timings.mark("routed")
         if wake:
@@ -202,7 +202,7 @@ class AgentClient:
             raise AgentError(protocol.ERR_TIMEOUT, f"agent did not answer {pending.op} within {timeout} s") from None
         finally:
             self._pending.pop(req_id, None)
-        if pending.timings is not None:
+        if pending.timings is not None and not pending.timings.closed:
             _trace_stages(pending, frame)
             pending.timings.mark("agent_resumed")
         if self.on_roundtrip is not None:

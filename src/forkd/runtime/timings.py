@@ -32,10 +32,17 @@ class Timings:
         self.start = time.monotonic() if start is None else start
         self._marks: list[tuple[str, float]] = []
         self.elsewhere: dict[str, float] = {}  # seconds of stages timed on another clock (the guest's)
+        self.closed = False
 
     def mark(self, stage: str, at: float | None = None) -> None:
-        """The stage ``stage`` ended now (or at ``at``, a monotonic time taken earlier)."""
-        self._marks.append((stage, time.monotonic() if at is None else at))
+        """The stage ``stage`` ended now (or at ``at``, a monotonic time taken earlier); nothing once closed."""
+        if not self.closed:
+            self._marks.append((stage, time.monotonic() if at is None else at))
+
+    def close(self) -> None:
+        """No more marks: a task started while a traced request ran (a sandbox's reader, a keeper) keeps
+        the request's context, and with it these Timings, for as long as it lives."""
+        self.closed = True
 
     def stages(self) -> dict[str, float]:
         """Seconds each stage took, in the order they ended; a stage marked twice adds up."""
@@ -73,8 +80,14 @@ class Timings:
 CURRENT: ContextVar[Timings | None] = ContextVar("forkd_request_timings", default=None)
 
 
+def current() -> Timings | None:
+    """The Timings of the traced request this task serves, if it still runs."""
+    timings = CURRENT.get()
+    return None if timings is None or timings.closed else timings
+
+
 def mark(stage: str) -> None:
     """Mark ``stage`` on the current request's Timings, if it is traced."""
-    timings = CURRENT.get()
+    timings = current()
     if timings is not None:
         timings.mark(stage)

@@ -35,6 +35,7 @@ class ServerTiming:
         async def timed_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 timings.mark("answer_ready")
+                timings.close()  # a streamed answer's later calls, and tasks started meanwhile, mark nothing
                 message = {**message, "headers": [*message.get("headers", []), (ANSWER_HEADER, server_timing(timings))]}
             await send(message)
 
@@ -42,4 +43,5 @@ class ServerTiming:
         try:
             await self.app(scope, receive, timed_send)
         finally:
+            timings.close()
             CURRENT.reset(token)
