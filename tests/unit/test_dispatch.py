@@ -173,3 +173,23 @@ def test_marks_from_another_process_are_checked_and_bounded() -> None:
     for n in range(protocol.MAX_TRACE_MARKS):
         req.mark(f"m{n}")
     assert len(req.trace) == protocol.MAX_TRACE_MARKS and req.trace[-1] == ["many", protocol.MAX_TRACE_MARKS - 4]
+
+
+def test_the_readers_wait_ends_at_once_when_the_host_sent_more(host: Any) -> None:
+    chan, peer = host
+    lines = chan.lines()
+    peer.sendall(b'{"id": 1}\n{"id": 2}\n')  # two requests in one read: the second waits in the buffer
+    assert next(lines) == b'{"id": 1}'
+    other_r, other_w = os.pipe()
+    try:
+        os.write(other_w, b"x")
+        assert chan.wait_readable([other_r], 5.0) == []  # the host's next request comes first
+        assert next(lines) == b'{"id": 2}'
+        assert chan.wait_readable([other_r], 5.0) == [other_r]
+        os.read(other_r, 1)
+        assert chan.wait_readable([other_r], 0.01) == []  # nothing: the timeout
+        peer.sendall(b'{"id": 3}\n')
+        assert chan.wait_readable([other_r], 5.0) == []  # the host wrote: unread, but the wait ends
+    finally:
+        os.close(other_r)
+        os.close(other_w)

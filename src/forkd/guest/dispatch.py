@@ -4,8 +4,9 @@ Op modules (processes, interpreters, files, ...) each provide an *op family*: an
 ``handlers()`` maps op names to handler functions and whose ``shutdown()`` releases what it
 started. The agent serves the union of its families; adding a family is one line in
 :func:`forkd_guest.agent.op_families`. Handlers marked :func:`inline` are answered on the reader
-thread (short ops that must stay fast even while every worker is busy); all others run on
-pre-started worker threads, so no request starts a thread.
+thread (short ops that must stay fast even while every worker is busy); handlers marked
+:func:`eager` start there and either answer at once or hand what could wait to a worker
+(:class:`Deferred`); all others run on pre-started worker threads, so no request starts a thread.
 """
 
 from __future__ import annotations
@@ -49,6 +50,25 @@ def inline(handler: Handler) -> Handler:
     """Mark a handler as short and non-blocking: it runs on the reader thread, never queued."""
     handler.inline = True  # type: ignore[attr-defined]
     return handler
+
+
+def eager(handler: Handler) -> Handler:
+    """Mark a handler that starts on the reader thread and never blocks there: it answers at once, or
+    returns a :class:`Deferred` for a worker to finish (a wait, a fork, anything that may take long).
+
+    Each hand-over to a worker costs a TCG guest ~0.5 ms (a futex wake, the GIL passed on, a thread
+    switch), the price of a whole short cell's queue hop (bench/roundtrip.py).
+    """
+    handler.eager = True  # type: ignore[attr-defined]
+    return handler
+
+
+class Deferred:
+    """An eager handler's rest, for a worker: ``fn(request, *args)`` returns the result (or raises)."""
+
+    def __init__(self, fn: Callable[..., dict[str, Any]], *args: Any) -> None:
+        self.fn = fn
+        self.args = args
 
 
 class AgentError(Exception):
@@ -187,6 +207,11 @@ class Request:
             if self.trace is not None and len(self.trace) < protocol.MAX_TRACE_MARKS:
                 self.trace.append([stage, at])
 
+    def wait_readable(self, fds: list[Any], timeout: float) -> list[Any]:
+        """For an eager handler on the reader thread: which of ``fds`` became readable within ``timeout``;
+        none at once when the host sends another request meanwhile (the reader must go and read it)."""
+        return self._channel.wait_readable(fds, timeout)
+
     def control(self) -> Control:
         """This request's Control (made on first use: by the op, or by a flow.* / cancel for it)."""
         with self._lock:
@@ -194,12 +219,29 @@ class Request:
                 self._control = Control()
             return self._control
 
-    def run(self, handler: Handler) -> None:
+    def run(self, handler: Handler) -> Deferred | None:
+        """Run ``handler`` and send its answer; an eager one's :class:`Deferred` is returned unanswered."""
         self.mark("started")
         try:
-            frame = protocol.ok(self.id, handler(self))
+            result = handler(self)
+            if isinstance(result, Deferred):
+                return result
+            frame = protocol.ok(self.id, result)
         except Exception as exc:
             frame = error_frame(self.id, exc)
+        self._answer(frame)
+        return None
+
+    def resume(self, deferred: Deferred) -> None:
+        """Finish an eager handler's :class:`Deferred` (on a worker) and send its answer."""
+        self.mark("resumed")
+        try:
+            frame = protocol.ok(self.id, deferred.fn(self, *deferred.args))
+        except Exception as exc:
+            frame = error_frame(self.id, exc)
+        self._answer(frame)
+
+    def _answer(self, frame: dict[str, Any]) -> None:
         if self.trace is not None:
             self.mark("handled")
             frame[protocol.TRACE] = self.trace
@@ -418,5 +460,9 @@ class Dispatcher:
             request.mark("decoded")
         if inline_op:
             request.run(handler)
+        elif getattr(handler, "eager", False):
+            deferred = request.run(handler)
+            if deferred is not None:
+                self._workers.submit(request.resume, deferred)
         else:
             self._workers.submit(request.run, handler)
