@@ -47,6 +47,7 @@ from forkd.runtime import timings as timings_module  # noqa: E402
 from forkd.runtime.agent_client import AgentClient, connect_when_answering  # noqa: E402
 from forkd.runtime.timings import Timings  # noqa: E402
 from forkd.sdk.autostart import ensure_daemon  # noqa: E402
+from forkd.sdk.connection import ConnectionConfig  # noqa: E402
 from forkd.store.files import DigestCache  # noqa: E402
 from forkd.store.registry import Registry  # noqa: E402
 from forkd.store.snapshots import SnapshotStore  # noqa: E402
@@ -90,6 +91,11 @@ class Rest:
             stages["client"] = total * 1000 - stages["total"]  # HTTP both ways, outside the daemon's app
         return {"wall": total * 1000, **stages}
 
+    async def uptime(self) -> float:
+        answer = self.client.post(f"/v1/sandboxes/{self.sandbox_id}/ping")
+        answer.raise_for_status()
+        return float(answer.json()["uptime_s"])
+
 
 class Direct:
     """A child restored in this process, called with an AgentClient (no daemon, no REST)."""
@@ -108,6 +114,9 @@ class Direct:
         finally:
             timings_module.CURRENT.reset(token)
         return {"wall": total * 1000, **(timings.as_ms() if timings is not None else {})}
+
+    async def uptime(self) -> float:
+        return float((await self.agent.call(protocol.OP_PING, {}, timeout=60))["uptime_s"])
 
 
 async def restored_child(snapshots: SnapshotStore, tag: str, scratch: Path, name: str) -> tuple[VmHandle, AgentClient]:
@@ -155,7 +164,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for tag in args.tags:
                 for label, home in daemons(args.daemons, paths).items():
-                    api = ensure_daemon(home)
+                    api = ensure_daemon(home, ConnectionConfig.from_env(url=f"unix://{home.socket}"))
                     http = httpx.Client(transport=httpx.HTTPTransport(uds=str(home.socket)), base_url="http://forkd",
                                         timeout=120)
                     clients.append(http)
@@ -171,6 +180,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for op in OPS:
                     for _ in range(args.warmup):
                         await caller.call(op, False)
+            clocks = {path: (time.monotonic(), await caller.uptime()) for path, caller in paths_under_test.items()}
             order = [(path, op, traced) for path in paths_under_test for op in OPS for traced in (False, True)]
             shuffle = random.Random(0).shuffle  # every round in another order: no path always follows the same one
             for i in range(args.n):
@@ -180,6 +190,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     samples[path][op]["traced" if traced else "plain"].append(sample)
                 if (i + 1) % 50 == 0:
                     print(f"{i + 1}/{args.n} rounds", flush=True)
+            rates = {}
+            for path, caller in paths_under_test.items():
+                host_at, guest_at = clocks[path]
+                rates[path] = (await caller.uptime() - guest_at) / (time.monotonic() - host_at)
         finally:
             for api, sandbox_id in forked:
                 api.kill(sandbox_id)
@@ -188,8 +202,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await vmm.kill(vm)
             for http in clients:
                 http.close()
-    return {path: {op: {**summary(s["plain"]), "traced": summary(s["traced"]), "stages_ms": stage_medians(s["traced"])}
-                   for op, s in ops.items()} for path, ops in samples.items()}
+    return {path: {op: {**summary(s["plain"]), "traced": summary(s["traced"]),
+                        "stages_ms": stage_medians([on_host_clock(sample, rates[path]) for sample in s["traced"]])}
+                   for op, s in ops.items()} | {"guest_clock_rate": round(rates[path], 4)}
+            for path, ops in samples.items()}
+
+
+def on_host_clock(sample: dict[str, float], rate: float) -> dict[str, float]:
+    """The guest's stages in host milliseconds, and transport again from them.
+
+    A TCG guest's clock need not run at the host's rate: its TSC frequency was calibrated once, when
+    the snapshot's parent booted on a loaded host. ``rate`` is the guest's seconds per host second over
+    the run (from ``ping``'s ``uptime_s`` at its start and end)."""
+    if "guest" not in sample:
+        return sample
+    scaled = {name: ms / rate if name.startswith("guest") else ms for name, ms in sample.items()}
+    scaled["transport"] = sample["agent_answer"] - scaled["guest"]
+    return scaled
 
 
 #: Stages stacked in the plot, in the order a call passes them (the daemon's, then the guest's inside "agent_answer").
@@ -198,7 +227,7 @@ HOST_STAGES = ("client", "routed", "awake", "agent_sent", "agent_answer", "agent
 
 def plot(report: dict[str, Any], out: Path) -> None:
     figures = report["paths"]
-    bars = [(path, op) for path in figures for op in OPS]
+    bars = [(path, op) for path in figures for op in OPS]  # (each path also has its guest_clock_rate)
     fig, (host_ax, guest_ax) = plt.subplots(1, 2, figsize=(15, 0.5 * len(bars) + 2.5))
     labels = [f"{path} {op}" for path, op in bars]
     for ax, stages_of in ((host_ax, lambda st: [(s, st.get(s, 0.0)) for s in HOST_STAGES if s in st]),
@@ -240,7 +269,9 @@ def main() -> None:
     (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2))
     plot(report, RESULTS / f"{args.out}.png")
     for path, ops in paths.items():
-        for op, fig in ops.items():
+        print(f"{path}: guest clock rate {ops['guest_clock_rate']} guest s per host s")
+        for op in OPS:
+            fig = ops[op]
             print(f"{path:>24} {op:>5}: p50 {fig['p50_ms']:7.2f} ms  p90 {fig['p90_ms']:7.2f} ms  stages {fig['stages_ms']}")
     print(f"load {report['load'][0]:.2f} → {report['load'][1]:.2f}")
 

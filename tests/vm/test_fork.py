@@ -48,7 +48,9 @@ def test_a_client_that_asks_gets_every_hop_of_its_call(vm_env: dict[str, str], c
     assert {"guest.decoded", "guest.started", "guest.ctx_read", "guest.ctx_ran", "guest.ctx_answered",
             "guest.handled"} <= stages.keys()
     assert abs(sum(v for k, v in stages.items() if k.startswith("guest.")) - stages["guest"]) < 0.05
-    assert stages["transport"] > 0 and stages["guest"] + stages["transport"] <= stages["agent_answer"] + 0.05
+    # The guest's stages are on its own clock, whose rate a TCG guest calibrated at its parent's boot (it may
+    # differ from the host's: bench/roundtrip.py measures it); transport is the host's wait beyond them.
+    assert stages["guest"] > 0 and abs(stages["guest"] + stages["transport"] - stages["agent_answer"]) < 0.05
     ping_stages = ping.headers["server-timing"]
     assert "guest.handled" in ping_stages and "guest.ctx_ran" not in ping_stages
 
