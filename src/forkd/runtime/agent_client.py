@@ -87,7 +87,8 @@ class _Pending:
 def _trace_stages(pending: _Pending, frame: dict[str, Any]) -> None:
     """Put the guest's stages of a traced call into its Timings: each guest mark ends a stage begun
     at the one before (on the guest's clock), and ``transport`` is what the host waited beyond the
-    guest's span: both ways through the VMM's port and the guest kernel.
+    guest's span: both ways through the VMM's port and the guest kernel (right as far as the guest's
+    clock runs at the host's rate, which a TCG guest's need not: bench/roundtrip.py measures it).
 
     Marks are taken by several guest threads and processes, so they are put in time order first: on one
     vCPU a context woken by the agent's send runs its cell before the agent marks that it sent it.
