@@ -28,6 +28,7 @@ from forkd.daemon.app import create_app
 from forkd.daemon.middleware.audit import AuditLog, AuditMiddleware
 from forkd.daemon.middleware.auth import TokenAuth
 from forkd.daemon.middleware.body_limit import BodyLimit
+from forkd.daemon.middleware.timing import ServerTiming
 from forkd.daemon.config import ConfigError, DaemonConfig, Server
 from forkd.daemon.lock import DaemonAlreadyRunning, HomeLock
 from forkd.daemon.notify import notify
@@ -179,9 +180,10 @@ async def serve(config: DaemonConfig) -> None:
         config.e2b.max_pause_chain) if e2b_address is not None and credentials is not None else None
     api = BodyLimit(create_app(runtime, [e2b_front.keeper] if e2b_front is not None else []))
     # The Unix listener runs the app's lifespan (start, and on shutdown kill every child).
-    servers = [_server(AuditMiddleware(api, audit, "unix"), "on", config.server)]
+    servers = [_server(ServerTiming(AuditMiddleware(api, audit, "unix")), "on", config.server)]
     if tcp is not None:
-        servers.append(_server(AuditMiddleware(TokenAuth(api, tcp.token), audit, "tcp"), "off", config.server, tcp))
+        servers.append(_server(ServerTiming(AuditMiddleware(TokenAuth(api, tcp.token), audit, "tcp")), "off",
+                               config.server, tcp))
         scheme = "https" if tcp.tls_cert else "http"
         log.info("listening on %s://%s:%d (bearer token required)%s", scheme, tcp.host, tcp.port,
                  "" if tcp.loopback or tcp.tls_cert else "; WARNING: no TLS on a non-loopback address")

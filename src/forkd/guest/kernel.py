@@ -364,6 +364,7 @@ class Kernel:
         conn.exit_on_hangup()
         self._interrupts = Interrupts()
         while (frame := conn.receive()) is not None:
+            marks = [["ctx_read", time.monotonic_ns()]] if protocol.traced(frame) else None
             req_id, op, args = protocol.parse_request(frame)
             if op == protocol.OP_RESEED:
                 entropy = base64.b64decode(args["entropy_b64"])
@@ -371,7 +372,11 @@ class Kernel:
                 continue
             run = _Run(conn, req_id, args.get("output_limit"))
             result = self.run(run, op, args)
-            conn.send(*run.held, protocol.ok(req_id, result))
+            answer = protocol.ok(req_id, result)
+            if marks is not None:
+                marks.append(["ctx_ran", time.monotonic_ns()])
+                answer[protocol.TRACE] = marks
+            conn.send(*run.held, answer)
 
     def run(self, run: _Run, op: str, args: dict[str, Any]) -> dict[str, Any]:
         global _current
