@@ -259,6 +259,48 @@ def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_pa
     assert seen == b"written by the source"
 
 
+def test_a_branch_not_waited_for_answers_after_its_pause_and_the_next_chains_on_it_while_it_is_written(
+        tmp_path: Path) -> None:
+    """``wait=False`` answers once the source runs again: what the source writes afterwards is not in the
+    snapshot. A second capture does not wait for the first layer to be written; it chains onto it."""
+    async def scenario() -> tuple[list[Any], bytes, bytes, bytes]:
+        runtime, source = await _written_source(tmp_path, 3 * PAGE_SIZE)
+        vmm = runtime.vmm
+        assert isinstance(vmm, FakeVmm)
+        written = asyncio.Event()  # the disk layers wait for it: both snapshots stay `writing` until then
+        export = vmm.disk.export_layer
+
+        async def held(*args: Any) -> None:
+            await written.wait()
+            await export(*args)
+
+        vmm.disk.export_layer = held  # type: ignore[method-assign]
+        try:
+            first = await runtime.branches.branch(source.record.id, "w1", wait=False)
+            seen = [first.status, first.parent_tag, vmm.branching.captures, "pause_ms" in first.meta]
+            vmm.write_guest_memory(source.vm, 4 * PAGE_SIZE, b"after the first")
+            second = await runtime.branches.branch(source.record.id, "w2", wait=False)
+            seen += [second.status, second.parent_tag, vmm.branching.captures,
+                     runtime.registry.get_snapshot("w1").status]  # type: ignore[union-attr]
+            written.set()
+            await runtime.branches.wait_all()
+            seen += [runtime.registry.get_snapshot(tag).status for tag in ("w1", "w2")]  # type: ignore[union-attr]
+            pages = []
+            for tag in ("w1", "w2"):
+                [child] = await runtime.spawner.fork(tag, 1)
+                with open(runtime.sandboxes.get(child.sandbox["id"]).vm.state["ram"], "rb") as ram:
+                    pages.append(ram.read(5 * PAGE_SIZE))
+            return seen, pages[0][3 * PAGE_SIZE:3 * PAGE_SIZE + 21], pages[0][4 * PAGE_SIZE:4 * PAGE_SIZE + 15], \
+                pages[1][4 * PAGE_SIZE:4 * PAGE_SIZE + 15]
+        finally:
+            await runtime.stop()
+
+    seen, first_source_page, first_later_page, second_later_page = run(scenario)
+    assert seen == ["writing", "base", 1, True, "writing", "w1", 2, "writing", "ready", "ready"]
+    assert first_source_page == b"written by the source"
+    assert first_later_page == bytes(15) and second_later_page == b"after the first"
+
+
 def test_a_failing_diff_command_keeps_only_the_tail_of_its_stderr(tmp_path: Path) -> None:
     """The guest decides how much a diff command writes to stderr: the daemon holds its last 4 KiB only."""
     flood = b"e" * (64 << 20) + b"\nthe real error\n"
