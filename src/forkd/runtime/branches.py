@@ -302,6 +302,5 @@ def _write_memory(build_dir: Path, memory: ChainMemory, captured: Pages, kind: s
     if kind == "full":
         flat = memory_layers.flatten(parent, build_dir / MEMORY_FILE, top=captured)
         return flat.changed_pages, {MEMORY_FILE: flat.sha256}
-    changed = memory_layers.drop_unchanged(captured, parent)
-    layer = memory_layers.write_layer(build_dir / LAYER_FILE, changed)
-    return len(changed.offsets), {LAYER_FILE: layer.sha256}
+    layer = memory_layers.write_layer(build_dir / LAYER_FILE, captured, parent)
+    return len(layer.offsets), {LAYER_FILE: layer.sha256}
