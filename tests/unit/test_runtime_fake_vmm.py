@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import threading
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable, Iterator
@@ -267,14 +268,14 @@ def test_a_branch_not_waited_for_answers_after_its_pause_and_the_next_chains_on_
         runtime, source = await _written_source(tmp_path, 3 * PAGE_SIZE)
         vmm = runtime.vmm
         assert isinstance(vmm, FakeVmm)
-        written = asyncio.Event()  # the disk layers wait for it: both snapshots stay `writing` until then
-        export = vmm.disk.export_layer
+        written = threading.Event()  # what comes after the answer waits for it: both stay `writing` until then
+        link = runtime.store.digests.link
 
-        async def held(*args: Any) -> None:
-            await written.wait()
-            await export(*args)
+        def held(*args: Any) -> Any:
+            assert written.wait(BOUND_S)
+            return link(*args)
 
-        vmm.disk.export_layer = held  # type: ignore[method-assign]
+        runtime.store.digests.link = held  # type: ignore[method-assign]
         try:
             first = await runtime.branches.branch(source.record.id, "w1", wait=False)
             seen = [first.status, first.parent_tag, vmm.branching.captures, "pause_ms" in first.meta]
@@ -299,6 +300,34 @@ def test_a_branch_not_waited_for_answers_after_its_pause_and_the_next_chains_on_
     assert seen == ["writing", "base", 1, True, "writing", "w1", 2, "writing", "ready", "ready"]
     assert first_source_page == b"written by the source"
     assert first_later_page == bytes(15) and second_later_page == b"after the first"
+
+
+def test_a_source_killed_right_after_a_branch_not_waited_for_still_gives_a_ready_snapshot(tmp_path: Path) -> None:
+    """Snapshot, then kill (E2B's pause): the branch answered after the pause has already taken what it
+    needs from the source's run directory (its frozen disk), so the kill cannot take it away."""
+    async def scenario() -> tuple[str, bytes]:
+        runtime, source = await _written_source(tmp_path, 3 * PAGE_SIZE)
+        killed = threading.Event()  # what the build does after the answer waits for the kill
+        link = runtime.store.digests.link
+
+        def held(*args: Any) -> Any:
+            assert killed.wait(BOUND_S)
+            return link(*args)
+
+        runtime.store.digests.link = held  # type: ignore[method-assign]
+        try:
+            await runtime.branches.branch(source.record.id, "k1", wait=False)
+            await runtime.sandboxes.kill(source.record.id)  # its run directory is removed
+            killed.set()
+            await runtime.branches.wait_all()
+            [child] = await runtime.spawner.fork("k1", 1)
+            with open(runtime.sandboxes.get(child.sandbox["id"]).vm.state["ram"], "rb") as ram:
+                ram.seek(3 * PAGE_SIZE)
+                return runtime.registry.get_snapshot("k1").status, ram.read(21)  # type: ignore[union-attr]
+        finally:
+            await runtime.stop()
+
+    assert run(scenario) == ("ready", b"written by the source")
 
 
 def test_a_failing_diff_command_keeps_only_the_tail_of_its_stderr(tmp_path: Path) -> None:

@@ -185,6 +185,11 @@ class BranchService:
                 # A restarted daemon adopts the new top.
                 await asyncio.to_thread(self.registry.set_vmm_state, live.record.id, live.vm.state)
                 source.head, source.writing = record.tag, asyncio.current_task()  # type: ignore[assignment]
+            # The frozen disk lies in the source's run directory: taken before the answer, so a source
+            # killed right after it does not take its disk layer along.
+            disk = self.vmm.disk.file_name
+            await self.vmm.disk.export_layer(capture.frozen_disk, build_dir / disk, f"../{record.parent_tag}/{disk}")
+            timings.mark("disk_layer_written")
             record.meta = {**record.meta, "pause_ms": round(capture.pause_s * 1000, 2)}
             captured.set_result(None)
             if before is not None:  # its parent was captured before it and is still being written
@@ -218,15 +223,13 @@ class BranchService:
 
     async def _assemble(self, build_dir: Path, parent: SnapshotRecord, memory: ChainMemory, capture: Capture,
                         mode: str, timings: Timings) -> dict[str, Any]:
-        """Disk layer and memory (a layer, or flattened whole) of the new snapshot, then its meta.
+        """Memory (a layer, or flattened whole) of the new snapshot next to its disk layer, then its meta.
 
         All of it runs after the source was resumed: the capture holds what the pause took.
         """
         for name in (KERNEL_FILE, INITRD_FILE):
             await blocking(self.store.digests.link, parent.path / name, build_dir / name)
         disk = self.vmm.disk.file_name
-        await self.vmm.disk.export_layer(capture.frozen_disk, build_dir / disk, f"../{parent.tag}/{disk}")
-        timings.mark("disk_layer_written")
         memory_kind = "diff" if mode == "diff" else "full"
         changed, written = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
         timings.mark("layer_written")
