@@ -93,7 +93,7 @@ def modes_grid(controller: Controller, tag: str, modes: list[str], dirty: list[i
             runs: list[dict[str, Any]] = []
             for r in range(repeats):
                 try:
-                    runs.append(one_branch(controller, tag, mode, mib, f"bench-{mode}-{mib}-{r}"))
+                    runs.append(one_branch(controller, tag, mode, mib, f"bench-{mode.replace(':', '-')}-{mib}-{r}"))
                 except ForkdError as exc:
                     grid[f"{mode}/{mib}"] = {"refused": exc.message}
                     break
