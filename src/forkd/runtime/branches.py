@@ -105,7 +105,8 @@ class BranchService:
 
     async def branch(self, sandbox_id: str, tag: str, mode: str = "diff", wait: bool = True,
                      claim: Claim | None = None, meta: dict[str, str] | None = None) -> SnapshotRecord:
-        """Register ``tag`` as writing, then build it; with ``wait`` return it ready, else at once.
+        """Register ``tag`` as writing, then build it; with ``wait`` return it ready, else (still
+        ``writing``) once the sandbox was captured and runs again.
 
         ``claim``: the tag, when the caller already holds it; it is released when the build ends.
         ``meta``: what a front records with the snapshot (the E2B front: the E2B id it was taken of).
