@@ -260,6 +260,20 @@ def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_pa
     assert seen == b"written by the source"
 
 
+def _hold_after_answer(runtime: Runtime) -> threading.Event:
+    """An event what a BRANCH does after its ``wait=False`` answer (its first step: linking the kernel
+    and initrd) waits for: the snapshot stays ``writing`` until it is set."""
+    go_on = threading.Event()
+    link = runtime.store.digests.link
+
+    def held(*args: Any) -> Any:
+        assert go_on.wait(BOUND_S)
+        return link(*args)
+
+    runtime.store.digests.link = held  # type: ignore[method-assign]
+    return go_on
+
+
 def test_a_branch_not_waited_for_answers_after_its_pause_and_the_next_chains_on_it_while_it_is_written(
         tmp_path: Path) -> None:
     """``wait=False`` answers once the source runs again: what the source writes afterwards is not in the
@@ -268,14 +282,7 @@ def test_a_branch_not_waited_for_answers_after_its_pause_and_the_next_chains_on_
         runtime, source = await _written_source(tmp_path, 3 * PAGE_SIZE)
         vmm = runtime.vmm
         assert isinstance(vmm, FakeVmm)
-        written = threading.Event()  # what comes after the answer waits for it: both stay `writing` until then
-        link = runtime.store.digests.link
-
-        def held(*args: Any) -> Any:
-            assert written.wait(BOUND_S)
-            return link(*args)
-
-        runtime.store.digests.link = held  # type: ignore[method-assign]
+        written = _hold_after_answer(runtime)  # both stay `writing` until it is set
         try:
             first = await runtime.branches.branch(source.record.id, "w1", wait=False)
             seen = [first.status, first.parent_tag, vmm.branching.captures, "pause_ms" in first.meta]
@@ -307,14 +314,7 @@ def test_a_source_killed_right_after_a_branch_not_waited_for_still_gives_a_ready
     needs from the source's run directory (its frozen disk), so the kill cannot take it away."""
     async def scenario() -> tuple[str, bytes]:
         runtime, source = await _written_source(tmp_path, 3 * PAGE_SIZE)
-        killed = threading.Event()  # what the build does after the answer waits for the kill
-        link = runtime.store.digests.link
-
-        def held(*args: Any) -> Any:
-            assert killed.wait(BOUND_S)
-            return link(*args)
-
-        runtime.store.digests.link = held  # type: ignore[method-assign]
+        killed = _hold_after_answer(runtime)
         try:
             await runtime.branches.branch(source.record.id, "k1", wait=False)
             await runtime.sandboxes.kill(source.record.id)  # its run directory is removed
