@@ -269,7 +269,9 @@ class BranchRequest(Strict):
     mode: Literal["full", "diff", "live"] = Field(
         default="diff", description="full: whole memory file; diff: only pages changed since the parent; "
                                     "live: full, with memory pre-copied while the guest runs where the kernel tracks soft-dirty pages")
-    wait: bool = Field(default=True, description="false: answer 202 at once with status `writing`")
+    wait: bool = Field(default=True, description="false: answer 202 with status `writing` right after the pause "
+                                                 "(the snapshot holds the sandbox as it was then; its layers are "
+                                                 "written in the background)")
 
 
 class WorkspaceCreate(Strict):

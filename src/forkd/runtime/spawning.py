@@ -235,7 +235,8 @@ class Spawner:
             if handle is not None:
                 handle.join(child)
             try:
-                sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline, child)
+                with self.pool.serving():  # the pool refills once no child is starting
+                    sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline, child)
             except Exception as exc:  # one child's failure, a bug's included, never takes its siblings with it
                 self.metrics.spawn_failures.labels(kind_for(exc).code).inc()
                 if kind_for(exc) is INTERNAL:  # no kind: a bug, whose traceback the log keeps

@@ -434,7 +434,8 @@ class Operations:
 
     @request
     def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "diff", wait: bool = True) -> Call[SnapshotRecord]:
-        """Save a running sandbox as snapshot ``tag`` (it keeps running); ``wait=False`` answers it ``writing``.
+        """Save a running sandbox as snapshot ``tag`` (it keeps running); ``wait=False`` answers it ``writing``
+        right after the pause.
 
         Without a tag one is made from the sandbox id.
         """

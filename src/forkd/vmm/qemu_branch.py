@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import os
 import secrets
 import time
@@ -67,12 +68,10 @@ async def capture(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, n
         procmem.clear_soft_dirty(vm.pid)  # pages written from now on are marked soft-dirty
         precopy = await asyncio.to_thread(guest_ram.read_private, vm.pid, memory, memory_bytes)
         mark("precopy")
-    # The copy's destination is faulted in now, while the guest runs, not during the pause.
-    buffer = await asyncio.to_thread(guest_ram.prepare_read, vm.pid, memory, memory_bytes)
-    mark("buffer_prepared")
+    # The copy's destination is faulted in now, while the guest runs, not during the pause; the
+    # overlay is made meanwhile (a qemu-img process and a monitor command: little CPU of the daemon's).
     frozen = disk_of(vm)
-    overlay = await _prepare_overlay(qmp, frozen, new_top)
-    mark("overlay_prepared")
+    buffer, overlay = await _prepare(qmp, vm, memory, memory_bytes, frozen, new_top, mark)
     stopped_at = time.monotonic()
     switched = False
     try:
@@ -100,6 +99,33 @@ async def capture(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, n
     await asyncio.to_thread(_fsync, state)
     return Capture(pause_s=pause_s, frozen_disk=frozen, pages=pages, state_format=DEVICE_STATE,
                    precopied=precopy is not None)
+
+
+async def _prepare(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, frozen: Path, new_top: Path,
+                   mark: Callable[[str], None]) -> tuple[mmap.mmap, str]:
+    """The copy's buffer and the new disk top, made at once; whichever is ready first is marked first.
+    If one fails the other is undone."""
+    async def buffer() -> mmap.mmap:
+        ready = await asyncio.to_thread(guest_ram.prepare_read, vm.pid, memory, memory_bytes)
+        mark("buffer_prepared")
+        return ready
+
+    async def overlay() -> str:
+        node = await _prepare_overlay(qmp, frozen, new_top)
+        mark("overlay_prepared")
+        return node
+
+    made = await asyncio.gather(buffer(), overlay(), return_exceptions=True)
+    failed = next((r for r in made if isinstance(r, BaseException)), None)
+    if failed is None:
+        return made[0], made[1]  # type: ignore[return-value]
+    if isinstance(made[0], mmap.mmap):
+        made[0].close()
+    if isinstance(made[1], str):
+        with contextlib.suppress(QMPError):
+            await qmp.execute("blockdev-del", {"node-name": made[1]})
+        new_top.unlink(missing_ok=True)
+    raise failed
 
 
 async def _prepare_overlay(qmp: Monitor, frozen: Path, new_top: Path) -> str:
