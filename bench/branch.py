@@ -1,5 +1,5 @@
 """BRANCH: pause window and caller-visible latency per mode and dirtied memory, with the per-stage
-breakdown; ten BRANCHes in a row; spawn time through diff chains of depth 0-3 vs a compacted (flat)
+breakdown, waited for or not (``--modes live:nowait``); ten BRANCHes in a row; spawn time through diff chains of depth 0-3 vs a compacted (flat)
 copy; layer bytes vs pages changed.
 
 Each measurement uses a fresh child of ``--tag`` (a 1 GiB snapshot) that first fills a bytearray of
@@ -23,14 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from figures import plt, save  # bench/figures.py, next to this script
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from forkd.config import paths_from_env  # noqa: E402
-from forkd.sdk.autostart import ensure_daemon  # noqa: E402
-from forkd.sdk.controller import Controller, ForkdError  # noqa: E402
+from forkd.config import paths_from_env
+from forkd.sdk.autostart import ensure_daemon
+from forkd.sdk.controller import Controller, ForkdError
 
 RESULTS = Path(__file__).with_name("results")
 PAGE = 4096
@@ -55,18 +52,27 @@ def dirty_child(controller: Controller, tag: str, mib: int) -> str:
 
 
 def one_branch(controller: Controller, tag: str, mode: str, mib: int, name: str) -> dict[str, Any]:
+    """``mode`` may end in ``:nowait``: the caller's latency is then the answer with the snapshot still
+    ``writing`` (right after the pause), and ``written_s`` when it was ready (polled every 20 ms)."""
+    mode, _, nowait = mode.partition(":")
     sandbox_id = dirty_child(controller, tag, mib)
+    written = None
     try:
         started = time.monotonic()
-        info = controller.branch(sandbox_id, name, mode=mode)
+        info = controller.branch(sandbox_id, name, mode=mode, wait=not nowait)
         latency = time.monotonic() - started
+        if nowait:
+            assert info["status"] == "writing", info
+            assert controller.exec(sandbox_id, "echo alive")["stdout"] == "alive\n"  # answers while it is written
+            info = controller.wait_snapshot(name, timeout_s=300, poll_s=0.02)
+            written = time.monotonic() - started
         assert controller.exec(sandbox_id, "echo alive")["stdout"] == "alive\n"
     finally:
         controller.kill(sandbox_id)
     own = "memory.layer" if info["memory_kind"] == "diff" else "memory"
     sizes = controller.snapshot(name)
     controller.remove_snapshot(name)
-    return {"pause_ms": info["pause_ms"], "latency_s": latency, "timings_ms": info["timings"],
+    return {"pause_ms": info["pause_ms"], "latency_s": latency, "written_s": written, "timings_ms": info["timings"],
             "private_pages": info["private_pages"], "changed_pages": info["changed_pages"],
             "precopied": info.get("precopied"), "memory_file_bytes": info["sizes"][own],
             "disk_layer_bytes": info["sizes"]["disk.qcow2"], "physical_bytes": sizes["own_bytes"]}
@@ -84,7 +90,7 @@ def modes_grid(controller: Controller, tag: str, modes: list[str], dirty: list[i
             runs: list[dict[str, Any]] = []
             for r in range(repeats):
                 try:
-                    runs.append(one_branch(controller, tag, mode, mib, f"bench-{mode}-{mib}-{r}"))
+                    runs.append(one_branch(controller, tag, mode, mib, f"bench-{mode.replace(':', '-')}-{mib}-{r}"))
                 except ForkdError as exc:
                     grid[f"{mode}/{mib}"] = {"refused": exc.message}
                     break
@@ -149,7 +155,7 @@ def chain_spawns(controller: Controller, tag: str, depth: int, layer_mib: int, r
 def plot(data: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     grid = data["modes"]
-    for mode in ("full", "diff", "live"):
+    for mode in ("full", "diff", "live", "live:nowait"):
         keys = [k for k in grid if k.startswith(mode + "/") and "pause_ms" in grid[k]]
         if keys:
             axes[0].plot([int(k.split("/")[1]) for k in keys], [grid[k]["pause_ms"]["p50"] for k in keys], "o-",
@@ -163,8 +169,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     chain = {k: v for k, v in data["chain"].items() if isinstance(v, dict)}
     axes[2].bar(list(chain), [v["p50"] for v in chain.values()])
     axes[2].set(ylabel="seconds to first answer (p50)", title="spawn through a diff chain")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def main() -> None:
@@ -172,7 +177,8 @@ def main() -> None:
     parser.add_argument("--tag", default="quickstart", help="a ready snapshot with 1 GiB of RAM")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dirty", default="0,16,64,256", help="MiB to dirty before each BRANCH (16 is the size the targets in docs/benchmarks.md name)")
-    parser.add_argument("--modes", default="full,diff,live")
+    parser.add_argument("--modes", default="full,diff,live,live:nowait",
+                        help="a mode ending in :nowait is BRANCHed with wait=false (answered after the pause)")
     parser.add_argument("--only-modes", action="store_true", help="skip the series and chain runs")
     parser.add_argument("--out", default="branch", help="results file name (without extension)")
     parser.add_argument("--series", type=int, default=10)

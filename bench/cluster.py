@@ -100,9 +100,7 @@ def node_death(cluster: Cluster, tag: str, items: int, kill_after: int, kill_com
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Placement (cluster vs local fork), replication seconds per snapshot, node death."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from figures import plt, save  # bench/figures.py; matplotlib when plotting
 
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.5))
     placed = report["placement"]
@@ -118,9 +116,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.bar(["death noticed", "last retried item answered"][:len(bars)], list(bars.values()))
     right.set_ylabel("seconds after the kill")
     right.set_title(f"node death: {death.get('retried', 0)} items retried" if death else "node death: not run")
-    figure.suptitle(f"forkd on Ray, {report['nodes']} nodes, load before {report['load_before'][0]:.1f}")
-    figure.tight_layout()
-    figure.savefig(path)
+    save(figure, path, f"forkd on Ray, {report['nodes']} nodes, load before {report['load_before'][0]:.1f}", dpi=100)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

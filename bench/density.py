@@ -41,14 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import matplotlib
+from figures import load_span, plt, save  # bench/figures.py, next to this script
+from spawn import load, quantiles, smaps_breakdown  # bench/spawn.py
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from spawn import load, quantiles, smaps_breakdown  # noqa: E402  (bench/spawn.py, next to this script)
-
-from forkd.sdk.controller import Controller, DaemonUnreachable  # noqa: E402
+from forkd.sdk.controller import Controller, DaemonUnreachable
 
 RESULTS = Path(__file__).with_name("results")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -253,10 +249,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
     ax_fork.plot(xs, ys, marker="o")
     ax_fork.set_xlabel("children alive after the request")
     ax_fork.set_ylabel(f"seconds per request of {report['batch']}")
-    fig.suptitle(f"forkd density: {off['answered']}/{report['n']} answer "
-                 f"(load {report['load_start']:.1f} → {report['load_end']:.1f})")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save(fig, out, f"forkd density: {off['answered']}/{report['n']} answer ({load_span(report)})")
 
 
 def main() -> None:

@@ -21,21 +21,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from figures import plt, save  # bench/figures.py, next to this script
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from forkd.config import paths_from_env  # noqa: E402
-from forkd.guest import protocol  # noqa: E402
-from forkd.image.builder import load_image  # noqa: E402
-from forkd.runtime.agent_client import connect_when_answering  # noqa: E402
-from forkd.runtime.snapshots import BASE_CMDLINE  # noqa: E402
-from forkd.sdk.autostart import ensure_daemon  # noqa: E402
-from forkd.sdk.controller import Controller  # noqa: E402
-from forkd.vmm.base import BootSpec  # noqa: E402
-from forkd.vmm.process import read_memory_stats  # noqa: E402
-from forkd.vmm.qemu import QemuVmm  # noqa: E402
+from forkd.config import paths_from_env
+from forkd.guest import protocol
+from forkd.image.builder import load_image
+from forkd.runtime.agent_client import connect_when_answering
+from forkd.runtime.snapshots import BASE_CMDLINE
+from forkd.sdk.autostart import ensure_daemon
+from forkd.sdk.controller import Controller
+from forkd.vmm.base import BootSpec
+from forkd.vmm.process import read_memory_stats
+from forkd.vmm.qemu import QemuVmm
 
 NUMPY_PROBE = "float(numpy.ones(4).sum())"
 RESULTS = Path(__file__).with_name("results")
@@ -120,9 +117,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
     ax_mem.tick_params(axis="x", labelrotation=20)
     for x, value in enumerate(mem_values):
         ax_mem.text(x, value, f"{value:.0f}", ha="center", va="bottom")
-    fig.suptitle(f"forkd on {report['host']['accelerator']} ({report['host']['vmm']} {report['host']['vmm_version']})")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save(fig, out, f"forkd on {report['host']['accelerator']} ({report['host']['vmm']} {report['host']['vmm_version']})")
 
 
 def main() -> None:

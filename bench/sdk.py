@@ -21,14 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from figures import plt, save  # bench/figures.py, next to this script
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from forkd import Sandbox  # noqa: E402
-from forkd.sdk.autostart import ensure_daemon  # noqa: E402
-from forkd.sdk.controller import Controller  # noqa: E402
+from forkd import Sandbox
+from forkd.sdk.autostart import ensure_daemon
+from forkd.sdk.controller import Controller
 
 RESULTS = Path(__file__).with_name("results")
 BIG = 16 << 20
@@ -104,8 +101,7 @@ def main() -> None:
     ax.set_yscale("log")
     ax.set_title("forkd SDK vs bare REST client, same child, interleaved (TCG guest)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "sdk.png", dpi=120)
+    save(fig, RESULTS / "sdk.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from figures import load_span, plt, save  # bench/figures.py, next to this script
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from forkd.sdk.autostart import ensure_daemon  # noqa: E402
-from forkd.sdk.controller import Controller  # noqa: E402
+from forkd.sdk.autostart import ensure_daemon
+from forkd.sdk.controller import Controller
 
 NUMPY_PROBE = "float(numpy.ones(4).sum())"
 RESULTS = Path(__file__).with_name("results")
@@ -191,10 +188,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
     ax_stage.barh([f"{s} (off)" for s in names], [stages_off.get(s, 0) for s in names], color="tab:gray")
     ax_stage.barh([f"{s} (on)" for s in names], [stages.get(s, 0) for s in names], color="tab:green")
     ax_stage.set_xlabel("ms per stage, single fork p50 (last repeat)")
-    fig.suptitle(f"forkd spawn, pool off vs on ({report['host']['accelerator']}, load {report['load_start']:.1f}"
-                 f" → {report['load_end']:.1f})")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save(fig, out, f"forkd spawn, pool off vs on ({report['host']['accelerator']}, {load_span(report)})")
 
 
 def main() -> None:

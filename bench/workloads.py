@@ -26,14 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from figures import plt, save  # bench/figures.py, next to this script
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from forkd import Sandbox  # noqa: E402
-from forkd.sdk.autostart import ensure_daemon  # noqa: E402
-from forkd.sdk.controller import Controller, ForkdError  # noqa: E402
+from forkd import Sandbox
+from forkd.sdk.autostart import ensure_daemon
+from forkd.sdk.controller import Controller, ForkdError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -147,9 +144,7 @@ def main() -> None:
     right.bar(names, [imports["fresh"]["p50_s"], imports["warm"]["p50_s"], postgres["p50_s"]],
               color=["tab:orange", "tab:green", "tab:blue"])
     right.set_ylabel("median (s)")
-    fig.suptitle("forkd real workloads (TCG guest, 2 cores)")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "workloads.png", dpi=120)
+    save(fig, RESULTS / "workloads.png", "forkd real workloads (TCG guest, 2 cores)", dpi=120)
 
 
 if __name__ == "__main__":

@@ -22,15 +22,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 
 from forkd.config import Paths, paths_from_env
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import INITRD_FILE, KERNEL_FILE, ROOTFS_FILE, write_manifest
+from forkd.listeners import bind_tcp
 from forkd.runtime.isolation import Isolation
 from forkd.runtime.options import RuntimeOptions
 from forkd.runtime.sandboxes import SandboxService
@@ -105,6 +107,23 @@ def short_tmp_dir(prefix: str) -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@contextlib.asynccontextmanager
+async def served_on_loopback(app: Any, graceful_s: float = 5) -> AsyncIterator[str]:
+    """``app`` served by uvicorn on a free loopback port for the block; yields its base URL."""
+    sock = bind_tcp("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="critical", timeout_graceful_shutdown=graceful_s))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+
+
 OWN_PROCESS_ENV = "FORKD_TEST_OWN_PROCESS"  # set in the pytest that run_in_own_process starts
 
 
@@ -173,9 +192,16 @@ def vm_env_for(home: Path) -> dict[str, str]:
     env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{_free_port()}"  # the E2B front (tests/vm/test_e2b_clients.py)
     # Pulls and pushes reach the HTTP servers tests run on loopback (a private address needs naming).
     config = home / "forkd-test.toml"
-    config.write_text('[transfers]\nallow_hosts = ["127.0.0.1"]\n')
+    # E2B pause chains are compacted past 3 layers (tests/vm/test_pause_chain_vm.py; the lifecycle checks cross it).
+    config.write_text('[transfers]\nallow_hosts = ["127.0.0.1"]\n\n[e2b]\nmax_pause_chain = 3\n')
     env["FORKD_CONFIG"] = str(config)
     return env
+
+
+def e2b_front(home: Path, env: dict[str, str]) -> tuple[str, str]:
+    """The URL of the daemon's E2B front (``FORKD_E2B_LISTEN``) and an API key from its key file."""
+    keys = (home / "e2b" / "api-keys").read_text().split()
+    return f"http://{env['FORKD_E2B_LISTEN']}", next(k for k in keys if k.startswith("e2b_"))
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ import pytest
 
 from conftest import require_root
 from forkd.guest import agent as agent_module
-from forkd.guest import activity, channel, processes, protocol
+from forkd.guest import activity, channel, interpreters, processes, protocol
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -592,6 +592,42 @@ def test_eval(agent: AgentClient) -> None:
     point = agent.result(protocol.OP_EVAL, {"expr": "p", "context": "ev"})
     assert point["type"] == "__main__.Point" and point["value"].startswith("<__main__.Point object")
     assert point["value_json"] is None
+
+
+def _traced_stages(agent: AgentClient, op: str, args: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    req_id = next(agent._ids)
+    agent.send_raw(protocol.encode_frame(protocol.request(req_id, op, args, trace=True)))
+    terminal = agent.collect(req_id)[-1][1]
+    marks = protocol.trace_marks(terminal)
+    assert terminal["ok"] and marks is not None, terminal
+    return [stage for stage, _ in marks], terminal["result"]
+
+
+def test_a_short_cell_is_answered_without_a_worker_and_a_long_one_with(agent: AgentClient) -> None:
+    """A cell whose context exists and is idle is sent and answered on the reader thread (no "resumed":
+    no worker took over); a context still to be forked, or an answer not there within the reader's
+    wait, goes to a worker, and the answers are the same."""
+    first, result = _traced_stages(agent, protocol.OP_EVAL, {"expr": "6 * 7", "context": "eager"})
+    assert "resumed" in first and result["value"] == "42"  # the context was forked on a worker
+    again, result = _traced_stages(agent, protocol.OP_EVAL, {"expr": "6 * 7", "context": "eager"})
+    assert "resumed" not in again and result["value"] == "42"
+    assert again.index("ctx_ran") < again.index("ctx_answered") < again.index("handled")
+    cell, result = _traced_stages(agent, protocol.OP_RUN_CODE, {"code": "print('hi')\n1 + 1", "context": "eager"})
+    assert "resumed" not in cell and result["results"][0]["text"] == "2"
+    slow, result = _traced_stages(agent, protocol.OP_EVAL, {"expr": f"__import__('time').sleep({interpreters.EAGER_WAIT_S * 3}) or 5",
+                                                             "context": "eager"})
+    assert "resumed" in slow and result["value"] == "5"
+
+
+def test_a_request_sent_while_the_reader_waits_for_a_cell_is_answered_first(agent: AgentClient) -> None:
+    agent.result(protocol.OP_EVAL, {"expr": "0", "context": "eager-wait"})
+    cell = agent.start(protocol.OP_EVAL, {"expr": f"__import__('time').sleep({interpreters.EAGER_WAIT_S / 2}) or 1",
+                                          "context": "eager-wait"})
+    ping = agent.start(protocol.OP_PING)
+    ping_at, pong = agent.next_frame(ping)
+    cell_at, answer = agent.next_frame(cell)
+    assert pong["ok"] and answer["result"]["value"] == "1"
+    assert ping_at < cell_at
 
 
 @pytest.mark.parametrize(

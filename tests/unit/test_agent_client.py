@@ -17,7 +17,9 @@ import pytest
 
 from forkd.config import Paths
 from forkd.guest import protocol
+from forkd.runtime import timings as timings_module
 from forkd.runtime.agent_client import AgentClient, AgentUnavailable
+from forkd.runtime.timings import Timings
 from forkd.runtime.sandboxes import SandboxService
 from forkd.store.registry import Registry, SandboxRecord
 from forkd.vmm.base import VmHandle
@@ -120,6 +122,37 @@ def test_a_torn_first_line_is_skipped_and_the_answer_still_arrives(tmp_path: Pat
         assert not client.closed
 
     asyncio.run(_with_guest(tmp_path, body))
+
+
+def test_a_traced_call_has_the_hosts_and_the_guests_stages(tmp_path: Path) -> None:
+    """The guest's marks come in any order (several guest threads and processes took them): they are
+    put in time order, each ends a stage, and transport is the host's wait beyond the guest's span."""
+    timings = Timings()
+
+    async def body(client: AgentClient, guest: Guest) -> None:
+        token = timings_module.CURRENT.set(timings)
+        try:
+            call = asyncio.create_task(client.call("eval", {}, timeout=BOUND_S))
+        finally:
+            timings_module.CURRENT.reset(token)
+        request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
+        assert request["trace"] is True
+        marks = [["read", 1_000_000], ["ctx_read", 1_500_000], ["ctx_sent", 1_700_000], ["handled", 3_000_000]]
+        await guest.send(protocol.encode_frame({**protocol.ok(request["id"], {"value": "2"}), "trace": marks}))
+        assert await call == {"value": "2"}
+        untraced = asyncio.create_task(client.call("ping", {}, timeout=BOUND_S))
+        request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
+        assert "trace" not in request
+        await guest.send(protocol.encode_frame({**protocol.ok(request["id"], {}), "trace": [["x", "1"]]}))
+        assert await untraced == {}  # a trace nobody asked for, of the wrong shape: ignored
+
+    asyncio.run(_with_guest(tmp_path, body))
+    stages = timings.stages()
+    assert list(stages) == ["routed", "agent_sent", "agent_answer", "agent_resumed"]
+    assert timings.elsewhere.keys() == {"guest.ctx_read", "guest.ctx_sent", "guest.handled", "guest", "transport"}
+    assert round(timings.elsewhere["guest.ctx_sent"], 6) == 0.0002 and round(timings.elsewhere["guest"], 6) == 0.002
+    host_wait = stages["agent_answer"]
+    assert abs(timings.elsewhere["transport"] - (host_wait - 0.002)) < 1e-6
 
 
 async def _stand_in_vmm() -> asyncio.subprocess.Process:

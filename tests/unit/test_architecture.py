@@ -10,6 +10,7 @@ of that room. The fronts reach the runtime only through its front surface, and n
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +55,20 @@ ALLOWED: dict[str, set[str]] = {
 FRONTS = ("daemon", "e2b")
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """``path``'s syntax tree, read and parsed once per run (the checks below all walk the same files).
+
+    A file that does not parse fails here, named: CPython 3.11's parser reports some invalid source as
+    ``SystemError`` (cpython#135426, an f-string cut off: a file read while an editor rewrites it in
+    place, or left half-edited), which said neither which file nor that it was a syntax error."""
+    try:
+        return ast.parse(path.read_bytes(), str(path))
+    except (SyntaxError, SystemError, ValueError) as exc:
+        raise AssertionError(f"{path} does not parse ({type(exc).__name__}: {exc}); if it was being edited, "
+                             "run this test again once it is saved") from exc
+
+
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(SRC).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -70,7 +85,7 @@ def imports(path: Path) -> Iterator[str]:
     """Every ``forkd`` module ``path`` imports, absolute or relative (``from forkd.guest import protocol``
     is an import of ``forkd.guest.protocol``)."""
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names if alias.name.split(".")[0] == "forkd")
         elif isinstance(node, ast.ImportFrom):
@@ -147,7 +162,7 @@ def test_fronts_use_only_the_runtime_front_surface() -> None:
     offenders = []
     for front in FRONTS:
         for path in sorted((SRC / "forkd" / front).rglob("*.py")):
-            tree = ast.parse(path.read_text())
+            tree = parsed(path)
             offenders += [f"{path.relative_to(SRC)}:{use.lineno} runtime.{use.attr}" for use in runtime_uses(tree)
                           if use.attr not in FRONT_SURFACE]
             offenders += [f"{path.relative_to(SRC)}:{node.lineno} .{node.attr}" for node in ast.walk(tree)
@@ -227,7 +242,7 @@ def test_no_registry_write_runs_on_the_event_loop() -> None:
     assert {"add_sandbox", "set_end_at", "publish_snapshots"} <= writes
     offenders = []
     for path in SRC.rglob("*.py"):
-        for function in ast.walk(ast.parse(path.read_text())):
+        for function in ast.walk(parsed(path)):
             if isinstance(function, ast.AsyncFunctionDef):
                 offenders += [f"{path.relative_to(SRC)}:{call.lineno} {ast.unparse(call.func)}"
                               for call in direct_calls(function) if call.func.attr in writes]
@@ -258,7 +273,7 @@ def test_the_sdk_core_waits_for_nothing_itself() -> None:
     clients = ("forkd.sdk.controller", "forkd.sdk.async_controller", "forkd.sdk.operations", "forkd.sdk.answers", "forkd.sdk.calls",
                "forkd.sdk.sandbox_sync", "forkd.sdk.sandbox_async")
     for path in core.glob("*.py"):
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parsed(path)
         top = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                for alias in node.names}
         top |= {node.module.split(".")[0] for node in ast.walk(tree)

@@ -93,6 +93,11 @@ async def _serve(sessions: Sessions) -> tuple[str, uvicorn.Server, asyncio.Task[
         if scope["type"] == "http":
             await (await interpreter.handle(Request(scope, receive), live))(scope, receive, send)
 
+    return await serve_app(app)
+
+
+async def serve_app(app: Any) -> tuple[str, uvicorn.Server, asyncio.Task[None]]:
+    """``app`` served by uvicorn on a loopback socket: its URL, the server (``should_exit``) and its task."""
     listener = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     serving = asyncio.create_task(server.serve(sockets=[listener]))
@@ -249,13 +254,10 @@ def test_rest_runs_a_terminal_and_hangs_it_up_when_its_client_leaves(tmp_path: P
     async def scenario() -> None:
         async with _agent() as sessions:
             app = create_app(SimpleNamespace(sessions=sessions, metrics=Metrics()))  # type: ignore[arg-type]
-            listener = socket.create_server(("127.0.0.1", 0))
-            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-            serving = asyncio.create_task(server.serve(sockets=[listener]))
-            host, port = listener.getsockname()
+            url, server, serving = await serve_app(app)
             base = f"/v1/sandboxes/{SANDBOX}/pty"
             try:
-                async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=None) as client:
+                async with httpx.AsyncClient(base_url=url, timeout=None) as client:
                     async with client.stream("POST", base, json={"argv": ["/bin/sh", "-c", script]}) as answer:
                         lines = _lines(answer)
                         pid = (await anext(lines))["pid"]

@@ -34,6 +34,7 @@ from cluster_netns import bridge, left_behind  # noqa: E402
 from cluster_nodes import SLOTS, ForkdNode  # noqa: E402
 from conftest import run_in_own_process  # noqa: E402
 from forkd.cluster import Cluster, PlacementError  # noqa: E402
+from forkd.cluster.actor import dead_jobs  # noqa: E402
 from forkd.sdk.errors import NotFoundException  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -167,6 +168,35 @@ def test_a_ray_address_nothing_answers_on_is_refused_at_once() -> None:
     for command in (["cluster", "status"], ["node", "start"]):
         done = forkd_cli("127.0.0.1:1", *command)
         assert done.returncode == 1 and "nothing answers at the Ray address 127.0.0.1:1" in done.stderr
+
+
+def test_dead_drivers_are_read_from_ray_without_its_dashboard_in_a_process_of_its_own() -> None:
+    run_in_own_process(f"{Path(__file__).relative_to(Path(__file__).parents[2])}::"
+                       "test_dead_drivers_are_read_from_ray_without_its_dashboard")
+
+
+@pytest.mark.own_process
+def test_dead_drivers_are_read_from_ray_without_its_dashboard() -> None:
+    """The reaper's one private Ray call (``forkd.cluster.actor.dead_jobs``) against the Ray installed,
+    on a head with no dashboard: a driver that ended is dead, this one is not. Fails if Ray moves it."""
+    # A local head made by ray.init writes a token to ~/.ray/auth_token unless told not to, and every other
+    # Ray started on this host would then need it (the map test's `ray start` nodes failed to join).
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    head = ray.init(num_cpus=1, include_dashboard=False, namespace="forkd")
+    try:
+        mine = ray.get_runtime_context().get_job_id()
+        script = "import sys, ray; ray.init(address=sys.argv[1]); print(ray.get_runtime_context().get_job_id())"
+        driver = subprocess.run([sys.executable, "-c", script, head.address_info["address"]],
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert driver.returncode == 0, driver.stderr[-3000:]
+        ended = driver.stdout.split()[-1]
+        deadline = time.monotonic() + 60
+        while ended not in dead_jobs() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        dead = dead_jobs()
+        assert ended in dead and mine not in dead, (ended, mine, dead)
+    finally:
+        ray.shutdown()
 
 
 def by_url(cluster: Cluster, node: ForkdNode) -> Any:

@@ -84,3 +84,16 @@ def test_the_backend_is_chosen_by_name_through_the_registry(tmp_path: Path) -> N
     assert qemu.disk.file_name == "disk.qcow2"  # the name every QEMU snapshot on disk and in a pack has
     with pytest.raises(UnknownBackend, match="unknown VMM backend 'kvmtool'; the known backends are fake, qemu"):
         create_vmm("kvmtool")
+
+
+def test_confinement_keys_reach_the_backend_and_a_bad_uid_range_is_named(tmp_path: Path) -> None:
+    file = tmp_path / "forkd.toml"
+    file.write_text('[confinement]\nuid_range = "200000-200009"\nmax_open_files = 512\n')
+    jail = load_config(file, env={}).backend_options.confinement
+    assert (jail.enabled, jail.uid_range, jail.max_open_files) == (True, "200000-200009", 512)
+    assert load_config(env={}).backend_options.confinement.uid_range == "1900000000-1900065535"
+    file.write_text('[confinement]\nuid_range = "0-99"\n')
+    with pytest.raises(ConfigError, match=r"confinement.uid_range: .*uid range '0-99' must satisfy 0 < FIRST"):
+        load_config(file, env={})
+    file.write_text('[confinement]\nenabled = false\n')
+    assert load_config(file, env={}).backend_options.confinement.enabled is False

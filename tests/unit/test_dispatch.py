@@ -126,3 +126,70 @@ def test_an_event_that_cannot_be_sent_leaves_the_held_ones_for_the_answer(host: 
     req.run(lambda _: {"value": "1"})
     event, answer = frames_in_one_read(peer)
     assert event["data"]["text"] == "kept" and answer["result"] == {"value": "1"}
+
+
+class _Ops:
+    """One inline op and one worker op, each answering at once."""
+
+    def handlers(self) -> dict[str, dispatch.Handler]:
+        return {"now": dispatch.inline(lambda req: {"inline": True}), "later": lambda req: {"inline": False}}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _answer_to(chan: channel.Channel, peer: socket.socket, request: dict[str, Any]) -> dict[str, Any]:
+    dispatch.Dispatcher([_Ops()])._dispatch(chan, protocol.encode_frame(request).rstrip(b"\n"))
+    return frames_in_one_read(peer)[-1]
+
+
+@pytest.mark.parametrize("op", ["now", "later"])
+def test_a_traced_request_answers_its_marks_in_stage_order(host: Any, op: str) -> None:
+    chan, peer = host
+    answer = _answer_to(chan, peer, protocol.request(12, op, trace=True))
+    assert answer["ok"] and answer["result"] == {"inline": op == "now"}
+    marks = protocol.trace_marks(answer)
+    assert marks is not None and [stage for stage, _ in marks] == ["read", "decoded", "started", "handled"]
+    times = [at for _, at in marks]
+    assert times == sorted(times) and times[-1] - times[0] < 5e9  # guest CLOCK_MONOTONIC ns
+
+
+def test_an_untraced_request_answers_without_marks(host: Any) -> None:
+    chan, peer = host
+    assert protocol.TRACE not in _answer_to(chan, peer, protocol.request(13, "later"))
+    assert protocol.TRACE not in _answer_to(chan, peer, {**protocol.request(14, "later"), "trace": "yes"})
+
+
+def test_marks_from_another_process_are_checked_and_bounded() -> None:
+    req = dispatch.Request(channel.Channel(-1, -1, reconnects=False), 15, "eval", {})
+    req.trace = [["read", 1]]
+    req.add_marks([["ctx_read", 2], ["ctx_ran", 3]])
+    req.add_marks([["bad", "3"]])  # the wrong shape: none of it is taken
+    req.add_marks("not a list")
+    assert req.trace == [["read", 1], ["ctx_read", 2], ["ctx_ran", 3]]
+    req.add_marks([["many", n] for n in range(protocol.MAX_TRACE_MARKS + 1)])  # over the bound: refused whole
+    assert req.trace == [["read", 1], ["ctx_read", 2], ["ctx_ran", 3]]
+    req.add_marks([["many", n] for n in range(protocol.MAX_TRACE_MARKS)])  # kept up to the bound
+    for n in range(protocol.MAX_TRACE_MARKS):
+        req.mark(f"m{n}")
+    assert len(req.trace) == protocol.MAX_TRACE_MARKS and req.trace[-1] == ["many", protocol.MAX_TRACE_MARKS - 4]
+
+
+def test_the_readers_wait_ends_at_once_when_the_host_sent_more(host: Any) -> None:
+    chan, peer = host
+    lines = chan.lines()
+    peer.sendall(b'{"id": 1}\n{"id": 2}\n')  # two requests in one read: the second waits in the buffer
+    assert next(lines) == b'{"id": 1}'
+    other_r, other_w = os.pipe()
+    try:
+        os.write(other_w, b"x")
+        assert chan.wait_readable([other_r], 5.0) == []  # the host's next request comes first
+        assert next(lines) == b'{"id": 2}'
+        assert chan.wait_readable([other_r], 5.0) == [other_r]
+        os.read(other_r, 1)
+        assert chan.wait_readable([other_r], 0.01) == []  # nothing: the timeout
+        peer.sendall(b'{"id": 3}\n')
+        assert chan.wait_readable([other_r], 5.0) == []  # the host wrote: unread, but the wait ends
+    finally:
+        os.close(other_r)
+        os.close(other_w)

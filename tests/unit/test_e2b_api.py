@@ -5,14 +5,16 @@ owners' keys."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_e2b_tenants import ADMIN, KEYS, SECRET, A, B, _client, _front, _key, _to
+from test_e2b_tenants import ADMIN, KEYS, SECRET, A, B, _client, _key, _to
 from test_runtime_fake_vmm import _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
@@ -23,6 +25,7 @@ from forkd.e2b.app import E2BFront
 from forkd.e2b.keys import Credentials
 from forkd.e2b.lifecycle import PAUSE_AT_LABEL
 from forkd.e2b.metrics import cpu_times, disk, memory
+from forkd.e2b.sandboxes import MAX_PAUSE_CHAIN
 from forkd.e2b.storage import GRACE_S, Storage
 from forkd.runtime.recovery import recover
 from forkd.runtime.runtime import Runtime
@@ -62,9 +65,10 @@ def _routes() -> list[tuple[str, str]]:
     return [tuple(r.strip().split(" ", 1)) for r in E2B_ROUTES.split(";")]  # type: ignore[misc]
 
 
-def _front_with(runtime: Runtime, storage: Storage | None = None) -> tuple[E2BFront, BodyLimit]:
+def _front_with(runtime: Runtime, storage: Storage | None = None,
+                max_pause_chain: int = MAX_PAUSE_CHAIN) -> tuple[E2BFront, BodyLimit]:
     """The front (its rounds are called directly, no timing) and the app a client talks to."""
-    front = E2BFront(runtime, Credentials(KEYS, SECRET), storage=storage)
+    front = E2BFront(runtime, Credentials(KEYS, SECRET), storage=storage, max_pause_chain=max_pause_chain)
     return front, BodyLimit(front, is_upload=e2b_app.is_upload, is_stream=e2b_app.is_stream,
                             shape=e2b_app.refusal_shape)
 
@@ -79,171 +83,171 @@ class HostProbe:
         return subprocess.run(["df", "-B1", "-P", "/"], capture_output=True, text=True, check=True).stdout
 
 
+Scenario = Callable[[Runtime, E2BFront, httpx.AsyncClient], Awaitable[None]]
+OnFront = Callable[[Scenario], None]
+
+
+@pytest.fixture
+def on_front(tmp_path: Path) -> OnFront:
+    """Runs a scenario against a front over a fresh runtime (FakeVmm, base template); the runtime
+    stops after it, whatever happened."""
+    def go(scenario: Scenario) -> None:
+        async def main() -> None:
+            runtime = await _runtime(tmp_path, FakeVmm())
+            front, app = _front_with(runtime)
+            try:
+                async with _client(app) as client:
+                    await scenario(runtime, front, client)
+            finally:
+                await runtime.stop()
+
+        run(main)
+
+    return go
+
+
 async def _create(client: httpx.AsyncClient, key: str, **body: Any) -> dict[str, Any]:
     made = await client.post("/sandboxes", headers=_key(key), json={"templateID": "base", "timeout": 600, **body})
     assert made.status_code == 201, made.text
     return made.json()  # type: ignore[no-any-return]
 
 
-def test_every_route_of_e2bs_document_is_served_or_answers_501_never_404(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        runtime = await _runtime(tmp_path, FakeVmm())
-        try:
-            async with _client(_front(runtime)) as client:
-                routes = _routes()
-                assert len(routes) == 63 and SERVED <= {f"{m} {p}" for m, p in routes}
-                for method, path in routes:
-                    concrete = path.replace("{sandboxID}", "sb-aaaaaaaaaaaa").replace("{", "").replace("}", "")
-                    answer = await client.request(method, concrete, headers=_key(A), json={},
-                                                  params={"sandbox_ids": "sb-aaaaaaaaaaaa"})
-                    if f"{method} {path}" in SERVED:
-                        assert answer.status_code != 501, (method, path, answer.text)
-                    else:
-                        assert answer.status_code == 501, (method, path, answer.status_code, answer.text)
-                        assert "not supported by this server" in answer.json()["message"]
-                # without a key: 401, as for every control-plane route
-                assert (await client.get("/volumes")).status_code == 401
-        finally:
-            await runtime.stop()
+def test_every_route_of_e2bs_document_is_served_or_answers_501_never_404(on_front: OnFront) -> None:
+    async def scenario(runtime: Runtime, front: E2BFront, client: httpx.AsyncClient) -> None:
+        routes = _routes()
+        assert len(routes) == 63 and SERVED <= {f"{m} {p}" for m, p in routes}
+        for method, path in routes:
+            concrete = path.replace("{sandboxID}", "sb-aaaaaaaaaaaa").replace("{", "").replace("}", "")
+            answer = await client.request(method, concrete, headers=_key(A), json={},
+                                          params={"sandbox_ids": "sb-aaaaaaaaaaaa"})
+            if f"{method} {path}" in SERVED:
+                assert answer.status_code != 501, (method, path, answer.text)
+            else:
+                assert answer.status_code == 501, (method, path, answer.status_code, answer.text)
+                assert "not supported by this server" in answer.json()["message"]
+        # without a key: 401, as for every control-plane route
+        assert (await client.get("/volumes")).status_code == 401
 
-    run(scenario)
+    on_front(scenario)
 
 
-def test_snapshots_belong_to_their_owner_start_sandboxes_and_are_removed_once_unused(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        runtime = await _runtime(tmp_path, FakeVmm())
-        front, app = _front_with(runtime)
-        try:
-            async with _client(app) as client:
-                sa = (await _create(client, A))["sandboxID"]
-                refused = await client.post(f"/sandboxes/{sa}/snapshots", headers=_key(A), json={"memory": False})
-                assert refused.status_code == 400 and "filesystem" in refused.json()["message"]
-                assert (await client.post(f"/sandboxes/{sa}/snapshots", headers=_key(B), json={})).status_code == 404
-                made = await client.post(f"/sandboxes/{sa}/snapshots", headers=_key(A), json={"name": "mine"})
-                assert made.status_code == 201, made.text
-                snap = made.json()["snapshotID"]
-                assert made.json()["names"] == [snap] and snap.endswith("-mine")
-                again = await client.post(f"/sandboxes/{sa}/snapshots", headers=_key(A), json={"name": "mine"})
-                assert again.status_code == 409
+def test_snapshots_belong_to_their_owner_start_sandboxes_and_are_removed_once_unused(on_front: OnFront) -> None:
+    async def scenario(runtime: Runtime, front: E2BFront, client: httpx.AsyncClient) -> None:
+        sa = (await _create(client, A))["sandboxID"]
+        refused = await client.post(f"/sandboxes/{sa}/snapshots", headers=_key(A), json={"memory": False})
+        assert refused.status_code == 400 and "filesystem" in refused.json()["message"]
+        assert (await client.post(f"/sandboxes/{sa}/snapshots", headers=_key(B), json={})).status_code == 404
+        made = await client.post(f"/sandboxes/{sa}/snapshots", headers=_key(A), json={"name": "mine"})
+        assert made.status_code == 201, made.text
+        snap = made.json()["snapshotID"]
+        assert made.json()["names"] == [snap] and snap.endswith("-mine")
+        again = await client.post(f"/sandboxes/{sa}/snapshots", headers=_key(A), json={"name": "mine"})
+        assert again.status_code == 409
 
-                listed = await client.get("/snapshots", headers=_key(A))
-                assert [s["snapshotID"] for s in listed.json()] == [snap]
-                assert (await client.get("/snapshots", headers=_key(B))).json() == []
-                assert [s["snapshotID"] for s in (await client.get("/snapshots", headers=_key(ADMIN))).json()] == [snap]
-                by_source = await client.get("/snapshots", headers=_key(A), params={"sandboxID": sa})
-                assert [s["snapshotID"] for s in by_source.json()] == [snap]
-                assert (await client.get("/snapshots", headers=_key(A), params={"sandboxID": "sb-other0000000"})).json() == []
+        listed = await client.get("/snapshots", headers=_key(A))
+        assert [s["snapshotID"] for s in listed.json()] == [snap]
+        assert (await client.get("/snapshots", headers=_key(B))).json() == []
+        assert [s["snapshotID"] for s in (await client.get("/snapshots", headers=_key(ADMIN))).json()] == [snap]
+        by_source = await client.get("/snapshots", headers=_key(A), params={"sandboxID": sa})
+        assert [s["snapshotID"] for s in by_source.json()] == [snap]
+        assert (await client.get("/snapshots", headers=_key(A), params={"sandboxID": "sb-other0000000"})).json() == []
 
-                assert (await client.post("/sandboxes", headers=_key(B), json={"templateID": snap})).status_code == 404
-                child = (await _create(client, A, templateID=snap))["sandboxID"]
-                assert (await client.delete(f"/templates/{snap}", headers=_key(B))).status_code == 404
-                assert (await client.delete(f"/templates/{snap}", headers=_key(A))).status_code == 204
-                assert (await client.get("/snapshots", headers=_key(A))).json() == []
-                assert snap not in {t["templateID"] for t in (await client.get("/templates", headers=_key(A))).json()}
-                assert (await client.delete(f"/templates/{snap}", headers=_key(A))).status_code == 404
-                assert (await client.post("/sandboxes", headers=_key(A), json={"templateID": snap})).status_code == 404
-                # hidden, but kept while its child runs and while the source's next BRANCH chains onto it
-                assert runtime.snapshot(snap) is not None
-                await client.delete(f"/sandboxes/{child}", headers=_key(A))
-                await front.storage.collect()
-                assert runtime.snapshot(snap) is not None  # the source sandbox's head
-                await client.delete(f"/sandboxes/{sa}", headers=_key(A))
-                assert snap in await front.storage.collect()
-                assert runtime.snapshot(snap) is None and snap not in front.storage.doomed
-        finally:
-            await runtime.stop()
+        assert (await client.post("/sandboxes", headers=_key(B), json={"templateID": snap})).status_code == 404
+        child = (await _create(client, A, templateID=snap))["sandboxID"]
+        assert (await client.delete(f"/templates/{snap}", headers=_key(B))).status_code == 404
+        assert (await client.delete(f"/templates/{snap}", headers=_key(A))).status_code == 204
+        assert (await client.get("/snapshots", headers=_key(A))).json() == []
+        assert snap not in {t["templateID"] for t in (await client.get("/templates", headers=_key(A))).json()}
+        assert (await client.delete(f"/templates/{snap}", headers=_key(A))).status_code == 404
+        assert (await client.post("/sandboxes", headers=_key(A), json={"templateID": snap})).status_code == 404
+        # hidden, but kept while its child runs and while the source's next BRANCH chains onto it
+        assert runtime.snapshot(snap) is not None
+        await client.delete(f"/sandboxes/{child}", headers=_key(A))
+        await front.storage.collect()
+        assert runtime.snapshot(snap) is not None  # the source sandbox's head
+        await client.delete(f"/sandboxes/{sa}", headers=_key(A))
+        assert snap in await front.storage.collect()
+        assert runtime.snapshot(snap) is None and snap not in front.storage.doomed
 
-    run(scenario)
+    on_front(scenario)
 
 
-def test_a_pausing_sandbox_is_paused_at_its_timeout_and_resumed_by_traffic_keeping_its_id(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        runtime = await _runtime(tmp_path, FakeVmm())
-        front, app = _front_with(runtime)
-        try:
-            async with _client(app) as client:
-                for bad in ({"autoPause": True, "autoPauseMemory": False}, {"autoResume": {"enabled": True}}):
-                    answer = await client.post("/sandboxes", headers=_key(A), json={"templateID": "base", **bad})
-                    assert answer.status_code == 400, answer.text
-                made = await _create(client, A, timeout=300, autoPause=True, autoResume={"enabled": True})
-                sa, token = made["sandboxID"], made["envdAccessToken"]
-                plain = (await _create(client, A, timeout=300, autoPause=True))["sandboxID"]
-                info = (await client.get(f"/sandboxes/{sa}", headers=_key(A))).json()
-                assert info["lifecycle"] == {"onTimeout": "pause", "autoResume": True}
-                assert runtime.sandboxes.get(sa).record.end_at is None  # no runtime deadline: the keeper pauses it
+def test_a_pausing_sandbox_is_paused_at_its_timeout_and_resumed_by_traffic_keeping_its_id(on_front: OnFront) -> None:
+    async def scenario(runtime: Runtime, front: E2BFront, client: httpx.AsyncClient) -> None:
+        for bad in ({"autoPause": True, "autoPauseMemory": False}, {"autoResume": {"enabled": True}}):
+            answer = await client.post("/sandboxes", headers=_key(A), json={"templateID": "base", **bad})
+            assert answer.status_code == 400, answer.text
+        made = await _create(client, A, timeout=300, autoPause=True, autoResume={"enabled": True})
+        sa, token = made["sandboxID"], made["envdAccessToken"]
+        plain = (await _create(client, A, timeout=300, autoPause=True))["sandboxID"]
+        info = (await client.get(f"/sandboxes/{sa}", headers=_key(A))).json()
+        assert info["lifecycle"] == {"onTimeout": "pause", "autoResume": True}
+        assert runtime.sandboxes.get(sa).record.end_at is None  # no runtime deadline: the keeper pauses it
 
-                assert await front.sandboxes.pause_due() == []  # not due yet
-                assert set(await front.sandboxes.pause_due(now=time.time() + 301)) == {sa, plain}
-                states = {s["sandboxID"]: s["state"] for s in (await client.get("/v2/sandboxes", headers=_key(A))).json()}
-                assert states == {sa: "paused", plain: "paused"}
+        assert await front.sandboxes.pause_due() == []  # not due yet
+        assert set(await front.sandboxes.pause_due(now=time.time() + 301)) == {sa, plain}
+        states = {s["sandboxID"]: s["state"] for s in (await client.get("/v2/sandboxes", headers=_key(A))).json()}
+        assert states == {sa: "paused", plain: "paused"}
 
-                # another owner's requests, or traffic without a token, wake nothing
-                for call in (client.post(f"/sandboxes/{sa}/timeout", headers=_key(B), json={"timeout": 60}),
-                             client.post(f"/sandboxes/{sa}/connect", headers=_key(B), json={"timeout": 60}),
-                             client.get(f"/sandboxes/{sa}/metrics", headers=_key(B)),
-                             client.post(f"/sandboxes/{sa}/snapshots", headers=_key(B), json={})):
-                    assert (await call).status_code == 404
-                assert front.sandboxes.resolve(sa).live is None
-                assert (await client.get("/health", headers=_to(sa, 49983))).status_code == 502
-                wrong = await client.get("/files", params={"path": "/etc/hostname"}, headers=_to(plain, 49983, token))
-                assert wrong.status_code == 401  # another sandbox's token
-                plain_token = (await client.get(f"/sandboxes/{plain}", headers=_key(A))).json()["envdAccessToken"]
-                still = await client.get("/files", params={"path": "/etc/hostname"}, headers=_to(plain, 49983, plain_token))
-                assert still.status_code == 502 and "paused" in still.json()["message"]  # no autoResume
-                # the fake guest reads no files (501), but the request reached it: the sandbox was resumed
-                reached = await client.get("/files", params={"path": "/etc/hostname"}, headers=_to(sa, 49983, token))
-                assert reached.status_code != 502, reached.text
-                resolved = front.sandboxes.resolve(sa)
-                assert resolved.live is not None and float(resolved.labels[PAUSE_AT_LABEL]) > time.time() + 250
-                assert {s["sandboxID"]: s["state"] for s in (await client.get("/v2/sandboxes", headers=_key(A))).json()} \
-                    == {sa: "running", plain: "paused"}
-                # a timeout request extends the pause deadline, not a kill deadline
-                assert (await client.post(f"/sandboxes/{sa}/timeout", headers=_key(A), json={"timeout": 900})).status_code == 204
-                resolved = front.sandboxes.resolve(sa)
-                assert resolved.live is not None and resolved.live.record.end_at is None
-                assert float(resolved.labels[PAUSE_AT_LABEL]) > time.time() + 800
-                # connect resumes the one without autoResume, with the timeout it asks for
-                assert (await client.post(f"/sandboxes/{plain}/connect", headers=_key(A), json={"timeout": 60})).status_code == 201
-                assert float(front.sandboxes.resolve(plain).labels[PAUSE_AT_LABEL]) < time.time() + 61
-        finally:
-            await runtime.stop()
+        # another owner's requests, or traffic without a token, wake nothing
+        for call in (client.post(f"/sandboxes/{sa}/timeout", headers=_key(B), json={"timeout": 60}),
+                     client.post(f"/sandboxes/{sa}/connect", headers=_key(B), json={"timeout": 60}),
+                     client.get(f"/sandboxes/{sa}/metrics", headers=_key(B)),
+                     client.post(f"/sandboxes/{sa}/snapshots", headers=_key(B), json={})):
+            assert (await call).status_code == 404
+        assert front.sandboxes.resolve(sa).live is None
+        assert (await client.get("/health", headers=_to(sa, 49983))).status_code == 502
+        wrong = await client.get("/files", params={"path": "/etc/hostname"}, headers=_to(plain, 49983, token))
+        assert wrong.status_code == 401  # another sandbox's token
+        plain_token = (await client.get(f"/sandboxes/{plain}", headers=_key(A))).json()["envdAccessToken"]
+        still = await client.get("/files", params={"path": "/etc/hostname"}, headers=_to(plain, 49983, plain_token))
+        assert still.status_code == 502 and "paused" in still.json()["message"]  # no autoResume
+        # the fake guest reads no files (501), but the request reached it: the sandbox was resumed
+        reached = await client.get("/files", params={"path": "/etc/hostname"}, headers=_to(sa, 49983, token))
+        assert reached.status_code != 502, reached.text
+        resolved = front.sandboxes.resolve(sa)
+        assert resolved.live is not None and float(resolved.labels[PAUSE_AT_LABEL]) > time.time() + 250
+        assert {s["sandboxID"]: s["state"] for s in (await client.get("/v2/sandboxes", headers=_key(A))).json()} \
+            == {sa: "running", plain: "paused"}
+        # a timeout request extends the pause deadline, not a kill deadline
+        assert (await client.post(f"/sandboxes/{sa}/timeout", headers=_key(A), json={"timeout": 900})).status_code == 204
+        resolved = front.sandboxes.resolve(sa)
+        assert resolved.live is not None and resolved.live.record.end_at is None
+        assert float(resolved.labels[PAUSE_AT_LABEL]) > time.time() + 800
+        # connect resumes the one without autoResume, with the timeout it asks for
+        assert (await client.post(f"/sandboxes/{plain}/connect", headers=_key(A), json={"timeout": 60})).status_code == 201
+        assert float(front.sandboxes.resolve(plain).labels[PAUSE_AT_LABEL]) < time.time() + 61
 
-    run(scenario)
+    on_front(scenario)
 
 
-def test_metrics_are_sampled_from_the_guest_in_e2bs_shape_for_the_owner_only(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        runtime = await _runtime(tmp_path, FakeVmm())
-        front, app = _front_with(runtime)
-        try:
-            async with _client(app) as client:
-                front.metrics.probe = HostProbe()  # type: ignore[assignment]
-                sa = (await _create(client, A))["sandboxID"]
-                assert (await client.get(f"/sandboxes/{sa}/metrics", headers=_key(B))).status_code == 404
-                await front.metrics.round()
-                assert front.metrics.history == {}  # nobody asked: the guest is left alone (idle stops)
-                answer = await client.get(f"/sandboxes/{sa}/metrics", headers=_key(A))
-                assert answer.status_code == 200, answer.text
-                (sample,) = answer.json()  # taken by the call
-                await front.metrics.round()  # asked for now: the rounds sample it
-                assert len(front.metrics.history[sa]) == 2
-                assert set(sample) == {"timestamp", "timestampUnix", "cpuCount", "cpuUsedPct", "memUsed", "memTotal",
-                                       "memCache", "diskUsed", "diskTotal"}
-                assert sample["cpuCount"] >= 1 and 0 <= sample["cpuUsedPct"] <= 100
-                assert 0 < sample["memUsed"] < sample["memTotal"] and 0 < sample["diskUsed"] < sample["diskTotal"]
-                assert (await client.get(f"/sandboxes/{sa}/metrics", headers=_key(A),
-                                         params={"start": sample["timestampUnix"] + 10})).json() == []
-                many = await client.get("/sandboxes/metrics", headers=_key(A), params={"sandbox_ids": sa})
-                assert many.json() == {"sandboxes": {sa: front.metrics.history[sa][-1].to_e2b()}}
-                assert (await client.get("/sandboxes/metrics", headers=_key(B), params={"sandbox_ids": sa})).json() \
-                    == {"sandboxes": {}}
-                await client.delete(f"/sandboxes/{sa}", headers=_key(A))
-                await front.metrics.round()
-                assert sa not in front.metrics.history
-        finally:
-            await runtime.stop()
+def test_metrics_are_sampled_from_the_guest_in_e2bs_shape_for_the_owner_only(on_front: OnFront) -> None:
+    async def scenario(runtime: Runtime, front: E2BFront, client: httpx.AsyncClient) -> None:
+        front.metrics.probe = HostProbe()  # type: ignore[assignment]
+        sa = (await _create(client, A))["sandboxID"]
+        assert (await client.get(f"/sandboxes/{sa}/metrics", headers=_key(B))).status_code == 404
+        await front.metrics.round()
+        assert front.metrics.history == {}  # nobody asked: the guest is left alone (idle stops)
+        answer = await client.get(f"/sandboxes/{sa}/metrics", headers=_key(A))
+        assert answer.status_code == 200, answer.text
+        (sample,) = answer.json()  # taken by the call
+        await front.metrics.round()  # asked for now: the rounds sample it
+        assert len(front.metrics.history[sa]) == 2
+        assert set(sample) == {"timestamp", "timestampUnix", "cpuCount", "cpuUsedPct", "memUsed", "memTotal",
+                               "memCache", "diskUsed", "diskTotal"}
+        assert sample["cpuCount"] >= 1 and 0 <= sample["cpuUsedPct"] <= 100
+        assert 0 < sample["memUsed"] < sample["memTotal"] and 0 < sample["diskUsed"] < sample["diskTotal"]
+        assert (await client.get(f"/sandboxes/{sa}/metrics", headers=_key(A),
+                                 params={"start": sample["timestampUnix"] + 10})).json() == []
+        many = await client.get("/sandboxes/metrics", headers=_key(A), params={"sandbox_ids": sa})
+        assert many.json() == {"sandboxes": {sa: front.metrics.history[sa][-1].to_e2b()}}
+        assert (await client.get("/sandboxes/metrics", headers=_key(B), params={"sandbox_ids": sa})).json() \
+            == {"sandboxes": {}}
+        await client.delete(f"/sandboxes/{sa}", headers=_key(A))
+        await front.metrics.round()
+        assert sa not in front.metrics.history
 
-    run(scenario)
+    on_front(scenario)
 
 
 def test_proc_files_and_df_parse_and_a_hostile_one_is_refused() -> None:
@@ -256,49 +260,43 @@ def test_proc_files_and_df_parse_and_a_hostile_one_is_refused() -> None:
         cpu_times("intr 5\n")
 
 
-def test_fork_snapshots_and_pause_layers_are_collected_and_quota_and_floor_refuse_clearly(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        runtime = await _runtime(tmp_path, FakeVmm())
-        front, app = _front_with(runtime)
-        try:
-            async with _client(app) as client:
-                sa = (await _create(client, A))["sandboxID"]
-                forked = await client.post(f"/sandboxes/{sa}/fork", headers=_key(A), json={"count": 1})
-                child = forked.json()[0]["sandbox"]
-                tag = child["templateID"]
-                later = time.time() + GRACE_S + 1
-                assert await front.storage.collect(now=later) == []  # its child runs; the source's head
-                await client.delete(f"/sandboxes/{child['sandboxID']}", headers=_key(A))
-                assert await front.storage.collect(now=later) == []  # the source's next BRANCH chains onto it
-                assert (await client.post(f"/sandboxes/{sa}/pause", headers=_key(A))).status_code == 204
-                layers = list(runtime.workspaces.get(sa).meta["suspends"])
-                assert await front.storage.collect(now=later) == []  # the pause layer was branched from it
-                assert await front.storage.usage("team-a") > 0 and await front.storage.usage("team-b") == 0
-                await client.delete(f"/sandboxes/{sa}", headers=_key(A))
-                assert set(await front.storage.collect(now=later)) == {tag, *layers}
-                assert all(runtime.snapshot(t) is None for t in (tag, *layers))
+def test_fork_snapshots_and_pause_layers_are_collected_and_quota_and_floor_refuse_clearly(on_front: OnFront) -> None:
+    async def scenario(runtime: Runtime, front: E2BFront, client: httpx.AsyncClient) -> None:
+        sa = (await _create(client, A))["sandboxID"]
+        forked = await client.post(f"/sandboxes/{sa}/fork", headers=_key(A), json={"count": 1})
+        child = forked.json()[0]["sandbox"]
+        tag = child["templateID"]
+        later = time.time() + GRACE_S + 1
+        assert await front.storage.collect(now=later) == []  # its child runs; the source's head
+        await client.delete(f"/sandboxes/{child['sandboxID']}", headers=_key(A))
+        assert await front.storage.collect(now=later) == []  # the source's next BRANCH chains onto it
+        assert (await client.post(f"/sandboxes/{sa}/pause", headers=_key(A))).status_code == 204
+        layers = list(runtime.workspaces.get(sa).meta["suspends"])
+        assert await front.storage.collect(now=later) == []  # the pause layer was branched from it
+        assert await front.storage.usage("team-a") > 0 and await front.storage.usage("team-b") == 0
+        await client.delete(f"/sandboxes/{sa}", headers=_key(A))
+        assert set(await front.storage.collect(now=later)) == {tag, *layers}
+        assert all(runtime.snapshot(t) is None for t in (tag, *layers))
 
-                tight = Storage(runtime, quota_bytes=1)
-                _, strict = _front_with(runtime, tight)
-                async with _client(strict) as limited:
-                    sb = (await _create(limited, A))["sandboxID"]
-                    first = await limited.post(f"/sandboxes/{sb}/snapshots", headers=_key(A), json={})
-                    assert first.status_code == 201  # nothing used yet
-                    over = await limited.post(f"/sandboxes/{sb}/snapshots", headers=_key(A), json={})
-                    assert over.status_code == 507 and "quota" in over.json()["message"]
-                    assert (await limited.post(f"/sandboxes/{sb}/fork", headers=_key(A), json={})).status_code == 507
-                    other = (await _create(limited, B))["sandboxID"]  # another owner is not held to A's use
-                    assert (await limited.post(f"/sandboxes/{other}/snapshots", headers=_key(B), json={})).status_code == 201
-                runtime.space = SpaceFloor(floor_bytes=1 << 62)  # the daemon's floor, out of reach
-                _, starved = _front_with(runtime, Storage(runtime))
-                async with _client(starved) as cramped:
-                    answer = await cramped.post(f"/sandboxes/{other}/pause", headers=_key(B))
-                    assert answer.status_code == 507 and "disk full" in answer.json()["message"]
-                    assert front.sandboxes.resolve(other).live is not None  # refused before anything was touched
-        finally:
-            await runtime.stop()
+        tight = Storage(runtime, quota_bytes=1)
+        _, strict = _front_with(runtime, tight)
+        async with _client(strict) as limited:
+            sb = (await _create(limited, A))["sandboxID"]
+            first = await limited.post(f"/sandboxes/{sb}/snapshots", headers=_key(A), json={})
+            assert first.status_code == 201  # nothing used yet
+            over = await limited.post(f"/sandboxes/{sb}/snapshots", headers=_key(A), json={})
+            assert over.status_code == 507 and "quota" in over.json()["message"]
+            assert (await limited.post(f"/sandboxes/{sb}/fork", headers=_key(A), json={})).status_code == 507
+            other = (await _create(limited, B))["sandboxID"]  # another owner is not held to A's use
+            assert (await limited.post(f"/sandboxes/{other}/snapshots", headers=_key(B), json={})).status_code == 201
+        runtime.space = SpaceFloor(floor_bytes=1 << 62)  # the daemon's floor, out of reach
+        _, starved = _front_with(runtime, Storage(runtime))
+        async with _client(starved) as cramped:
+            answer = await cramped.post(f"/sandboxes/{other}/pause", headers=_key(B))
+            assert answer.status_code == 507 and "disk full" in answer.json()["message"]
+            assert front.sandboxes.resolve(other).live is not None  # refused before anything was touched
 
-    run(scenario)
+    on_front(scenario)
 
 
 def test_the_pause_policy_and_deleted_snapshots_outlive_a_daemon_restart_and_the_keeper_runs_with_the_app(
@@ -331,3 +329,33 @@ def test_the_pause_policy_and_deleted_snapshots_outlive_a_daemon_restart_and_the
             await restarted.stop()
 
     run(scenario)
+
+
+def test_a_timeout_set_while_the_sandbox_is_being_paused_resumes_it_or_answers_409(on_front: OnFront) -> None:
+    """Before: set_timeout saw the sandbox running, then found it paused under the lifecycle lock
+    and failed an assertion (500)."""
+    async def scenario(runtime: Runtime, front: E2BFront, client: httpx.AsyncClient) -> None:
+        for auto_resume, status in ((True, 204), (False, 409)):
+            made = await _create(client, A, timeout=300, autoPause=True, autoResume={"enabled": auto_resume})
+            sa = made["sandboxID"]
+            lock = front.sandboxes.lock(sa)
+            await lock.acquire()  # what a pause at the timeout holds
+            try:
+                call = asyncio.ensure_future(client.post(f"/sandboxes/{sa}/timeout", headers=_key(A),
+                                                         json={"timeout": 120}))
+                await asyncio.sleep(0.2)  # it saw the sandbox running and now waits for the lock
+                assert not call.done()
+                await front.sandboxes._pause(None, sa)
+            finally:
+                lock.release()
+            answer = await call
+            assert answer.status_code == status, answer.text
+            info = (await client.get(f"/sandboxes/{sa}", headers=_key(A))).json()
+            assert info["state"] == ("running" if auto_resume else "paused")
+            if auto_resume:  # the new deadline holds from now
+                labels = front.sandboxes.resolve(sa).labels
+                assert abs(float(labels[PAUSE_AT_LABEL]) - (time.time() + 120)) < 10
+            else:
+                assert "paused" in answer.json()["message"]
+
+    on_front(scenario)

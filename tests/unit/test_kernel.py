@@ -9,6 +9,7 @@ from __future__ import annotations
 import linecache
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,16 @@ from forkd.guest import kernel, protocol
 
 pytestmark = pytest.mark.timeout(30)
 
+MANY_LARGE_RESULTS = """
+class Big:  # three formats of 3 MiB each: one result of 9 MiB
+    _repr_html_ = lambda self: 'h' * (3 << 20)
+    _repr_markdown_ = lambda self: 'm' * (3 << 20)
+    _repr_latex_ = lambda self: 'l' * (3 << 20)
+display(Big())
+for c in 'abcd':
+    display(c * (3 << 20))
+'last'
+"""
 SELF_INTERRUPT = "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nimport time; time.sleep(10)"
 
 
@@ -104,3 +115,28 @@ def test_a_context_bounds_the_characters_of_the_sources_it_keeps(link: Any, monk
     for _ in range(3):
         run(k, link[0], protocol.OP_EVAL, expr="1 + 2 + 3")  # 9 characters each
     assert [name in linecache.cache for name in ("<cell-1>", "<cell-2>", "<cell-3>")] == [False, False, True]
+
+
+
+def test_results_past_a_frame_answer_with_markers_instead_of_failing_the_cell(
+        context: kernel.Kernel, link: Any) -> None:
+    """Before: the answer carrying every result passed 16 MiB and the cell failed `cannot send result`."""
+    conn, peer = link
+    received = bytearray()
+    reader = threading.Thread(target=lambda: [received.extend(c) for c in iter(lambda: peer.recv(1 << 20), b"")],
+                              daemon=True)  # sends block on a full socket buffer
+    reader.start()
+    cell, result = run(context, conn, protocol.OP_RUN_CODE, code=MANY_LARGE_RESULTS)
+    conn.send(*cell.held, protocol.ok(1, result))
+    conn._sock.shutdown(socket.SHUT_WR)
+    reader.join(timeout=20)
+    *events, answer = [protocol.decode_frame(line) for line in bytes(received).splitlines()]
+    assert answer.get("ok") is True, str(answer)[:300]
+    shown = [f["data"]["text"] for f in events]  # every result was streamed, the too large one as its marker
+    assert shown[0].startswith("[result not sent: its html/latex/markdown/text take 9.0 MiB, over the 8 MiB")
+    assert [text[1] for text in shown[1:5]] == list("abcd") and shown[5] == "'last'"
+    kept = [r["text"] for r in answer["result"]["results"]]
+    assert kept[:4] == shown[:4] and kept[5] == "'last'"
+    assert kept[4].startswith("[result not kept in the cell's answer: its results passed 12 MiB")
+    assert answer["result"]["truncated"] is True
+    assert len(protocol.encode_frame(answer)) < protocol.MAX_FRAME_BYTES

@@ -29,6 +29,14 @@ REQUIRED = {
     "write_file": ["sandbox_id", "path", "content"],
     "branch": ["sandbox_id"],
     "wait_for_text": ["sandbox_id", "path", "text"],
+    "terminal_open": ["sandbox_id"],
+    "terminal_send": ["terminal_id", "text"],
+    "terminal_read": ["terminal_id"],
+    "terminal_resize": ["terminal_id", "rows", "cols"],
+    "terminal_close": ["terminal_id"],
+    "watch_start": ["sandbox_id", "path"],
+    "watch_events": ["watch_id"],
+    "watch_stop": ["watch_id"],
 }
 NOWHERE = "unix:///nonexistent/forkd.sock"
 
@@ -95,6 +103,9 @@ def test_unreachable_daemon_is_a_readable_tool_error() -> None:
     ("exec", {"sandbox_id": "sb-000000000000"}, "command"),
     ("write_file", {"sandbox_id": "sb-000000000000", "path": "/x", "content": "", "mode": "999"}, "mode"),
     ("wait_for_text", {"sandbox_id": "sb-000000000000", "path": "/x", "text": "m", "timeout_s": 7200}, "timeout_s"),
+    ("terminal_read", {"terminal_id": "t-1", "wait_s": 61}, "wait_s"),
+    ("terminal_send", {"terminal_id": "t-1", "text": "ls", "max_bytes": 1 << 30}, "max_bytes"),
+    ("watch_events", {"watch_id": "w-1", "max_events": 0}, "max_events"),
 ])
 def test_bad_arguments_are_refused_before_the_daemon(name: str, arguments: dict, field: str) -> None:
     result = anyio.run(_call, name, arguments)

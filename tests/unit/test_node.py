@@ -20,18 +20,16 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-import uvicorn
 import zstandard
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from conftest import run_bounded, short_tmp_dir
+from conftest import run_bounded, served_on_loopback, short_tmp_dir
 from forkd.config import Paths
 from forkd.daemon.app import create_app
 from forkd.daemon.middleware.auth import TokenAuth
-from forkd.daemon.server import bind_tcp
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.image.store import Image
 from forkd.packs import archive
@@ -41,7 +39,7 @@ from forkd.runtime.snapshots import SnapshotRequest
 from forkd.sdk.async_controller import AsyncController
 from forkd.sdk.errors import ForkdError
 from forkd.store.chains import layer_digest
-from forkd.vmm.base import BootSpec, MachineIdentity
+from forkd.vmm.base import BootSpec, MachineIdentity, SavedVm, VmHandle, no_stage_marks
 from forkd.vmm.fake import FakeVmm
 
 T = TypeVar("T")
@@ -66,35 +64,18 @@ class Node:
     api: AsyncController
 
 
-async def _serve(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None], str]:
-    sock = bind_tcp("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="critical", timeout_graceful_shutdown=5))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    return server, task, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
-async def _stop(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
-    server.should_exit = True
-    await task
-
-
 @contextlib.asynccontextmanager
 async def node(root: Path, vmm: FakeVmm | None = None, options: RuntimeOptions | None = None) -> AsyncIterator[Node]:
     """A daemon on loopback TCP with its own FORKD_HOME under ``root`` and its own token."""
     runtime = await Runtime.open(Paths(home=root / "home", cache=root / "cache", socket=root / "forkd.sock"),
                                  vmm or FakeVmm(), options)
     token = secrets.token_hex(32)
-    server, task, url = await _serve(TokenAuth(create_app(runtime), token))
-    api = AsyncController(url, token)
-    try:
-        yield Node(runtime, url, token, api)
-    finally:
-        await api.close()
-        await _stop(server, task)
+    async with served_on_loopback(TokenAuth(create_app(runtime), token)) as url:
+        api = AsyncController(url, token)
+        try:
+            yield Node(runtime, url, token, api)
+        finally:
+            await api.close()
 
 
 def _image(root: Path) -> Image:
@@ -299,11 +280,8 @@ async def hostile_peer(real: Node, chain: Callable[[bytes], AsyncIterator[bytes]
         return StreamingResponse(chain(pack), media_type="application/octet-stream")
 
     app = Starlette(routes=[Route("/v1/node", describe), Route("/v1/node/chains/{digest}", serve_chain)])
-    server, task, url = await _serve(app)
-    try:
+    async with served_on_loopback(app) as url:
         yield url
-    finally:
-        await _stop(server, task)
 
 
 def test_a_peer_serving_a_corrupted_layer_is_refused_and_nothing_is_registered(tmp_path: Path) -> None:
@@ -383,6 +361,102 @@ def test_a_repeated_fork_key_never_makes_more_children(tmp_path: Path) -> None:
             assert await again.api.fork(None, 2, snapshot_digest=base, idempotency_key="job-1:step.7",
                                         owner="job-1") == first
             assert await again.api.sandboxes() == []
+
+    run(scenario)
+
+
+class GatedVmm(FakeVmm):
+    """A FakeVmm whose restores wait for a pass each: a test decides when each child may answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes = asyncio.Semaphore(0)
+
+    async def complete_restore(self, vm: VmHandle, saved: SavedVm, on_stage: Callable[[str], None] = no_stage_marks) -> None:
+        await self.passes.acquire()
+        await super().complete_restore(vm, saved, on_stage)
+
+
+async def until(check: Callable[[], bool], what: str, bound_s: float = 10.0) -> None:
+    """Wait (bounded) until ``check()`` holds."""
+    deadline = asyncio.get_running_loop().time() + bound_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {bound_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def leave_a_keyed_fork(node_: Node, key: str, n: int) -> None:
+    """Ask for a keyed fork and leave before it answers (a client's timeout)."""
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {node_.token}"}, timeout=0.3) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(f"{node_.url}/v1/sandboxes", json={"snapshot_tag": "base", "n": n, "idempotency_key": key})
+
+
+def test_a_keyed_fork_nobody_waits_for_is_given_up_and_its_retry_forks_again(tmp_path: Path) -> None:
+    """Its children still starting are stopped (one queued for a restore slot at once), those that
+    answered are killed, no answer is kept: the retry forks anew."""
+    async def scenario() -> None:
+        vmm = GatedVmm()
+        async with node(tmp_path / "a", vmm, RuntimeOptions(max_concurrent_forks=1)) as a:
+            a.runtime.driver_forks.abandon_s = 0.5
+            await bake(a, tmp_path, "base")
+            await leave_a_keyed_fork(a, "job:7", 3)
+            vmm.passes.release()  # the first child answers; the second restores (held); the third waits for a slot
+            await until(lambda: len(a.runtime.sandboxes.live()) == 1 and a.runtime.spawner.starting() == 2,
+                        "one child answered, two starting")
+            first = a.runtime.sandboxes.live()[0].record.id
+            await until(lambda: a.runtime.spawner.starting() == 1, "the queued child stopped once the fork was given up")
+            vmm.passes.release()  # the held child answers: it is killed, as is the one that answered before
+            await until(lambda: a.runtime.spawner.starting() == 0 and a.runtime.sandboxes.live() == [],
+                        "nothing of the given-up fork left")
+            assert a.runtime.registry.recall_fork("job:7", 0) is None
+            for _ in range(3):
+                vmm.passes.release()
+            again = await a.api.fork("base", 3, idempotency_key="job:7")
+            ids = {s["id"] for s in again["sandboxes"]}
+            assert len(ids) == 3 and first not in ids
+            assert {s.record.id for s in a.runtime.sandboxes.live()} == ids
+            assert await a.api.fork("base", 3, idempotency_key="job:7") == again
+
+    run(scenario)
+
+
+def test_an_answer_no_client_took_is_kept_for_a_retry_then_undone(tmp_path: Path) -> None:
+    """A keyed fork that answers after its client left: a retry within the grace takes the answer; one
+    nobody comes back for has its children killed and its key forgotten."""
+    async def scenario() -> None:
+        vmm = GatedVmm()
+        async with node(tmp_path / "a", vmm) as a:
+            a.runtime.driver_forks.abandon_s = 1.0
+            await bake(a, tmp_path, "base")
+            await leave_a_keyed_fork(a, "taken", 1)
+            await leave_a_keyed_fork(a, "left", 1)
+            vmm.passes.release()
+            vmm.passes.release()
+            await until(lambda: len(a.runtime.sandboxes.live()) == 2, "both children answered")
+            taken = await a.api.fork("base", 1, idempotency_key="taken")
+            (kept,) = taken["sandboxes"]
+            await until(lambda: [s.record.id for s in a.runtime.sandboxes.live()] == [kept["id"]],
+                        "the child of the answer nobody took killed")
+            assert a.runtime.registry.recall_fork("left", 0) is None
+            await asyncio.sleep(1.5)  # the answer a client took is kept past the grace, its child alive
+            assert await a.api.fork("base", 1, idempotency_key="taken") == taken
+            assert [s.record.id for s in a.runtime.sandboxes.live()] == [kept["id"]]
+
+    run(scenario)
+
+
+def test_a_node_keeps_at_most_max_kept_fork_keys_the_oldest_forgotten(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with node(tmp_path / "a") as a:
+            a.runtime.driver_forks.max_kept = 2
+            await bake(a, tmp_path, "base")
+            answers = [await a.api.fork("base", 1, idempotency_key=f"k{i}") for i in range(3)]
+            assert [a.runtime.registry.recall_fork(f"k{i}", 0) is not None for i in range(3)] == [False, True, True]
+            assert await a.api.fork("base", 1, idempotency_key="k2") == answers[2]
+            assert await a.api.fork("base", 1, idempotency_key="k1") == answers[1]
+            again = await a.api.fork("base", 1, idempotency_key="k0")  # forgotten: forked again
+            assert again["sandboxes"][0]["id"] != answers[0]["sandboxes"][0]["id"]
 
     run(scenario)
 

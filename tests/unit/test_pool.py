@@ -27,7 +27,7 @@ from forkd.store.registry import Registry
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.snapshots import SnapshotRequest
 from forkd.vmm.base import MemoryStats, VmHandle
-from forkd.vmm.fake import FakeVmm
+from forkd.vmm.fake import FakeBehaviour, FakeVmm
 
 
 class Process:
@@ -142,6 +142,35 @@ def test_fill_take_give_back_trim_discard_stop(pool) -> None:
     asyncio.run(run())
 
 
+def test_a_refill_waits_while_a_fork_starts_children_and_starts_one_member_at_a_time(pool) -> None:
+    """Refills never take CPU from the forks they serve: no member starts while a child of a fork is
+    starting, and across pools one member starts at a time."""
+    service, vmm, _, _ = pool
+
+    async def run() -> None:
+        with service.serving():  # a fork is starting a child
+            await service.set_size("hot", 2)
+            await service.set_size("warm", 2)
+            await asyncio.sleep(0.2)
+            assert vmm.running == set() and service.describe("hot")["starting"] == 0
+        vmm.gate = asyncio.Event()
+        for _ in range(500):  # bounded: until a member's VMM start is under way
+            if vmm.running:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert len(vmm.running) == 1  # the other pool waits for the slot
+        with service.serving():  # a fork arrives while a member starts: it finishes, no next one starts
+            vmm.gate.set()
+            await asyncio.sleep(0.2)
+            assert len(vmm.running) == 1
+        await settle(service)
+        assert service.describe("hot")["ready"] == 2 and service.describe("warm")["ready"] == 2
+        await service.stop()
+
+    asyncio.run(run())
+
+
 def test_sizes_are_bounded(pool) -> None:
     service = pool[0]
     with pytest.raises(ValueError):
@@ -192,6 +221,25 @@ def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path:
 
     run(scenario)
 
+
+
+def test_a_pool_set_while_a_fork_starts_fills_once_its_children_answered(tmp_path: Path) -> None:
+    """On the FakeVmm through the runtime: the spawner holds refills off while its children start."""
+    async def scenario() -> None:
+        vmm = FakeVmm(FakeBehaviour(reseed_delay_s=0.5))
+        runtime = await _runtime(tmp_path, vmm, options=RuntimeOptions(warm_pools=False))
+        try:
+            outcomes = await runtime.spawner.start_fork("base", 2)
+            await runtime.pools.set_size("base", 1)
+            await asyncio.sleep(0.3)  # the children are still waiting for their reseed answer
+            assert runtime.pools.describe("base")["starting"] == 0 and runtime.pools.describe("base")["ready"] == 0
+            assert all([o.sandbox is not None async for o in outcomes])
+            await settle(runtime.pools)
+            assert runtime.pools.describe("base")["ready"] == 1
+        finally:
+            await runtime.stop()
+
+    run(scenario)
 
 
 class Baking(FakeVmm):

@@ -42,3 +42,22 @@ def test_terminal_frames_and_base64() -> None:
     assert protocol.b64decode(protocol.b64encode(b"\x00\xff")) == b"\x00\xff"
     with pytest.raises(protocol.ProtocolError):
         protocol.b64decode("not base64!")
+
+
+def test_a_trace_is_asked_for_only_with_true() -> None:
+    assert protocol.traced(protocol.request(1, "ping", trace=True))
+    assert protocol.TRACE not in protocol.request(1, "ping")
+    assert not protocol.traced({**protocol.request(1, "ping"), "trace": 1})
+
+
+@pytest.mark.parametrize("marks", [
+    "read", [["read"]], [["read", 1.5]], [["read", True]], [[1, 2]], [["x" * 33, 1]], [("read", 1)],
+    [["read", n] for n in range(protocol.MAX_TRACE_MARKS + 1)],
+])
+def test_a_trace_of_the_wrong_shape_is_dropped_whole(marks: object) -> None:
+    assert protocol.trace_marks({"trace": marks}) is None
+
+
+def test_a_trace_gives_its_marks() -> None:
+    assert protocol.trace_marks({"trace": [["read", 5], ["handled", 9]]}) == [("read", 5), ("handled", 9)]
+    assert protocol.trace_marks({}) is None

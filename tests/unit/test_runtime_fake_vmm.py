@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import threading
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable, Iterator
@@ -257,6 +258,76 @@ def test_a_diff_branch_keeps_only_changed_pages_and_its_children_see_them(tmp_pa
     record, seen = run(scenario)
     assert record.meta["memory_kind"] == "diff" and record.meta["changed_pages"] == 1 and record.parent_tag == "base"
     assert seen == b"written by the source"
+
+
+def _hold_after_answer(runtime: Runtime) -> threading.Event:
+    """An event what a BRANCH does after its ``wait=False`` answer (its first step: linking the kernel
+    and initrd) waits for: the snapshot stays ``writing`` until it is set."""
+    go_on = threading.Event()
+    link = runtime.store.digests.link
+
+    def held(*args: Any) -> Any:
+        assert go_on.wait(BOUND_S)
+        return link(*args)
+
+    runtime.store.digests.link = held  # type: ignore[method-assign]
+    return go_on
+
+
+def test_a_branch_not_waited_for_answers_after_its_pause_and_the_next_chains_on_it_while_it_is_written(
+        tmp_path: Path) -> None:
+    """``wait=False`` answers once the source runs again: what the source writes afterwards is not in the
+    snapshot. A second capture does not wait for the first layer to be written; it chains onto it."""
+    async def scenario() -> tuple[list[Any], bytes, bytes, bytes]:
+        runtime, source = await _written_source(tmp_path, 3 * PAGE_SIZE)
+        vmm = runtime.vmm
+        assert isinstance(vmm, FakeVmm)
+        written = _hold_after_answer(runtime)  # both stay `writing` until it is set
+        try:
+            first = await runtime.branches.branch(source.record.id, "w1", wait=False)
+            seen = [first.status, first.parent_tag, vmm.branching.captures, "pause_ms" in first.meta]
+            vmm.write_guest_memory(source.vm, 4 * PAGE_SIZE, b"after the first")
+            second = await runtime.branches.branch(source.record.id, "w2", wait=False)
+            seen += [second.status, second.parent_tag, vmm.branching.captures,
+                     runtime.registry.get_snapshot("w1").status]  # type: ignore[union-attr]
+            written.set()
+            await runtime.branches.wait_all()
+            seen += [runtime.registry.get_snapshot(tag).status for tag in ("w1", "w2")]  # type: ignore[union-attr]
+            pages = []
+            for tag in ("w1", "w2"):
+                [child] = await runtime.spawner.fork(tag, 1)
+                with open(runtime.sandboxes.get(child.sandbox["id"]).vm.state["ram"], "rb") as ram:
+                    pages.append(ram.read(5 * PAGE_SIZE))
+            return seen, pages[0][3 * PAGE_SIZE:3 * PAGE_SIZE + 21], pages[0][4 * PAGE_SIZE:4 * PAGE_SIZE + 15], \
+                pages[1][4 * PAGE_SIZE:4 * PAGE_SIZE + 15]
+        finally:
+            await runtime.stop()
+
+    seen, first_source_page, first_later_page, second_later_page = run(scenario)
+    assert seen == ["writing", "base", 1, True, "writing", "w1", 2, "writing", "ready", "ready"]
+    assert first_source_page == b"written by the source"
+    assert first_later_page == bytes(15) and second_later_page == b"after the first"
+
+
+def test_a_source_killed_right_after_a_branch_not_waited_for_still_gives_a_ready_snapshot(tmp_path: Path) -> None:
+    """Snapshot, then kill (E2B's pause): the branch answered after the pause has already taken what it
+    needs from the source's run directory (its frozen disk), so the kill cannot take it away."""
+    async def scenario() -> tuple[str, bytes]:
+        runtime, source = await _written_source(tmp_path, 3 * PAGE_SIZE)
+        killed = _hold_after_answer(runtime)
+        try:
+            await runtime.branches.branch(source.record.id, "k1", wait=False)
+            await runtime.sandboxes.kill(source.record.id)  # its run directory is removed
+            killed.set()
+            await runtime.branches.wait_all()
+            [child] = await runtime.spawner.fork("k1", 1)
+            with open(runtime.sandboxes.get(child.sandbox["id"]).vm.state["ram"], "rb") as ram:
+                ram.seek(3 * PAGE_SIZE)
+                return runtime.registry.get_snapshot("k1").status, ram.read(21)  # type: ignore[union-attr]
+        finally:
+            await runtime.stop()
+
+    assert run(scenario) == ("ready", b"written by the source")
 
 
 def test_a_failing_diff_command_keeps_only_the_tail_of_its_stderr(tmp_path: Path) -> None:

@@ -1,5 +1,4 @@
 import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -102,17 +101,3 @@ def test_the_machine_alias_is_pinned_to_its_versioned_type(tmp_path: Path) -> No
 
 def test_the_tcg_cpu_is_a_versioned_model_without_cx16() -> None:
     assert cpu_model("tcg") == "Westmere-v1,-cx16" and cpu_model("kvm") == "host"
-
-
-def test_a_vmm_that_cannot_be_confined_is_said_out_loud(monkeypatch: pytest.MonkeyPatch,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
-    """Without setpriv the VMM keeps root's capabilities: the daemon must say so, not drop it silently."""
-    from forkd.vmm import qemu_machine
-
-    confined = qemu_machine.QemuMachine("qemu-system-x86_64", "tcg", "qemu64").confine
-    assert confined is (shutil.which("setpriv") is not None)
-    monkeypatch.setattr(qemu_machine.shutil, "which", lambda _name: None)
-    with caplog.at_level("WARNING", logger="forkd.vmm"):
-        machine = qemu_machine.QemuMachine("qemu-system-x86_64", "tcg", "qemu64")
-    assert machine.confine is False
-    assert "setpriv (util-linux) is not installed: VMMs run with all of root's capabilities" in caplog.text

@@ -234,10 +234,12 @@ def test_ten_consecutive_branches_and_forced_removal(daemon: Controller, source:
 
 
 def test_no_wait_branch_conflicts_and_cap(daemon: Controller, snapshot_tag: str, source: str) -> None:
-    sh(daemon, source, "echo queued > /tmp/queued")
-    first = daemon.branch(source, "async-1", wait=False)
+    # 128 MiB of fresh guest pages: the first layer takes a while to write, so both builds are under way at the cap.
+    sh(daemon, source, "echo queued > /tmp/queued; head -c 128M /dev/urandom > /tmp/ballast")
+    first = daemon.branch(source, "async-1", wait=False)  # answered right after its pause
     try:
-        assert first["status"] == "writing"
+        assert first["status"] == "writing" and first["pause_ms"] > 0
+        sh(daemon, source, "echo later > /tmp/queued")  # after the pause: not in async-1
         with pytest.raises(ForkdError) as writing:
             daemon.fork("async-1", 1)
         assert writing.value.status == 409 and "writing" in writing.value.message
@@ -249,8 +251,9 @@ def test_no_wait_branch_conflicts_and_cap(daemon: Controller, snapshot_tag: str,
             with pytest.raises(ForkdError) as same_tag:
                 attempt()
             assert same_tag.value.status == 409 and "async-1" in same_tag.value.message
-        second = daemon.branch(source, "async-2", wait=False)  # queued behind the first (same sandbox)
-        assert second["status"] == "writing"
+        # Captured without waiting for the first to be written; its layer is written once the first's is.
+        second = daemon.branch(source, "async-2", wait=False)
+        assert second["status"] == "writing" and second["parent_tag"] == "async-1"
         # The default cap is 2 branches being written. Sent bare: the SDK would wait out the refusal and retry.
         capped = daemon._http.post(f"/v1/sandboxes/{source}/branch",
                                    json={"tag": "async-3", "mode": "diff", "wait": False})
@@ -261,6 +264,8 @@ def test_no_wait_branch_conflicts_and_cap(daemon: Controller, snapshot_tag: str,
         assert daemon.snapshot("async-2")["parent_tag"] == "async-1"
         with child_of(daemon, "async-1") as child:
             assert sh(daemon, child, "cat /tmp/queued") == "queued\n"
+        with child_of(daemon, "async-2") as child:
+            assert sh(daemon, child, "cat /tmp/queued") == "later\n"
     finally:
         for tag in ("async-2", "async-1"):
             with contextlib.suppress(ForkdError):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import vmm_processes_under
+from conftest import e2b_front, vmm_processes_under
 
 from forkd.sdk.controller import Controller
 
@@ -36,10 +36,9 @@ def e2b_env(daemon: Controller, snapshot_tag: str, workloads_snapshot: str, vm_e
             forkd_home: Path) -> dict[str, str]:
     """E2B's variables, and nothing of forkd's, for a client process (charts need the workloads
     snapshot's matplotlib)."""
-    keys = (forkd_home / "e2b" / "api-keys").read_text().split()
-    url = f"http://{vm_env['FORKD_E2B_LISTEN']}"
+    url, key = e2b_front(forkd_home, vm_env)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FORKD_", "E2B_"))}
-    env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=next(k for k in keys if k.startswith("e2b_")),
+    env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=key,
                E2B_TEST_TEMPLATE=snapshot_tag, E2B_TEST_CHART_TEMPLATE=workloads_snapshot)
     return env
 

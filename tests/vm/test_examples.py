@@ -15,13 +15,33 @@ pytestmark = pytest.mark.vm
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def run_example(name: str, vm_env: dict[str, str], snapshot_tag: str, *args: str) -> str:
-    """Run ``examples/NAME`` against the test daemon with ``snapshot_tag`` as its template; its stdout."""
+def run_example(name: str, vm_env: dict[str, str], snapshot_tag: str, *args: str, timeout_s: float = 480) -> str:
+    """Run ``examples/NAME`` against the test daemon with ``snapshot_tag`` as its template; its stdout.
+
+    ``timeout_s`` stays under the test's own timeout, so an example that hangs fails with what it
+    printed up to then (where it stopped), not with pytest-timeout's stack of this process."""
     env = {**vm_env, "FORKD_URL": f"unix://{vm_env['FORKD_SOCKET']}", "FORKD_TEMPLATE": snapshot_tag}
-    ran = subprocess.run([sys.executable, str(EXAMPLES / name), *args], env=env, capture_output=True, text=True,
-                         timeout=900)
+    try:
+        ran = subprocess.run([sys.executable, str(EXAMPLES / name), *args], env=env, capture_output=True, text=True,
+                             timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        printed = [part.decode(errors="replace") if isinstance(part, bytes) else part or "" for part in (exc.stdout, exc.stderr)]
+        pytest.fail(f"{name} did not end within {timeout_s:.0f} s; it printed:\n" + "\n".join(printed)
+                    + f"\nthe daemon then:\n{daemon_state(vm_env)}")
     assert ran.returncode == 0, f"{name} failed:\n{ran.stdout}\n{ran.stderr}"
     return ran.stdout
+
+
+def daemon_state(vm_env: dict[str, str]) -> str:
+    """What the daemon holds and the end of its log: where a hung example waits is usually visible there."""
+    try:
+        with Controller(url=f"unix://{vm_env['FORKD_SOCKET']}", timeout=10) as api:
+            held = json.dumps({"sandboxes": [(s["id"], s["snapshot_tag"], s.get("vm_state")) for s in api.sandboxes()],
+                               "snapshots": [(s["tag"], s["status"]) for s in api.snapshots()]})
+    except Exception as exc:  # noqa: BLE001 - a daemon that does not answer is itself the answer
+        held = f"(the daemon did not answer: {exc})"
+    log = Path(vm_env["FORKD_HOME"]) / "daemon.log"
+    return held + "\n" + (log.read_text(errors="replace")[-4000:] if log.exists() else "(no daemon.log)")
 
 
 def test_e2b_sample_runs_unchanged(daemon: Controller, snapshot_tag: str, vm_env: dict[str, str]) -> None:
@@ -62,7 +82,7 @@ def test_branch_fanout(daemon: Controller, snapshot_tag: str, vm_env: dict[str, 
 @pytest.mark.timeout(2400)  # may build the workloads image first (minutes)
 def test_postgres_fork_per_test(workloads_snapshot: str, vm_env: dict[str, str]) -> None:
     """Each test's child has the seeded server running; its writes are invisible to its siblings."""
-    out = dict(line.split(": ", 1) for line in run_example("postgres_fixture.py", vm_env, workloads_snapshot)
+    out = dict(line.split(": ", 1) for line in run_example("postgres_fixture.py", vm_env, workloads_snapshot, timeout_s=900)
                .splitlines())
     assert json.loads(out["test_transfer"]) == {"balances": [["ada", "100"], ["grace", "200"], ["linus", "125"]]}
     assert json.loads(out["test_new_account"]) == {"count": 4}
@@ -72,7 +92,7 @@ def test_postgres_fork_per_test(workloads_snapshot: str, vm_env: dict[str, str])
 @pytest.mark.timeout(2400)  # may build the workloads image first (minutes)
 def test_chart_session_returns_a_png(workloads_snapshot: str, vm_env: dict[str, str], tmp_path: Path) -> None:
     chart = tmp_path / "chart.png"
-    out = run_example("chart_session.py", vm_env, workloads_snapshot, "--out", str(chart))
+    out = run_example("chart_session.py", vm_env, workloads_snapshot, "--out", str(chart), timeout_s=900)
     assert "[1] -> " in out and "error" not in out, out
     assert f"[2] chart: {chart}" in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -82,7 +102,7 @@ def test_chart_session_returns_a_png(workloads_snapshot: str, vm_env: dict[str, 
 @pytest.mark.timeout(2400)  # may build the workloads image first (minutes)
 def test_pytest_fanout_warm_fresh_and_serial_agree(workloads_snapshot: str, vm_env: dict[str, str]) -> None:
     """The same project run serially, one fresh process per file and one warm fork per file: same outcomes."""
-    lines = run_example("pytest_warm_fanout.py", vm_env, workloads_snapshot, "--json").splitlines()
+    lines = run_example("pytest_warm_fanout.py", vm_env, workloads_snapshot, "--json", timeout_s=900).splitlines()
     modes = {entry["mode"]: entry for entry in map(json.loads, lines)}
     assert set(modes) == {"serial", "fresh", "warm"}
     assert [(r["exit_code"], r["passed"], r["failed"]) for r in modes["serial"]["runs"]] == [(1, 29, 1)]

@@ -217,6 +217,13 @@ def qmp_status(monitor: Path) -> str:
     return answer["return"]["status"]
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def test_daemon_sigkill_in_a_branch_pause_leaves_the_source_running(daemon: Daemon, fault_home: Path) -> None:
     """SIGKILL while BRANCH has its source stopped: the device state is written in the pause and the
     private pages (here ~256 MiB of them) are read after it, so the kill lands inside the pause. The
@@ -228,7 +235,8 @@ def test_daemon_sigkill_in_a_branch_pause_leaves_the_source_running(daemon: Daem
     client.run_code(sandbox_id, "ballast = bytearray(b'\\x01') * (256 << 20); kept = 'alive'")
     client.branch(sandbox_id, "crashed", mode="diff", wait=False)
     builds = fault_home / "snapshots"
-    wait_until(lambda: any((d / "state").exists() for d in builds.glob(".build-crashed-*")), bound_s=120,
+    # The daemon creates the state file before the pause (QEMU gets it as a descriptor); it fills in the pause.
+    wait_until(lambda: any(_size(d / "state") > 0 for d in builds.glob(".build-crashed-*")), bound_s=120,
                step_s=0.001)
     daemon.kill9()
     status = qmp_status(fault_home / "sandboxes" / sandbox_id / "qmp.sock")

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from forkd.sdk.controller import Controller, ForkdError
@@ -27,6 +28,31 @@ def test_children_answer_eval_and_exec(daemon: Controller, children: list[str]) 
         assert _value(daemon.eval(sandbox_id, "int(numpy.arange(10).sum())")) == 45
         result = daemon.exec(sandbox_id, ["sh", "-c", "echo out; echo err >&2; exit 3"])
         assert (result["stdout"], result["stderr"], result["exit_code"]) == ("out\n", "err\n", 3)
+
+
+def test_a_client_that_asks_gets_every_hop_of_its_call(vm_env: dict[str, str], children: list[str]) -> None:
+    """Server-Timing of an eval through the real daemon, agent and context process: the daemon's stages, the
+    guest's (its marks in time order, from the agent and the context), and the transport between."""
+    transport = httpx.HTTPTransport(uds=vm_env["FORKD_SOCKET"])
+    with httpx.Client(transport=transport, base_url="http://forkd", timeout=60) as client:
+        url = f"/v1/sandboxes/{children[0]}/eval"
+        plain = client.post(url, json={"expr": "1+1"})
+        traced = client.post(url, json={"expr": "1+1"}, headers={"X-Forkd-Timings": "1"})
+        ping = client.post(f"/v1/sandboxes/{children[0]}/ping", headers={"X-Forkd-Timings": "1"})
+    assert plain.json()["value_json"] == traced.json()["value_json"] == 2
+    assert "server-timing" not in plain.headers
+    stages = {name: float(ms) for name, ms in
+              (part.strip().split(";dur=") for part in traced.headers["server-timing"].split(","))}
+    assert [s for s in stages if not s.startswith("guest") and s != "transport"] == [
+        "routed", "awake", "agent_sent", "agent_answer", "agent_resumed", "answer_ready", "total"]
+    assert {"guest.decoded", "guest.started", "guest.ctx_read", "guest.ctx_ran", "guest.ctx_answered",
+            "guest.handled"} <= stages.keys()
+    assert abs(sum(v for k, v in stages.items() if k.startswith("guest.")) - stages["guest"]) < 0.05
+    # The guest's stages are on its own clock, whose rate a TCG guest calibrated at its parent's boot (it may
+    # differ from the host's: bench/roundtrip.py measures it); transport is the host's wait beyond them.
+    assert stages["guest"] > 0 and abs(stages["guest"] + stages["transport"] - stages["agent_answer"]) < 0.05
+    ping_stages = ping.headers["server-timing"]
+    assert "guest.handled" in ping_stages and "guest.ctx_ran" not in ping_stages
 
 
 def test_streamed_exec_delivers_output_before_exit(daemon: Controller, children: list[str]) -> None:

@@ -234,3 +234,57 @@ def test_streamable_http_lists_tools_and_runs_exec(daemon: Controller, snapshot_
     assert httpx.post(url, json=ping, headers={**headers, "Host": "evil.example"}).status_code == 421
     assert httpx.post(url, json=ping, headers={**headers, "Origin": "http://evil.example"}).status_code == 403
     assert httpx.post(url, json=ping, headers={"Accept": headers["Accept"]}).status_code == 401  # no token
+
+
+def test_stdio_terminal_and_watcher_on_a_real_guest(daemon: Controller, snapshot_tag: str,
+                                                    server_env: dict[str, str]) -> None:
+    """The terminal and watcher tools against a guest: a shell kept open between calls (echo, resize,
+    close hangs it up), a file written in a watched directory seen as an event; and the stdio session's
+    end hangs up a terminal left open."""
+    async def session() -> int:
+        async with _stdio(server_env) as client:
+            spawned = await _ok(client, "spawn", snapshot_tag=snapshot_tag, count=1)
+            sandbox_id = spawned["sandboxes"][0]["id"]
+            try:
+                opened = await _ok(client, "terminal_open", sandbox_id=sandbox_id, command="exec sh -i",
+                                   env={"PS1": "$ "}, wait_s=30)
+                terminal = opened["terminal_id"]
+                sent = await _ok(client, "terminal_send", terminal_id=terminal, text="echo hi-$((6*7))",
+                                 until="hi-42", wait_s=60)
+                assert "hi-42" in sent["output"], sent
+                await _ok(client, "terminal_resize", terminal_id=terminal, rows=12, cols=40)
+                size = await _ok(client, "terminal_send", terminal_id=terminal, text="stty size", until="12 40",
+                                 wait_s=60)
+                assert "12 40" in size["output"], size
+                await _ok(client, "terminal_close", terminal_id=terminal)
+                assert "no terminal" in await _error(client, "terminal_read", terminal_id=terminal)
+                hangup = time.monotonic() + 60
+                while (await _ok(client, "exec", sandbox_id=sandbox_id, command=f"kill -0 {opened['pid']}"))[
+                        "exit_code"] == 0:  # hung up by the daemon once the stream closed
+                    assert time.monotonic() < hangup, "the closed terminal's shell still runs"
+                    await anyio.sleep(1)
+
+                await _ok(client, "exec", sandbox_id=sandbox_id, command="mkdir -p /root/watched")
+                watch = (await _ok(client, "watch_start", sandbox_id=sandbox_id, path="/root/watched"))["watch_id"]
+                await _ok(client, "write_file", sandbox_id=sandbox_id, path="/root/watched/new.txt", content="x")
+                events: list[dict[str, Any]] = []
+                deadline = time.monotonic() + 60
+                while not any(e["name"] == "new.txt" for e in events) and time.monotonic() < deadline:
+                    events += (await _ok(client, "watch_events", watch_id=watch, wait_s=10))["events"]
+                assert any(e["name"] == "new.txt" and e["path"] == "/root/watched/new.txt" for e in events), events
+                await _ok(client, "watch_stop", watch_id=watch)
+
+                left = await _ok(client, "terminal_open", sandbox_id=sandbox_id, command="exec sh -i", wait_s=30)
+                return left["pid"], sandbox_id  # type: ignore[return-value]
+            except BaseException:
+                await client.call_tool("kill", {"sandbox_id": sandbox_id})
+                raise
+
+    pid, sandbox_id = anyio.run(session)  # type: ignore[misc]
+    try:  # forkd-mcp ended with its stdio session: the terminal it left open is hung up
+        deadline = time.monotonic() + 60
+        while daemon.exec(sandbox_id, f"kill -0 {pid}")["exit_code"] == 0:
+            assert time.monotonic() < deadline, "the terminal outlived forkd-mcp"
+            time.sleep(1)
+    finally:
+        daemon.kill(sandbox_id)

@@ -28,7 +28,7 @@ console.log(cell.value_json, await sbx.eval("int(x.max())"));        // 10 4
 await sbx.files.write("/root/data.txt", "hello\n");                   // also bytes or an async iterable (a file stream)
 console.log(await sbx.files.read("/root/data.txt"), await sbx.files.list("/root"));
 
-// BRANCH: the sandbox keeps running; wait: false answers at once with the snapshot "writing".
+// BRANCH: the sandbox keeps running; wait: false answers right after the pause, the snapshot "writing".
 const snap = await sbx.branch({ tag: "py-step1", mode: "live", wait: false });
 await controller.waitSnapshot(snap.tag);                              // ready (or failed)
 const children = await sbx.fork(2);                                   // a diff BRANCH, then 2 children of it

@@ -264,8 +264,8 @@ export class Controller extends StoreClient {
   // BRANCH
 
   /**
-   * Save a running sandbox as a snapshot (it keeps running). `wait: false` answers at once with the snapshot
-   * `writing`; `waitSnapshot(tag)` waits for it.
+   * Save a running sandbox as a snapshot (it keeps running). `wait: false` answers right after the pause with the
+   * snapshot `writing` (it holds the sandbox as it was then); `waitSnapshot(tag)` waits for it.
    */
   async branch(sandboxId: string, options: BranchOptions = {}): Promise<SnapshotInfo> {
     checkKeys("branch", options, { tag: true, mode: true, wait: true });

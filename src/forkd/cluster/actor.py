@@ -34,6 +34,26 @@ def owner_of(job_id: str) -> str:
     return f"{OWNER_PREFIX}{job_id}"
 
 
+def dead_jobs() -> set[str]:
+    """The ids (hex) of the Ray jobs the GCS has marked dead: drivers that can no longer kill their children.
+
+    Read from Ray's private job table (``ray._private.state.jobs()``, the GCS's own, the one place
+    forkd uses a private Ray API): Ray's public ways to list jobs, ``ray.util.state.list_jobs`` and
+    ``JobSubmissionClient``, ask the dashboard's HTTP server, which a head may run without
+    (``--include-dashboard=false``, and the ``ray`` extra without ``[default]`` has none), and the
+    latter lists only submitted jobs, not drivers. ``ray`` is pinned in pyproject; a Ray that moves or
+    reshapes the table fails here with what changed, and in tests/unit/test_cluster.py, which checks
+    this against a head run without the dashboard.
+    """
+    table = ray._private.state.jobs()  # noqa: SLF001 - no public job table without the dashboard (above)
+    try:
+        return {str(job["JobID"]) for job in table if job["IsDead"]}
+    except (KeyError, TypeError) as exc:
+        raise RuntimeError(f"Ray {ray.__version__}'s job table changed shape ({exc!r}); "
+                           "forkd.cluster.actor.dead_jobs reads its JobID and IsDead fields to find dead drivers: "
+                           "install the Ray version pyproject pins") from exc
+
+
 class NodeAgent:
     """Wraps this Ray node's daemon; every method is a call the driver makes on the node."""
 
@@ -107,7 +127,7 @@ class NodeAgent:
 
     def reap_dead_drivers(self) -> list[str]:
         """Kill the children of every driver whose Ray job is dead (it can no longer kill them itself)."""
-        dead = {owner_of(job["JobID"]) for job in ray._private.state.jobs() if job.get("IsDead")}  # noqa: SLF001
+        dead = {owner_of(job) for job in dead_jobs()}
         owners = {str(s.get("owner")) for s in self.controller.sandboxes()} & dead
         return [child for owner in sorted(owners) for child in self.kill_owner(owner)]
 

@@ -9,6 +9,18 @@ streamed both ways, to the node that runs it, whether the sandbox is named by E2
 node filters them by the API key's owner as it always does. The gateway holds no keys or tokens: the
 nodes check them (every node must accept the same API keys). A sandbox on a node that died answers
 that it was lost with that node.
+
+Bounds, by route kind, so a node that hangs while Ray still counts it alive holds nothing for good:
+every connection to a node must be made within ``CONNECT_S``. A control-plane call's answer must
+come within ``CONTROL_S`` (a create restores its sandbox first); the short asks (which node has a
+sandbox, its labels) within ``PROBE_S``. Sandbox traffic may be quiet for as long as it likes — a
+command's stream is quiet between E2B's keepalives, a code cell may print nothing for minutes —
+provided its node still answers: after ``IDLE_S`` without a byte, whether an answer's start or its
+next chunk, the gateway asks the node's front for its health (once per node, however many streams
+wait on it); a node that does not answer that within ``PROBE_S`` ends the request with an error in
+E2B's shape: a 502 before the answer started, else an end-of-stream error in a Connect stream, an
+``error`` line in a code cell's stream, a cut connection in a download. A request body the node
+takes no byte of for ``WRITE_S`` ends the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +29,9 @@ import asyncio
 import json
 import logging
 import re
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import httpx
 from starlette.background import BackgroundTask
@@ -28,6 +42,7 @@ from forkd.cluster.e2b_view import ClusterView, Unplaceable
 from forkd.cluster.placement import NodeState
 
 log = logging.getLogger("forkd.cluster.e2b")
+T = TypeVar("T")
 
 ENVD_PORT = "49983"
 _HOST = re.compile(r"^(\d{1,5})-([A-Za-z0-9_-]{1,64})\.")  # E2B's sandbox host names: {port}-{id}.{domain}
@@ -39,6 +54,11 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
 MAX_CONTROL_BODY = 1 << 20  # a control-plane request's JSON; larger bodies are refused here
 MAX_FORK = 100  # children one fork may ask for (the nodes' own bound)
 MAX_LIST_PAGES = 100  # pages of 1000 read from one node for a merged list
+CONNECT_S = 5.0  # a node that accepts no connection in this long is unreachable
+CONTROL_S = 120.0  # a control-plane call's answer (a create or a fork restores its sandboxes first)
+PROBE_S = 10.0  # the short asks: a node's health, which node has a sandbox, a sandbox's labels
+IDLE_S = 30.0  # sandbox traffic quiet this long: ask its node's health (the traffic itself may go on)
+WRITE_S = 300.0  # a request body the node takes no byte of for this long (an upload's back-pressure allows that)
 
 
 def _target(request: Request) -> tuple[str, str] | None:
@@ -83,13 +103,36 @@ def _answer_headers(response: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
 
 
+class NodeSilent(httpx.TransportError):
+    """A node kept a sandbox's request quiet and did not answer its health check either."""
+
+
+def _stream_error(content_type: str, message: str) -> bytes | None:
+    """The end of an answer already under way, in its own format: Connect's end-of-stream error, a code
+    cell's ``error`` line; None where the format has no error (a download: its connection is cut)."""
+    if content_type.startswith("application/connect+"):
+        end = json.dumps({"error": {"code": "unavailable", "message": message}}).encode()
+        return b"\x02" + len(end).to_bytes(4, "big") + end
+    if content_type.startswith("application/x-ndjson"):
+        lines = ({"type": "error", "name": "SandboxUnreachable", "value": message, "traceback": ""},
+                 {"type": "unexpected_end_of_execution"})
+        return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    return None
+
+
 class Gateway:
     """The ASGI app. ``view`` is the cluster as the gateway sees it; ``client`` speaks to the nodes."""
 
-    def __init__(self, view: ClusterView, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, view: ClusterView, control_s: float = CONTROL_S, idle_s: float = IDLE_S,
+                 probe_s: float = PROBE_S) -> None:
         self.view = view
-        # no read timeout: a Connect stream of a long command is quiet between its keepalives
-        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        # No cap on connections to the nodes: each is one client's request passed on (long-lived streams
+        # included); a cap would queue health checks behind streams and read a busy node as a hung one.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(control_s, connect=CONNECT_S),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=20))
+        self.idle_s, self.probe_s = idle_s, probe_s
+        self._heard: dict[str, float] = {}  # Ray node id -> when its front last answered anything (monotonic)
+        self._probes: dict[str, asyncio.Future[bool]] = {}  # health checks under way, one per node
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -149,13 +192,66 @@ class Gateway:
         outgoing = self.client.build_request(request.method, f"{node.e2b_url}{request.url.path}",
                                              params=httpx.QueryParams(request.url.query),
                                              headers=_headers(request, target),
-                                             content=request.stream() if _has_body(request) else None)
+                                             content=request.stream() if _has_body(request) else None,
+                                             timeout=httpx.Timeout(None, connect=CONNECT_S, write=WRITE_S))
         try:
-            answer = await self.client.send(outgoing, stream=True)
+            answer = await self._while_answering(node, self.client.send(outgoing, stream=True))
         except httpx.TransportError as exc:
             return await self._unreachable(node, sandbox_id, exc, control=False)
-        return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code, headers=_answer_headers(answer),
-                                 background=BackgroundTask(answer.aclose))
+        return StreamingResponse(self._relay(node, sandbox_id, answer), status_code=answer.status_code,
+                                 headers=_answer_headers(answer), background=BackgroundTask(answer.aclose))
+
+    async def _relay(self, node: NodeState, sandbox_id: str, answer: httpx.Response) -> AsyncIterator[bytes]:
+        """The node's answer as it comes, however quiet, while the node answers its health check."""
+        chunks = answer.aiter_raw()
+        while True:
+            try:
+                chunk = await self._while_answering(node, anext(chunks))
+            except StopAsyncIteration:
+                return
+            except NodeSilent as exc:
+                log.warning("ending a %s answer for sandbox %s: %s", answer.headers.get("content-type"), sandbox_id, exc)
+                end = _stream_error(answer.headers.get("content-type", ""), str(exc))
+                if end is None:
+                    raise  # no error this format can carry: the client sees its answer cut short
+                yield end
+                return
+            yield chunk
+
+    async def _while_answering(self, node: NodeState, step: Awaitable[T]) -> T:
+        """``step`` (a node's answer or its next chunk), however long it takes, unless the node goes
+        quiet for ``idle_s`` and then fails its health check (``NodeSilent``: ``step`` is cancelled)."""
+        task = asyncio.ensure_future(step)
+        try:
+            while not (await asyncio.wait({task}, timeout=self.idle_s))[0]:
+                if not await self._answers(node):
+                    raise NodeSilent(f"node {node.node_id} went quiet for {self.idle_s:.0f} s and did not answer "
+                                     f"its health check within {self.probe_s:.0f} s; try again")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._heard[node.ray_node_id] = time.monotonic()
+        return task.result()
+
+    async def _answers(self, node: NodeState) -> bool:
+        """Whether ``node``'s front answers at all (any status): heard from within ``idle_s``, else one
+        health check, shared by every request waiting on that node."""
+        if time.monotonic() - self._heard.get(node.ray_node_id, float("-inf")) < self.idle_s:
+            return True
+        probe = self._probes.get(node.ray_node_id)
+        if probe is None:
+            probe = self._probes[node.ray_node_id] = asyncio.ensure_future(self._health(node))
+            probe.add_done_callback(lambda _: self._probes.pop(node.ray_node_id, None))
+        return await asyncio.shield(probe)
+
+    async def _health(self, node: NodeState) -> bool:
+        try:
+            await self.client.get(f"{node.e2b_url}/health", timeout=httpx.Timeout(self.probe_s, connect=CONNECT_S))
+        except httpx.TransportError:
+            return False
+        self._heard[node.ray_node_id] = time.monotonic()
+        return True
 
     # the control plane
 
@@ -217,7 +313,8 @@ class Gateway:
     async def _metadata(self, node: NodeState, sandbox_id: str, key: str) -> dict[str, str] | None:
         """The sandbox's own labels (a fork's children on other nodes carry them too)."""
         try:
-            described = await self.client.get(f"{node.e2b_url}/sandboxes/{sandbox_id}", headers={"x-api-key": key})
+            described = await self.client.get(f"{node.e2b_url}/sandboxes/{sandbox_id}", headers={"x-api-key": key},
+                                              timeout=httpx.Timeout(self.probe_s, connect=CONNECT_S))
         except httpx.TransportError:
             return None
         return described.json().get("metadata") if described.status_code == 200 else None
@@ -350,13 +447,15 @@ class Gateway:
     async def _ask_nodes(self, sandbox_id: str, request: Request, control: bool) -> NodeState | None:
         """Ask every alive front for the sandbox: the control plane's describe with the caller's key
         (paused sandboxes too), else envd's token-free health check (running ones)."""
+        probe = httpx.Timeout(self.probe_s, connect=CONNECT_S)
+
         async def has(node: NodeState) -> bool:
             try:
                 if control:
-                    answer = await self.client.get(f"{node.e2b_url}/sandboxes/{sandbox_id}",
+                    answer = await self.client.get(f"{node.e2b_url}/sandboxes/{sandbox_id}", timeout=probe,
                                                    headers={"x-api-key": request.headers["x-api-key"]})
                 else:
-                    answer = await self.client.get(f"{node.e2b_url}/health", headers={
+                    answer = await self.client.get(f"{node.e2b_url}/health", timeout=probe, headers={
                         "e2b-sandbox-id": sandbox_id, "e2b-sandbox-port": ENVD_PORT})
             except httpx.TransportError:
                 return False

@@ -60,6 +60,7 @@ quickstart = 1
 listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)  [FORKD_E2B_LISTEN]
 keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
 owner_quota_mib = 20480            # disk per E2B owner: snapshots, forks, paused sandboxes (default: none)
+max_pause_chain = 8                # a pause leaving a chain deeper than this compacts it (0: never)
 domain = "sandbox.example.com"     # get_host(port) = PORT-ID.DOMAIN (needs wildcard DNS); default localhost:PORT
 
 [transfers]
@@ -70,6 +71,12 @@ allow_unpinned = false           # true: pull from a URL with no SHA-256 pin (a 
 [disk]
 min_free_mib = 1024              # forks, branches, snapshots, uploads, packs, unpacks and pulls refuse (disk_full)
                                  # to leave less free than this on the filesystem they write to
+
+[confinement]                    # each QEMU VMM like Firecracker's jailer (docs/security.md)
+enabled = true                   # false: VMMs run as root (a host without namespaces or util-linux)
+uid_range = "1900000000-1900065535"  # one uid (and gid) per VMM, from ids no user or subuid range holds
+max_open_files = 2048            # RLIMIT_NOFILE of each VMM
+max_file_size_mib = 262144       # RLIMIT_FSIZE of each VMM: its disk overlay stops growing here
 
 [uploads]                        # uploads wait for their guest in a spool under home/uploads
 spool_mib = 1024                 # bytes all uploads together hold on disk; more wait (back-pressure)
@@ -92,6 +99,7 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic.dataclasses import dataclass
 
 from forkd.config import Paths
+from forkd.e2b.sandboxes import MAX_PAUSE_CHAIN
 from forkd.hostpaths import HostRoots
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
 from forkd.runtime.idle import DEFAULT_IDLE_STOP_S
@@ -100,7 +108,7 @@ from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
 from forkd.store.space import DEFAULT_FLOOR_BYTES
 from forkd.validation import ValidationError as FieldError
-from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, check_backend
+from forkd.vmm.backends import DEFAULT_BACKEND, BackendOptions, JailSettings, check_backend
 
 _STRICT = ConfigDict(extra="forbid")
 DEFAULT_HOME = Path("/var/lib/forkd")
@@ -173,6 +181,7 @@ class E2BSettings:
     listen: str | None = Field(default=None, pattern=r"^[^\s:]+:\d{1,5}$")  # host:port; None: no E2B front
     keys_file: Path | None = None  # None: HOME/e2b/api-keys
     owner_quota_mib: int | None = Field(default=None, ge=1, le=1 << 30)  # disk per owner (snapshots, forks, pauses)
+    max_pause_chain: int = Field(default=MAX_PAUSE_CHAIN, ge=0, le=1000)  # deeper after a pause: compacted; 0 never
     # what get_host(port) builds {port}-{sandboxID}.{domain} from; None: localhost:<listen port>
     domain: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.-]+(:\d{1,5})?$")
 
@@ -192,6 +201,24 @@ class Disk:
 class Uploads:
     spool_mib: int = Field(default=DEFAULT_SPOOL_BYTES >> 20, ge=16, le=1 << 30)
     spool_files: int = Field(default=DEFAULT_SPOOL_FILES, ge=1, le=1 << 16)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Confinement:
+    enabled: bool = True
+    uid_range: str = JailSettings.uid_range
+    max_open_files: int = Field(default=JailSettings.max_open_files, ge=64, le=1 << 20)
+    max_file_size_mib: int = Field(default=JailSettings.max_file_size_mib, ge=64, le=1 << 32)
+
+    @field_validator("uid_range")
+    @classmethod
+    def _valid_range(cls, text: str) -> str:
+        return JailSettings(uid_range=text).uid_range  # a malformed or privileged range: a ValueError naming it
+
+    @property
+    def jail(self) -> JailSettings:
+        return JailSettings(enabled=self.enabled, uid_range=self.uid_range, max_open_files=self.max_open_files,
+                            max_file_size_mib=self.max_file_size_mib)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -225,6 +252,7 @@ class DaemonConfig:
     transfers: Transfers = field(default_factory=Transfers)
     disk: Disk = field(default_factory=Disk)
     uploads: Uploads = field(default_factory=Uploads)
+    confinement: Confinement = field(default_factory=Confinement)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -238,7 +266,7 @@ class DaemonConfig:
     @property
     def backend_options(self) -> BackendOptions:
         return BackendOptions(accelerator=self.accelerator, tcg_tb_size_mib=self.tcg_tb_size_mib,
-                              vmm_huge_pages=self.vmm_huge_pages)
+                              vmm_huge_pages=self.vmm_huge_pages, confinement=self.confinement.jail)
 
     @property
     def paths(self) -> Paths:

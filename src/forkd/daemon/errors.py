@@ -7,8 +7,10 @@ unknown route or method), so no client ever sees a bare ``{"detail": ...}``.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,11 +37,32 @@ HANDLED_ERRORS = (ValidationError, LookupError, SnapshotError, ImageError, VmmEr
                   SandboxEnded, IncompatibleSnapshot, IdempotencyConflict, Draining, DiskFull)
 
 
+T = TypeVar("T")
 BUSY_RETRY_AFTER_S = "1"  # seconds; a branch or fork slot frees in about that time on a loaded host
 
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready; the call was ended (answered 499, seen by no one)."""
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (and so its guest call) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone
+    return task.result()
 
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:

@@ -97,7 +97,8 @@ class SandboxCreate(Strict):
     snapshot_tag: Tag | None = Field(default=None, description="the snapshot to fork (or give snapshot_digest)")
     snapshot_digest: Digest | None = Field(default=None, description="the snapshot by digest (GET /v1/node)")
     idempotency_key: Label | None = Field(default=None, description=(
-        "a retried fork with this key is answered the same and forks no more children (kept 24 h)"))
+        "a retried fork with this key is answered the same and forks no more children (kept 24 h, the newest "
+        "10,000 keys; a fork no client waits for is given up after 60 s)"))
     owner: Label | None = Field(default=None, description="a label stored with each child, to list and kill by")
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHILDREN_PER_REQUEST)
     timeout_s: SandboxTimeout | None = None
@@ -268,7 +269,9 @@ class BranchRequest(Strict):
     mode: Literal["full", "diff", "live"] = Field(
         default="diff", description="full: whole memory file; diff: only pages changed since the parent; "
                                     "live: full, with memory pre-copied while the guest runs where the kernel tracks soft-dirty pages")
-    wait: bool = Field(default=True, description="false: answer 202 at once with status `writing`")
+    wait: bool = Field(default=True, description="false: answer 202 with status `writing` right after the pause "
+                                                 "(the snapshot holds the sandbox as it was then; its layers are "
+                                                 "written in the background)")
 
 
 class WorkspaceCreate(Strict):

@@ -28,7 +28,8 @@ from forkd.daemon.app import create_app
 from forkd.daemon.middleware.audit import AuditLog, AuditMiddleware
 from forkd.daemon.middleware.auth import TokenAuth
 from forkd.daemon.middleware.body_limit import BodyLimit
-from forkd.daemon.config import DaemonConfig, Server
+from forkd.daemon.middleware.timing import ServerTiming
+from forkd.daemon.config import ConfigError, DaemonConfig, Server
 from forkd.daemon.lock import DaemonAlreadyRunning, HomeLock
 from forkd.daemon.notify import notify
 from forkd.e2b import app as e2b_app
@@ -40,6 +41,7 @@ from forkd.listeners import (ListenerError, SocketInUse, bind_private_socket, bi
 from forkd.runtime.runtime import Runtime
 from forkd.safetext import visible
 from forkd.vmm.backends import create_vmm
+from forkd.vmm.base import VmmError
 
 log = logging.getLogger("forkd.daemon")
 
@@ -147,6 +149,10 @@ async def serve(config: DaemonConfig) -> None:
     tcp = TcpListener.from_config(config)
     e2b_address = parse_address(config.e2b.listen, "--e2b-listen", 3000) if config.e2b.listen else None
     credentials = e2b_credentials(config) if e2b_address is not None else None
+    try:  # before any socket or lock is taken: a host that cannot confine VMMs is refused here
+        vmm = create_vmm(config.vmm, config.backend_options)
+    except VmmError as exc:
+        raise ConfigError(str(exc)) from None
     home_lock = HomeLock.acquire(paths.home, paths.socket)
     try:
         sockets = [bind_private_socket(paths.socket)]
@@ -167,16 +173,17 @@ async def serve(config: DaemonConfig) -> None:
         paths.socket.unlink(missing_ok=True)
         home_lock.release()
         raise
-    vmm = create_vmm(config.vmm, config.backend_options)
     runtime = await Runtime.open(paths, vmm, config.runtime_options)
     audit = AuditLog(paths.audit_log, max_bytes=config.audit.max_bytes, backups=config.audit.backups)
     e2b_front = E2BFront(runtime, credentials, config.e2b.domain or f"localhost:{e2b_address[1]}", Storage(
-        runtime, None if config.e2b.owner_quota_mib is None else config.e2b.owner_quota_mib << 20)) if e2b_address is not None and credentials is not None else None
+        runtime, None if config.e2b.owner_quota_mib is None else config.e2b.owner_quota_mib << 20),
+        config.e2b.max_pause_chain) if e2b_address is not None and credentials is not None else None
     api = BodyLimit(create_app(runtime, [e2b_front.keeper] if e2b_front is not None else []))
     # The Unix listener runs the app's lifespan (start, and on shutdown kill every child).
-    servers = [_server(AuditMiddleware(api, audit, "unix"), "on", config.server)]
+    servers = [_server(ServerTiming(AuditMiddleware(api, audit, "unix")), "on", config.server)]
     if tcp is not None:
-        servers.append(_server(AuditMiddleware(TokenAuth(api, tcp.token), audit, "tcp"), "off", config.server, tcp))
+        servers.append(_server(ServerTiming(AuditMiddleware(TokenAuth(api, tcp.token), audit, "tcp")), "off",
+                               config.server, tcp))
         scheme = "https" if tcp.tls_cert else "http"
         log.info("listening on %s://%s:%d (bearer token required)%s", scheme, tcp.host, tcp.port,
                  "" if tcp.loopback or tcp.tls_cert else "; WARNING: no TLS on a non-loopback address")

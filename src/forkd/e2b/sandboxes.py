@@ -2,7 +2,9 @@
 
 An E2B sandbox id names a forkd sandbox, or a workspace once it has been paused: pausing adopts
 the sandbox into a workspace named after it and suspends that (a diff BRANCH, then the VMM is
-killed, so its memory is freed); resuming forks the workspace's last layer. The E2B id stays the
+killed, so its memory is freed); resuming forks the workspace's last layer. A pause that leaves a
+chain deeper than ``max_pause_chain`` compacts it (runtime/workspaces.py): the resume then forks one
+standalone snapshot, and the layers it replaced go to the collector (storage.py). The E2B id stays the
 same across pause/resume while the forkd sandbox behind it changes, so every request resolves
 the id first. Fork is a BRANCH of the running sandbox plus N children of that snapshot.
 
@@ -46,6 +48,7 @@ _WORKSPACE_LABEL = "workspace"  # the label a workspace's sandboxes carry (runti
 NONCE_LABEL = "forkd.e2b-nonce"
 PUBLIC_LABEL = "forkd.e2b-public"  # "true": the sandbox's own ports answer without its token (allowPublicTraffic)
 _DERIVED_META = ("source_sandbox", "compacted_from")  # a snapshot holding some sandbox's state
+MAX_PAUSE_CHAIN = 8  # default: a pause leaving a deeper chain compacts it
 log = logging.getLogger("forkd.e2b")
 
 
@@ -87,10 +90,11 @@ class Resolved:
 
 class E2BSandboxes:
     def __init__(self, runtime: Runtime, credentials: Credentials, storage: Storage,
-                 domain: str | None = None) -> None:
+                 domain: str | None = None, max_pause_chain: int = MAX_PAUSE_CHAIN) -> None:
         self.runtime = runtime
         self.credentials = credentials
         self.storage = storage
+        self.max_pause_chain = max_pause_chain  # 0: pause chains grow without bound
         self.domain = domain  # what the SDKs' get_host(port) builds on: {port}-{sandboxID}.{domain}
         # One lifecycle change at a time per E2B id: a resume, a pause (asked for, or at the timeout)
         # and a kill never interleave, and two requests to a paused sandbox resume it once.
@@ -284,23 +288,32 @@ class E2BSandboxes:
         described = [self.describe(r) for r in found if principal.sees(r.owner)]
         return [d for d in described if all(d["metadata"].get(k) == v for k, v in metadata.items())]
 
-    async def set_timeout(self, principal: Principal, e2b_id: str, timeout_s: int, extend_only: bool = False) -> None:
-        resolved = self.resolve(e2b_id, principal)
-        if resolved.live is None:
-            if not Policy.of(resolved.labels).auto_resume:
-                raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
-            resolved = await self._resume(e2b_id, timeout_s)
-        live = resolved.live
-        assert live is not None
-        pausing = Policy.of(resolved.labels).pause
-        current = pause_at(resolved.labels) if pausing else live.record.end_at
-        if extend_only and current is not None and current >= time.time() + timeout_s:
-            return
-        if pausing:
+    async def set_timeout(self, principal: Principal, e2b_id: str, timeout_s: int, extend_only: bool = False,
+                          resume: bool = False) -> None:
+        """A new deadline; a paused sandbox is resumed first when it has ``autoResume`` (or ``resume``).
+        A pause between the first look and the lifecycle lock makes it start over: as if this request
+        came after the pause (a few times at most, then 409)."""
+        for _ in range(3):
+            resolved = self.resolve(e2b_id, principal)
+            if resolved.live is None:
+                if not (resume or Policy.of(resolved.labels).auto_resume):
+                    raise E2BError(409, f"sandbox {e2b_id} is paused; resume it with Sandbox.connect() first")
+                resolved = await self._resume(e2b_id, timeout_s)
+            live = resolved.live
+            assert live is not None
+            pausing = Policy.of(resolved.labels).pause
+            current = pause_at(resolved.labels) if pausing else live.record.end_at
+            if extend_only and current is not None and current >= time.time() + timeout_s:
+                return
+            if not pausing:
+                await self.runtime.sandboxes.set_timeout(live.record.id, timeout_s)
+                return
             async with self.lock(e2b_id):
-                await self._set_pause_at(self.resolve(e2b_id), timeout_s)
-        else:
-            await self.runtime.sandboxes.set_timeout(live.record.id, timeout_s)
+                now = self.resolve(e2b_id, principal)
+                if now.live is not None:
+                    await self._set_pause_at(now, timeout_s)
+                    return
+        raise E2BError(409, f"sandbox {e2b_id} was paused again while its timeout was set; try again")
 
     async def connect(self, principal: Principal, e2b_id: str, timeout_s: int) -> tuple[int, dict[str, Any]]:
         """Resume a paused sandbox (201) or extend a running one's deadline (200)."""
@@ -309,7 +322,7 @@ class E2BSandboxes:
         if resolved.live is None:
             await self._resume(e2b_id, timeout_s)
             status = 201
-        await self.set_timeout(principal, e2b_id, timeout_s, extend_only=status == 200)
+        await self.set_timeout(principal, e2b_id, timeout_s, extend_only=status == 200, resume=True)
         resolved = self.resolve(e2b_id, principal)
         return status, self.created(e2b_id, self.describe(resolved)["templateID"], resolved.nonce)
 
@@ -365,6 +378,22 @@ class E2BSandboxes:
             await self.runtime.workspaces.suspend(e2b_id)
         except (SnapshotConflict, SnapshotError) as exc:
             raise E2BError(409, f"sandbox {e2b_id} could not be paused: {exc}") from None
+        await self._bound_chain(e2b_id)
+
+    async def _bound_chain(self, e2b_id: str) -> None:
+        """Compact the paused sandbox's chain when it passed ``max_pause_chain``; the layers it replaced are
+        doomed (removed once no snapshot of the sandbox needs them). A failure keeps the deep chain, which
+        loses nothing: the next pause tries again."""
+        if not self.max_pause_chain:
+            return
+        try:
+            replaced = await self.runtime.workspaces.compact(e2b_id, self.max_pause_chain)
+        except Exception as exc:  # noqa: BLE001 - the pause itself succeeded
+            log.warning("sandbox %s is paused but its chain of layers could not be compacted (%s); the next "
+                        "pause tries again", e2b_id, exc)
+            return
+        if replaced:
+            await self.storage.doom(replaced)
 
     async def fork(self, principal: Principal, e2b_id: str, count: int, timeout_s: int) -> list[dict[str, Any]]:
         """BRANCH the running sandbox (diff layer), then start ``count`` children of it; one result each.

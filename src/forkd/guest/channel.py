@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import socket
 import sys
 import threading
@@ -53,6 +54,15 @@ class Channel:
         self._write_fd = write_fd
         self._reconnects = reconnects
         self._write_lock = threading.Lock()
+        self._buf = bytearray()  # read, not yet yielded
+
+    def wait_readable(self, fds: list[Any], timeout: float) -> list[Any]:
+        """The reader thread's bounded wait (it reads the host, so only it may call this): which of
+        ``fds`` became readable within ``timeout``; none at once when the host has sent something."""
+        if b"\n" in self._buf:
+            return []
+        ready = select.select([*fds, self._read_fd], [], [], timeout)[0]
+        return [] if self._read_fd in ready else ready
 
     def send(self, frame: dict[str, Any], *, after: bytes = b"") -> None:
         """Write one frame, after ``after`` (frames encoded already) in the same write.
@@ -72,7 +82,7 @@ class Channel:
         Of a line longer than MAX_FRAME_BYTES only the first part is yielded, for decode_frame
         to reject; the rest is skipped, so one huge frame cannot exhaust guest memory.
         """
-        buf = bytearray()
+        buf = self._buf
         skipping = False
         while True:
             chunk = self._read()
@@ -85,10 +95,11 @@ class Channel:
                 continue
             buf += chunk
             while (end := buf.find(b"\n")) >= 0:
+                line = bytes(buf[:end])
+                del buf[: end + 1]  # before the yield: what stays in the buffer is what the host sent next
                 if not skipping:
-                    yield bytes(buf[:end])
+                    yield line
                 skipping = False
-                del buf[: end + 1]
             if len(buf) > protocol.MAX_FRAME_BYTES and not skipping:
                 yield bytes(buf)
                 skipping = True

@@ -4,8 +4,9 @@ Op modules (processes, interpreters, files, ...) each provide an *op family*: an
 ``handlers()`` maps op names to handler functions and whose ``shutdown()`` releases what it
 started. The agent serves the union of its families; adding a family is one line in
 :func:`forkd_guest.agent.op_families`. Handlers marked :func:`inline` are answered on the reader
-thread (short ops that must stay fast even while every worker is busy); all others run on
-pre-started worker threads, so no request starts a thread.
+thread (short ops that must stay fast even while every worker is busy); handlers marked
+:func:`eager` start there and either answer at once or hand what could wait to a worker
+(:class:`Deferred`); all others run on pre-started worker threads, so no request starts a thread.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import errno
 import os
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -48,6 +50,25 @@ def inline(handler: Handler) -> Handler:
     """Mark a handler as short and non-blocking: it runs on the reader thread, never queued."""
     handler.inline = True  # type: ignore[attr-defined]
     return handler
+
+
+def eager(handler: Handler) -> Handler:
+    """Mark a handler that starts on the reader thread and never blocks there: it answers at once, or
+    returns a :class:`Deferred` for a worker to finish (a wait, a fork, anything that may take long).
+
+    Each hand-over to a worker costs a TCG guest ~0.5 ms (a futex wake, the GIL passed on, a thread
+    switch), the price of a whole short cell's queue hop (bench/roundtrip.py).
+    """
+    handler.eager = True  # type: ignore[attr-defined]
+    return handler
+
+
+class Deferred:
+    """An eager handler's rest, for a worker: ``fn(request, *args)`` returns the result (or raises)."""
+
+    def __init__(self, fn: Callable[..., dict[str, Any]], *args: Any) -> None:
+        self.fn = fn
+        self.args = args
 
 
 class AgentError(Exception):
@@ -170,8 +191,26 @@ class Request:
         self._inflight = inflight
         self._control: Control | None = None
         self._held = b""  # encoded events that go out with the next frame, in one write
+        self.trace: list[list[Any]] | None = None  # [stage, ns] marks, when the host asked (protocol.TRACE)
         if inflight is not None:
             inflight.add(self)
+
+    def mark(self, stage: str) -> None:
+        """End stage ``stage`` now, in the answer's trace (if the host asked for one)."""
+        if self.trace is not None and len(self.trace) < protocol.MAX_TRACE_MARKS:
+            self.trace.append([stage, time.monotonic_ns()])
+
+    def add_marks(self, marks: Any) -> None:
+        """Marks another process of the guest took (a context's), checked and bounded like the host does."""
+        checked = protocol.trace_marks({protocol.TRACE: marks})
+        for stage, at in checked or ():
+            if self.trace is not None and len(self.trace) < protocol.MAX_TRACE_MARKS:
+                self.trace.append([stage, at])
+
+    def wait_readable(self, fds: list[Any], timeout: float) -> list[Any]:
+        """For an eager handler on the reader thread: which of ``fds`` became readable within ``timeout``;
+        none at once when the host sends another request meanwhile (the reader must go and read it)."""
+        return self._channel.wait_readable(fds, timeout)
 
     def control(self) -> Control:
         """This request's Control (made on first use: by the op, or by a flow.* / cancel for it)."""
@@ -180,11 +219,32 @@ class Request:
                 self._control = Control()
             return self._control
 
-    def run(self, handler: Handler) -> None:
+    def run(self, handler: Handler) -> Deferred | None:
+        """Run ``handler`` and send its answer; an eager one's :class:`Deferred` is returned unanswered."""
+        self.mark("started")
         try:
-            frame = protocol.ok(self.id, handler(self))
+            result = handler(self)
+            if isinstance(result, Deferred):
+                return result
+            frame = protocol.ok(self.id, result)
         except Exception as exc:
             frame = error_frame(self.id, exc)
+        self._answer(frame)
+        return None
+
+    def resume(self, deferred: Deferred) -> None:
+        """Finish an eager handler's :class:`Deferred` (on a worker) and send its answer."""
+        self.mark("resumed")
+        try:
+            frame = protocol.ok(self.id, deferred.fn(self, *deferred.args))
+        except Exception as exc:
+            frame = error_frame(self.id, exc)
+        self._answer(frame)
+
+    def _answer(self, frame: dict[str, Any]) -> None:
+        if self.trace is not None:
+            self.mark("handled")
+            frame[protocol.TRACE] = self.trace
         if self._inflight is not None:
             self._inflight.remove(self)
         if self._control is not None:
@@ -381,6 +441,7 @@ class Dispatcher:
                 log(f"shutdown failed:\n{traceback.format_exc()}")
 
     def _dispatch(self, channel: Channel, line: bytes) -> None:
+        read_at = time.monotonic_ns() if b'"trace"' in line else 0  # a clock read only for traced requests
         frame = None
         try:
             frame = protocol.decode_frame(line)
@@ -392,7 +453,16 @@ class Dispatcher:
         if handler is None:
             channel.send(protocol.error(req_id, protocol.ERR_UNKNOWN_OP, f"unknown op {op!r}"))
             return
-        if getattr(handler, "inline", False):
-            Request(channel, req_id, op, args).run(handler)
+        inline_op = getattr(handler, "inline", False)
+        request = Request(channel, req_id, op, args, None if inline_op else self.inflight)
+        if protocol.traced(frame):
+            request.trace = [["read", read_at or time.monotonic_ns()]]
+            request.mark("decoded")
+        if inline_op:
+            request.run(handler)
+        elif getattr(handler, "eager", False):
+            deferred = request.run(handler)
+            if deferred is not None:
+                self._workers.submit(request.resume, deferred)
         else:
-            self._workers.submit(Request(channel, req_id, op, args, self.inflight).run, handler)
+            self._workers.submit(request.run, handler)

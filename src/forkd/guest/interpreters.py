@@ -24,7 +24,7 @@ from typing import Any
 
 from . import protocol
 from .channel import log
-from .dispatch import AgentError, Control, Handler, Request, inline
+from .dispatch import AgentError, Control, Deferred, Handler, Request, eager, inline
 from .template_process import FrameSocket, TemplateProcess
 
 DEFAULT_CONTEXT = "default"
@@ -39,6 +39,14 @@ EXIT_REPORT_S = 5.0
 
 #: How much of faulthandler's report of a crashed context is passed on.
 FAULT_REPORT_BYTES = 64 * 1024
+
+#: A cell is sent from the reader thread only up to this size (a bigger send may wait for the context).
+EAGER_CELL_CHARS = 64 * 1024
+#: How long the reader thread waits for a cell's answer before a worker takes over. The wait ends at once
+#: when the host sends anything, so it delays no other request; a longer cell pays one hand-over.
+EAGER_WAIT_S = 0.1
+#: At most this many of a cell's frames are relayed on the reader thread; a cell printing on goes to a worker.
+EAGER_FRAMES = 8
 
 
 def _describe_signal(sig: int | None, exit_code: int | None) -> str:
@@ -155,13 +163,15 @@ class PythonRuntime:
         return {"imported": modules, "seconds": time.monotonic() - started,
                 "warm_generators": warmed.get("warm_generators", 0)}
 
-    def run_code(self, req: Request) -> dict[str, Any]:
-        args = {"code": req.arg("code", str), **self._cell_limits(req)}
-        return self._serve(req, protocol.OP_RUN_CODE, args)
+    @eager
+    def run_code(self, req: Request) -> dict[str, Any] | Deferred:
+        code = req.arg("code", str)
+        return self._start(req, protocol.OP_RUN_CODE, {"code": code, **self._cell_limits(req)}, len(code))
 
-    def eval(self, req: Request) -> dict[str, Any]:
-        args = {"expr": req.arg("expr", str), **self._cell_limits(req)}
-        return self._serve(req, protocol.OP_EVAL, args)
+    @eager
+    def eval(self, req: Request) -> dict[str, Any] | Deferred:
+        expr = req.arg("expr", str)
+        return self._start(req, protocol.OP_EVAL, {"expr": expr, **self._cell_limits(req)}, len(expr))
 
     def create_context(self, req: Request) -> dict[str, Any]:
         name = req.arg("id", str, None) or uuid.uuid4().hex
@@ -280,6 +290,58 @@ class PythonRuntime:
 
     # ---- running cells -------------------------------------------------------------------------
 
+    def _start(self, req: Request, op: str, args: dict[str, Any], size: int) -> dict[str, Any] | Deferred:
+        """On the reader thread: send the cell if its context is idle, and answer at once if it answered.
+
+        The reader waits up to EAGER_WAIT_S for the answer, but never while the host has sent something
+        else, so a short cell is answered without waking a worker. Whatever could wait longer goes to
+        a worker: a context to fork, a busy one or one owed a reseed, a big cell, a long one, a cell that
+        prints on, a steered one (its flow.* or cancel ends the wait), a crash (its exit report may take
+        a while).
+        """
+        name = req.arg("context", str, DEFAULT_CONTEXT)
+        with self._lock:
+            context = self._contexts.get(name)
+        if (context is None or size > EAGER_CELL_CHARS or context.pending_entropy is not None
+                or not context.lock.acquire(blocking=False)):
+            return Deferred(self._serve, op, args)
+        handed_over = False
+        try:
+            deadline = self._send_cell(req, op, args, context)
+            control = req.control()
+            wait_until = time.monotonic() + EAGER_WAIT_S if deadline is None else min(deadline, time.monotonic() + EAGER_WAIT_S)
+            for _ in range(EAGER_FRAMES):
+                if not context.link.buffered() and not req.wait_readable(
+                        [context.link.sock], max(0.0, wait_until - time.monotonic())):
+                    break
+                try:
+                    frame = context.link.read(timeout=0)
+                except TimeoutError:  # a frame only partly written yet
+                    break
+                if frame is None:
+                    handed_over = True
+                    return Deferred(self._finish, op, context, deadline, True)
+                result = self._relayed(req, frame, context, control)
+                if result is not None:
+                    return result
+            handed_over = True
+            return Deferred(self._finish, op, context, deadline, False)
+        except OSError:  # the socket broke under us: the process is gone; its exit report may take a while
+            handed_over = True
+            return Deferred(self._finish, op, context, None, True)
+        finally:
+            if not handed_over:
+                context.lock.release()
+
+    def _finish(self, req: Request, op: str, context: Context, deadline: float | None, crashed: bool) -> dict[str, Any]:
+        """On a worker: the rest of a cell the reader thread sent; the context's lock is released here."""
+        try:
+            return self._crashed(req, op, context) if crashed else self._exchange(req, op, context, deadline)
+        except OSError:
+            return self._crashed(req, op, context)
+        finally:
+            context.lock.release()
+
     def _serve(self, req: Request, op: str, args: dict[str, Any]) -> dict[str, Any]:
         name = req.arg("context", str, DEFAULT_CONTEXT)
         timeout_s = args.get("timeout_s")
@@ -291,24 +353,45 @@ class PythonRuntime:
                 entropy, context.pending_entropy = context.pending_entropy, None
                 if context.call(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(entropy)}) is None:
                     return self._crashed(req, op, context)
-            return self._exchange(req, op, args, context, timeout_s)
+            return self._exchange(req, op, context, self._send_cell(req, op, args, context))
         except OSError:  # the socket broke under us: the process is gone
             return self._crashed(req, op, context)
         finally:
             context.lock.release()
 
-    def _exchange(self, req: Request, op: str, args: dict[str, Any], context: Context,
-                  timeout_s: float | None) -> dict[str, Any]:
-        """Send one cell and relay its frames until the answer, a crash, the deadline or a cancel.
+    def _send_cell(self, req: Request, op: str, args: dict[str, Any], context: Context) -> float | None:
+        """Send one cell to its context (whose lock the caller holds); its deadline."""
+        control = req.control()
+        control.on_cancel(lambda: _interrupt(context.pid))
+        timeout_s = args.get("timeout_s")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        context.link.send(protocol.request(next(context.ids), op, {**args, "deadline": deadline},
+                                           trace=req.trace is not None))
+        req.mark("ctx_sent")
+        return deadline
+
+    @staticmethod
+    def _relayed(req: Request, frame: dict[str, Any], context: Context, control: Control) -> dict[str, Any] | None:
+        """A context's frame passed on: the cell's result for its answer, None for an event (emitted; held
+        for the next write while more frames wait already)."""
+        if protocol.is_terminal(frame):
+            req.add_marks(frame.get(protocol.TRACE))
+            req.mark("ctx_answered")
+            if frame.get("ok"):
+                return frame.get("result") or {}
+            err = dict(frame.get("error") or {})
+            raise AgentError(str(err.pop("code", protocol.ERR_INTERNAL)), str(err.pop("message", "")), **err)
+        req.emit(str(frame.get("event")), frame.get("data") or {}, hold=context.link.buffered() and not control.paused)
+        return None
+
+    def _exchange(self, req: Request, op: str, context: Context, deadline: float | None) -> dict[str, Any]:
+        """Relay a sent cell's frames until the answer, a crash, the deadline or a cancel.
 
         The cell's deadline is enforced from here: SIGINT when it passes (the context raises
         TimeoutError, as it knows the deadline too), a kill if the cell is still running GRACE_S
         later. A cancel is SIGINT at once, a kill GRACE_S later.
         """
         control = req.control()
-        control.on_cancel(lambda: _interrupt(context.pid))
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        context.link.send(protocol.request(next(context.ids), op, {**args, "deadline": deadline}))
         wake_at = deadline  # then: when a cell that ignored its interrupt is killed
         interrupted = False
         cancel_deadline: float | None = None
@@ -332,13 +415,9 @@ class PythonRuntime:
             frame = context.link.read()
             if frame is None:
                 return self._crashed(req, op, context)
-            if protocol.is_terminal(frame):
-                if frame.get("ok"):
-                    return frame.get("result") or {}
-                err = dict(frame.get("error") or {})
-                raise AgentError(str(err.pop("code", protocol.ERR_INTERNAL)), str(err.pop("message", "")), **err)
-            req.emit(str(frame.get("event")), frame.get("data") or {},
-                     hold=context.link.buffered() and not control.paused)
+            result = self._relayed(req, frame, context, control)
+            if result is not None:
+                return result
 
     def _crashed(self, req: Request, op: str, context: Context) -> dict[str, Any]:
         """The answer for a cell whose interpreter died: the signal, and the context restored."""

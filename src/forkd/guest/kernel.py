@@ -10,7 +10,10 @@ socket close and answers ``InterpreterCrashed``.
 Rich results follow E2B's code interpreter: every ``display(obj)`` and the cell's last value
 become results with keys among ``text, html, markdown, svg, png, jpeg, pdf, latex, json,
 javascript, extra`` plus ``is_main_result``; matplotlib figures shown in a cell come back as PNG,
-with their data as E2B's ``chart`` (:mod:`charts`).
+with their data as E2B's ``chart`` (:mod:`charts`). A result too large for a frame is replaced by
+a text result saying so (:data:`RESULT_MAX_BYTES`), and the cell's answer carries its results up to
+:data:`RESULTS_MAX_BYTES` (the rest were streamed as events and are named there by a marker), so a
+cell showing a huge figure or many of them still answers.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import builtins
 import collections
 import io
 import itertools
+import json
 import linecache
 import os
 import select
@@ -42,6 +46,12 @@ OUTPUT_CHUNK_CHARS = 64 * 1024
 #: with every one it ran. A traceback through an older cell names its file and line, without the text.
 CELL_SOURCES_KEPT = 10_000
 CELL_SOURCES_MAX_CHARS = 16 * 1024 * 1024
+
+#: One rich result's JSON at most (a plot with plotly.js inlined takes ~4 MiB): its event must fit in
+#: a frame (``protocol.MAX_FRAME_BYTES``) next to the answer's own fields.
+RESULT_MAX_BYTES = 8 * 1024 * 1024
+#: What the cell's answer carries of all its results (one frame, with the error and its traceback).
+RESULTS_MAX_BYTES = 12 * 1024 * 1024
 
 
 _INTERNAL_FILES = frozenset({__file__, ast.__file__})
@@ -105,7 +115,8 @@ class _Run:
         self.conn = conn
         self.id = req_id
         self.budget = protocol.OutputBudget(output_limit)
-        self.results: list[dict[str, Any]] = []
+        self.results: list[dict[str, Any]] = []  # what the answer carries: RESULTS_MAX_BYTES at most
+        self._results_bytes = 0
         self.held: list[dict[str, Any]] = []  # sent with the terminal frame, in the same write
 
     def output(self, name: str, text: str) -> None:
@@ -115,12 +126,31 @@ class _Run:
 
     def result(self, result: dict[str, Any], *, last: bool = False) -> None:
         """Send a result event now, or (``last``: nothing follows but the answer) with the answer."""
-        self.results.append(result)
+        size = len(json.dumps(result))
+        if size > RESULT_MAX_BYTES:
+            formats = "/".join(sorted(result.keys() - {"is_main_result"}))
+            result, size = _marker(result, f"result not sent: its {formats} take {size / 2**20:.1f} MiB, over the "
+                                           f"{RESULT_MAX_BYTES >> 20} MiB one result may; save it to a file in the "
+                                           "sandbox and read that instead")
+        if self._results_bytes + size > RESULTS_MAX_BYTES:
+            kept, _ = _marker(result, f"result not kept in the cell's answer: its results passed "
+                                      f"{RESULTS_MAX_BYTES >> 20} MiB (a streamed run_code receives every one)")
+            self.budget.truncated = True
+        else:
+            kept = result
+            self._results_bytes += size
+        self.results.append(kept)
         frame = protocol.event(self.id, protocol.EVENT_RESULT, result)
         if last:
             self.held.append(frame)
         else:
             self.conn.send(frame)
+
+
+def _marker(result: dict[str, Any], why: str) -> tuple[dict[str, Any], int]:
+    """A text result standing for one that was dropped, and its size."""
+    marker = {"text": f"[{why}]", "is_main_result": bool(result.get("is_main_result"))}
+    return marker, len(json.dumps(marker))
 
 
 _current: _Run | None = None
@@ -334,6 +364,7 @@ class Kernel:
         conn.exit_on_hangup()
         self._interrupts = Interrupts()
         while (frame := conn.receive()) is not None:
+            marks = [["ctx_read", time.monotonic_ns()]] if protocol.traced(frame) else None
             req_id, op, args = protocol.parse_request(frame)
             if op == protocol.OP_RESEED:
                 entropy = base64.b64decode(args["entropy_b64"])
@@ -341,7 +372,11 @@ class Kernel:
                 continue
             run = _Run(conn, req_id, args.get("output_limit"))
             result = self.run(run, op, args)
-            conn.send(*run.held, protocol.ok(req_id, result))
+            answer = protocol.ok(req_id, result)
+            if marks is not None:
+                marks.append(["ctx_ran", time.monotonic_ns()])
+                answer[protocol.TRACE] = marks
+            conn.send(*run.held, answer)
 
     def run(self, run: _Run, op: str, args: dict[str, Any]) -> dict[str, Any]:
         global _current

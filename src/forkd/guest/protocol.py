@@ -17,6 +17,10 @@ Zero or more event frames, then exactly one terminal frame::
     {"id": 7, "ok": false, "error": {"code": "timeout", "message": "..."}}
 
 Binary payloads travel base64-encoded in fields whose names end in ``_b64``.
+
+A request may carry ``"trace": true``; its terminal frame then carries ``"trace": [[stage, ns], ...]``,
+the guest's CLOCK_MONOTONIC at the end of each stage it passed (read, decoded, started, ...; see
+docs/guest-protocol.md). Agents before this ignore the key and answer without one.
 """
 
 from __future__ import annotations
@@ -125,6 +129,31 @@ ALL_OPS = frozenset(
     }
 )
 
+#: The envelope key of a request's trace ask (``true``) and of its answer's marks (``[[stage, ns], ...]``).
+TRACE = "trace"
+#: Most marks an answer's trace may carry; a host drops a trace that breaks this or the shape.
+MAX_TRACE_MARKS = 16
+
+
+def traced(frame: dict[str, Any]) -> bool:
+    """True when a request asks for its answer's trace."""
+    return frame.get(TRACE) is True
+
+
+def trace_marks(frame: dict[str, Any]) -> list[tuple[str, int]] | None:
+    """The ``(stage, ns)`` marks of an answer's trace, None if it has none or one of the wrong shape."""
+    marks = frame.get(TRACE)
+    if not isinstance(marks, list) or len(marks) > MAX_TRACE_MARKS:
+        return None
+    checked = []
+    for mark in marks:
+        if not (isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], str) and len(mark[0]) <= 32
+                and isinstance(mark[1], int) and not isinstance(mark[1], bool)):
+            return None
+        checked.append((mark[0], mark[1]))
+    return checked
+
+
 # Event names streamed before a terminal frame.
 EVENT_STARTED = "started"  # exec: {"pid": int}
 EVENT_STDOUT = "stdout"  # exec: {"data_b64": str}; run_code: {"text": str}
@@ -213,8 +242,11 @@ def decode_frame(line: bytes) -> dict[str, Any]:
     return frame
 
 
-def request(req_id: int, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": req_id, "op": op, "args": args or {}}
+def request(req_id: int, op: str, args: dict[str, Any] | None = None, *, trace: bool = False) -> dict[str, Any]:
+    frame: dict[str, Any] = {"id": req_id, "op": op, "args": args or {}}
+    if trace:
+        frame[TRACE] = True
+    return frame
 
 
 def event(req_id: Any, name: str, data: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from forkd.config import Paths
 from forkd.host import probes
 from forkd.vmm.accel import choose_accelerator, probe_kvm
 from forkd.vmm.base import VmmError
+from forkd.vmm.jail import Jail, JailSettings
 from forkd.vmm.qemu_machine import QEMU_BINARY, cpu_model, machine_type
 from forkd.vmm.kvm_speed import probe_speed
 from forkd.vmm.procmem import soft_dirty_supported
@@ -100,9 +101,20 @@ def _tools() -> list[Check]:
                                                  "QEMU's versioned machine in every snapshot's identity)"))
         except VmmError as exc:
             checks.append(Check("machine", "fail", str(exc), "run `bash scripts/setup` (installs qemu-system-x86)"))
+    checks.append(_jail())
     firecracker = _command_version(["firecracker", "--version"]) if shutil.which("firecracker") else None
     checks.append(Check("firecracker", "ok", firecracker or "not installed (optional: forkd runs on QEMU)"))
     return checks
+
+
+def _jail() -> Check:
+    """What the daemon refuses to start without (unless `[confinement] enabled = false`), with the default range."""
+    jail = Jail(JailSettings())
+    try:
+        jail.check()
+    except VmmError as exc:
+        return Check("vmm jail", "fail", str(exc), "see docs/security.md, \"The VMM process\"")
+    return Check("vmm jail", "ok", f"each VMM: its own uid from {jail.ids}, pid and mount namespaces, rlimits")
 
 
 def _images(paths: Paths) -> list[Check]:

@@ -6,12 +6,16 @@ other exception would reach the model only as a bare "Error executing tool" line
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from typing import TypeVar
+
 from mcp.server.mcpserver.exceptions import ToolError
 
 from forkd.errors import KINDS, kind_for
 from forkd.sdk.controller import ForkdError
 
 _NO_ROUTE_STATUSES = (404, 405)
+T = TypeVar("T")
 
 
 def readable(exc: ForkdError) -> str:
@@ -27,3 +31,11 @@ def readable(exc: ForkdError) -> str:
 
 def tool_error(exc: ForkdError) -> ToolError:
     return ToolError(readable(exc))
+
+
+async def answered(answer: Awaitable[T]) -> T:
+    """A daemon call's answer; daemon errors become readable tool errors."""
+    try:
+        return await answer
+    except ForkdError as exc:
+        raise tool_error(exc) from None

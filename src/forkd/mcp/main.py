@@ -11,6 +11,7 @@ from forkd import __version__
 from forkd.listeners import ListenerError
 from forkd.mcp.http import TOKEN_FILE_ENV, HttpOptions, default_token_file, open_endpoint, serve_http
 from forkd.mcp.server import build_server
+from forkd.mcp.terminals import Holdings
 from forkd.sdk.async_controller import AsyncController
 
 FilePath = click.Path(dir_okay=False, path_type=Path)
@@ -46,10 +47,15 @@ def main(transport: str, host: str, port: int, socket_path: Path | None, token_f
 
     async def serve() -> None:
         async with AsyncController() as controller:
-            server = build_server(controller)
-            if endpoint is None:
-                await server.run_stdio_async()
-            else:
-                await serve_http(server, endpoint)
+            holdings = Holdings(controller)
+            server = build_server(controller, holdings)
+            try:
+                if endpoint is None:
+                    await server.run_stdio_async()
+                else:
+                    await serve_http(server, endpoint)
+            finally:  # the session (stdio) or the server ended: its terminals are hung up, its watchers removed
+                with anyio.CancelScope(shield=True):
+                    await holdings.close()
 
     anyio.run(serve)

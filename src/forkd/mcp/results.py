@@ -76,6 +76,33 @@ class WaitResult(BaseModel):
     file_exists: bool = Field(description="the file existed at the last poll")
 
 
+class TerminalOutput(BaseModel):
+    terminal_id: str = Field(description="name it in terminal_send, terminal_read, terminal_resize, terminal_close")
+    pid: int = Field(description="the terminal's program in the guest")
+    output: str = Field(description="what the program wrote since the last read, as UTF-8 text (escape sequences "
+                                    "removed and CR LF as LF unless raw)")
+    more: bool = Field(description="more output is already waiting: read it with terminal_read")
+    exited: bool = Field(description="the program ended (and every byte it wrote was read)")
+    exit_code: int | None = None
+    signal: int | None = None
+    error: str | None = Field(None, description="why the terminal's stream broke, if it did")
+
+
+class WatchStarted(BaseModel):
+    watch_id: str = Field(description="name it in watch_events and watch_stop")
+    sandbox_id: str
+    path: str
+    recursive: bool
+
+
+class WatchEvents(BaseModel):
+    watch_id: str
+    events: list[dict[str, Any]] = Field(description="{type: create|write|remove|rename|chmod|overflow, name: path "
+                                                     "relative to the watched directory, path: absolute path}; "
+                                                     "overflow: the guest's queue filled and events were lost")
+    more: bool = Field(description="more events are already waiting: call watch_events again")
+
+
 #: Rich result formats returned as image blocks (base64 data) and as text blocks, in this order.
 IMAGE_FORMATS = {"png": "image/png", "jpeg": "image/jpeg"}
 TEXT_FORMATS = ("html", "markdown", "svg", "latex", "json")

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Awaitable
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
@@ -19,7 +18,8 @@ from mcp_types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
 from forkd import __version__
-from forkd.mcp.errors import tool_error
+from forkd.mcp.errors import answered, tool_error
+from forkd.mcp.interactive import add_interactive_tools
 from forkd.mcp.results import (
     CodeResult,
     ExecResult,
@@ -29,15 +29,17 @@ from forkd.mcp.results import (
     WaitResult,
     code_content,
 )
+from forkd.mcp.terminals import Holdings
 from forkd.sdk.async_controller import AsyncController
 from forkd.sdk.errors import ForkdError
 
-T = TypeVar("T")
 
 INSTRUCTIONS = """forkd runs code in disposable Linux microVMs forked from warm snapshots.
 Typical flow: list_snapshots (or create_snapshot), spawn a sandbox from a snapshot tag, then exec shell
 commands, run_code / eval Python (state persists per context), read_file / write_file, and kill the
-sandbox when done. branch saves a running sandbox as a new snapshot to fork more copies of it."""
+sandbox when done. branch saves a running sandbox as a new snapshot to fork more copies of it.
+For interactive programs (a shell, a REPL, a prompt that asks questions) open a terminal with terminal_open and
+drive it with terminal_send / terminal_read; watch_start / watch_events report changes in a directory."""
 
 SandboxId = Annotated[str, Field(description="sandbox id from spawn or list_sandboxes, e.g. sb-0123456789ab")]
 Tag = Annotated[str, Field(description="snapshot tag: 1-64 characters from A-Z a-z 0-9 _ -")]
@@ -48,14 +50,6 @@ MAX_TIMEOUT_S = 24 * 3600.0
 MAX_WAIT_S = 3600.0
 MAX_READ_BYTES = 64 << 20
 MAX_SCAN_BYTES = 64 << 20  # how much of a file wait_for_text searches on each poll
-
-
-async def _call(answer: Awaitable[T]) -> T:
-    """A daemon call's answer; daemon errors become readable tool errors."""
-    try:
-        return await answer
-    except ForkdError as exc:
-        raise tool_error(exc) from None
 
 
 def _tail(text: str, limit: int) -> tuple[str, bool]:
@@ -113,15 +107,17 @@ def _file_mode(mode: str | None) -> int | None:
     return None if mode is None else int(mode, 8)
 
 
-def build_server(controller: AsyncController) -> MCPServer:
-    """An MCP server whose tools act on the daemon ``controller`` talks to."""
+def build_server(controller: AsyncController, holdings: Holdings | None = None) -> MCPServer:
+    """An MCP server whose tools act on the daemon ``controller`` talks to; its terminals and watchers are
+    kept in ``holdings`` (which the caller closes when it stops serving)."""
     server = MCPServer("forkd", version=__version__, instructions=INSTRUCTIONS)
+    add_interactive_tools(server, holdings or Holdings(controller))
     read_only = ToolAnnotations(read_only_hint=True)
 
     @server.tool(annotations=read_only)
     async def list_snapshots() -> list[dict[str, Any]]:
         """List the snapshots sandboxes can be spawned from (tag, image, memory, warm modules, ...)."""
-        return await _call(controller.snapshots())
+        return await answered(controller.snapshots())
 
     @server.tool()
     async def create_snapshot(
@@ -156,7 +152,7 @@ def build_server(controller: AsyncController) -> MCPServer:
             steps += 1
             await ctx.report_progress(steps, None, line)
 
-        return await _call(controller.create_snapshot(tag, on_progress=on_progress, **options))
+        return await answered(controller.create_snapshot(tag, on_progress=on_progress, **options))
 
     @server.tool()
     async def spawn(
@@ -165,7 +161,7 @@ def build_server(controller: AsyncController) -> MCPServer:
     ) -> SpawnResult:
         """Fork new sandboxes from a snapshot: each is its own VM, resumed from the snapshot's warm state
         (no boot), with its own copy-on-write memory and disk."""
-        result = await _call(controller.fork(snapshot_tag, count))
+        result = await answered(controller.fork(snapshot_tag, count))
         if not result["sandboxes"]:
             reasons = "; ".join(f"{e['code']}: {e['message']}" for e in result["errors"]) or "no reason given"
             raise ToolError(f"no sandbox started: {reasons}")
@@ -174,12 +170,12 @@ def build_server(controller: AsyncController) -> MCPServer:
     @server.tool(annotations=read_only)
     async def list_sandboxes() -> list[dict[str, Any]]:
         """List the running sandboxes (id, snapshot tag, VMM pid, start time, ...)."""
-        return await _call(controller.sandboxes())
+        return await answered(controller.sandboxes())
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True))
     async def kill(sandbox_id: SandboxId) -> dict[str, str]:
         """Stop a sandbox's VM and release everything it held; its changes are discarded."""
-        await _call(controller.kill(sandbox_id))
+        await answered(controller.kill(sandbox_id))
         return {"killed": sandbox_id}
 
     @server.tool(name="exec")
@@ -198,7 +194,7 @@ def build_server(controller: AsyncController) -> MCPServer:
             "keep at most this many trailing characters of stdout and of stderr"))] = 100_000,
     ) -> ExecResult:
         """Run a shell command in a sandbox and return its stdout, stderr and exit code."""
-        result = await _call(controller.exec(sandbox_id, command, env=env, cwd=cwd, stdin=stdin,
+        result = await answered(controller.exec(sandbox_id, command, env=env, cwd=cwd, stdin=stdin,
                                              timeout_s=timeout_s))
         stdout, cut_out = _tail(result["stdout"], max_output_chars)
         stderr, cut_err = _tail(result["stderr"], max_output_chars)
@@ -216,7 +212,7 @@ def build_server(controller: AsyncController) -> MCPServer:
         """Run Python in a sandbox like a notebook cell: variables persist in the context between calls;
         an exception is returned in 'error', not raised. Charts (matplotlib figures, PNG results) come
         back as images, HTML/Markdown/JSON results as text."""
-        result, blocks = code_content(await _call(controller.run_code(sandbox_id, code, context, timeout_s)))
+        result, blocks = code_content(await answered(controller.run_code(sandbox_id, code, context, timeout_s)))
         return CallToolResult(content=blocks, structured_content=result.model_dump(mode="json"))
 
     @server.tool(name="eval")
@@ -226,7 +222,7 @@ def build_server(controller: AsyncController) -> MCPServer:
         context: ContextName = "default",
     ) -> CodeResult:
         """Evaluate one Python expression in a sandbox's context and return its value and type."""
-        return CodeResult(**await _call(controller.eval(sandbox_id, expr, context)))
+        return CodeResult(**await answered(controller.eval(sandbox_id, expr, context)))
 
     @server.tool(annotations=read_only)
     async def read_file(
@@ -238,12 +234,12 @@ def build_server(controller: AsyncController) -> MCPServer:
             "refuse files larger than this"))] = 1 << 20,
     ) -> FileContent:
         """Read a file from a sandbox, as text or base64 for binary data."""
-        entry = await _call(controller.stat(sandbox_id, path))
+        entry = await answered(controller.stat(sandbox_id, path))
         if entry["type"] == "dir":
             raise ToolError(f"{path} is a directory: list it with exec 'ls -la {path}'")
         _check_size(path, entry["size"], max_bytes)  # before reading, for regular files
         # Symlinks, devices and /proc files report another size: the read itself stops past max_bytes.
-        data = await _call(controller.read_file(sandbox_id, path, max_bytes))
+        data = await answered(controller.read_file(sandbox_id, path, max_bytes))
         content, used = _decode(data, encoding)
         return FileContent(path=path, size=len(data), encoding=used, content=content)
 
@@ -258,7 +254,7 @@ def build_server(controller: AsyncController) -> MCPServer:
             "permission bits in octal, e.g. '755'"))] = None,
     ) -> FileWritten:
         """Create or replace a file in a sandbox (missing parent directories are created)."""
-        result = await _call(controller.write_file(sandbox_id, path, _encode(content, encoding),
+        result = await answered(controller.write_file(sandbox_id, path, _encode(content, encoding),
                                                    _file_mode(mode)))
         return FileWritten(path=result["path"], size=result["size"])
 
@@ -275,7 +271,7 @@ def build_server(controller: AsyncController) -> MCPServer:
     ) -> dict[str, Any]:
         """Save a running sandbox (memory, processes, files) as a new snapshot, without stopping it; spawn
         from the new tag to get copies of the sandbox as it is now."""
-        return await _call(controller.branch(sandbox_id, tag=tag, mode=mode, wait=wait))
+        return await answered(controller.branch(sandbox_id, tag=tag, mode=mode, wait=wait))
 
     @server.tool(annotations=read_only)
     async def wait_for_text(
@@ -288,7 +284,7 @@ def build_server(controller: AsyncController) -> MCPServer:
         """Poll a file in a sandbox until it contains some text (e.g. a log line a background job
         prints when done), or until the timeout; a missing file counts as not yet. Only the file's
         first 64 MiB are searched, and a poll stops reading at the timeout."""
-        await _call(controller.sandbox(sandbox_id))  # a wrong id fails now, not at the timeout
+        await answered(controller.sandbox(sandbox_id))  # a wrong id fails now, not at the timeout
         started = time.monotonic()
         deadline = started + timeout_s
         polls = 0
@@ -307,7 +303,7 @@ def build_server(controller: AsyncController) -> MCPServer:
                 break
             await anyio.sleep(interval_s)
         if not exists:
-            await _call(controller.sandbox(sandbox_id))  # the 404s were the sandbox going away, not the file
+            await answered(controller.sandbox(sandbox_id))  # the 404s were the sandbox going away, not the file
         return WaitResult(found=found, path=path, elapsed_s=round(now - started, 3), polls=polls,
                           file_exists=exists)
 

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from forkd.guest import protocol
+from forkd.runtime.timings import Timings, current
 from forkd.vmm.base import VmHandle
 
 EventHandler = Callable[[str, dict[str, Any]], Awaitable[None] | None]
@@ -73,11 +74,36 @@ def _checked(frame: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Pending:
-    def __init__(self, op: str, on_event: EventHandler | None) -> None:
+    def __init__(self, op: str, on_event: EventHandler | None, timings: Timings | None) -> None:
         self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.op = op
         self.on_event = on_event
         self.started = time.monotonic()
+        self.timings = timings  # the traced request's (None: not traced)
+        self.sent_at = 0.0  # when the request was written (traced only)
+        self.answered_at = 0.0  # when its answer's line was read (traced only)
+
+
+def _trace_stages(pending: _Pending, frame: dict[str, Any]) -> None:
+    """Put the guest's stages of a traced call into its Timings: each guest mark ends a stage begun
+    at the one before (on the guest's clock), and ``transport`` is what the host waited beyond the
+    guest's span: both ways through the VMM's port and the guest kernel (right as far as the guest's
+    clock runs at the host's rate, which a TCG guest's need not: bench/roundtrip.py measures it).
+
+    Marks are taken by several guest threads and processes, so they are put in time order first: on one
+    vCPU a context woken by the agent's send runs its cell before the agent marks that it sent it.
+    """
+    timings = pending.timings
+    assert timings is not None
+    timings.mark("agent_answer", pending.answered_at)
+    marks = sorted(protocol.trace_marks(frame) or (), key=lambda mark: mark[1])
+    if not marks:
+        return
+    for (_, before), (stage, at) in zip(marks, marks[1:]):
+        timings.elsewhere[f"guest.{stage}"] = timings.elsewhere.get(f"guest.{stage}", 0.0) + (at - before) / 1e9
+    span = (marks[-1][1] - marks[0][1]) / 1e9
+    timings.elsewhere["guest"] = span
+    timings.elsewhere["transport"] = pending.answered_at - pending.sent_at - span
 
 
 class AgentClient:
@@ -137,19 +163,27 @@ class AgentClient:
         """
         if self._closed_reason is not None:
             raise AgentUnavailable(self._closed_reason)
+        timings = current()
+        if timings is not None:
+            timings.mark("routed")
         if wake:
             self.last_request = time.monotonic()
             if self.before_request is not None:
                 await self.before_request()
                 if self._closed_reason is not None:
                     raise AgentUnavailable(self._closed_reason)
+                if timings is not None:
+                    timings.mark("awake")
         # No await between the hook and the request counting as in flight: a stop checks ``in_flight``.
         req_id = next(self._ids)
-        self._pending[req_id] = _Pending(op, on_event)
+        pending = self._pending[req_id] = _Pending(op, on_event, timings)
         try:
             async with self._write_lock:
-                self._writer.write(protocol.encode_frame(protocol.request(req_id, op, args)))
+                self._writer.write(protocol.encode_frame(protocol.request(req_id, op, args, trace=timings is not None)))
                 await self._writer.drain()
+            if timings is not None:
+                pending.sent_at = time.monotonic()
+                timings.mark("agent_sent", pending.sent_at)
         except (ConnectionError, OSError) as exc:
             self._pending.pop(req_id, None)
             raise AgentUnavailable(f"connection to the agent failed: {exc}") from None
@@ -169,6 +203,9 @@ class AgentClient:
             raise AgentError(protocol.ERR_TIMEOUT, f"agent did not answer {pending.op} within {timeout} s") from None
         finally:
             self._pending.pop(req_id, None)
+        if pending.timings is not None and not pending.timings.closed:
+            _trace_stages(pending, frame)
+            pending.timings.mark("agent_resumed")
         if self.on_roundtrip is not None:
             self.on_roundtrip(pending.op, time.monotonic() - pending.started)
         if frame.get("ok"):
@@ -209,6 +246,7 @@ class AgentClient:
                 if not line:
                     self._fail_all("the agent closed the connection (VM stopped?)")
                     return
+                read_at = time.monotonic()
                 try:
                     frame = protocol.decode_frame(line)
                 except protocol.FrameTooDeep:
@@ -219,7 +257,7 @@ class AgentClient:
                         continue  # the torn end of a frame from before; the request it belonged to is gone
                     raise ProtocolViolation(f"a line that is not a frame ({exc})") from None
                 first = False
-                await self._route(_checked(frame))
+                await self._route(_checked(frame), read_at)
         except ProtocolViolation as exc:
             self._violated(str(exc))
         except (ConnectionError, OSError) as exc:
@@ -228,11 +266,12 @@ class AgentClient:
             self._fail_all("connection closed")
             raise
 
-    async def _route(self, frame: dict[str, Any]) -> None:
+    async def _route(self, frame: dict[str, Any], read_at: float) -> None:
         pending = self._pending.get(frame.get("id"))  # type: ignore[arg-type]
         if pending is None:
             return
         if protocol.is_terminal(frame):
+            pending.answered_at = read_at
             if not pending.done.done():
                 pending.done.set_result(frame)
         elif pending.on_event is not None:

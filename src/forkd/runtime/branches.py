@@ -8,7 +8,11 @@ one it was last branched to — the one its disk and memory now derive from. Eve
 (``runtime/timings.py``): the answer's ``timings`` and the ``forkd_branch_stage_seconds`` histogram.
 
 The snapshot is registered as ``writing`` before the pause, so it is visible (and refused to fork,
-409) while it is built; it becomes ``ready`` or ``failed``. That record, naming its source
+409) while it is built; it becomes ``ready`` or ``failed``. A caller that does not wait gets it back
+right after the pause (``wait=False``): what it does in the sandbox from then on is not in the
+snapshot. Captures of one sandbox follow each other without waiting for the layers before them to
+be written: each chains onto the one captured before it, and its layer is written once that
+parent's is (it compares its pages against the parent's memory). That record, naming its source
 (``meta.source_sandbox``), is also how a restarted daemon knows a stopped source was stopped by
 this pause and resumes it instead of reaping it (``runtime/recovery.py``).
 """
@@ -61,8 +65,13 @@ class BranchBusy(SnapshotError):
 class _SourceState:
     """Per-sandbox branch bookkeeping: one capture at a time, and where its disk chain stands."""
 
-    lock: asyncio.Lock
+    lock: asyncio.Lock  # held for a capture only; the layers are written after it is released
     broken: str | None = None  # set when its disk holds a layer no snapshot received (meta.branch_refused)
+    head: str | None = None  # captured last, maybe still being written: what the next capture chains onto
+    writing: asyncio.Task[SnapshotRecord] | None = None  # the build of ``head``, until it is published
+
+    def busy(self) -> bool:
+        return self.lock.locked() or (self.writing is not None and not self.writing.done())
 
 
 class BranchService:
@@ -96,7 +105,8 @@ class BranchService:
 
     async def branch(self, sandbox_id: str, tag: str, mode: str = "diff", wait: bool = True,
                      claim: Claim | None = None, meta: dict[str, str] | None = None) -> SnapshotRecord:
-        """Register ``tag`` as writing, then build it; with ``wait`` return it ready, else at once.
+        """Register ``tag`` as writing, then build it; with ``wait`` return it ready, else (still
+        ``writing``) once the sandbox was captured and runs again.
 
         ``claim``: the tag, when the caller already holds it; it is released when the build ends.
         ``meta``: what a front records with the snapshot (the E2B front: the E2B id it was taken of).
@@ -113,7 +123,7 @@ class BranchService:
                                  f"{self.max_concurrent}, config limits.max_branches); retry when one is ready")
             running = {s.record.id for s in self.sandboxes.live()}
             for gone in [sid for sid, state in self._sources.items()
-                         if sid not in running and not state.lock.locked()]:
+                         if sid not in running and not state.busy()]:
                 del self._sources[gone]  # bookkeeping of sandboxes that have exited
             source = self._source(live)
             if source.broken:
@@ -122,7 +132,7 @@ class BranchService:
             claim.release()
             raise
         tag = claim.tags[0]
-        parent_tag = live.record.head
+        parent_tag = source.head or live.record.head
         parent = self.registry.get_snapshot(parent_tag)
         record = SnapshotRecord(tag=tag, status="writing", image=parent.image if parent else "",
                                 path=self.paths.snapshots / tag, created_at=time.time(),
@@ -132,12 +142,15 @@ class BranchService:
         except BaseException:
             claim.release()
             raise
-        task = asyncio.create_task(self._build(live, source, record, mode, claim, meta or {}))
+        captured: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._build(live, source, record, mode, claim, meta or {}, captured))
         self._builds[tag] = task
         task.add_done_callback(lambda done: self._finished(tag, done))
-        if not wait:
-            return record
-        return await asyncio.shield(task)  # a client that goes away does not abandon the build
+        if wait:
+            return await asyncio.shield(task)  # a client that goes away does not abandon the build
+        # Back once the sandbox runs again (a failed capture raises here); neither wait cancels the build.
+        await asyncio.wait((captured, task), return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task.done() else record
 
     def _finished(self, tag: str, task: asyncio.Task[SnapshotRecord]) -> None:
         self._builds.pop(tag, None)
@@ -147,43 +160,59 @@ class BranchService:
         self.metrics.branch_seconds.labels(meta["mode"]).observe(meta["total_seconds"])
         self.metrics.branch_pause_seconds.labels(meta["mode"]).observe(meta["pause_ms"] / 1000)
 
-    async def _build(self, live: LiveSandbox, source: _SourceState, record: SnapshotRecord,
-                     mode: str, claim: Claim, front_meta: dict[str, str]) -> SnapshotRecord:
+    async def _build(self, live: LiveSandbox, source: _SourceState, record: SnapshotRecord, mode: str,
+                     claim: Claim, front_meta: dict[str, str], captured: asyncio.Future[None]) -> SnapshotRecord:
         build_dir: Path | None = None
-        backend_state = dict(live.vm.state)
+        backend_state: dict[str, Any] | None = None  # the source's before its capture
         try:
             build_dir = self.store.build_dir(record.tag)
             async with source.lock:  # one capture of a sandbox at a time, in order
                 if source.broken:
                     raise SnapshotConflict(f"sandbox {live.record.id} cannot be branched again: {source.broken}")
                 # The head may have moved while this branch waited for the one before it.
-                record.parent_tag = live.record.head
+                record.parent_tag = source.head or live.record.head
+                before = source.writing if record.parent_tag != live.record.head else None
                 await asyncio.to_thread(self.registry.update_snapshot, record.tag, status="writing",
                                         parent_tag=record.parent_tag)
-                parent = self.registry.get_snapshot(record.parent_tag)
-                if parent is None or parent.status != "ready":
-                    raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} is not ready")
-                memory = chain_memory(self.store.ancestry(parent))
+                ready = self.registry.get_snapshot(live.record.head)  # the chain's memory size is its parent's
+                if ready is None or ready.status != "ready":
+                    raise SnapshotError(f"the sandbox's parent snapshot {live.record.head!r} is not ready")
                 timings = Timings()
+                backend_state = dict(live.vm.state)
                 async with self.sandboxes.idle.awake(live.record.id):  # continued if idle-stopped
                     capture = await branching_of(self.vmm).capture(
-                        live.vm, parent.meta["identity"]["memory_mib"] << 20, build_dir / STATE_FILE,
+                        live.vm, ready.meta["identity"]["memory_mib"] << 20, build_dir / STATE_FILE,
                         live=mode == "live", mark=timings.mark)
                 # A restarted daemon adopts the new top.
                 await asyncio.to_thread(self.registry.set_vmm_state, live.record.id, live.vm.state)
-                meta = {**front_meta, **await self._assemble(build_dir, parent, memory, capture, mode, timings)}
-                meta["pause_ms"] = round(capture.pause_s * 1000, 2)
-                meta["timings"] = timings.as_ms()  # meta.json keeps them up to `sealed`
-                record.meta = self.store.write_meta(build_dir, meta)
-                await blocking(self.store.publish, claim, [(build_dir, record)])
-                timings.mark("published")
-                # The answer (not meta.json, written before) also says what publishing took.
-                record.meta = {**record.meta, "timings": timings.as_ms(), "total_seconds": round(timings.total, 3)}
-                timings.observe(self.metrics.branch_stage_seconds, mode)
-                live.record.branch_head = record.tag
-                await asyncio.to_thread(self.registry.set_branch_head, live.record.id, record.tag)
+                source.head, source.writing = record.tag, asyncio.current_task()  # type: ignore[assignment]
+            # The frozen disk lies in the source's run directory: taken before the answer, so a source
+            # killed right after it does not take its disk layer along.
+            disk = self.vmm.disk.file_name
+            await self.vmm.disk.export_layer(capture.frozen_disk, build_dir / disk, f"../{record.parent_tag}/{disk}")
+            timings.mark("disk_layer_written")
+            record.meta = {**record.meta, "pause_ms": round(capture.pause_s * 1000, 2)}
+            captured.set_result(None)
+            if before is not None:  # its parent was captured before it and is still being written
+                await asyncio.wait((before,))
+                timings.mark("parent_written")
+            parent = self.registry.get_snapshot(record.parent_tag)
+            if parent is None or parent.status != "ready":
+                raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} was not written")
+            memory = chain_memory(self.store.ancestry(parent))
+            meta = {**front_meta, **await self._assemble(build_dir, parent, memory, capture, mode, timings)}
+            meta["pause_ms"] = record.meta["pause_ms"]
+            meta["timings"] = timings.as_ms()  # meta.json keeps them up to `sealed`
+            record.meta = self.store.write_meta(build_dir, meta)
+            await blocking(self.store.publish, claim, [(build_dir, record)])
+            timings.mark("published")
+            # The answer (not meta.json, written before) also says what publishing took.
+            record.meta = {**record.meta, "timings": timings.as_ms(), "total_seconds": round(timings.total, 3)}
+            timings.observe(self.metrics.branch_stage_seconds, mode)
+            live.record.branch_head = record.tag
+            await asyncio.to_thread(self.registry.set_branch_head, live.record.id, record.tag)
         except BaseException as exc:
-            if live.vm.state != backend_state:  # the source writes a new disk top: its old one is in no snapshot
+            if backend_state is not None and live.vm.state != backend_state:  # the source writes a new disk top: its old one is in no snapshot
                 await self._refuse(live, f"its branch to {record.tag!r} failed after its disk was switched ({exc})")
             await asyncio.to_thread(self.store.mark_failed, record.tag, str(exc) or type(exc).__name__)
             raise
@@ -195,15 +224,13 @@ class BranchService:
 
     async def _assemble(self, build_dir: Path, parent: SnapshotRecord, memory: ChainMemory, capture: Capture,
                         mode: str, timings: Timings) -> dict[str, Any]:
-        """Disk layer and memory (a layer, or flattened whole) of the new snapshot, then its meta.
+        """Memory (a layer, or flattened whole) of the new snapshot next to its disk layer, then its meta.
 
         All of it runs after the source was resumed: the capture holds what the pause took.
         """
         for name in (KERNEL_FILE, INITRD_FILE):
             await blocking(self.store.digests.link, parent.path / name, build_dir / name)
         disk = self.vmm.disk.file_name
-        await self.vmm.disk.export_layer(capture.frozen_disk, build_dir / disk, f"../{parent.tag}/{disk}")
-        timings.mark("disk_layer_written")
         memory_kind = "diff" if mode == "diff" else "full"
         changed, written = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
         timings.mark("layer_written")
@@ -279,6 +306,5 @@ def _write_memory(build_dir: Path, memory: ChainMemory, captured: Pages, kind: s
     if kind == "full":
         flat = memory_layers.flatten(parent, build_dir / MEMORY_FILE, top=captured)
         return flat.changed_pages, {MEMORY_FILE: flat.sha256}
-    changed = memory_layers.drop_unchanged(captured, parent)
-    layer = memory_layers.write_layer(build_dir / LAYER_FILE, changed)
-    return len(changed.offsets), {LAYER_FILE: layer.sha256}
+    layer = memory_layers.write_layer(build_dir / LAYER_FILE, captured, parent)
+    return len(layer.offsets), {LAYER_FILE: layer.sha256}

@@ -10,8 +10,10 @@ a fork loads its state first. Either way the reseed that makes RNGs, clock and h
 own comes after the fork takes it. Only forks with the default options (no network, no limits) can
 use a member: the network namespace and cgroup limits are made before a VMM starts.
 
-Members are refilled in the background once a fork is done with them, one VMM start at a time per
-snapshot, never on a caller's path. A member has no registry record: a daemon that dies leaves its
+Members are refilled in the background once a fork is done with them, never on a caller's path and
+never against one: a refill starts a member only while no fork is starting children (``serving``,
+entered by the spawner around each child), and one member at a time across all pools, so the CPU a
+VMM start and its warm-up take goes to forks first. A member has no registry record: a daemon that dies leaves its
 run directory, which recovery reaps with the VMM in it (running, stopped or half-warmed) like a
 child caught mid-restore; ``rmi``, daemon stop and a size lowered kill members at once. A draining
 daemon pauses refills (``pause``): its idle members stay until it stops or is undrained.
@@ -30,7 +32,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +98,10 @@ class PoolService:
         self._replaced: set[str] = set()  # tags whose snapshot is being replaced: no member starts
         self._stopped = False
         self._paused = False  # draining: no member is started until ``resume``
+        self._refill_slot = asyncio.Lock()  # one member starts at a time, whatever its pool
+        self._serving = 0  # children of forks being started: refills wait for none
+        self._no_fork = asyncio.Event()
+        self._no_fork.set()
 
     # sizes
 
@@ -146,6 +152,18 @@ class PoolService:
         else:
             self._dispose(member)
 
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Around starting one child of a fork: no member starts meanwhile (one already starting finishes)."""
+        self._serving += 1
+        self._no_fork.clear()
+        try:
+            yield
+        finally:
+            self._serving -= 1
+            if not self._serving:
+                self._no_fork.set()
+
     def refill(self, tag: str) -> None:
         """Start filling ``tag``'s pool in the background, unless that already runs or it is full."""
         if self._stopped or self._paused or tag in self._replaced or \
@@ -155,14 +173,26 @@ class PoolService:
             return
         self._fillers[tag] = asyncio.get_running_loop().create_task(self._fill(tag))
 
+    def _wants(self, tag: str) -> bool:
+        return not self._stopped and not self._paused and tag not in self._replaced and \
+            len(self._members[tag]) + self._starting[tag] < self.size(tag)
+
     async def _fill(self, tag: str) -> None:
-        """Start members one at a time until the pool has its size: a refill takes one VMM start of CPU."""
-        while not self._stopped and not self._paused and tag not in self._replaced and \
-                len(self._members[tag]) + self._starting[tag] < self.size(tag):
-            try:
-                member = await self._start_member(tag)
-            except (SnapshotError, VmmError, OSError, RuntimeError) as exc:
-                log.warning("pool of %s: a member failed to start (%s); trying again in %.0f s", tag, exc,
+        """Start members one at a time until the pool has its size, each once no fork is starting children:
+        a refill takes one VMM start of CPU, and never while a fork needs it."""
+        while self._wants(tag):
+            failed: Exception | None = None
+            async with self._refill_slot:
+                while not self._no_fork.is_set():
+                    await self._no_fork.wait()
+                if not self._wants(tag):  # decided again: the pool may have changed while it waited
+                    return
+                try:
+                    member = await self._start_member(tag)
+                except (SnapshotError, VmmError, OSError, RuntimeError) as exc:
+                    failed = exc
+            if failed is not None:  # waited out without holding the slot: other pools fill meanwhile
+                log.warning("pool of %s: a member failed to start (%s); trying again in %.0f s", tag, failed,
                             FILL_RETRY_S)
                 await asyncio.sleep(FILL_RETRY_S)
                 continue

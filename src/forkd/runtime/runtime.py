@@ -98,7 +98,7 @@ class Runtime:
                                  SpoolBudget(self.options.spool_bytes, self.options.spool_files))
         self.tunnels = Tunnels(self.sandboxes)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.spawner, self.branches,
-                                           self.remove_snapshot)
+                                           self.remove_snapshot, self.compaction)
         self._image_lock = asyncio.Lock()
         self._keepers: list[asyncio.Task[None]] = []
 

@@ -6,8 +6,9 @@ watch, release, kill, timeouts). In a batch, one failed child is reported, not f
 take ready VMMs from their snapshot's pool (``runtime/pool.py``, handed in) before starting their own.
 
 Two gates stop children: a draining daemon (``runtime/drain.py``) refuses a whole fork before any
-child starts, and a child whose owner was reaped while it started (``reap``) is refused before its
-restore, or killed once it answers, so it never becomes a live sandbox.
+child starts, and a child stopped while it starts — its owner reaped (``reap``), or its fork given up
+by the one who asked (``ForkHandle.stop``) — is refused before its restore (woken if it waits for a
+restore slot), or killed once it answers, so it never becomes a live sandbox.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class Draining(RuntimeError):
     kind = "draining"
 
 
-class OwnerReaped(SandboxEnded):
-    """The child's owner was reaped (``DELETE /v1/sandboxes?owner=``) while it started; it was not kept."""
+class ChildStopped(SandboxEnded):
+    """The child was stopped while it started (its owner reaped, its fork given up); it was not kept."""
 
 
 class DeadlinePassed(RuntimeError):
@@ -98,17 +99,42 @@ class Starting:
 
     owner: str | None
     sandbox_id: str | None = None  # once its restore began
-    reaped: bool = False  # its owner was reaped: it must not become a live sandbox
-    stopped: bool = False  # the reap refused or killed it
+    why: str | None = None  # why it was stopped: it must not become a live sandbox
+    stopped: bool = False  # the stop refused or killed it
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # wakes it while it waits for a restore slot
 
-    def refusal(self) -> OwnerReaped | None:
-        """The error to stop this child with if its owner was reaped (the caller kills what it started)."""
-        if not self.reaped:
+    def stop(self, why: str) -> None:
+        self.why = why
+        self.stopping.set()
+
+    def refusal(self) -> ChildStopped | None:
+        """The error to stop this child with if it was stopped (the caller kills what it started)."""
+        if self.why is None:
             return None
         self.stopped = True
-        return OwnerReaped(f"child {self.sandbox_id or '(not started)'} was stopped as it started: its owner "
-                           f"{self.owner!r} was reaped (DELETE /v1/sandboxes?owner={self.owner})")
+        return ChildStopped(f"child {self.sandbox_id or '(not started)'} was stopped as it started: {self.why}")
+
+
+@dataclass(eq=False)
+class ForkHandle:
+    """The children of one fork request, for a caller that may give up on it (runtime/driver_forks.py):
+    ``stop`` refuses those still starting, or kills them once they answer; ``answered`` lists the ids of
+    those that became sandboxes before it."""
+
+    why: str | None = None
+    starting: set[Starting] = field(default_factory=set)
+    answered: list[str] = field(default_factory=list)
+
+    def join(self, child: Starting) -> None:
+        self.starting.add(child)
+        if self.why is not None:
+            child.stop(self.why)
+
+    def stop(self, why: str) -> None:
+        self.why = why
+        for child in self.starting:
+            child.stop(why)
 
 
 @dataclass
@@ -161,21 +187,23 @@ class Spawner:
         owner is in exactly one of the two (a child becomes live without an await after its last check)."""
         reaped = [child for child in self._starting if child.owner == owner]
         for child in reaped:
-            child.reaped = True
+            child.stop(f"its owner {owner!r} was reaped (DELETE /v1/sandboxes?owner={owner})")
         return reaped
 
     def count_of(self, tag: str) -> int:
         """Children of ``tag`` running or being restored."""
         return self._forking[tag] + self.sandboxes.running_of(tag)
 
-    async def fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> list[ForkOutcome]:
+    async def fork(self, tag: str, count: int, options: ForkOptions = ForkOptions(),
+                   handle: ForkHandle | None = None) -> list[ForkOutcome]:
         """Restore ``count`` children of snapshot ``tag``; per-child outcome, in request order."""
         outcomes: list[ForkOutcome | None] = [None] * count
-        async for outcome in await self.start_fork(tag, count, options):
+        async for outcome in await self.start_fork(tag, count, options, handle):
             outcomes[outcome.index] = outcome
         return [o for o in outcomes if o is not None]
 
-    async def start_fork(self, tag: str, count: int, options: ForkOptions = ForkOptions()) -> AsyncIterator[ForkOutcome]:
+    async def start_fork(self, tag: str, count: int, options: ForkOptions = ForkOptions(),
+                         handle: ForkHandle | None = None) -> AsyncIterator[ForkOutcome]:
         """Start restoring ``count`` children of ``tag``; iterate the result for each one's outcome as it comes.
 
         A snapshot that cannot be forked raises here, before any child starts.
@@ -183,7 +211,8 @@ class Spawner:
         Every child gets an outcome, whatever a sibling raised: ids of children that started are
         never lost. Children take ready VMMs from the snapshot's pool first, then start their own;
         all queue for the restore slots (admission), and the pool is refilled once the batch is done.
-        If the consumer stops early, the children still finish starting (``forkd ls`` shows them).
+        If the consumer stops early, the children still finish starting (``forkd ls`` shows them),
+        unless ``handle`` is stopped.
         """
         self.admit()
         started = time.monotonic()
@@ -203,8 +232,11 @@ class Spawner:
             timings = Timings(started)
             child = Starting(options.owner)
             self._starting.add(child)
+            if handle is not None:
+                handle.join(child)
             try:
-                sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline, child)
+                with self.pool.serving():  # the pool refills once no child is starting
+                    sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline, child)
             except Exception as exc:  # one child's failure, a bug's included, never takes its siblings with it
                 self.metrics.spawn_failures.labels(kind_for(exc).code).inc()
                 if kind_for(exc) is INTERNAL:  # no kind: a bug, whose traceback the log keeps
@@ -214,7 +246,11 @@ class Spawner:
             finally:
                 self._forking[tag] -= 1
                 self._starting.discard(child)
+                if handle is not None:
+                    handle.starting.discard(child)
                 child.done.set()
+            if handle is not None:  # no await since its last stop check: a stop from now on is the caller's
+                handle.answered.append(sandbox.record.id)
             self.metrics.spawn_seconds.observe(timings.total)
             timings.observe(self.metrics.spawn_stage_seconds)
             done.put_nowait(ForkOutcome(index=index, sandbox=self.sandboxes.describe(sandbox),
@@ -248,25 +284,36 @@ class Spawner:
         if limit is not None and len(self.sandboxes.live()) + self._restoring >= limit:
             raise refuse(SandboxLimitReached(f"the daemon runs its limit of {limit} sandboxes (max_sandboxes); kill "
                                              "some with `forkd kill` or raise the limit in the daemon's config"))
-        if (reaped := child.refusal()) is not None:
-            raise refuse(reaped)
+        if (stopped := child.refusal()) is not None:
+            raise refuse(stopped)
         self._restoring += 1
         try:
-            try:
-                await asyncio.wait_for(self._restore_slots.acquire(), _remaining(deadline))
-            except asyncio.TimeoutError:
-                raise refuse(DeadlinePassed(
+            if not await self._slot(child, deadline):
+                raise refuse(child.refusal() or DeadlinePassed(
                     f"the request's deadline of {deadline - timings.start:.1f} s passed while this "  # type: ignore[operator]
-                    "child waited for a restore slot; fork fewer at once or give more time")) from None
+                    "child waited for a restore slot; fork fewer at once or give more time"))
             try:
                 timings.mark("queued")
-                if (reaped := child.refusal()) is not None:  # its owner was reaped while it queued
-                    raise refuse(reaped)
+                if (stopped := child.refusal()) is not None:  # stopped as its slot came
+                    raise refuse(stopped)
                 return await self._restore(tag, saved, spec, options, timings, member, deadline, child)
             finally:
                 self._restore_slots.release()
         finally:
             self._restoring -= 1
+
+    async def _slot(self, child: Starting, deadline: float | None) -> bool:
+        """Take a restore slot (True), unless ``deadline`` passes or the child is stopped first (False;
+        a stopped child never waits for other forks' restores)."""
+        acquire = asyncio.ensure_future(self._restore_slots.acquire())
+        stopping = asyncio.ensure_future(child.stopping.wait())
+        try:
+            await asyncio.wait((acquire, stopping), timeout=_remaining(deadline), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not acquire.done():
+                acquire.cancel()
+        return acquire.done() and not acquire.cancelled()
 
     async def _restore(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions, timings: Timings,
                        member: Member | None, deadline: float | None, child: Starting) -> LiveSandbox:
@@ -310,8 +357,8 @@ class Spawner:
             record = self._running_record(sandbox_id, tag, vm, options, prepared, timings)
             await asyncio.to_thread(self.registry.add_sandbox, record)
             timings.mark("recorded")
-            if (reaped := child.refusal()) is not None:  # killed and released below, never served
-                raise reaped
+            if (stopped := child.refusal()) is not None:  # killed and released below, never served
+                raise stopped
         except BaseException:
             if agent is not None:
                 await agent.close()

@@ -4,6 +4,9 @@ Suspending is a diff BRANCH of the workspace's sandbox followed by killing it, s
 VMM are freed and only the pages it changed stay on disk; resuming forks a child of that snapshot,
 which finds its processes, files and interpreter state as they were. Each suspend adds a layer to
 the workspace's chain (``ws-NAME-1``, ``ws-NAME-2``, …); removing the workspace removes them.
+:meth:`WorkspaceService.compact` bounds that chain: a suspended workspace's layer is flattened into a
+standalone snapshot (the next tag of the same series) that its resume then forks, and the layers
+it replaces are handed back to the caller to remove once nothing else needs them.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from typing import Any
 from forkd.host.netpolicy import NetRequest, net_request_of
 from forkd.runtime.agent_client import AgentUnavailable
 from forkd.runtime.branches import BranchService
+from forkd.runtime.compact import CompactService
 from forkd.runtime.isolation import SandboxOptions
 from forkd.runtime.sandboxes import SandboxEnded, SandboxNotFound, SandboxService
 from forkd.runtime.spawning import ForkOptions, Spawner
+from forkd.store.chains import registered_ancestors
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.registry import Registry, WorkspaceRecord
 from forkd.validation import ValidationError, check_tag
@@ -34,11 +39,12 @@ class WorkspaceNotFound(LookupError):
 
 class WorkspaceService:
     def __init__(self, registry: Registry, sandboxes: SandboxService, spawner: Spawner, branches: BranchService,
-                 remove_snapshot: Any) -> None:
+                 remove_snapshot: Any, compaction: CompactService) -> None:
         self.registry = registry
         self.sandboxes = sandboxes
         self.spawner = spawner
         self.branches = branches
+        self.compaction = compaction
         self._remove_snapshot = remove_snapshot  # await Runtime.remove_snapshot(tag, cascade=...)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # one change at a time
 
@@ -103,7 +109,7 @@ class WorkspaceService:
             except SandboxNotFound:
                 raise SnapshotConflict(f"workspace {name!r} lost its sandbox {record.sandbox_id} (killed or timed "
                                        "out) before it was suspended; remove it and create it again") from None
-            tag = f"ws-{name}-{len(record.meta['suspends']) + 1}"
+            tag = _next_layer(record)
             live = self.sandboxes.get(record.sandbox_id or "")
             # Labels and default environment carry over to the sandbox a resume starts.
             record.meta["labels"] = {k: v for k, v in live.record.meta.get("metadata", {}).items() if k != "workspace"}
@@ -124,6 +130,38 @@ class WorkspaceService:
             record.state, record.sandbox_id, record.snapshot_tag = "suspended", None, tag
             await asyncio.to_thread(self.registry.put_workspace, record)
             return record
+
+    def depth(self, name: str) -> int:
+        """How many ancestors the workspace's current snapshot has (0: a standalone snapshot)."""
+        record = self.get(name)
+        snapshot = self.registry.get_snapshot(record.snapshot_tag)
+        return len(registered_ancestors(self.registry, snapshot)) if snapshot is not None else 0
+
+    async def compact(self, name: str, max_depth: int = 0) -> list[str]:
+        """Flatten the suspended workspace's chain into a standalone snapshot when it is deeper than
+        ``max_depth``: the tags of its own layers the resume no longer needs (none when nothing was done),
+        left for the caller to remove once nothing else references them (snapshots branched from them).
+
+        The new tag is recorded in ``suspends`` before it is written, so a daemon that dies meanwhile
+        leaves it where the workspace's removal finds it; the switch itself is one registry write."""
+        async with self._locks[name]:
+            record = self.get(name)
+            if record.state != "suspended":
+                raise SnapshotConflict(f"workspace {name!r} is {record.state}; suspend it before compacting it")
+            if self.depth(name) <= max_depth:
+                return []
+            tag = _next_layer(record)
+            record.meta["suspends"].append(tag)
+            await asyncio.to_thread(self.registry.put_workspace, record)
+            try:
+                await self.compaction.compact(record.snapshot_tag, tag)
+            except BaseException:
+                record.meta["suspends"].remove(tag)
+                await asyncio.to_thread(self.registry.put_workspace, record)
+                raise
+            record.snapshot_tag = tag
+            await asyncio.to_thread(self.registry.put_workspace, record)
+            return [t for t in record.meta["suspends"] if t != tag]
 
     async def resume(self, name: str) -> WorkspaceRecord:
         """Fork the workspace's last layer: its sandbox runs again where it was suspended."""
@@ -159,8 +197,10 @@ class WorkspaceService:
                     await self.sandboxes.kill(record.sandbox_id)
                 except SandboxNotFound:
                     pass  # it ended already
-            removed = await self._remove_snapshot(record.meta["suspends"][0], cascade=True) \
-                if record.meta["suspends"] and not keep_layers else []
+            removed: list[str] = []
+            for tag in [] if keep_layers else record.meta["suspends"]:  # a compacted one starts a chain of its own
+                if self.registry.get_snapshot(tag) is not None:
+                    removed += await self._remove_snapshot(tag, cascade=True)
             await asyncio.to_thread(self.registry.remove_workspace, name)
             return removed
 
@@ -172,3 +212,8 @@ class WorkspaceService:
         if outcome.sandbox is None:
             raise SnapshotError(f"the workspace's sandbox did not start: {outcome.error}")
         return outcome.sandbox["id"]
+
+
+def _next_layer(record: WorkspaceRecord) -> str:
+    """The tag of the workspace's next layer: a suspend's, or a compaction's (one series, never reused)."""
+    return f"ws-{record.name}-{len(record.meta['suspends']) + 1}"

@@ -261,6 +261,29 @@ class Operations:
                     void=True)
 
     @request
+    def pty_signal(self, sandbox_id: str, pid: int, signal: int = 1) -> Call[None]:
+        """Send ``signal`` (default SIGHUP: a hang-up) to the program on ``start_pty``'s terminal."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/pty/{pid}/signal", json={"signal": signal}, void=True)
+
+    @request
+    def watch(self, sandbox_id: str, path: str, recursive: bool = False) -> Call[str]:
+        """Watch directory ``path`` in the guest (``recursive``: its subdirectories too); the watcher's id."""
+        return Call("POST", f"/v1/sandboxes/{sandbox_id}/watches", json={"path": path, "recursive": recursive},
+                    key="id")
+
+    @request
+    def watch_events(self, sandbox_id: str, watch_id: str, wait_s: float = 0.0) -> Call[list[dict[str, Any]]]:
+        """The watcher's events since the last read (``{"type", "name", "path"}``), waiting up to ``wait_s``
+        (at most 10) for a first one; ``type`` ``overflow`` says the guest's queue filled and events were lost."""
+        return Call("GET", f"/v1/sandboxes/{sandbox_id}/watches/{watch_id}/events", params={"wait_s": wait_s},
+                    timeout=call_timeout(wait_s), key="events")
+
+    @request
+    def unwatch(self, sandbox_id: str, watch_id: str) -> Call[None]:
+        """End watcher ``watch_id``."""
+        return Call("DELETE", f"/v1/sandboxes/{sandbox_id}/watches/{watch_id}", void=True)
+
+    @request
     def eval(self, sandbox_id: str, expr: str, context: str = "default") -> Call[EvalAnswer]:
         """The value of one Python expression in ``context``: ``{"value", "value_json", "error"}``."""
         return Call("POST", f"/v1/sandboxes/{sandbox_id}/eval", json={"expr": expr, "context": context})
@@ -411,7 +434,8 @@ class Operations:
 
     @request
     def branch(self, sandbox_id: str, tag: str | None = None, mode: str = "diff", wait: bool = True) -> Call[SnapshotRecord]:
-        """Save a running sandbox as snapshot ``tag`` (it keeps running); ``wait=False`` answers it ``writing``.
+        """Save a running sandbox as snapshot ``tag`` (it keeps running); ``wait=False`` answers it ``writing``
+        right after the pause.
 
         Without a tag one is made from the sandbox id.
         """

@@ -103,15 +103,21 @@ def descendants(registry: Registry, tag: str) -> list[str]:
     return list(reversed(found))
 
 
-def describe_chain(registry: Registry, record: SnapshotRecord) -> dict[str, Any]:
-    """Depth, ancestors, dependents; ``disk`` as ``GET /v1/snapshots`` gives it (logical: file sizes, physical:
-    allocated blocks); ``own_bytes`` (blocks only this link holds: not its hard links into the image cache) and
-    ``chain_bytes`` (own_bytes of this link and every ancestor: what forking it needs on disk)."""
+def registered_ancestors(registry: Registry, record: SnapshotRecord) -> list[SnapshotRecord]:
+    """``record``'s ancestors as registered, parent first, up to the first missing link (no checks, no file I/O)."""
     ancestors: list[SnapshotRecord] = []
     link = record
     while link.parent_tag is not None and (parent := registry.get_snapshot(link.parent_tag)) is not None:
         ancestors.append(parent)
         link = parent
+    return ancestors
+
+
+def describe_chain(registry: Registry, record: SnapshotRecord) -> dict[str, Any]:
+    """Depth, ancestors, dependents; ``disk`` as ``GET /v1/snapshots`` gives it (logical: file sizes, physical:
+    allocated blocks); ``own_bytes`` (blocks only this link holds: not its hard links into the image cache) and
+    ``chain_bytes`` (own_bytes of this link and every ancestor: what forking it needs on disk)."""
+    ancestors = registered_ancestors(registry, record)
     return {
         "depth": len(ancestors),
         "ancestors": [a.tag for a in ancestors],

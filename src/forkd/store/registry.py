@@ -410,12 +410,19 @@ class Registry:
                              (key, since))
         return (rows[0][0], json.loads(rows[0][1])) if rows else None
 
-    def remember_fork(self, key: str, fingerprint: str, answer: dict[str, Any], now: float, since: float) -> None:
-        """Keep the answer of the fork made with ``key``; keys older than ``since`` are forgotten meanwhile."""
+    def remember_fork(self, key: str, fingerprint: str, answer: dict[str, Any], now: float, since: float,
+                      keep: int) -> None:
+        """Keep the answer of the fork made with ``key``; keys older than ``since``, and all but the newest
+        ``keep``, are forgotten meanwhile (the oldest first)."""
         with self._transaction() as db:
             db.execute("DELETE FROM fork_keys WHERE created_at < ?", (since,))
             db.execute("INSERT OR REPLACE INTO fork_keys (key, fingerprint, answer, created_at) VALUES (?, ?, ?, ?)",
                        (key, fingerprint, json.dumps(answer), now))
+            db.execute("DELETE FROM fork_keys WHERE rowid IN (SELECT rowid FROM fork_keys "
+                       "ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?)", (keep,))
+
+    def forget_fork(self, key: str) -> None:
+        self._execute("DELETE FROM fork_keys WHERE key = ?", (key,))
 
     # network address leases
 

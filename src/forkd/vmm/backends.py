@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from forkd.vmm.base import Vmm
 from forkd.vmm.fake import FakeVmm
+from forkd.vmm.jail import Jail, JailSettings
 from forkd.vmm.qemu import QemuVmm
 from forkd.vmm.qemu_machine import TCG_TB_SIZE_MIB
 
@@ -31,11 +32,20 @@ class BackendOptions:
     accelerator: str = "auto"  # auto | kvm | tcg
     tcg_tb_size_mib: int = TCG_TB_SIZE_MIB  # translation cache of a VMM that translates guest code
     vmm_huge_pages: bool = False  # transparent huge pages for the VMM's own memory (2-4 MiB more per child)
+    confinement: JailSettings = JailSettings()  # each VMM's uid, namespaces and rlimits (vmm/jail.py)
+
+
+def _qemu(options: BackendOptions) -> Vmm:
+    """QEMU with each VMM jailed; a host that cannot jail them is refused here, at daemon start."""
+    jail = Jail(options.confinement) if options.confinement.enabled else None
+    if jail is not None:
+        jail.check()
+    return QemuVmm(accelerator=options.accelerator, tb_size_mib=options.tcg_tb_size_mib, jail=jail,
+                   huge_pages=options.vmm_huge_pages)
 
 
 BACKENDS: dict[str, Callable[[BackendOptions], Vmm]] = {
-    "qemu": lambda options: QemuVmm(accelerator=options.accelerator, tb_size_mib=options.tcg_tb_size_mib,
-                                     huge_pages=options.vmm_huge_pages),
+    "qemu": _qemu,
     "fake": lambda options: FakeVmm(),
 }
 

@@ -17,7 +17,7 @@ import asyncio
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from qemu.qmp import QMPError
 
@@ -36,6 +36,7 @@ from forkd.vmm.base import (
     no_stage_marks,
 )
 from forkd.vmm.disk import DiskFormat
+from forkd.vmm.jail import Jail
 from forkd.vmm.process import read_memory_stats
 from forkd.vmm.qemu_branch import DEVICE_STATE, DEVICE_STATE_ARGS, QemuBranching
 from forkd.vmm.qemu_disk import QemuDisk
@@ -70,10 +71,13 @@ class QemuVmm:
     run_leftovers: tuple[str, ...] = RUN_LEFTOVERS
 
     def __init__(self, binary: str = QEMU_BINARY, accelerator: str = "auto",
-                 tb_size_mib: int = TCG_TB_SIZE_MIB, huge_pages: bool = False) -> None:
+                 tb_size_mib: int = TCG_TB_SIZE_MIB, jail: Jail | None | Literal["default"] = "default",
+                 huge_pages: bool = False) -> None:
+        """``jail``: how each VMM is confined (checked on its first start); None runs VMMs as root."""
         self.program = Path(binary).name
         self.accelerator, self.accelerator_reason = choose_accelerator(accelerator)
-        self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator), tb_size_mib=tb_size_mib,
+        self.machine = QemuMachine(binary, self.accelerator, cpu_model(self.accelerator),
+                                   Jail() if jail == "default" else jail, tb_size_mib=tb_size_mib,
                                    huge_pages=huge_pages)
         self.branching = QemuBranching()
         self.disk: DiskFormat = QemuDisk()
@@ -113,8 +117,9 @@ class QemuVmm:
     async def boot(self, name: str, spec: BootSpec, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
         disk = run_dir / self.disk.file_name
         await self.disk.new_root(base_disk, disk)
-        return await self.machine.start(name, self.machine.argv(spec, run_dir, disk, memory, share=True),
-                                        run_dir, disk)
+        # -S: the guest runs only once QEMU answers its monitor, so after a jailed QEMU dropped to its uid.
+        return await self.machine.start(name, [*self.machine.argv(spec, run_dir, disk, memory, share=True), "-S"],
+                                        run_dir, disk, setup=lambda qmp: qmp.execute("cont"))
 
     async def prepare_restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
                               setup: ChildSetup = ChildSetup()) -> VmHandle:

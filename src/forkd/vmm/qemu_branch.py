@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from qemu.qmp import QMPError
@@ -51,27 +52,26 @@ class QemuBranching:
         memory = Path(vm.state[MEMORY_KEY])
         new_top = vm.run_dir / f"disk-{secrets.token_hex(4)}.qcow2"  # the source's disk from the pause on
         try:
-            async with monitor(vm) as qmp:
-                return await capture(qmp, vm, memory, memory_bytes, new_top, state, live, mark)
+            async with monitor(vm) as qmp, _passed_file(qmp, state) as state_name:
+                return await capture(qmp, vm, memory, memory_bytes, new_top, state, state_name, live, mark)
         except QMPError as exc:
             raise VmmError(f"capturing {vm.name} failed: {exc}") from None
 
 
 async def capture(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, new_top: Path, state: Path,
-                  live: bool, mark: Callable[[str], None]) -> Capture:
+                  state_name: str, live: bool, mark: Callable[[str], None]) -> Capture:
     """Disk, device state and memory all from one stopped instant; the pause holds only QMP commands
-    and the copy of the guest's private pages (a memcpy of what it changed)."""
+    and the copy of the guest's private pages (a memcpy of what it changed). QEMU writes the device
+    state to ``state_name`` (``state`` passed as a descriptor: a jailed VMM may not create files)."""
     precopy: Pages | None = None
     if live and procmem.soft_dirty_supported():
         procmem.clear_soft_dirty(vm.pid)  # pages written from now on are marked soft-dirty
         precopy = await asyncio.to_thread(guest_ram.read_private, vm.pid, memory, memory_bytes)
         mark("precopy")
-    # The copy's destination is faulted in now, while the guest runs, not during the pause.
-    buffer = await asyncio.to_thread(guest_ram.prepare_read, vm.pid, memory, memory_bytes)
-    mark("buffer_prepared")
+    # The copy's destination is faulted in now, while the guest runs, not during the pause; the
+    # overlay is made meanwhile (a qemu-img process and a monitor command: little CPU of the daemon's).
     frozen = disk_of(vm)
-    overlay = await _prepare_overlay(qmp, frozen, new_top)
-    mark("overlay_prepared")
+    buffer, overlay = await _prepare(qmp, vm, memory, memory_bytes, frozen, new_top, mark)
     stopped_at = time.monotonic()
     switched = False
     try:
@@ -82,7 +82,7 @@ async def capture(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, n
         vm.state[DISK_KEY] = str(new_top)
         mark("disk_switched")
         # live=false: do not hand the disk over (inactivate it); this VM goes on using it.
-        await qmp.execute("xen-save-devices-state", {"filename": str(state), "live": False})
+        await qmp.execute("xen-save-devices-state", {"filename": state_name, "live": False})
         mark("device_state_saved")
         pages = await asyncio.to_thread(guest_ram.read_private, vm.pid, memory, memory_bytes, precopy, buffer, mark)
         mark("pages_read")
@@ -101,6 +101,33 @@ async def capture(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, n
                    precopied=precopy is not None)
 
 
+async def _prepare(qmp: Monitor, vm: VmHandle, memory: Path, memory_bytes: int, frozen: Path, new_top: Path,
+                   mark: Callable[[str], None]) -> tuple[mmap.mmap, str]:
+    """The copy's buffer and the new disk top, made at once; whichever is ready first is marked first.
+    If one fails the other is undone."""
+    async def buffer() -> mmap.mmap:
+        ready = await asyncio.to_thread(guest_ram.prepare_read, vm.pid, memory, memory_bytes)
+        mark("buffer_prepared")
+        return ready
+
+    async def overlay() -> str:
+        node = await _prepare_overlay(qmp, frozen, new_top)
+        mark("overlay_prepared")
+        return node
+
+    made = await asyncio.gather(buffer(), overlay(), return_exceptions=True)
+    failed = next((r for r in made if isinstance(r, BaseException)), None)
+    if failed is None:
+        return made[0], made[1]  # type: ignore[return-value]
+    if isinstance(made[0], mmap.mmap):
+        made[0].close()
+    if isinstance(made[1], str):
+        with contextlib.suppress(QMPError):
+            await qmp.execute("blockdev-del", {"node-name": made[1]})
+        new_top.unlink(missing_ok=True)
+    raise failed
+
+
 async def _prepare_overlay(qmp: Monitor, frozen: Path, new_top: Path) -> str:
     """An empty overlay over ``frozen``, opened by QEMU as a node not yet in use: switching to it while
     the guest is stopped is then one QMP command, no file creation."""
@@ -113,12 +140,36 @@ async def _prepare_overlay(qmp: Monitor, frozen: Path, new_top: Path) -> str:
     await qemu_img("create", "-q", "-f", "qcow2", "-u", "-b", str(frozen), "-F", "qcow2", str(new_top), str(size))
     node = f"top-{secrets.token_hex(4)}"
     try:
+        # A jailed QEMU may not reach the file by its name: it gets descriptors, read-write and read-only
+        # (for when the next BRANCH freezes this top), in an fd set that lives as long as the VMM.
+        fds = [os.open(new_top, mode | os.O_CLOEXEC) for mode in (os.O_RDWR, os.O_RDONLY)]
+        try:
+            name = await qmp.add_fds(fds, f"forkd:{new_top.name}")
+        finally:
+            for fd in fds:
+                os.close(fd)
         await qmp.execute("blockdev-add", {"driver": "qcow2", "node-name": node, "discard": "unmap",
-                                           "file": {"driver": "file", "filename": str(new_top)}, "backing": None})
+                                           "file": {"driver": "file", "filename": name}, "backing": None})
     except BaseException:
         new_top.unlink(missing_ok=True)
         raise
     return node
+
+
+@contextlib.asynccontextmanager
+async def _passed_file(qmp: Monitor, path: Path) -> AsyncIterator[str]:
+    """``path`` created by the daemon and handed to QEMU for one command (a jailed QEMU may not create
+    files): the name QEMU opens it by."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        name = await qmp.add_fds([fd], f"forkd:{path.name}")
+        try:
+            yield name
+        finally:
+            with contextlib.suppress(QMPError, VmmError):
+                await qmp.execute("remove-fd", {"fdset-id": int(name.rsplit("/", 1)[1])})
+    finally:
+        os.close(fd)
 
 
 def _fsync(path: Path) -> None:

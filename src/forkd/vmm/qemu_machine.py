@@ -14,21 +14,21 @@ import functools
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from qemu.qmp import EventListener, QMPClient, QMPError
 
 from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
 from forkd.safetext import visible
-from forkd.vmm.base import CONSOLE_LOG, BootSpec, VmHandle, VmmError, no_stage_marks
+from forkd.vmm.base import CONSOLE_LOG, BootSpec, VmHandle, VmmError, VmProcess, no_stage_marks
+from forkd.vmm.jail import Jail
 
 log = logging.getLogger("forkd.vmm")
 
@@ -52,12 +52,13 @@ _INERT_NETDEV = "hubport,id=net0,hubid=0"
 #: QEMU's seccomp filter: no obsolete syscalls, no setuid/setgid/capset, no fork/exec, no
 #: scheduler or resource-limit changes. Migration to an fd and a BRANCH's device-state file need none.
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
-#: The VMM keeps uid 0 and one capability, CAP_DAC_OVERRIDE: QEMU 7.2 opens a child's memory file
-#: (root's, mode 0400) read-write even for a private mapping. Every other capability is gone from
-#: its bounding, inheritable and ambient sets, and no_new_privs stops it regaining any (docs/security.md).
-CONFINE = ("setpriv", "--no-new-privs", "--bounding-set=-all,+dac_override", "--inh-caps=-all",
-           "--ambient-caps=-all", "--")
-
+#: A jailed QEMU drops to its own uid itself (``-runas``), after QEMU has installed its filter, so
+#: set*uid must stay allowed; once it runs as that uid it has no capability to use them with.
+SECCOMP_JAILED = SECCOMP.replace("elevateprivileges=deny", "elevateprivileges=allow")
+#: What a jailed QEMU keeps until it drops to its uid, before the guest runs or any state loads:
+#: QEMU 7.2 opens a child's memory file (root's, mode 0400) read-write even for its private
+#: mapping (``dac_override``), and ``-runas`` sets its uid, gid and groups (``setuid``, ``setgid``).
+JAILED_START_CAPS = ("dac_override", "setuid", "setgid")
 
 #: In a VM's run directory: QEMU's own stdout and stderr (the guest's console is base.CONSOLE_LOG).
 VMM_LOG = "qemu.log"
@@ -182,6 +183,17 @@ class Monitor:
 
     def send_fd_scm(self, fd: int) -> None:
         self._client.send_fd_scm(fd)
+
+    async def add_fds(self, fds: list[int], opaque: str) -> str:
+        """Copies of ``fds`` in a new fd set of the VMM; the name QEMU opens them by (``/dev/fdset/N``
+        gives whichever has the access mode asked for)."""
+        fdset: int | None = None
+        for fd in fds:
+            self.send_fd_scm(fd)
+            added = await self.execute("add-fd", {"opaque": opaque} if fdset is None
+                                       else {"opaque": opaque, "fdset-id": fdset})
+            fdset = added["fdset-id"]
+        return f"/dev/fdset/{fdset}"
 
     def listen(self, listener: EventListener) -> contextlib.AbstractContextManager[Any]:
         return self._client.listen(listener)
@@ -342,7 +354,7 @@ class QemuVm(VmHandle):
 class QemuMachine:
     """How forkd runs ``qemu-system-x86_64``: one machine definition for parents and children."""
 
-    def __init__(self, binary: str, accelerator: str, cpu_model: str, confine: bool = True,
+    def __init__(self, binary: str, accelerator: str, cpu_model: str, jail: Jail | None = None,
                  tb_size_mib: int = TCG_TB_SIZE_MIB, huge_pages: bool = False) -> None:
         self.binary = binary
         if not huge_pages:
@@ -350,11 +362,7 @@ class QemuMachine:
         self.tb_size_mib = tb_size_mib
         self.accelerator = accelerator
         self.cpu_model = cpu_model
-        # setpriv is util-linux (always on Debian); without it the VMM keeps root's capabilities.
-        self.confine = confine and shutil.which(CONFINE[0]) is not None
-        if confine and not self.confine:
-            log.warning("setpriv (util-linux) is not installed: VMMs run with all of root's capabilities; "
-                        "install util-linux to confine them (see docs/security.md)")
+        self.jail = jail  # None: the operator opted out of confinement; VMMs run as root
 
     @property
     def machine(self) -> str:
@@ -415,15 +423,8 @@ class QemuMachine:
         Marks ``exec`` (process started and set up) and ``qmp_greeting`` (the monitor answered).
         """
         log_path = run_dir / VMM_LOG
-        command = [*CONFINE, *argv] if self.confine else argv
         with open(log_path, "ab") as log:
-            try:
-                process = await asyncio.create_subprocess_exec(
-                    *command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    pass_fds=pass_fds, start_new_session=True,
-                )
-            except OSError as exc:
-                raise VmmError(f"cannot start {self.binary}: {exc}; install QEMU with `bash scripts/setup`") from None
+            process = await self._spawn(argv, run_dir, log, pass_fds)
         vm = QemuVm(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / AGENT_SOCKET,
                     state={MONITOR_KEY: str(run_dir / MONITOR_SOCKET), DISK_KEY: str(disk)})
         if on_spawn is not None:
@@ -450,3 +451,28 @@ class QemuMachine:
             await kill(vm)
             raise
         return vm
+
+    async def _spawn(self, argv: list[str], run_dir: Path, log: IO[bytes], pass_fds: tuple[int, ...]) -> VmProcess:
+        """QEMU in its jail (its own uid, namespaces and rlimits), or as root when the operator opted out."""
+        try:
+            if self.jail is not None:
+                return await self.jail.spawn(functools.partial(jailed_argv, argv), JAILED_START_CAPS, run_dir,
+                                             log, pass_fds)
+            return await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                                        pass_fds=pass_fds, start_new_session=True)
+        except OSError as exc:
+            raise VmmError(f"cannot start {self.binary}: {exc}; install QEMU with `bash scripts/setup`") from None
+
+
+def jailed_argv(argv: list[str], uid: int) -> list[str]:
+    """``argv`` for a QEMU that drops to ``uid`` (and the gid of that number) once it has opened every
+    file on its command line and bound its sockets, before its main loop: before the guest runs and
+    before any monitor command (so any device state) is read."""
+    jailed = list(argv)
+    jailed[jailed.index("-sandbox") + 1] = SECCOMP_JAILED
+    # -drive defaults to auto-read-only=on: when a disk stops being written (a migration's end, a top that
+    # BRANCH freezes) QEMU reopens it read-only *by name*, which its uid may not reach. Off: it keeps its fd.
+    for at, arg in enumerate(argv[:-1]):
+        if arg == "-drive":
+            jailed[at + 1] = f"{argv[at + 1]},auto-read-only=off"
+    return [*jailed, "-runas", f"{uid}:{uid}"]

@@ -6,23 +6,12 @@
 import assert from 'node:assert/strict'
 import { NotFoundError, Sandbox } from 'e2b'
 import { Sandbox as CodeSandbox } from '@e2b/code-interpreter'
+import { check, failures } from './checks.mjs'
 
 const TEMPLATE = process.env.E2B_TEST_TEMPLATE
 const API = process.env.E2B_API_URL
 const KEY = { 'X-API-KEY': process.env.E2B_API_KEY }
 const CYCLES = 3 // the Python check runs 10; these show the same through the other SDK
-const failures = []
-
-async function check(name, body) {
-  try {
-    await body()
-    console.log(`ok ${name}`)
-  } catch (error) {
-    failures.push(name)
-    console.log(`FAIL ${name}: ${error?.name}: ${error?.message}`)
-    console.error(error)
-  }
-}
 
 async function waitFor(what, test, withinMs) {
   const end = Date.now() + withinMs

@@ -9,22 +9,11 @@ import { readFileSync } from 'node:fs'
 import assert from 'node:assert/strict'
 import { AuthenticationError, CommandExitError, FilesystemEventType, NotFoundError, Sandbox, TimeoutError } from 'e2b'
 import { Sandbox as CodeSandbox } from '@e2b/code-interpreter'
+import { check, failures } from './checks.mjs'
 
 const TEMPLATE = process.env.E2B_TEST_TEMPLATE
 const CHART_CELL = readFileSync(new URL('../chart_cell.py', import.meta.url), 'utf8')
 const MATPLOTLIB_CELL = readFileSync(new URL('../matplotlib_cell.py', import.meta.url), 'utf8')
-const failures = []
-
-async function check(name, body) {
-  try {
-    await body()
-    console.log(`ok ${name}`)
-  } catch (error) {
-    failures.push(name)
-    console.log(`FAIL ${name}: ${error?.name}: ${error?.message}`)
-    console.error(error)
-  }
-}
 
 async function expectRejects(kind, body) {
   try {

@@ -15,7 +15,7 @@ router = APIRouter()
 
 @router.post("/v1/sandboxes/{sandbox_id}/branch", status_code=201)
 async def branch(sandbox_id: SandboxId, body: schemas.BranchRequest, runtime: RuntimeDep) -> JSONResponse:
-    """201 with the ready snapshot, or 202 with it ``writing`` when ``wait`` is false."""
+    """201 with the ready snapshot, or 202 with it ``writing`` once the sandbox runs again when ``wait`` is false."""
     record = await runtime.branches.branch(sandbox_id, body.tag, body.mode, body.wait)
     return JSONResponse(record.to_dict(), status_code=201 if record.status == "ready" else 202)
 

@@ -8,43 +8,21 @@ hung up).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Request
 
 from forkd.daemon import schemas
-from forkd.daemon.errors import ClientGone
 from forkd.daemon.deps import Pid, SandboxId, SessionsDep
+from forkd.daemon.errors import unless_client_leaves
 from forkd.daemon.ndjson import NDJSON_ANSWER, NDJSONResponse, attached, json_or_ndjson
 from forkd.runtime.execution import Execution
 from forkd.runtime.results import CellSpec, CommandSpec, Data, Event, Output, Started
 from forkd.runtime.sessions import Sessions
 
 router = APIRouter()
-T = TypeVar("T")
-
-
-async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it (and so its guest call) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientGone
-    return task.result()
 
 
 def _wire(event: Event) -> dict[str, Any]:

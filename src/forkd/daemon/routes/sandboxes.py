@@ -5,16 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
 from forkd.daemon import schemas
 from forkd.daemon.deps import RuntimeDep, SandboxId
+from forkd.daemon.errors import unless_client_leaves
 from forkd.daemon.ndjson import NDJSON, NDJSONResponse, detached
 from forkd.host.cgroups import Limits
 from forkd.host.netpolicy import NetRequest, allow_rule, egress_policy
 from forkd.runtime.driver_forks import fingerprint
 from forkd.runtime.isolation import SandboxOptions
-from forkd.runtime.spawning import ForkOptions, ForkOutcome
+from forkd.runtime.spawning import ForkHandle, ForkOptions, ForkOutcome
 
 router = APIRouter()
 OwnerQuery = Annotated[str | None, Query(pattern=schemas.LABEL_PATTERN, description="only this owner's children")]
@@ -52,7 +53,7 @@ def child_line(outcome: ForkOutcome) -> dict[str, Any]:
 
 
 @router.post("/v1/sandboxes", status_code=201, response_model=None, responses=MAYBE_FORK_STREAM)
-async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, Any] | NDJSONResponse:
+async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep, request: Request) -> dict[str, Any] | NDJSONResponse:
     options = ForkOptions(timeout_s=body.timeout_s, envs=body.envs, metadata=body.metadata,
                           isolation=isolation_of(body), deadline_s=body.deadline_s, owner=body.owner)
 
@@ -61,12 +62,14 @@ async def fork(body: schemas.SandboxCreate, runtime: RuntimeDep) -> dict[str, An
             return body.snapshot_tag
         return (await runtime.snapshot_by_digest(body.snapshot_digest)).tag  # type: ignore[arg-type]
 
-    async def answer() -> dict[str, Any]:  # a retried keyed fork is answered without looking the snapshot up again
-        return fork_answer(await runtime.spawner.fork(await snapshot(), body.n, options))
+    async def answer(handle: ForkHandle | None = None) -> dict[str, Any]:  # a retried keyed fork: no snapshot looked up
+        return fork_answer(await runtime.spawner.fork(await snapshot(), body.n, options, handle))
 
     if body.idempotency_key is not None:
-        request = body.model_dump(exclude={"idempotency_key", "stream"})
-        return await runtime.driver_forks.once(body.idempotency_key, fingerprint(request), answer)
+        # the fork outlives a client that leaves, for ABANDON_S: a retry with the key takes its answer
+        keyed = runtime.driver_forks.once(body.idempotency_key, fingerprint(body.model_dump(exclude={
+            "idempotency_key", "stream"})), answer)
+        return await unless_client_leaves(request, keyed)
     if not body.stream:
         return await answer()
     # A tag that cannot be forked is an error status here, before any line is streamed.

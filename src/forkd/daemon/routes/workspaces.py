@@ -12,7 +12,7 @@ from forkd.runtime.workspaces import WorkspaceService
 router = APIRouter()
 
 
-def _workspaces(request: Request) -> WorkspaceService:
+async def _workspaces(request: Request) -> WorkspaceService:
     return request.app.state.runtime.workspaces
 
 
