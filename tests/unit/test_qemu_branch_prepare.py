@@ -28,6 +28,10 @@ class Monitor:
             raise RuntimeError("no such file")
         return {}
 
+    async def add_fds(self, fds: list[int], opaque: str) -> str:
+        self.commands.append("add-fd")
+        return "/dev/fdset/7"
+
 
 class Process:
     pid = 2 ** 22 + 1  # above pid_max's default: no such process, so its page map cannot be read
@@ -54,3 +58,4 @@ def test_a_buffer_that_cannot_be_made_leaves_no_overlay_node_or_file(tmp_path: P
 def test_an_overlay_that_cannot_be_added_leaves_no_file(tmp_path: Path) -> None:
     qmp, _, _ = prepare(tmp_path, add_fails=True)
     assert "blockdev-del" not in qmp.commands and not (tmp_path / "top.qcow2").exists()
+    assert qmp.commands[-1] == "remove-fd", qmp.commands  # QEMU's copies of the descriptors closed too

@@ -139,6 +139,7 @@ async def _prepare_overlay(qmp: Monitor, frozen: Path, new_top: Path) -> str:
     # -u: the backing file is in use (locked) by this VM; its size is known from QEMU.
     await qemu_img("create", "-q", "-f", "qcow2", "-u", "-b", str(frozen), "-F", "qcow2", str(new_top), str(size))
     node = f"top-{secrets.token_hex(4)}"
+    name: str | None = None
     try:
         # A jailed QEMU may not reach the file by its name: it gets descriptors, read-write and read-only
         # (for when the next BRANCH freezes this top), in an fd set that lives as long as the VMM.
@@ -151,6 +152,8 @@ async def _prepare_overlay(qmp: Monitor, frozen: Path, new_top: Path) -> str:
         await qmp.execute("blockdev-add", {"driver": "qcow2", "node-name": node, "discard": "unmap",
                                            "file": {"driver": "file", "filename": name}, "backing": None})
     except BaseException:
+        if name is not None:
+            await _remove_fdset(qmp, name)
         new_top.unlink(missing_ok=True)
         raise
     return node
@@ -166,10 +169,15 @@ async def _passed_file(qmp: Monitor, path: Path) -> AsyncIterator[str]:
         try:
             yield name
         finally:
-            with contextlib.suppress(QMPError, VmmError):
-                await qmp.execute("remove-fd", {"fdset-id": int(name.rsplit("/", 1)[1])})
+            await _remove_fdset(qmp, name)
     finally:
         os.close(fd)
+
+
+async def _remove_fdset(qmp: Monitor, name: str) -> None:
+    """Closes QEMU's copies of the descriptors passed as ``name`` (``/dev/fdset/N``) once nothing uses them."""
+    with contextlib.suppress(QMPError, VmmError):
+        await qmp.execute("remove-fd", {"fdset-id": int(name.rsplit("/", 1)[1])})
 
 
 def _fsync(path: Path) -> None:
