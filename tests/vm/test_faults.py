@@ -233,12 +233,16 @@ def test_daemon_sigkill_in_a_branch_pause_leaves_the_source_running(daemon: Daem
     [source] = client.fork(TAG, 1)["sandboxes"]
     sandbox_id = source["id"]
     client.run_code(sandbox_id, "ballast = bytearray(b'\\x01') * (256 << 20); kept = 'alive'")
-    client.branch(sandbox_id, "crashed", mode="diff", wait=False)
+    # wait=False answers only after the pause, so the BRANCH is asked from a thread and the kill is timed
+    # by the build's files; the answer never comes (the daemon dies first).
+    branching = concurrent.futures.ThreadPoolExecutor(1)
+    branching.submit(client.branch, sandbox_id, "crashed", mode="diff", wait=False)
     builds = fault_home / "snapshots"
     # The daemon creates the state file before the pause (QEMU gets it as a descriptor); it fills in the pause.
     wait_until(lambda: any(_size(d / "state") > 0 for d in builds.glob(".build-crashed-*")), bound_s=120,
                step_s=0.001)
     daemon.kill9()
+    branching.shutdown(wait=True)
     status = qmp_status(fault_home / "sandboxes" / sandbox_id / "qmp.sock")
     assert status == "paused", "the kill came after the pause: this run proves nothing"
     daemon.start()
