@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 
 from forkd.daemon.app import create_app
 from forkd.daemon.middleware.timing import ServerTiming
+from forkd.e2b.control import control_app
 from forkd.runtime import timings
 from forkd.runtime.metrics import Metrics
 
@@ -44,9 +45,10 @@ def _api_routes(routes: list[Any]) -> list[APIRoute]:
 
 def test_no_route_dependency_runs_in_the_thread_pool() -> None:
     """FastAPI runs a plain ``def`` dependency in its thread pool: two thread hand-overs per dependency and
-    request, which cost a ping most of its time in the daemon on a loaded host."""
-    routes = _api_routes(create_app().routes)
-    assert len(routes) > 50
+    request, which cost a ping most of its time in the daemon on a loaded host. The E2B control plane too."""
+    e2b = _api_routes(control_app(None, None, None).routes)  # type: ignore[arg-type]  # routes only, never called
+    routes = _api_routes(create_app().routes) + e2b
+    assert len(routes) > 50 and len(e2b) > 10
     sync = {f"{route.path}: {call.__qualname__}" for route in routes
             for call in _dependencies(route.dependant) if not inspect.iscoroutinefunction(call)}
     assert not sync

@@ -35,7 +35,8 @@ SandboxId = Annotated[str, Field(min_length=1, max_length=64)]
 PRINCIPAL_STATE = "e2b_principal"  # where the front leaves the caller's principal in the ASGI scope's state
 
 
-def _principal(request: Request) -> Principal:
+async def _principal(request: Request) -> Principal:
+    """Async so FastAPI calls it on the event loop, not through its thread pool (two hand-overs a request)."""
     principal = getattr(request.state, PRINCIPAL_STATE, None)
     if principal is None:  # the front authenticates before routing; reaching here without is a bug
         raise E2BError(401, "no API key: send X-API-KEY (E2B_API_KEY)")
