@@ -8,10 +8,11 @@ time (utime + stime from /proc, not wall time) and the TCG translation-buffer fl
 HMP ``info jit``, and the finer breakdown of ``vmm_memory.py`` (thread stacks, malloc arenas, ...).
 Variants: ``tb16``, ``tb8``, ``tb32`` (TCG ``tb-size`` MiB; ``--tb`` for the others), an allocator
 setting for QEMU's environment (``arena1``, ``arena2``: ``MALLOC_ARENA_MAX``; ``trim``: glibc
-tunables that return freed memory at once), ``nothp`` (QEMU started with transparent huge pages
-disabled, ``PR_SET_THP_DISABLE``, which it inherits), or ``snapshot=TAG`` to compare another
+tunables that return freed memory at once), ``thp`` (QEMU may use transparent huge pages; without it
+they are off, ``PR_SET_THP_DISABLE`` inherited, as the daemon runs its VMMs), ``nojail`` (QEMU as
+root without the VMM jail, ``[confinement] enabled = false``), or ``snapshot=TAG`` to compare another
 snapshot (e.g. one baked with other guest settings or another machine type); parts combine with
-``+`` (``tb16+nothp``).
+``+`` (``tb16+thp``).
 
     FORKD_HOME=... .venv/bin/python bench/child_cost.py --tag quickstart --rounds 5 tb16 tb8 tb32 arena1
 
@@ -93,10 +94,9 @@ async def one_child(variant: str, snapshots: SnapshotStore, default_tag: str, sc
     _, saved, spec = await asyncio.to_thread(snapshots.open, tag)
     run_dir = scratch / f"c{index}"
     run_dir.mkdir()
-    vmm = QemuVmm(tb_size_mib=tb)
+    vmm = QemuVmm(tb_size_mib=tb, jail=None if "nojail" in parts else "default", huge_pages=True)
     started = time.monotonic()
-    if "nothp" in parts:
-        set_thp_disable(True)  # inherited by the QEMU process started next (and kept across its exec)
+    set_thp_disable("thp" not in parts)  # inherited by the QEMU process started next (and kept across its exec)
     try:
         vm = await restore(vmm, f"c{index}", saved, spec, run_dir)
     finally:

@@ -103,3 +103,30 @@ def test_qemu_drops_to_its_uid_itself_and_keeps_its_disk_descriptor() -> None:
     assert jailed_argv(argv, 7) == ["qemu", "-sandbox", "on,obsolete=deny,elevateprivileges=allow,spawn=deny,"
                                     "resourcecontrol=deny", "-drive", "file=d,format=qcow2,auto-read-only=off",
                                     "-m", "1G", "-runas", "7:7"]
+
+
+def test_the_hosts_network_namespaces_are_let_go_in_one_detach(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One detach per namespace file costs an RCU grace period each on the thread that starts every VMM, so
+    a VMM start slowed down with every sandbox alive; ``/run/netns`` (a mount of its own) goes as a whole."""
+    names = [f"fkd-pins-{secrets.token_hex(3)}" for _ in range(5)]
+    detached: list[str] = []
+    real_umount = jail_module._umount
+    monkeypatch.setattr(jail_module, "_umount", lambda target: (detached.append(target), real_umount(target)))
+    jail = Jail(JailSettings(uid_range=UIDS))
+
+    async def scenario() -> str:
+        with open(home / "out", "wb") as out:
+            process = await jail.spawn(lambda uid: _drop(uid, "sh", "-c", "grep -c nsfs /proc/self/mountinfo"),
+                                       ("setuid", "setgid"), home / "sandboxes" / "sb-mine", out)
+        await asyncio.wait_for(process.wait(), 10)
+        return (home / "out").read_text()
+
+    try:
+        for name in names:
+            subprocess.run(["ip", "netns", "add", name], check=True)
+        out = asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], check=False)
+    assert out.strip() == "0"  # none pinned ...
+    assert detached == ["/run/netns"]  # ... by one detach, not five

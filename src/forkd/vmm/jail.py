@@ -199,7 +199,7 @@ class Jail:
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
         if run_dir is None:
             return
-        for target in reversed(_nsfs_mounts()):
+        for target in _namespace_pins():
             _umount(target)
         own = os.open(run_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # this namespace's view of it
         try:
@@ -245,11 +245,31 @@ def _umount(target: str) -> None:
         _check(-1, f"umount {target}")
 
 
-def _nsfs_mounts() -> list[str]:
-    """Mount points of namespace files (``ip netns``' ``/run/netns/NAME``) in this thread's mount namespace."""
-    found = []
+def _namespace_pins() -> list[str]:
+    """What to detach in this thread's mount namespace so it pins no namespace file (``ip netns``'
+    ``/run/netns/NAME``): a mount holding only namespace files (``/run/netns`` is its own mount) as a
+    whole, any other namespace file on its own.
+
+    One detach per file would cost one RCU grace period each, on the one thread that starts every VMM:
+    with 100 sandboxes' namespaces pinned, a VMM start took 34 ms instead of 15 (300 ms at worst), and
+    forking slowed down as children accumulated.
+    """
+    mounts: dict[str, tuple[str, str, str]] = {}  # mount id: (parent id, mount point, file system type)
     for line in Path("/proc/thread-self/mountinfo").read_text().splitlines():
         before, _, after = line.partition(" - ")
-        if after.split(" ", 1)[0] == "nsfs":
-            found.append(_OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), before.split(" ")[4]))
-    return found
+        fields = before.split(" ")
+        mounts[fields[0]] = (fields[1], _OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), fields[4]),
+                             after.split(" ", 1)[0])
+    holders: dict[str, list[str]] = {}
+    for parent, point, fstype in mounts.values():
+        if fstype == "nsfs":
+            holders.setdefault(parent, []).append(point)
+    pins = []
+    for parent, points in holders.items():
+        holder = mounts.get(parent)
+        only_namespaces = all(fstype == "nsfs" for up, _, fstype in mounts.values() if up == parent)
+        if holder is not None and holder[1] != "/" and only_namespaces:
+            pins.append(holder[1])
+        else:
+            pins += reversed(points)
+    return pins
