@@ -13,7 +13,7 @@ host thread per vCPU), ``single`` (``thread=single``: all vCPUs on one host thre
 
     flock /tmp/forkd-vm.lock .venv/bin/python bench/mttcg_boot.py --boots 20 --parallel 4 multi single
 
-Writes bench/results/mttcg_boot.json.
+Writes bench/results/mttcg_boot.json and .png (``--out`` names another JSON, the PNG goes next to it).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from figures import load_span, plt, save  # bench/figures.py, next to this script
 
 from forkd.config import paths_from_env
 from forkd.guest import protocol
@@ -137,11 +139,28 @@ async def main() -> None:
             for r in runs[-len(batch):]:
                 print(json.dumps({k: r.get(k) for k in ("variant", "index", "ok", "answered_s", "workload_s",
                                                         "oops", "rip", "error")}), flush=True)
-    report = {"load_before": load_before, "load_after": os.getloadavg(), "options": vars(options),
+    report = {"load_start": load_before[0], "load_end": os.getloadavg()[0], "options": vars(options),
               "summary": summarise(runs), "runs": runs}
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     Path(options.out).write_text(json.dumps(report, indent=1))
+    draw(report, Path(options.out).with_suffix(".png"))
     print(json.dumps(report["summary"], indent=1))
+
+
+def draw(report: dict[str, Any], path: Path) -> None:
+    summary = report["summary"]
+    names = list(summary)
+    fig, (fails, times) = plt.subplots(1, 2, figsize=(10, 4))
+    fails.bar(names, [100 * s["failed"] / s["boots"] for s in summary.values()])
+    for at, s in enumerate(summary.values()):
+        fails.annotate(f"{s['failed']}/{s['boots']}", (at, 0), ha="center", va="bottom")
+    fails.set_ylabel("boots that failed (%)")
+    for offset, key, label in ((-0.2, "answered_s_p50", "boot to agent"), (0.2, "workload_s_p50", "CPU workload")):
+        times.bar([at + offset for at in range(len(names))], [s[key] or 0 for s in summary.values()], 0.4, label=label)
+    times.set_xticks(range(len(names)), names)
+    times.set_ylabel("seconds (median)")
+    times.legend()
+    save(fig, path, f"{report['options']['vcpus']}-vCPU guests under TCG ({load_span(report)})")
 
 
 if __name__ == "__main__":
