@@ -154,6 +154,7 @@ def draw(report: dict[str, Any], path: Path) -> None:
     fails.bar(names, [100 * s["failed"] / s["boots"] for s in summary.values()])
     for at, s in enumerate(summary.values()):
         fails.annotate(f"{s['failed']}/{s['boots']}", (at, 0), ha="center", va="bottom")
+    fails.set_ylim(0, max(5.0, *(100 * s["failed"] / s["boots"] + 1 for s in summary.values())))
     fails.set_ylabel("boots that failed (%)")
     for offset, key, label in ((-0.2, "answered_s_p50", "boot to agent"), (0.2, "workload_s_p50", "CPU workload")):
         times.bar([at + offset for at in range(len(names))], [s[key] or 0 for s in summary.values()], 0.4, label=label)
