@@ -49,6 +49,7 @@ def test_a_console_past_its_bound_is_cut_to_its_end_and_the_vmm_appends_after_it
 def test_the_vmm_opens_the_console_for_appending(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without append, QEMU would go on writing at its old offset after a cut: the file stays as large."""
     monkeypatch.setattr(qemu_machine, "machine_type", lambda _binary: "pc-q35-7.2")
+    monkeypatch.setattr(qemu_machine, "qemu_version", lambda _binary: "7.2.22")
     spec = BootSpec(kernel=tmp_path / "vmlinuz", initrd=tmp_path / "initrd.img", cmdline="", memory_mib=256, vcpus=1,
                     kernel_sha256="0" * 64, agent_version="0")
     argv = qemu_machine.QemuMachine("qemu-system-x86_64", "tcg", "qemu64").argv(

@@ -105,6 +105,7 @@ def test_the_vmm_reports_disk_errors_to_the_guest_instead_of_pausing_it(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """QEMU's default werror=enospc pauses a VM whose host disk is full: its agent then stops answering."""
     monkeypatch.setattr(qemu_machine, "machine_type", lambda _binary: "pc-q35-7.2")
+    monkeypatch.setattr(qemu_machine, "qemu_version", lambda _binary: "7.2.22")
     spec = BootSpec(kernel=tmp_path / "vmlinuz", initrd=tmp_path / "initrd.img", cmdline="", memory_mib=256, vcpus=1,
                     kernel_sha256="0" * 64, agent_version="0")
     argv = qemu_machine.QemuMachine("qemu-system-x86_64", "tcg", "qemu64").argv(

@@ -8,6 +8,7 @@ stock kernel through an instruction emulator at ~1.6 M instr/s and then fails on
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,3 +66,36 @@ def choose_accelerator(requested: str = "auto") -> tuple[str, str]:
             raise ValueError(f"KVM requested but {probe.detail}")
         return "kvm", "KVM requested"
     return ("kvm", probe.detail) if probe.usable else ("tcg", probe.detail)
+
+
+#: The first QEMU whose multi-threaded TCG does not race a translation against an invalidation of
+#: the same code (upstream commit deba78709a, "accel/tcg: Always lock pages before translation").
+MTTCG_FIXED_IN = (8, 1)
+
+
+def accel_option(accelerator: str, vcpus: int, tb_size_mib: int, qemu_version: str) -> str:
+    """The ``-accel`` value of a VMM: ``kvm``, or TCG with its translation buffer and, on a QEMU before
+    8.1 with more than one vCPU, ``thread=single`` (every vCPU on one host thread, in turn).
+
+    Why: QEMU before 8.1 translates guest code without holding the page lock, so under multi-threaded
+    TCG one vCPU can translate a block from code another vCPU is rewriting and keep it after the
+    rewrite invalidated the page. The guest kernel rewrites its own code live (static keys via
+    ``text_poke_bp``: an ``int3`` first, then the rest, then the first byte), so a vCPU could run a
+    stale ``int3`` after the patch finished and the kernel oopses (``Oops: int3`` in
+    ``hrtimer_start_range_ns``, 4 errors of one CI run; the same oops on jump labels in other projects'
+    CI, gone with QEMU 8.1). With one TCG thread no translation runs while another vCPU writes.
+    Measured with bench/mttcg_boot.py (docs/benchmarks.md). A 1-vCPU guest, KVM and a fixed QEMU are
+    left as they were.
+    """
+    if accelerator == "kvm":
+        return "kvm"
+    option = f"tcg,tb-size={tb_size_mib}"
+    if vcpus > 1 and _release(qemu_version) < MTTCG_FIXED_IN:
+        option += ",thread=single"
+    return option
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``(7, 2)`` from ``7.2.22``; an unreadable version counts as old (the safe side)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else (0, 0)

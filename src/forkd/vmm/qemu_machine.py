@@ -27,6 +27,7 @@ from qemu.qmp import EventListener, QMPClient, QMPError
 from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
 from forkd.safetext import visible
+from forkd.vmm.accel import accel_option
 from forkd.vmm.base import CONSOLE_LOG, BootSpec, VmHandle, VmmError, VmProcess, no_stage_marks
 from forkd.vmm.jail import Jail
 
@@ -380,7 +381,7 @@ class QemuMachine:
         with_kernel = share if boot is None else boot
         kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if with_kernel else []
         tb_size = max(self.tb_size_mib, tb_size_mib or 0)
-        accel = "kvm" if self.accelerator == "kvm" else f"tcg,tb-size={tb_size}"
+        accel = accel_option(self.accelerator, spec.vcpus, tb_size, qemu_version(self.binary))
         netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
         return [
             self.binary,
