@@ -7,14 +7,21 @@ returns to the daemon's namespaces (``setns``). So the process the daemon starts
 exec chain, no helper in between): its pid is the VMM's host pid, which the daemon waits on, kills,
 reads ``/proc/PID`` of and puts in a cgroup; and it is pid 1 of a namespace nothing else lives in.
 
-In its mount namespace (private propagation, so nothing leaks back):
+In its mount namespace (private propagation, so nothing leaks back) it gets a root of its own, after
+the jailer's chroot: a small tmpfs, entered with ``pivot_root`` (the host's tree then detached), that
+holds only
 
-- its run directory's parent (the other sandboxes' run directories, or the other snapshots for a
-  parent being baked) is an empty tmpfs with only its own run directory bound back in;
-- ``/proc`` is a procfs of its own with ``hidepid=invisible``: once unprivileged it sees no other
-  process;
-- the network namespaces the host pins under ``/run/netns`` (nsfs mounts) are detached, so a VMM
-  never keeps another sandbox's network namespace alive after the daemon deleted it.
+- the system, read-only: ``/usr`` (programs, libraries, QEMU's firmware), the top-level library and
+  program directories (links on a merged ``/usr``) and the loader cache: what ``strace -f -e
+  trace=file`` of a jailed start shows the exec chain open;
+- a few devices (``/dev/null``, ``zero``, ``random``, ``urandom``);
+- ``/proc``, a procfs of its own with ``hidepid=invisible``: once unprivileged it sees no other process;
+- its run directory, read-write, and the :class:`HostFile` s its program is declared to open by name
+  (for QEMU, ``QemuMachine.host_files``), each at its own absolute path so no argument changes.
+
+So it sees no other sandbox, snapshot, ``/etc`` or daemon state, and pins no network namespace the
+host keeps under ``/run/netns``. A root that cannot be built fails the start naming the file; it was
+built only in the new namespace, which dies with it.
 
 The process runs through util-linux ``prlimit`` (``RLIMIT_NOFILE``, ``RLIMIT_FSIZE``) and ``setpriv``
 (``no_new_privs``, a bounding set of only the capabilities the program needs to start, nothing
@@ -32,8 +39,8 @@ import contextlib
 import ctypes
 import errno
 import os
-import shutil
 import platform
+import shutil
 import signal
 import stat
 import subprocess
