@@ -19,9 +19,10 @@ from conftest import short_tmp_dir
 from forkd.host.doctor import _jail as doctor_jail_check
 from forkd.vmm import jail as jail_module
 from forkd.vmm.backends import BackendOptions, create_vmm
-from forkd.vmm.base import VmmError
 from forkd.vmm.jail import HostFile, Jail, JailSettings, JailUnavailable
-from forkd.vmm.qemu_machine import jailed_argv
+from forkd.vmm.base import BootSpec, VmmError
+from forkd.vmm.qemu_disk import backing_chain, create_overlay, qemu_img
+from forkd.vmm.qemu_machine import QemuMachine, jailed_argv
 from forkd.vmm.vmm_uids import UidRangeError
 
 pytestmark = pytest.mark.root("setpriv", "prlimit", "ip")
@@ -153,3 +154,26 @@ def test_qemu_drops_to_its_uid_itself_and_keeps_its_disk_descriptor() -> None:
     assert jailed_argv(argv, 7) == ["qemu", "-sandbox", "on,obsolete=deny,elevateprivileges=allow,spawn=deny,"
                                     "resourcecontrol=deny", "-drive", "file=d,format=qcow2,auto-read-only=off",
                                     "-m", "1G", "-runas", "7:7"]
+
+
+def test_a_childs_machine_declares_its_whole_disk_chain_and_its_memory_file(tmp_path: Path) -> None:
+    """What the jail binds for a child of a branch: every file QEMU opens through its overlay, named as QEMU
+    names them (a relative ``../tag/disk.qcow2`` taken next to the layer recording it), and the memory file."""
+    base, branch, run = tmp_path / "snapshots" / "base", tmp_path / "snapshots" / "branch", tmp_path / "sb"
+    for directory in (base, branch, run):
+        directory.mkdir(parents=True)
+    (base / "base.ext4").write_bytes(bytes(1 << 20))
+
+    async def layers() -> None:
+        await create_overlay(base / "base.ext4", base / "disk.qcow2", "raw", relative=True)
+        await qemu_img("create", "-q", "-f", "qcow2", "-b", "../base/disk.qcow2", "-F", "qcow2",
+                       str(branch / "disk.qcow2"))
+        await create_overlay(branch / "disk.qcow2", run / "disk.qcow2", "qcow2")
+    asyncio.run(layers())
+    chain = backing_chain(run / "disk.qcow2")
+    assert chain == [branch / "disk.qcow2", base / "disk.qcow2", base / "base.ext4"]
+    spec = BootSpec(base / "vmlinuz", base / "initrd.img", "", 512, 1, "", "")
+    machine = QemuMachine("qemu-system-x86_64", "tcg", "qemu64", huge_pages=True)
+    assert machine.host_files(spec, chain, base / "memory", share=False) == (
+        *(HostFile(layer) for layer in chain), HostFile(base / "memory", writable=True))
+    assert HostFile(base / "vmlinuz") in machine.host_files(spec, chain, base / "memory", share=True)  # a boot

@@ -65,8 +65,9 @@ _TOP = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SYSTEM = ("/usr", *_TOP, "/etc/ld.so.cache")
 #: Devices QEMU opens (the machine declares /dev/kvm when it uses it); the guest's NIC is a passed tap fd.
 DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
-#: The VMM's root: directories and empty files to bind onto, made read-only before it starts.
-_ROOT_OPTIONS = "mode=0755,size=64k,nr_inodes=512"
+#: The VMM's root: directories and empty files to bind onto (no data), made read-only before it starts.
+#: Two inodes a disk layer in its own snapshot directory: a chain of ~2,000 fits.
+_ROOT_OPTIONS = "mode=0755,size=64k,nr_inodes=4096"
 DEFAULT_MAX_OPEN_FILES = 2048  # Firecracker's jailer's default; a QEMU child holds ~100
 DEFAULT_MAX_FILE_SIZE_MIB = 256 << 10  # its disk overlay is the largest file a VMM writes
 
@@ -247,6 +248,8 @@ def _plan(run_dir: Path, files: Sequence[HostFile]) -> list[HostFile]:
     plan += [HostFile(Path(path), writable=True) for path in DEVICES if os.path.exists(path)]
     plan.append(HostFile(run_dir, writable=True))
     for file in files:  # one bound already holds it (the run directory, /usr): it is seen as that one allows
+        if not file.path.is_absolute():
+            raise OSError(errno.EINVAL, f"{file.path} cannot be bound into the VMM's root: not an absolute path")
         if not any(file.path.is_relative_to(holder.path) for holder in plan):
             plan.append(file)
     return plan
