@@ -4,7 +4,9 @@ without the root, interleaved (A, B, A, B, ...) so both see the same load.
 One start is what a fork pays per child before its state loads: ``QemuMachine.start`` of a child-like
 QEMU (``-S``, a backing chain, the image's kernel) until its monitor answers, then a kill. "without"
 skips only building the root (``jail._pivot_into``, with its own ``/proc``): the VMM then sees the host's
-tree; its namespaces, rlimits, ``-runas`` and seccomp stay. ``build_ms`` times building the root alone (on the jail's thread).
+tree; its namespaces, rlimits, ``-runas`` and seccomp stay. ``build_ms`` times building the root alone
+(on the jail's thread); ``spawn_ms`` times the jail's part of a start without QEMU: ``Jail.spawn`` of
+``true`` until it is started (namespaces, root, prlimit), with and without.
 Record the load average around a run (it is in the JSON): figures from a busy machine do not compare.
 
     flock /tmp/forkd-vm.lock .venv/bin/python bench/jail_root.py --repeats 40
@@ -29,6 +31,7 @@ from figures import load_span, plt, save  # bench/figures.py, next to this scrip
 
 from forkd.vmm import jail
 from forkd.vmm.base import BootSpec
+from forkd.vmm.jail import HostFile
 from forkd.vmm.qemu import QemuVmm
 from forkd.vmm.qemu_disk import create_overlay
 from forkd.vmm.qemu_machine import kill
@@ -57,6 +60,28 @@ async def one_start(vmm: QemuVmm, home: Path, spec: BootSpec, layer: Path, memor
     return elapsed
 
 
+async def spawn_only(home: Path, files: list[HostFile], repeats: int) -> dict[str, Any]:
+    """``Jail.spawn`` of ``true`` until it is started, with and without the root, interleaved."""
+    run_dir = home / "sandboxes" / "spawn-only"
+    run_dir.mkdir(parents=True)
+    confined = jail.Jail()
+    real = jail._pivot_into
+    times: dict[str, list[float]] = {"with_root": [], "without_root": []}
+    with open(home / "spawn.log", "wb") as log:
+        try:
+            for _ in range(repeats):
+                for mode, values in times.items():
+                    jail._pivot_into = real if mode == "with_root" else (lambda plan, mount_point: None)  # type: ignore
+                    started = time.perf_counter()
+                    process = await confined.spawn(lambda uid: ["true"], ("setuid", "setgid"), run_dir, log,
+                                                   files=files)
+                    values.append((time.perf_counter() - started) * 1000)
+                    await process.wait()
+        finally:
+            jail._pivot_into = real  # type: ignore[assignment]
+    return {mode: summary(values) for mode, values in times.items()}
+
+
 async def run(repeats: int) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="fkd-jr-", dir="/var/tmp"))
     home.chmod(0o755)
@@ -80,6 +105,8 @@ async def run(repeats: int) -> dict[str, Any]:
 
     n = 0
     try:
+        spawn_ms = await spawn_only(home, list(vmm.machine.host_files(spec, [layer, IMAGE / "rootfs.ext4"], memory,
+                                                                      share=False, boot=True)), repeats * 5)
         for _ in range(repeats):
             for mode in times:
                 jail._pivot_into = timed if mode == "with_root" else (lambda plan, mount_point: None)  # type: ignore
@@ -88,7 +115,8 @@ async def run(repeats: int) -> dict[str, Any]:
     finally:
         jail._pivot_into = real  # type: ignore[assignment]
         shutil.rmtree(home, ignore_errors=True)
-    return {"start_ms": {mode: summary(values) for mode, values in times.items()}, "build_ms": summary(build)}
+    return {"start_ms": {mode: summary(values) for mode, values in times.items()}, "build_ms": summary(build),
+            "spawn_ms": spawn_ms}
 
 
 def main() -> None:
@@ -107,6 +135,8 @@ def main() -> None:
     save(fig, RESULTS / "jail_root.png", f"A VMM's private root: start cost ({load_span(report)})")
     for mode in modes:
         print(f"{mode}: p50 {report['start_ms'][mode]['p50']:.1f} ms, p90 {report['start_ms'][mode]['p90']:.1f} ms")
+    for mode, values in report["spawn_ms"].items():
+        print(f"jail only ({mode}): p50 {values['p50']:.2f} ms, p90 {values['p90']:.2f} ms")
     print(f"building the root alone: p50 {report['build_ms']['p50']:.2f} ms; {load_span(report)}")
 
 
