@@ -291,13 +291,13 @@ def _bind(fd: int, file: HostFile, root: str) -> None:
     """``file`` (opened as ``fd``) bound at its own path under ``root``; a device keeps its node working."""
     mode = os.fstat(fd).st_mode
     target = root + os.path.normpath(file.path)
-    os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
-    if stat.S_ISDIR(mode):
-        os.mkdir(target, 0o755)
-    else:
-        os.close(os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o444))
     flags = MS_NOSUID | (0 if str(file.path) in SYSTEM else MS_NOEXEC) | (0 if stat.S_ISCHR(mode) else MS_NODEV)
-    try:
+    try:  # the mount point: the root's inode bound (ENOSPC) ends a start here too
+        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+        if stat.S_ISDIR(mode):
+            os.mkdir(target, 0o755)
+        else:
+            os.close(os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o444))
         _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND)
         _mount(None, target, None, MS_REMOUNT | MS_BIND | flags | (0 if file.writable else MS_RDONLY))
     except OSError as exc:
