@@ -1,6 +1,7 @@
 """Each QEMU VMM in its jail (vmm/jail.py), seen from the host on real children of a real daemon: its own
 non-root uid and gid, no capabilities, its own pid and mount namespaces (pid 1 there, the daemon's record
-holding its host pid), its rlimits, only its own run directory visible, and no write to host paths."""
+holding its host pid), its rlimits, a root of its own holding only the system, its own files and run
+directory (not the daemon's state, not the host's /etc), and no write to host paths."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ from forkd.vmm.jail import DEFAULT_MAX_FILE_SIZE_MIB, DEFAULT_MAX_OPEN_FILES
 from forkd.vmm.vmm_uids import DEFAULT_UID_RANGE, UidRange
 
 pytestmark = pytest.mark.vm
+
+
+#: What a VMM's root holds at its top besides the first directory of forkd's home (vmm/jail.py).
+SYSTEM_TOP = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc"}
+
+
+def _inside(path: Path) -> str:
+    """``path`` relative to a root: to look it up under ``/proc/PID/root``."""
+    return str(path).lstrip("/")
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -61,10 +71,19 @@ def test_each_vmm_runs_jailed(daemon: Controller, children: list[str], forkd_hom
         assert seen.stdout.split() == [record["id"]], seen
         procs = _as_vmm(pid, real, "sh", "-c", "ls /proc | grep -c '^[0-9]'")
         assert int(procs.stdout) <= 3, procs  # sh, ls and grep: no QEMU, no daemon, no host process
+        # Its root is its own (what /proc/PID/root shows): the system read-only, its run directory, and of
+        # forkd's home only the snapshot files its command line names; not the daemon's state, not /etc/cron.d.
+        root = Path(f"/proc/{pid}/root")
+        assert set(os.listdir(root)) <= SYSTEM_TOP | {forkd_home.parts[1]}, os.listdir(root)
+        assert sorted(os.listdir(root / _inside(forkd_home))) == ["sandboxes", "snapshots"]
+        assert {"qmp.sock", "agent.sock"} <= set(os.listdir(root / _inside(forkd_home / "sandboxes" / record["id"])))
+        for hidden in (forkd_home / "state.db", Path("/etc/cron.d"), Path("/etc/shadow"), Path("/root")):
+            assert hidden.exists()  # there on the host ...
+            assert not (root / _inside(hidden)).exists()  # ... not in the VMM's root
         # It cannot write the host: no cron job, no file in the daemon's state.
         for target in ("/etc/cron.d/forkd-probe", str(forkd_home / "forkd-probe")):
             wrote = _as_vmm(pid, real, "touch", target)
-            assert wrote.returncode != 0 and "Permission denied" in wrote.stderr, wrote
+            assert wrote.returncode != 0 and wrote.stderr, wrote
             assert not Path(target).exists()
         uids.append(real)
     assert len(set(uids)) == 2  # one uid each

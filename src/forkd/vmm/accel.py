@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+KVM_DEVICE = Path("/dev/kvm")
+
 
 @dataclass(frozen=True)
 class KvmProbe:
@@ -36,7 +38,7 @@ def _cpu_flags(cpuinfo: Path) -> set[str]:
     return set()
 
 
-def probe_kvm(dev: Path = Path("/dev/kvm"), cpuinfo: Path = Path("/proc/cpuinfo"),
+def probe_kvm(dev: Path = KVM_DEVICE, cpuinfo: Path = Path("/proc/cpuinfo"),
               modules: Path = Path("/sys/module")) -> KvmProbe:
     """Tell hardware KVM from PVM or no KVM at all, with a sentence saying why."""
     present = dev.exists() and os.access(dev, os.R_OK | os.W_OK)

@@ -7,14 +7,21 @@ returns to the daemon's namespaces (``setns``). So the process the daemon starts
 exec chain, no helper in between): its pid is the VMM's host pid, which the daemon waits on, kills,
 reads ``/proc/PID`` of and puts in a cgroup; and it is pid 1 of a namespace nothing else lives in.
 
-In its mount namespace (private propagation, so nothing leaks back):
+In its mount namespace (private propagation, so nothing leaks back) it gets a root of its own, after
+the jailer's chroot: a small tmpfs, entered with ``pivot_root`` (the host's tree then detached), that
+holds only
 
-- its run directory's parent (the other sandboxes' run directories, or the other snapshots for a
-  parent being baked) is an empty tmpfs with only its own run directory bound back in;
-- ``/proc`` is a procfs of its own with ``hidepid=invisible``: once unprivileged it sees no other
-  process;
-- the network namespaces the host pins under ``/run/netns`` (nsfs mounts) are detached, so a VMM
-  never keeps another sandbox's network namespace alive after the daemon deleted it.
+- the system, read-only: ``/usr`` (programs, libraries, QEMU's firmware), the top-level library and
+  program directories (links on a merged ``/usr``) and the loader cache: what ``strace -f -e
+  trace=file`` of a jailed start shows the exec chain open;
+- a few devices (``/dev/null``, ``zero``, ``random``, ``urandom``);
+- ``/proc``, a procfs of its own with ``hidepid=invisible``: once unprivileged it sees no other process;
+- its run directory, read-write, and the :class:`HostFile` s its program is declared to open by name
+  (for QEMU, ``QemuMachine.host_files``), each at its own absolute path so no argument changes.
+
+So it sees no other sandbox, snapshot, ``/etc`` or daemon state, and pins no network namespace the
+host keeps under ``/run/netns``. A root that cannot be built fails the start naming the file; it was
+built only in the new namespace, which dies with it.
 
 The process runs through util-linux ``prlimit`` (``RLIMIT_NOFILE``, ``RLIMIT_FSIZE``) and ``setpriv``
 (``no_new_privs``, a bounding set of only the capabilities the program needs to start, nothing
@@ -32,9 +39,10 @@ import contextlib
 import ctypes
 import errno
 import os
-import re
+import platform
 import shutil
 import signal
+import stat
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,12 +53,21 @@ from forkd.vmm.base import VmmError
 from forkd.vmm.vmm_uids import CLAIMS, DEFAULT_UID_RANGE, UidAllocator, UidRange, host_conflicts
 
 CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 0x1, 0x2, 0x4, 0x8, 0x20
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}[platform.machine()]
 TOOLS = ("prlimit", "setpriv")  # util-linux
-#: What the tmpfs over a run directory's parent may hold: the one directory bound into it.
-_MASK_OPTIONS = "mode=0755,size=16k,nr_inodes=16"
-_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+#: Top-level directories of programs and libraries: links to /usr on a merged /usr (made as links).
+_TOP = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+#: The programs of the exec chain (prlimit, setpriv, QEMU), their libraries and QEMU's firmware, read-only:
+#: what ``strace -f -e trace=file`` of a jailed start shows them open (docs/security.md).
+SYSTEM = ("/usr", *_TOP, "/etc/ld.so.cache")
+#: Devices QEMU opens (the machine declares /dev/kvm when it uses it); the guest's NIC is a passed tap fd.
+DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+#: The VMM's root: directories and empty files to bind onto (no data), made read-only before it starts.
+#: Two inodes a disk layer in its own snapshot directory: a chain of ~2,000 fits.
+_ROOT_OPTIONS = "mode=0755,size=64k,nr_inodes=4096"
 DEFAULT_MAX_OPEN_FILES = 2048  # Firecracker's jailer's default; a QEMU child holds ~100
 DEFAULT_MAX_FILE_SIZE_MIB = 256 << 10  # its disk overlay is the largest file a VMM writes
 
@@ -70,6 +87,15 @@ class JailSettings:
 
     def __post_init__(self) -> None:
         self.ids  # UidRangeError (a ValueError) names what is wrong with it
+
+
+@dataclass(frozen=True)
+class HostFile:
+    """A host file a jailed program opens by name: bound into its root at the same path (so no argument
+    changes), read-only unless ``writable``."""
+
+    path: Path
+    writable: bool = False
 
 
 class JailUnavailable(VmmError):
@@ -159,9 +185,10 @@ class Jail:
         return problems
 
     async def spawn(self, argv_for: Callable[[int], list[str]], keep_caps: Sequence[str], run_dir: Path,
-                    log: IO[bytes], pass_fds: tuple[int, ...] = ()) -> JailedProcess:
-        """Start ``argv_for(uid)`` in its jail; the program must set that uid (and gid) itself, with the
-        capabilities ``keep_caps`` (e.g. ``setuid``), before it takes any untrusted input."""
+                    log: IO[bytes], pass_fds: tuple[int, ...] = (), files: Sequence[HostFile] = ()) -> JailedProcess:
+        """Start ``argv_for(uid)`` in its jail, seeing of the host only ``run_dir``, ``files`` and the system;
+        the program must set that uid (and gid) itself, with the capabilities ``keep_caps`` (e.g. ``setuid``),
+        before it takes any untrusted input."""
         self.check()
         uid = self.uids.allocate()
         limits = self.settings
@@ -171,17 +198,17 @@ class Jail:
                    "--inh-caps=-all", "--ambient-caps=-all", "--", *argv_for(uid)]
         try:
             popen = await asyncio.get_running_loop().run_in_executor(
-                self._thread, self._start, command, run_dir, log, pass_fds)
+                self._thread, self._start, command, run_dir, log, pass_fds, files)
         except BaseException:
             self.uids.release(uid)
             raise
         self.uids.bind(uid, popen.pid)
         return JailedProcess(popen, lambda: self.uids.release(uid))
 
-    def _start(self, command: list[str], run_dir: Path, log: IO[bytes],
-               pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    def _start(self, command: list[str], run_dir: Path, log: IO[bytes], pass_fds: tuple[int, ...],
+               files: Sequence[HostFile]) -> subprocess.Popen[bytes]:
         try:
-            self._enter(run_dir)
+            self._enter(run_dir, files)
             return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
                                     pass_fds=pass_fds, start_new_session=True)
         except OSError as exc:
@@ -189,32 +216,20 @@ class Jail:
         finally:
             self._leave()
 
-    def _enter(self, run_dir: Path | None) -> None:
-        """On the jail's thread: into a new mount namespace set up for ``run_dir``, and a new pid namespace
-        for the next process started."""
+    def _enter(self, run_dir: Path | None, files: Sequence[HostFile] = ()) -> None:
+        """On the jail's thread: into a new mount namespace whose root holds only ``run_dir``, ``files``
+        and what a program needs to run, and a new pid namespace for the next process started."""
         if self._home is None:
             mnt = os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
             self._home = (mnt, os.open("/proc/thread-self/ns/pid", os.O_RDONLY | os.O_CLOEXEC))
         _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare")
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
-        if run_dir is None:
-            return
-        for target in _namespace_pins():
-            _umount(target)
-        own = os.open(run_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # this namespace's view of it
-        try:
-            _mount("tmpfs", str(run_dir.parent), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, _MASK_OPTIONS)
-            os.mkdir(run_dir, 0o700)
-            _mount(f"/proc/self/fd/{own}", str(run_dir), None, MS_BIND)
-        finally:
-            os.close(own)
-        try:
-            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
-        except OSError:  # kernels before 5.8 know only the number
-            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+        if run_dir is not None:
+            _pivot_into(_plan(run_dir, files), run_dir.parent)
 
     def _leave(self) -> None:
-        """Back into the daemon's namespaces; a thread that cannot go back must never start a VMM again."""
+        """Back into the daemon's namespaces (and so its root); a thread that cannot go back must never
+        start a VMM again."""
         assert self._home is not None
         mnt, pid = self._home
         try:
@@ -224,6 +239,69 @@ class Jail:
             self._problems = [f"the VMM start thread could not return to the daemon's namespaces ({exc}); "
                               "restart the daemon"]
             raise
+
+
+def _plan(run_dir: Path, files: Sequence[HostFile]) -> list[HostFile]:
+    """What a VMM's root holds besides its ``/proc`` and the links of a merged ``/usr``: the system
+    (read-only), the devices that exist, its run directory (read-write) and ``files`` outside it."""
+    plan = [HostFile(Path(path)) for path in SYSTEM if os.path.lexists(path) and not os.path.islink(path)]
+    plan += [HostFile(Path(path), writable=True) for path in DEVICES if os.path.exists(path)]
+    plan.append(HostFile(run_dir, writable=True))
+    for file in files:  # one bound already holds it (the run directory, /usr): it is seen as that one allows
+        if not file.path.is_absolute():
+            raise OSError(errno.EINVAL, f"{file.path} cannot be bound into the VMM's root: not an absolute path")
+        if not any(file.path.is_relative_to(holder.path) for holder in plan):
+            plan.append(file)
+    return plan
+
+
+def _pivot_into(plan: Sequence[HostFile], mount_point: Path) -> None:
+    """Make a tmpfs on ``mount_point`` (any directory: every source is opened first) holding ``plan``,
+    each bound at its own path, read-only unless writable; pivot into it and detach the host's tree."""
+    opened: list[tuple[HostFile, int]] = []
+    try:
+        for file in plan:
+            try:
+                opened.append((file, os.open(file.path, os.O_PATH | os.O_CLOEXEC)))
+            except OSError as exc:
+                raise OSError(exc.errno, f"{file.path} cannot be bound into the VMM's root: {exc.strerror}") from None
+        links = {name: os.readlink(name) for name in _TOP if os.path.islink(name)}
+        root = str(mount_point)
+        _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, _ROOT_OPTIONS)
+        for file, fd in opened:
+            _bind(fd, file, root)
+        for name, target in links.items():
+            os.symlink(target, root + name)
+        os.mkdir(root + "/proc", 0o555)
+        try:
+            _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+        except OSError:  # kernels before 5.8 know only the number
+            _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+        _mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    finally:
+        for _, fd in opened:
+            os.close(fd)
+    os.chdir(root)
+    _check(_libc.syscall(_SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    _umount(".")  # the host's tree, stacked on the new root by pivot_root
+    os.chdir("/")
+
+
+def _bind(fd: int, file: HostFile, root: str) -> None:
+    """``file`` (opened as ``fd``) bound at its own path under ``root``; a device keeps its node working."""
+    mode = os.fstat(fd).st_mode
+    target = root + os.path.normpath(file.path)
+    flags = MS_NOSUID | (0 if str(file.path) in SYSTEM else MS_NOEXEC) | (0 if stat.S_ISCHR(mode) else MS_NODEV)
+    try:  # the mount point: the root's inode bound (ENOSPC) ends a start here too
+        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+        if stat.S_ISDIR(mode):
+            os.mkdir(target, 0o755)
+        else:
+            os.close(os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o444))
+        _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND)
+        _mount(None, target, None, MS_REMOUNT | MS_BIND | flags | (0 if file.writable else MS_RDONLY))
+    except OSError as exc:
+        raise OSError(exc.errno, f"{file.path} cannot be bound into the VMM's root: {exc.strerror}") from None
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -243,33 +321,3 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 def _umount(target: str) -> None:
     if _libc.umount2(target.encode(), MNT_DETACH) != 0 and ctypes.get_errno() not in (errno.EINVAL, errno.ENOENT):
         _check(-1, f"umount {target}")
-
-
-def _namespace_pins() -> list[str]:
-    """What to detach in this thread's mount namespace so it pins no namespace file (``ip netns``'
-    ``/run/netns/NAME``): a mount holding only namespace files (``/run/netns`` is its own mount) as a
-    whole, any other namespace file on its own.
-
-    One detach per file would cost one RCU grace period each, on the one thread that starts every VMM:
-    with 100 sandboxes' namespaces pinned, a VMM start took 34 ms instead of 15 (300 ms at worst), and
-    forking slowed down as children accumulated.
-    """
-    mounts: dict[str, tuple[str, str, str]] = {}  # mount id: (parent id, mount point, file system type)
-    for line in Path("/proc/thread-self/mountinfo").read_text().splitlines():
-        before, _, after = line.partition(" - ")
-        fields = before.split(" ")
-        mounts[fields[0]] = (fields[1], _OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), fields[4]),
-                             after.split(" ", 1)[0])
-    holders: dict[str, list[str]] = {}
-    for parent, point, fstype in mounts.values():
-        if fstype == "nsfs":
-            holders.setdefault(parent, []).append(point)
-    pins = []
-    for parent, points in holders.items():
-        holder = mounts.get(parent)
-        only_namespaces = all(fstype == "nsfs" for up, _, fstype in mounts.values() if up == parent)
-        if holder is not None and holder[1] != "/" and only_namespaces:
-            pins.append(holder[1])
-        else:
-            pins += reversed(points)
-    return pins

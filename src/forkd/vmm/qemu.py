@@ -39,7 +39,7 @@ from forkd.vmm.disk import DiskFormat
 from forkd.vmm.jail import Jail
 from forkd.vmm.process import read_memory_stats
 from forkd.vmm.qemu_branch import DEVICE_STATE, DEVICE_STATE_ARGS, QemuBranching
-from forkd.vmm.qemu_disk import QemuDisk
+from forkd.vmm.qemu_disk import QemuDisk, backing_chain
 from forkd.vmm.qemu_machine import (
     AGENT_SOCKET,
     DISK_KEY,
@@ -117,9 +117,10 @@ class QemuVmm:
     async def boot(self, name: str, spec: BootSpec, run_dir: Path, base_disk: Path, memory: Path) -> VmHandle:
         disk = run_dir / self.disk.file_name
         await self.disk.new_root(base_disk, disk)
+        files = self.machine.host_files(spec, await asyncio.to_thread(backing_chain, disk), memory, share=True)
         # -S: the guest runs only once QEMU answers its monitor, so after a jailed QEMU dropped to its uid.
         return await self.machine.start(name, [*self.machine.argv(spec, run_dir, disk, memory, share=True), "-S"],
-                                        run_dir, disk, setup=lambda qmp: qmp.execute("cont"))
+                                        run_dir, disk, files=files, setup=lambda qmp: qmp.execute("cont"))
 
     async def prepare_restore(self, name: str, saved: SavedVm, spec: BootSpec, run_dir: Path,
                               setup: ChildSetup = ChildSetup()) -> VmHandle:
@@ -137,8 +138,9 @@ class QemuVmm:
         if saved.state_format == DEVICE_STATE:  # written by a BRANCH: devices only, no configuration section
             argv += DEVICE_STATE_ARGS
         # -S: the guest runs only on complete_restore's `cont`, whatever run state the saved state holds.
+        files = self.machine.host_files(spec, await asyncio.to_thread(backing_chain, disk), saved.memory, share=False)
         vm = await self.machine.start(name, argv + ["-incoming", "defer", "-S"], run_dir, disk,
-                                      pass_fds=() if setup.tap_fd is None else (setup.tap_fd,),
+                                      pass_fds=() if setup.tap_fd is None else (setup.tap_fd,), files=files,
                                       on_spawn=setup.on_spawn, on_stage=mark)
         vm.state[MEMORY_KEY] = str(saved.memory)
         if setup.tap_fd is None:

@@ -27,6 +27,8 @@ DISK_FILE = "disk.qcow2"
 #: An empty overlay over a snapshot's layer, kept next to it: each child's disk is a copy of it.
 CHILD_OVERLAY_TEMPLATE = "child-overlay.qcow2"
 QEMU_IMG_TIMEOUT_S = 120.0
+#: More layers than a disk is read through in practice (each BRANCH adds one); a loop of backing names stops here.
+MAX_BACKING_CHAIN = 1024
 
 MAGIC = b"QFI\xfb"
 _EXT_END, _EXT_BACKING_FORMAT = 0, 0xE2792ACA
@@ -114,6 +116,22 @@ async def rebase(disk: Path, backing_name: str, backing_format: str, unsafe: boo
     """Point ``disk`` at another backing file; ``unsafe=False`` first copies in what the two differ in."""
     await qemu_img("rebase", *(["-u"] if unsafe else []), "-f", "qcow2", "-b", backing_name,
                    "-F", backing_format, str(disk))
+
+
+def backing_chain(disk: Path) -> list[Path]:
+    """The files QEMU opens by name through ``disk``: its backing file, that one's, and so on, named as QEMU
+    names them (a relative name is taken next to the file that records it). A jailed QEMU sees only these."""
+    chain: list[Path] = []
+    current = disk
+    while is_qcow2(current):
+        backing, _ = backing_reference(current)
+        if backing is None:
+            return chain
+        if len(chain) == MAX_BACKING_CHAIN:
+            raise VmmError(f"{disk} is read through more than {MAX_BACKING_CHAIN} backing files; flatten it")
+        current = Path(os.path.normpath(current.parent / backing))
+        chain.append(current)
+    return chain
 
 
 # qcow2 headers -------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -27,9 +27,9 @@ from qemu.qmp import EventListener, QMPClient, QMPError
 from forkd.guest import netconf
 from forkd.guest.protocol import AGENT_PORT_NAME
 from forkd.safetext import visible
-from forkd.vmm.accel import accel_option
+from forkd.vmm.accel import KVM_DEVICE, accel_option
 from forkd.vmm.base import CONSOLE_LOG, BootSpec, VmHandle, VmmError, VmProcess, no_stage_marks
-from forkd.vmm.jail import Jail
+from forkd.vmm.jail import HostFile, Jail
 
 log = logging.getLogger("forkd.vmm")
 
@@ -378,8 +378,8 @@ class QemuMachine:
         ``tb_size_mib`` raises TCG's translation buffer for this VMM above the configured size (the
         buffer is not part of the saved state, so it may differ between a parent and its children).
         """
-        with_kernel = share if boot is None else boot
-        kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] if with_kernel else []
+        kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] \
+            if _with_kernel(share, boot) else []
         tb_size = max(self.tb_size_mib, tb_size_mib or 0)
         accel = accel_option(self.accelerator, spec.vcpus, tb_size, qemu_version(self.binary))
         netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
@@ -415,17 +415,28 @@ class QemuMachine:
             "-qmp", f"unix:{run_dir / MONITOR_SOCKET},server=on,wait=off",
         ]
 
+    def host_files(self, spec: BootSpec, backing: Sequence[Path], memory: Path, share: bool,
+                   boot: bool | None = None) -> tuple[HostFile, ...]:
+        """What :meth:`argv` has QEMU open on the host besides its run directory (its disk, sockets and logs),
+        for its jail to show it: the disk's ``backing`` chain, the kernel and initrd it boots, the memory
+        file (read-write: QEMU 7.2 opens it so even for a private mapping) and /dev/kvm when it runs on KVM."""
+        kernel = (HostFile(spec.kernel), HostFile(spec.initrd)) if _with_kernel(share, boot) else ()
+        kvm = (HostFile(KVM_DEVICE, writable=True),) if self.accelerator == "kvm" else ()
+        return (*(HostFile(layer) for layer in backing), *kernel, HostFile(memory, writable=True), *kvm)
+
     async def start(self, name: str, argv: list[str], run_dir: Path, disk: Path, pass_fds: tuple[int, ...] = (),
+                    files: Sequence[HostFile] = (),
                     setup: Callable[[Monitor], Awaitable[object]] | None = None,
                     on_spawn: Callable[[int], None] | None = None,
                     on_stage: Callable[[str], None] = no_stage_marks) -> VmHandle:
-        """Start QEMU, run ``on_spawn(pid)``, prove it is up with a monitor answer, then run ``setup`` on it.
+        """Start QEMU (jailed, seeing its run directory and ``files``), run ``on_spawn(pid)``, prove it is up
+        with a monitor answer, then run ``setup`` on it.
 
         Marks ``exec`` (process started and set up) and ``qmp_greeting`` (the monitor answered).
         """
         log_path = run_dir / VMM_LOG
         with open(log_path, "ab") as log:
-            process = await self._spawn(argv, run_dir, log, pass_fds)
+            process = await self._spawn(argv, run_dir, log, pass_fds, files)
         vm = QemuVm(name=name, run_dir=run_dir, process=process, agent_socket=run_dir / AGENT_SOCKET,
                     state={MONITOR_KEY: str(run_dir / MONITOR_SOCKET), DISK_KEY: str(disk)})
         if on_spawn is not None:
@@ -453,16 +464,22 @@ class QemuMachine:
             raise
         return vm
 
-    async def _spawn(self, argv: list[str], run_dir: Path, log: IO[bytes], pass_fds: tuple[int, ...]) -> VmProcess:
+    async def _spawn(self, argv: list[str], run_dir: Path, log: IO[bytes], pass_fds: tuple[int, ...],
+                     files: Sequence[HostFile]) -> VmProcess:
         """QEMU in its jail (its own uid, namespaces and rlimits), or as root when the operator opted out."""
         try:
             if self.jail is not None:
                 return await self.jail.spawn(functools.partial(jailed_argv, argv), JAILED_START_CAPS, run_dir,
-                                             log, pass_fds)
+                                             log, pass_fds, files)
             return await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                                         pass_fds=pass_fds, start_new_session=True)
         except OSError as exc:
             raise VmmError(f"cannot start {self.binary}: {exc}; install QEMU with `bash scripts/setup`") from None
+
+
+def _with_kernel(share: bool, boot: bool | None) -> bool:
+    """Whether a VMM boots the kernel: a parent (shared memory) unless told otherwise."""
+    return share if boot is None else boot
 
 
 def jailed_argv(argv: list[str], uid: int) -> list[str]:
