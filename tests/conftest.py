@@ -61,7 +61,8 @@ def vm_prerequisites_missing() -> list[str]:
 
 
 #: the package that provides each host tool a root-only unit test runs
-TOOL_PACKAGES = {"nft": "nftables", "ip": "iproute2", "setpriv": "util-linux", "unshare": "util-linux"}
+TOOL_PACKAGES = {"nft": "nftables", "ip": "iproute2", "setpriv": "util-linux", "unshare": "util-linux",
+                 "mkswap": "util-linux", "swapon": "mount"}
 
 
 def missing_host_tools(*tools: str) -> list[str]:
