@@ -69,10 +69,11 @@ class BenchDaemon:
         self.process: subprocess.Popen[bytes] | None = None
         self.keeps = False  # whether the running daemon leaves its children when it stops
 
-    def start(self, idle_stop_s: float, keep_on_stop: bool) -> Controller:
+    def start(self, idle_stop_s: float, keep_on_stop: bool, idle_reclaim: bool = True) -> Controller:
         (self.home / "forkd.toml").write_text(
             f"[limits]\nmax_sandboxes = {self.n + 16}\n\n"
-            f"[sandboxes]\nidle_stop_s = {idle_stop_s}\nkeep_on_stop = {str(keep_on_stop).lower()}\n")
+            f"[sandboxes]\nidle_stop_s = {idle_stop_s}\nkeep_on_stop = {str(keep_on_stop).lower()}\n"
+            f"idle_reclaim = {str(idle_reclaim).lower()}\n")
         env = {**os.environ, "FORKD_HOME": str(self.home), "FORKD_SOCKET": str(self.socket),
                "FORKD_CONFIG": str(self.home / "forkd.toml")}
         for variable in ("FORKD_URL", "FORKD_LISTEN", "FORKD_E2B_LISTEN", "FORKD_IDLE_STOP_S"):
