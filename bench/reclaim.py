@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
-import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from density import BenchDaemon, fork_all  # bench/density.py, next to this script
+from density import BenchDaemon, baked, bench_home, fork_all, write_report  # bench/density.py, next to this script
 from figures import load_span, plt, save
 from spawn import load, quantiles
 
@@ -47,7 +44,6 @@ from forkd.vmm.pageout import swap_bytes
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import zram_swap  # noqa: E402  tests/zram_swap.py: the same set-up the VM test uses
 
-RESULTS = Path(__file__).with_name("results")
 WAIT_S = 600.0  # bound on every child being stopped (and paged out)
 
 
@@ -155,9 +151,7 @@ def main() -> None:
     parser.add_argument("--out", default="reclaim")
     args = parser.parse_args()
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` still cleans up below
-    home = args.home or Path(tempfile.mkdtemp(prefix="forkd-reclaim-", dir="/var/tmp"))
-    home.mkdir(parents=True, exist_ok=True)
+    home = bench_home(args, "reclaim")
     daemon = BenchDaemon(home, args.n)
     report: dict[str, Any] = {"n": args.n, "idle_stop_s": args.idle_stop, "cpus": os.cpu_count(), "load_start": load()}
     with contextlib.ExitStack() as stack:
@@ -171,11 +165,7 @@ def main() -> None:
             print("this host has no swap: the reclaimed arm pages nothing out (use --zram-gib N)", flush=True)
         try:
             controller = daemon.start(idle_stop_s=0, keep_on_stop=False)
-            version = controller.version()
-            report["host"] = {k: version[k] for k in ("accelerator", "vmm", "vmm_version")}
-            if not any(s["tag"] == args.tag for s in controller.snapshots()):
-                controller.build_image(name="default")
-                controller.create_snapshot(args.tag, on_progress=lambda line: print(f"[bake] {line}", flush=True))
+            report["host"] = baked(controller, args.tag)
             controller.close()
             daemon.stop()
             for name, reclaimed in (("kept", False), ("reclaimed", True)):
@@ -187,11 +177,7 @@ def main() -> None:
             daemon.stop()
             if args.home is None:
                 shutil.rmtree(home, ignore_errors=True)
-    report["load_end"] = load()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2))
-    plot(report, RESULTS / f"{args.out}.png")
-    print(json.dumps({k: report[k] for k in ("load_start", "load_end", "swap", "kept", "reclaimed")}, indent=2))
+    write_report(report, args.out, plot, ("swap", "kept", "reclaimed"))
 
 
 if __name__ == "__main__":

@@ -244,10 +244,16 @@ class _Shrinking(FakeVmm):
         return MemoryStats(rss_kib=0, pss_kib=0, private_dirty_kib=40960 if self.reads % 2 else 1024)
 
 
-def _with_swap(runtime: Runtime, tmp_path: Path) -> None:
+async def _stopped_with_swap(tmp_path: Path) -> tuple[Runtime, LiveSandbox]:
+    """A runtime on a host that says it has swap, and a child of it just stopped for being idle."""
+    runtime = await _runtime(tmp_path, _Shrinking())
     swaps = tmp_path / "swaps"
     swaps.write_text("Filename Type Size Used Priority\n/dev/zram9 partition 262140 0 100\n")
     runtime.sandboxes.idle.reclaim.swaps = swaps
+    live = await _child(runtime)
+    _idle_for_long(live)
+    assert await runtime.sandboxes.idle.sweep() == [live.record.id]
+    return runtime, live
 
 
 async def _reclaims_done(runtime: Runtime) -> None:
@@ -261,13 +267,8 @@ def test_a_stopped_childs_memory_is_paged_out_and_listed_until_its_next_request(
                         lambda pid, stop, budget_s: paged.append(pid) or Pageout(39 << 20, True))
 
     async def scenario() -> None:
-        vmm = _Shrinking()
-        runtime = await _runtime(tmp_path, vmm)
-        _with_swap(runtime, tmp_path)
+        runtime, live = await _stopped_with_swap(tmp_path)
         try:
-            live = await _child(runtime)
-            _idle_for_long(live)
-            assert await runtime.sandboxes.idle.sweep() == [live.record.id]
             await _reclaims_done(runtime)
             assert paged == [live.vm.pid]
             assert runtime.sandboxes.describe(live)["reclaimed_kib"] == 40960 - 1024
@@ -297,13 +298,8 @@ def test_a_request_to_a_child_being_paged_out_ends_the_page_out(tmp_path: Path,
     monkeypatch.setattr("forkd.runtime.reclaim.page_out", page_out)
 
     async def scenario() -> None:
-        vmm = _Shrinking()
-        runtime = await _runtime(tmp_path, vmm)
-        _with_swap(runtime, tmp_path)
+        runtime, live = await _stopped_with_swap(tmp_path)
         try:
-            live = await _child(runtime)
-            _idle_for_long(live)
-            assert await runtime.sandboxes.idle.sweep() == [live.record.id]
             assert await asyncio.to_thread(started.wait, 10)
             await runtime.sessions.eval(live.record.id, "1 + 1")  # not held up by the page-out
             await _reclaims_done(runtime)

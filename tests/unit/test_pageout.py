@@ -179,17 +179,8 @@ def test_disabled_reclaim_reads_nothing(victim: Victim, tmp_path: Path) -> None:
     assert asyncio.run(reclaim.run(_handle(victim), lambda: True)) is None
 
 
-@pytest.fixture(scope="module")
-def swap() -> Iterator[str]:
-    reason = zram_swap.unavailable()
-    if reason:
-        pytest.skip(reason)
-    with zram_swap.zram_swap(256 << 20) as device:
-        yield device
-
-
 @pytest.mark.root("mkswap", "swapon")
-def test_with_swap_its_own_pages_leave_ram_and_come_back_intact(victim: Victim, swap: str) -> None:
+def test_with_swap_its_own_pages_leave_ram_and_come_back_intact(victim: Victim, zram: str) -> None:
     before = read_memory_stats(victim.pid)
     reclaim = Reclaim(_ProcessVmm(), enabled=True)  # type: ignore[arg-type]
     dropped = asyncio.run(reclaim.run(_handle(victim), lambda: True))
@@ -197,5 +188,5 @@ def test_with_swap_its_own_pages_leave_ram_and_come_back_intact(victim: Victim, 
     assert dropped is not None and dropped >= (ANON_MIB << 10) - 64  # KiB: at least the anonymous region
     assert after.private_dirty_kib < before.private_dirty_kib - (ANON_MIB << 10) + 64
     assert reclaim.children == 1 and reclaim.paged_out_bytes == dropped << 10
-    assert zram_swap.mm_stat(swap)["orig_data_size"] >= ANON_MIB << 20
+    assert zram_swap.mm_stat(zram)["orig_data_size"] >= ANON_MIB << 20
     assert victim.intact()
