@@ -160,7 +160,7 @@ def _advise(pidfd: int, batch: list[tuple[int, int]]) -> tuple[int, bool]:
     since the maps were read, locked, a huge-page mapping) is skipped and the call goes on after it."""
     advised = 0
     while batch:
-        iov = (_IoVec * len(batch))(*batch)
+        iov = (_IoVec * len(batch))(*(_IoVec(start, length) for start, length in batch))
         got = _libc.syscall(_syscall_number(), pidfd, iov, len(batch), MADV_PAGEOUT, 0)
         if got < 0:
             err = ctypes.get_errno()
