@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -69,10 +70,11 @@ class BenchDaemon:
         self.process: subprocess.Popen[bytes] | None = None
         self.keeps = False  # whether the running daemon leaves its children when it stops
 
-    def start(self, idle_stop_s: float, keep_on_stop: bool) -> Controller:
+    def start(self, idle_stop_s: float, keep_on_stop: bool, idle_reclaim: bool = True) -> Controller:
         (self.home / "forkd.toml").write_text(
             f"[limits]\nmax_sandboxes = {self.n + 16}\n\n"
-            f"[sandboxes]\nidle_stop_s = {idle_stop_s}\nkeep_on_stop = {str(keep_on_stop).lower()}\n")
+            f"[sandboxes]\nidle_stop_s = {idle_stop_s}\nkeep_on_stop = {str(keep_on_stop).lower()}\n"
+            f"idle_reclaim = {str(idle_reclaim).lower()}\n")
         env = {**os.environ, "FORKD_HOME": str(self.home), "FORKD_SOCKET": str(self.socket),
                "FORKD_CONFIG": str(self.home / "forkd.toml")}
         for variable in ("FORKD_URL", "FORKD_LISTEN", "FORKD_E2B_LISTEN", "FORKD_IDLE_STOP_S"):
@@ -114,6 +116,34 @@ class BenchDaemon:
             text = client.get("http://forkd/metrics").text
         return int(float(next(line.split()[1] for line in text.splitlines()
                               if line.startswith("forkd_sandboxes_idle_stopped "))))
+
+
+def bench_home(args: argparse.Namespace, name: str) -> Path:
+    """The bench daemon's home: ``--home``, or a new directory (removed at the end); a ``timeout``
+    sending SIGTERM still runs the clean-up."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    home = args.home or Path(tempfile.mkdtemp(prefix=f"forkd-{name}-", dir="/var/tmp"))
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def baked(controller: Controller, tag: str) -> dict[str, Any]:
+    """The host's accelerator and VMM; ``tag`` baked first if this home lacks it (the quickstart's settings)."""
+    version = controller.version()
+    if not any(s["tag"] == tag for s in controller.snapshots()):
+        controller.build_image(name="default")  # reused when it is the one this forkd builds
+        controller.create_snapshot(tag, on_progress=lambda line: print(f"[bake] {line}", flush=True))
+    return {k: version[k] for k in ("accelerator", "vmm", "vmm_version")}
+
+
+def write_report(report: dict[str, Any], out: str, plot: Callable[[dict[str, Any], Path], None],
+                 shown: tuple[str, ...]) -> None:
+    """bench/results/OUT.json and .png, the load at the end recorded; the ``shown`` parts printed."""
+    report["load_end"] = load()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{out}.json").write_text(json.dumps(report, indent=2))
+    plot(report, RESULTS / f"{out}.png")
+    print(json.dumps({k: report[k] for k in ("load_start", "load_end", *shown)}, indent=2))
 
 
 def fork_all(controller: Controller, tag: str, n: int, batch: int) -> dict[str, Any]:
@@ -267,19 +297,13 @@ def main() -> None:
     parser.add_argument("--out", default="density")
     args = parser.parse_args()
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` still cleans up below
-    home = args.home or Path(tempfile.mkdtemp(prefix="forkd-density-", dir="/var/tmp"))
-    home.mkdir(parents=True, exist_ok=True)
+    home = bench_home(args, "density")
     daemon = BenchDaemon(home, args.n)
     report: dict[str, Any] = {"n": args.n, "batch": args.batch, "window_s": args.window, "idle_stop_s": args.idle_stop,
                               "cpus": os.cpu_count(), "load_start": load()}
     try:
         controller = daemon.start(idle_stop_s=0, keep_on_stop=True)
-        version = controller.version()
-        report["host"] = {k: version[k] for k in ("accelerator", "vmm", "vmm_version")}
-        if not any(s["tag"] == args.tag for s in controller.snapshots()):
-            controller.build_image(name="default")  # reused when it is the one this forkd builds
-            controller.create_snapshot(args.tag, on_progress=lambda line: print(f"[bake] {line}", flush=True))
+        report["host"] = baked(controller, args.tag)
         memory_file = str(Path(controller.snapshot(args.tag)["path"]) / "memory")
         off = phase_off(controller, args, memory_file)
         ids = off.pop("ids")
@@ -297,11 +321,7 @@ def main() -> None:
         daemon.stop()  # its children die with it (killed first if this daemon would keep them)
         if args.home is None:
             shutil.rmtree(home, ignore_errors=True)
-    report["load_end"] = load()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2))
-    plot(report, RESULTS / f"{args.out}.png")
-    print(json.dumps({k: report[k] for k in ("load_start", "load_end", "off", "on")}, indent=2))
+    write_report(report, args.out, plot, ("off", "on"))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from forkd.runtime.sandboxes import SandboxService
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
 from forkd.store.registry import Registry
 from forkd.vmm.backends import create_vmm
+import zram_swap
 
 VM_SNAPSHOT = "vmtest"
 TESTS_ENV = "FORKD_TESTS"  # "unit": leave the VM tests out on purpose
@@ -61,7 +62,8 @@ def vm_prerequisites_missing() -> list[str]:
 
 
 #: the package that provides each host tool a root-only unit test runs
-TOOL_PACKAGES = {"nft": "nftables", "ip": "iproute2", "setpriv": "util-linux", "unshare": "util-linux"}
+TOOL_PACKAGES = {"nft": "nftables", "ip": "iproute2", "setpriv": "util-linux", "unshare": "util-linux",
+                 "mkswap": "util-linux", "swapon": "mount"}
 
 
 def missing_host_tools(*tools: str) -> list[str]:
@@ -202,6 +204,17 @@ def e2b_front(home: Path, env: dict[str, str]) -> tuple[str, str]:
     """The URL of the daemon's E2B front (``FORKD_E2B_LISTEN``) and an API key from its key file."""
     keys = (home / "e2b" / "api-keys").read_text().split()
     return f"http://{env['FORKD_E2B_LISTEN']}", next(k for k in keys if k.startswith("e2b_"))
+
+
+@pytest.fixture
+def zram() -> Iterator[str]:
+    """A zram swap of 512 MiB for one test (its device's name), removed after; the test needs the
+    ``root`` mark. Skips only where the kernel has no zram driver; a failed set-up fails."""
+    reason = zram_swap.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with zram_swap.zram_swap(512 << 20) as device:
+        yield device
 
 
 @pytest.fixture(scope="session")

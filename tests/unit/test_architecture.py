@@ -199,8 +199,10 @@ def test_no_import_cycles() -> None:
 
 
 #: The backend-neutral seam of vmm/ (docs/architecture.md, "VMM backends"): the core protocol and data
-#: types, the disk format, the optional branching capability, VMM processes, the registry of backends.
-VMM_SEAM = {"forkd.vmm.base", "forkd.vmm.disk", "forkd.vmm.branching", "forkd.vmm.process", "forkd.vmm.backends"}
+#: types, the disk format, the optional branching capability, VMM processes and paging out their memory,
+#: the registry of backends.
+VMM_SEAM = {"forkd.vmm.base", "forkd.vmm.disk", "forkd.vmm.branching", "forkd.vmm.process", "forkd.vmm.pageout",
+            "forkd.vmm.backends"}
 #: What store/ and packs/ may use of it: data types and the disk format, never a backend or the runtime's half.
 VMM_TYPES = {"forkd.vmm.base", "forkd.vmm.disk"}
 #: Rooms outside vmm/ that may reach a concrete backend: host/ (doctor reports QEMU, its machine and CPU).

@@ -4,6 +4,8 @@ processes and guest protocol, the fake's pause/resume standing for QMP stop/cont
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -11,6 +13,7 @@ from typing import Any, TypeVar
 import pytest
 
 from conftest import run_bounded, short_tmp_dir
+from forkd.cli.sandboxes import _sandbox_row
 from forkd.config import Paths
 from forkd.daemon.config import load_config
 from forkd.guest import protocol
@@ -23,8 +26,9 @@ from forkd.runtime.recovery import recover
 from forkd.runtime.runtime import Runtime
 from forkd.runtime.sandboxes import LiveSandbox
 from forkd.runtime.snapshots import SnapshotRequest
-from forkd.vmm.base import VmHandle, VmmError
+from forkd.vmm.base import MemoryStats, VmHandle, VmmError
 from forkd.vmm.fake import FakeVmm
+from forkd.vmm.pageout import Pageout
 
 T = TypeVar("T")
 IDLE_S = 30.0  # never reached by waiting: a test moves a child's last request back past it
@@ -223,6 +227,88 @@ def test_the_idle_time_comes_from_the_config_file_or_environment(tmp_path: Path)
     config.write_text("[sandboxes]\nidle_stop_s = -1\n")
     with pytest.raises(ValueError, match="idle_stop_s"):
         load_config(config, env={})
+    assert load_config(env={}).runtime_options.idle_reclaim is True
+    config.write_text("[sandboxes]\nidle_reclaim = false\n")
+    assert load_config(config, env={}).runtime_options.idle_reclaim is False
+
+
+class _Shrinking(FakeVmm):
+    """Its VMMs' Private_Dirty: 40 MiB, then 1 MiB once read again (after a page-out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def memory_stats(self, vm: VmHandle) -> MemoryStats:
+        self.reads += 1
+        return MemoryStats(rss_kib=0, pss_kib=0, private_dirty_kib=40960 if self.reads % 2 else 1024)
+
+
+async def _stopped_with_swap(tmp_path: Path) -> tuple[Runtime, LiveSandbox]:
+    """A runtime on a host that says it has swap, and a child of it just stopped for being idle."""
+    runtime = await _runtime(tmp_path, _Shrinking())
+    swaps = tmp_path / "swaps"
+    swaps.write_text("Filename Type Size Used Priority\n/dev/zram9 partition 262140 0 100\n")
+    runtime.sandboxes.idle.reclaim.swaps = swaps
+    live = await _child(runtime)
+    _idle_for_long(live)
+    assert await runtime.sandboxes.idle.sweep() == [live.record.id]
+    return runtime, live
+
+
+async def _reclaims_done(runtime: Runtime) -> None:
+    await asyncio.gather(*runtime.sandboxes.idle._reclaims)
+
+
+def test_a_stopped_childs_memory_is_paged_out_and_listed_until_its_next_request(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paged: list[int] = []
+    monkeypatch.setattr("forkd.runtime.reclaim.page_out",
+                        lambda pid, stop, budget_s: paged.append(pid) or Pageout(39 << 20, True))
+
+    async def scenario() -> None:
+        runtime, live = await _stopped_with_swap(tmp_path)
+        try:
+            await _reclaims_done(runtime)
+            assert paged == [live.vm.pid]
+            assert runtime.sandboxes.describe(live)["reclaimed_kib"] == 40960 - 1024
+            exposition = runtime.metrics.exposition()
+            assert b"forkd_idle_reclaims_total 1.0" in exposition
+            assert b"forkd_idle_reclaimed_bytes_total 4.0894464e+07" in exposition  # (40960 - 1024) KiB
+            await runtime.sessions.eval(live.record.id, "1 + 1")
+            assert "reclaimed_kib" not in runtime.sandboxes.describe(live)
+        finally:
+            await runtime.stop()
+
+    run(scenario)
+
+
+def test_a_request_to_a_child_being_paged_out_ends_the_page_out(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    started = threading.Event()
+
+    def page_out(pid: int, stop: Callable[[], bool], budget_s: float) -> Pageout:
+        started.set()
+        deadline = time.monotonic() + 10
+        while not stop():  # a call of a real page-out, one after another
+            assert time.monotonic() < deadline, "the page-out was never told to stop"
+            time.sleep(0.01)
+        return Pageout(4096, False)
+
+    monkeypatch.setattr("forkd.runtime.reclaim.page_out", page_out)
+
+    async def scenario() -> None:
+        runtime, live = await _stopped_with_swap(tmp_path)
+        try:
+            assert await asyncio.to_thread(started.wait, 10)
+            await runtime.sessions.eval(live.record.id, "1 + 1")  # not held up by the page-out
+            await _reclaims_done(runtime)
+            state = runtime.sandboxes.describe(live)
+            assert state["vm_state"] == RUNNING and "reclaimed_kib" not in state
+        finally:
+            await runtime.stop()
+
+    run(scenario)
 
 
 def test_a_request_to_a_stopped_child_that_cannot_be_continued_fails_as_on_a_lost_connection(tmp_path: Path) -> None:
@@ -243,3 +329,10 @@ def test_a_request_to_a_stopped_child_that_cannot_be_continued_fails_as_on_a_los
             await runtime.stop()
 
     run(scenario)
+
+
+def test_forkd_ls_shows_what_a_stopped_child_swapped() -> None:
+    item = {"id": "sb-1", "snapshot_tag": "base", "status": "running", "pid": 7, "created_at": time.time(),
+            "vm_state": STOPPED, "reclaimed_kib": 39 << 10}
+    assert _sandbox_row(item)[3] == "idle_stopped, 39 MiB swapped"
+    assert _sandbox_row({**item, "vm_state": RUNNING, "reclaimed_kib": None})[3] == "running"

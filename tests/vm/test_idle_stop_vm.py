@@ -1,6 +1,7 @@
 """Idle-stopped children (runtime/idle.py) on real QEMU guests through a real daemon: a child no request
 reached for ``idle_stop_s`` is stopped, and answers its next request of any kind with its clock right;
-a child running a server of its own is never stopped."""
+a child running a server of its own is never stopped; with swap, a stopped child's memory is paged out
+(runtime/reclaim.py) and comes back on its next request."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+import zram_swap
 from conftest import start_daemon, stop_daemon, vm_env_for
 from forkd.sdk.controller import Controller, ForkdError
 
 pytestmark = pytest.mark.vm
 
-IDLE_S = 1.0  # the daemon's idle_stop_s here: its keeper looks every 0.2 s
+IDLE_S = 1.0  # the daemon's idle_stop_s here (idle_reclaim is on by default): its keeper looks every 0.2 s
 STOP_WAIT_S = 60.0  # bound on waiting for a child to be stopped (a loaded host answers slowly)
 SNAPSHOT = "idle"
 
@@ -123,3 +126,47 @@ def test_a_child_running_a_server_is_never_stopped(idle_daemon: Controller, chil
         assert _serves(idle_daemon, child)
     finally:
         idle_daemon.kill(other)
+
+
+def _rollup(pid: int) -> dict[str, int]:
+    """KiB per field of the VMM's /proc/PID/smaps_rollup."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        name, value = line.split()[:2]
+        fields[name.rstrip(":")] = int(value)
+    return fields
+
+
+def _listed(daemon: Controller, sandbox_id: str) -> dict[str, Any]:
+    [item] = [s for s in daemon.sandboxes() if s["id"] == sandbox_id]
+    return item
+
+
+@pytest.mark.root("mkswap", "swapon")
+def test_with_swap_a_stopped_childs_memory_is_paged_out_and_it_answers_right_after(
+        zram: str, idle_daemon: Controller, child: str) -> None:
+    """The zram swap is host-wide while it exists: made for this test only. A host with the zram driver
+    that fails to set it up fails; only a kernel without the driver skips (the CI machines have it)."""
+    idle_daemon.write_file(child, "/root/kept.txt", b"kept across a page-out")
+    assert idle_daemon.run_code(child, "y = 6 * 7\ny")["value"] == "42"
+    pid = int(_listed(idle_daemon, child)["pid"])
+    running = _rollup(pid)  # what it holds while it runs (a stop without swap keeps all of it)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while "reclaimed_kib" not in (item := _listed(idle_daemon, child)):
+        assert time.monotonic() < deadline, f"{child} was not stopped and paged out within {STOP_WAIT_S} s: {item}"
+        time.sleep(0.2)
+    assert item["vm_state"] == "idle_stopped"
+    paged = _rollup(pid)
+    # The translation buffer, QEMU's heap and the guest's written pages leave RAM: most of it.
+    assert paged["Private_Dirty"] < running["Private_Dirty"] / 2, (running, paged)
+    assert running["Private_Dirty"] - paged["Private_Dirty"] > 10 << 10, (running, paged)
+    assert paged["Swap"] > 10 << 10, paged
+    assert zram_swap.mm_stat(zram)["orig_data_size"] > 10 << 20
+    time.sleep(3)  # stopped a while: its clock stands still unless set on waking
+
+    guest = float(idle_daemon.exec(child, "date +%s.%N")["stdout"])
+    assert abs(guest - time.time()) < 2.0
+    assert idle_daemon.exec(child, "echo awake")["stdout"] == "awake\n"
+    assert idle_daemon.run_code(child, "y + 1")["value"] == "43"  # the interpreter's state came back
+    assert idle_daemon.read_file(child, "/root/kept.txt") == b"kept across a page-out"
+    assert "reclaimed_kib" not in _listed(idle_daemon, child)

@@ -119,8 +119,12 @@ def ls(as_json: bool, quiet: bool, pools: bool, label_filters: tuple[str, ...]) 
 
 def _sandbox_row(item: dict[str, Any]) -> tuple[str, ...]:
     answered = item.get("seconds_to_answer")
-    # vm: running, or idle_stopped (stopped for being idle: its next request continues it)
-    return (item["id"], item["snapshot_tag"], item["status"], item.get("vm_state", "running"), str(item["pid"]),
+    # vm: running, or idle_stopped (stopped for being idle: its next request continues it), with the
+    # memory then paged out to swap
+    vm = item.get("vm_state", "running")
+    if item.get("reclaimed_kib"):
+        vm += f", {item['reclaimed_kib'] / 1024:.0f} MiB swapped"
+    return (item["id"], item["snapshot_tag"], item["status"], vm, str(item["pid"]),
             describe_net(item),
             describe_limits(item), f"{answered * 1000:.0f} ms" if answered else "-",
             f"{time.time() - item['created_at']:.0f} s")

@@ -33,6 +33,7 @@ max_branches = 2                 # branches written at once; more answer 503  [F
 [sandboxes]
 keep_on_stop = false             # true: stopping the daemon leaves VMMs for the next one to re-adopt
 idle_stop_s = 60                 # a child idle this long is stopped, continued by its next request; 0 never  [FORKD_IDLE_STOP_S]
+idle_reclaim = true              # a stopped child's memory is paged out, if the host has swap (zram or disk)
 
 [network]
 pool = "10.213.0.0/16"           # private IPv4 range nat children's /30s come from  [FORKD_NET_POOL]
@@ -141,6 +142,7 @@ class Limits:
 class SandboxPolicy:
     keep_on_stop: bool = False
     idle_stop_s: float = Field(default=DEFAULT_IDLE_STOP_S, ge=0, le=1 << 30)
+    idle_reclaim: bool = True
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -278,7 +280,7 @@ class DaemonConfig:
                               max_concurrent_forks=self.limits.max_concurrent_forks,
                               max_concurrent_branches=self.limits.max_branches,
                               keep_sandboxes_on_stop=self.sandboxes.keep_on_stop,
-                              idle_stop_s=self.sandboxes.idle_stop_s,
+                              idle_stop_s=self.sandboxes.idle_stop_s, idle_reclaim=self.sandboxes.idle_reclaim,
                               net_pool=self.network.pool, dns=str(self.network.dns) if self.network.dns else None,
                               output=OutputLimits(result_bytes=self.output.result_bytes,
                                                   stream_bytes=self.output.stream_bytes,

@@ -11,7 +11,8 @@ poll), its VMM used under ``BUSY_CPU_SHARE`` of a core since the last sweep, and
 
 One lock per child orders a stop and a wake: a request arriving while a stop is in flight waits for
 it, then continues the guest. Operations that reach the VMM itself (BRANCH's capture) hold the child
-awake with :meth:`IdleStops.awake`.
+awake with :meth:`IdleStops.awake`. Right after a stop the child's memory is paged out to swap, if the
+host has any (runtime/reclaim.py); its next request faults it back in.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, AgentUnavailable
+from forkd.runtime.reclaim import Reclaim
 from forkd.vmm.base import VmHandle, Vmm, VmmError
 from forkd.vmm.process import cpu_seconds
 
@@ -47,15 +49,18 @@ class _Child:
     checked: float = 0.0  # monotonic: when the guest last said it was busy (not asked again for idle_s)
     cpu: tuple[float, float] | None = None  # (monotonic, CPU seconds of its VMM) at the last sweep
     stoppable: bool = True  # False once its agent answered unknown_op to `activity` (an older agent)
+    reclaimed_kib: int | None = None  # Private_Dirty paged out since it was stopped, for listings
 
 
 class IdleStops:
     """The idle stops of one daemon's live children, by sandbox id."""
 
-    def __init__(self, vmm: Vmm, idle_s: float) -> None:
+    def __init__(self, vmm: Vmm, idle_s: float, reclaim: bool = True) -> None:
         self.vmm = vmm
         self.idle_s = idle_s
+        self.reclaim = Reclaim(vmm, reclaim)
         self._children: dict[str, _Child] = {}
+        self._reclaims: set[asyncio.Task[None]] = set()  # kept until done
 
     def attach(self, sandbox_id: str, vm: VmHandle, agent: AgentClient) -> None:
         """Serve ``sandbox_id``'s requests through the wake below (its guest is running)."""
@@ -67,11 +72,15 @@ class IdleStops:
         self._children.pop(sandbox_id, None)
 
     def state(self, sandbox_id: str) -> dict[str, Any]:
-        """``vm_state`` (running, stopping, idle_stopped) and since when it is stopped, for listings."""
+        """``vm_state`` (running, stopping, idle_stopped), since when it is stopped and how much of its
+        memory was paged out then, for listings."""
         child = self._children.get(sandbox_id)
         if child is None or child.state == RUNNING:
             return {"vm_state": RUNNING}
-        return {"vm_state": child.state, "stopped_at": child.stopped_at}
+        state: dict[str, Any] = {"vm_state": child.state, "stopped_at": child.stopped_at}
+        if child.reclaimed_kib is not None:
+            state["reclaimed_kib"] = child.reclaimed_kib
+        return state
 
     def stopped(self) -> int:
         return sum(1 for child in self._children.values() if child.state == STOPPED)
@@ -103,7 +112,25 @@ class IdleStops:
                     return False
 
         done = await asyncio.gather(*(stop(sandbox_id, child) for sandbox_id, child in candidates))
-        return [sandbox_id for (sandbox_id, _), stopped in zip(candidates, done) if stopped]
+        stopped = [(sandbox_id, child) for (sandbox_id, child), ok in zip(candidates, done) if ok]
+        for sandbox_id, child in stopped:
+            task = asyncio.create_task(self._reclaim(sandbox_id, child))
+            self._reclaims.add(task)
+            task.add_done_callback(self._reclaims.discard)
+        return [sandbox_id for sandbox_id, _ in stopped]
+
+    async def _reclaim(self, sandbox_id: str, child: _Child) -> None:
+        """Page out a stopped child's memory until it is continued or forgotten (runtime/reclaim.py)."""
+        def still_stopped() -> bool:
+            return child.state == STOPPED and self._children.get(sandbox_id) is child
+
+        try:
+            dropped = await self.reclaim.run(child.vm, still_stopped)
+        except Exception:
+            log.exception("sandbox %s: paging out its memory failed", sandbox_id)
+            return
+        if dropped is not None and still_stopped():
+            child.reclaimed_kib = dropped
 
     def _idle(self, child: _Child, now: float) -> bool:
         return (child.state == RUNNING and child.stoppable and not child.agent.closed
@@ -151,7 +178,7 @@ class IdleStops:
         if child.state != STOPPED:
             return
         await self.vmm.resume(child.vm)
-        child.state, child.stopped_at = RUNNING, None
+        child.state, child.stopped_at, child.reclaimed_kib = RUNNING, None, None
         try:
             await child.agent.call(protocol.OP_CLOCK_SET, {"time_ns": time.time_ns()},
                                    timeout=GUEST_CALL_TIMEOUT_S, wake=False)

@@ -14,8 +14,10 @@ import platform
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, PlatformCollector, ProcessCollector,
                                disable_created_metrics, generate_latest)
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from forkd.runtime.reclaim import Reclaim
 
 disable_created_metrics()  # the *_created series double the output and say nothing an operator needs
 
@@ -62,13 +64,18 @@ class _PoolGauges(Collector):
 
 
 class _IdleGauge(Collector):
-    def __init__(self, stopped: Callable[[], int]) -> None:
+    def __init__(self, stopped: Callable[[], int], reclaim: Reclaim) -> None:
         self._stopped = stopped
+        self._reclaim = reclaim
 
     def collect(self):  # type: ignore[no-untyped-def]
         yield GaugeMetricFamily("forkd_sandboxes_idle_stopped",
                                 "Live sandboxes whose VMM is stopped for being idle (runtime/idle.py)",
                                 value=self._stopped())
+        yield CounterMetricFamily("forkd_idle_reclaims", "Idle-stopped children whose memory was paged out "
+                                  "to swap (runtime/reclaim.py)", value=self._reclaim.children)
+        yield CounterMetricFamily("forkd_idle_reclaimed_bytes", "Private_Dirty memory idle-stopped children "
+                                  "paged out to swap, summed over every stop", value=self._reclaim.paged_out_bytes)
 
 
 class Metrics:
@@ -119,8 +126,8 @@ class Metrics:
     def watch_pools(self, pools: Callable[[], Iterable[dict[str, Any]]]) -> None:
         self.registry.register(_PoolGauges(pools))
 
-    def watch_idle(self, stopped: Callable[[], int]) -> None:
-        self.registry.register(_IdleGauge(stopped))
+    def watch_idle(self, stopped: Callable[[], int], reclaim: Reclaim) -> None:
+        self.registry.register(_IdleGauge(stopped, reclaim))
 
     def count_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.http_requests.labels(route, method, str(status)).inc()

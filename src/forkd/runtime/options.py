@@ -66,6 +66,8 @@ class RuntimeOptions:
     # A child no request reached for this long, with nothing running in it, is stopped (its VMM uses no
     # CPU) and continued by its next request (runtime/idle.py); 0: never.
     idle_stop_s: float = DEFAULT_IDLE_STOP_S
+    # An idle-stopped child's memory is paged out to swap, when the host has swap (runtime/reclaim.py).
+    idle_reclaim: bool = True
 
     def restore_slots(self) -> int:
         """Children restored at once: the configured bound, else what this host's CPUs can serve."""

@@ -76,7 +76,8 @@ class Runtime:
         self.space = space = SpaceFloor(self.options.free_floor_bytes, roots.packs if roots else None)
         self.snapshots = SnapshotService(paths, self.store, vmm, space)
         self.metrics = Metrics()
-        self.sandboxes = SandboxService(paths, registry, vmm, isolation, self.options.idle_stop_s)
+        self.sandboxes = SandboxService(paths, registry, vmm, isolation, self.options.idle_stop_s,
+                                        self.options.idle_reclaim)
         self.pools = PoolService(paths, registry, vmm, self.store, isolation, self.sandboxes.release, new_sandbox_id,
                                  self.options.pool_sizes, warm=self.options.warm_pools)
         self.spawner = Spawner(paths, registry, vmm, self.store, self.sandboxes, self.pools, isolation, self.metrics,
@@ -90,7 +91,7 @@ class Runtime:
         self.metrics.watch_states(lambda: (s.record.status for s in self.sandboxes.live()),
                                   lambda: (s.status for s in self.registry.list_snapshots()))
         self.metrics.watch_pools(self.pools.list)
-        self.metrics.watch_idle(self.sandboxes.idle.stopped)
+        self.metrics.watch_idle(self.sandboxes.idle.stopped, self.sandboxes.idle.reclaim)
         self.compaction = CompactService(self.store, vmm.disk)
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.spawner,
                                       self.options.max_concurrent_branches, self.metrics, space)

@@ -68,7 +68,7 @@ class SandboxService:
     """The live sandboxes of this daemon, and what ended lately."""
 
     def __init__(self, paths: Paths, registry: Registry, vmm: Vmm, isolation: Isolation,
-                 idle_stop_s: float = 0.0) -> None:
+                 idle_stop_s: float = 0.0, idle_reclaim: bool = True) -> None:
         self.paths = paths
         self.registry = registry
         self.vmm = vmm
@@ -78,7 +78,8 @@ class SandboxService:
         self._live: dict[str, LiveSandbox] = {}
         self._ended: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._killers: set[asyncio.Task[None]] = set()  # kills started by a callback, kept until done
-        self.idle = IdleStops(vmm, idle_stop_s)  # idle children stopped, continued on their next request
+        # idle children stopped (their memory paged out to swap), continued on their next request
+        self.idle = IdleStops(vmm, idle_stop_s, idle_reclaim)
 
     def watch(self, record: SandboxRecord, vm: VmHandle, agent: AgentClient,
               isolation: Prepared | None = None) -> LiveSandbox:
