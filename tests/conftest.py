@@ -204,6 +204,15 @@ def e2b_front(home: Path, env: dict[str, str]) -> tuple[str, str]:
     return f"http://{env['FORKD_E2B_LISTEN']}", next(k for k in keys if k.startswith("e2b_"))
 
 
+@pytest.fixture
+def e2b_sdk(daemon: Controller, forkd_home: Path, vm_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unmodified E2B SDK in this process talks to the session daemon's E2B front (it reads its
+    variables when a call is made)."""
+    url, key = e2b_front(forkd_home, vm_env)
+    for name, value in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key}.items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.fixture(scope="session")
 def forkd_home() -> Iterator[Path]:
     home = Path(tempfile.mkdtemp(prefix="forkd-test-", dir="/var/tmp"))

@@ -6,8 +6,6 @@ and every round's files are in the last sandbox."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from forkd.sdk.controller import Controller
@@ -19,14 +17,9 @@ ROUNDS = 6
 
 
 def test_snapshot_of_a_sandbox_made_from_a_snapshot_in_a_loop_keeps_the_chain_bounded(
-        daemon: Controller, snapshot_tag: str, vm_env: dict[str, str], forkd_home: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from e2b import Sandbox  # the E2B SDK reads its variables when a call is made
+        daemon: Controller, snapshot_tag: str, e2b_sdk: None) -> None:
+    from e2b import Sandbox
 
-    url = f"http://{vm_env['FORKD_E2B_LISTEN']}"
-    key = next(k for k in (forkd_home / "e2b" / "api-keys").read_text().split() if k.startswith("e2b_"))
-    for name, value in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key}.items():
-        monkeypatch.setenv(name, value)
     template, depths, snapshots = snapshot_tag, [], []
     for n in range(ROUNDS):
         sbx = Sandbox.create(template=template, timeout=600)
