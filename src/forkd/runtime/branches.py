@@ -185,7 +185,7 @@ class BranchService:
                 before = source.writing if record.parent_tag != live.record.head else None
                 await asyncio.to_thread(self.registry.update_snapshot, record.tag, status="writing",
                                         parent_tag=record.parent_tag)
-                standalone = self.too_deep(record.parent_tag)
+                standalone = await asyncio.to_thread(self.too_deep, record.parent_tag)
                 ready = self.registry.get_snapshot(live.record.head)  # the chain's memory size is its parent's
                 if ready is None or ready.status != "ready":
                     raise SnapshotError(f"the sandbox's parent snapshot {live.record.head!r} is not ready")
