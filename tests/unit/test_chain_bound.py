@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from test_e2b_api import _create, _front_with
-from test_e2b_tenants import A, _client, _key
+from test_e2b_tenants import A, B, _client, _key
 from test_runtime_fake_vmm import _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
@@ -108,10 +108,14 @@ def test_e2b_snapshots_of_sandboxes_made_from_snapshots_keep_the_chain_within_th
                 assert made.status_code == 201, made.text
                 template = made.json()["snapshotID"]
                 depths.append(runtime.describe_snapshot(template)["depth"])
+                assert (await client.post(f"/sandboxes/{sandbox}/pause", headers=_key(A))).status_code == 204
                 assert (await client.delete(f"/sandboxes/{sandbox}", headers=_key(A))).status_code == 204
             assert max(depths) <= BOUND and depths.count(0) >= 2, depths
             listed = await client.get("/snapshots", headers=_key(A))
             assert len(listed.json()) == ROUNDS  # standalone ones are the caller's snapshots like any other
+            # A standalone layer has no parent, yet holds a sandbox's memory: never another owner's template.
+            others = {t["templateID"] for t in (await client.get("/templates", headers=_key(B))).json()}
+            assert others == {"base"}, others
 
     _on_bounded(tmp_path, scenario)
 

@@ -48,7 +48,9 @@ MAX_TIMEOUT_S = 30 * 24 * 3600
 _WORKSPACE_LABEL = "workspace"  # the label a workspace's sandboxes carry (runtime/workspaces.py)
 NONCE_LABEL = "forkd.e2b-nonce"
 PUBLIC_LABEL = "forkd.e2b-public"  # "true": the sandbox's own ports answer without its token (allowPublicTraffic)
-_DERIVED_META = ("source_sandbox", "compacted_from")  # a snapshot holding some sandbox's state
+# A snapshot holding some sandbox's state: a BRANCH, or a flattened chain (compacted, or a BRANCH written
+# standalone at the chain's bound: no parent, yet a sandbox's memory).
+_DERIVED_META = ("source_sandbox", "compacted_chain")
 log = logging.getLogger("forkd.e2b")
 
 
