@@ -194,8 +194,8 @@ def vm_env_for(home: Path) -> dict[str, str]:
     env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{_free_port()}"  # the E2B front (tests/vm/test_e2b_clients.py)
     # Pulls and pushes reach the HTTP servers tests run on loopback (a private address needs naming).
     config = home / "forkd-test.toml"
-    # E2B pause chains are compacted past 3 layers (tests/vm/test_pause_chain_vm.py; the lifecycle checks cross it).
-    config.write_text('[transfers]\nallow_hosts = ["127.0.0.1"]\n\n[e2b]\nmax_pause_chain = 3\n')
+    # Chains are bounded at 3 ancestors (tests/vm/test_pause_chain_vm.py, test_chain_bound_vm.py; lifecycle checks cross it).
+    config.write_text('[transfers]\nallow_hosts = ["127.0.0.1"]\n\n[limits]\nmax_chain_depth = 3\n')
     env["FORKD_CONFIG"] = str(config)
     return env
 
@@ -215,6 +215,15 @@ def zram() -> Iterator[str]:
         pytest.skip(reason)
     with zram_swap.zram_swap(512 << 20) as device:
         yield device
+
+
+@pytest.fixture
+def e2b_sdk(daemon: Controller, forkd_home: Path, vm_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unmodified E2B SDK in this process talks to the session daemon's E2B front (it reads its
+    variables when a call is made)."""
+    url, key = e2b_front(forkd_home, vm_env)
+    for name, value in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key}.items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,6 @@ from forkd.e2b.app import E2BFront
 from forkd.e2b.keys import Credentials
 from forkd.e2b.lifecycle import PAUSE_AT_LABEL
 from forkd.e2b.metrics import cpu_times, disk, memory
-from forkd.e2b.sandboxes import MAX_PAUSE_CHAIN
 from forkd.e2b.storage import GRACE_S, Storage
 from forkd.runtime.recovery import recover
 from forkd.runtime.runtime import Runtime
@@ -65,10 +64,9 @@ def _routes() -> list[tuple[str, str]]:
     return [tuple(r.strip().split(" ", 1)) for r in E2B_ROUTES.split(";")]  # type: ignore[misc]
 
 
-def _front_with(runtime: Runtime, storage: Storage | None = None,
-                max_pause_chain: int = MAX_PAUSE_CHAIN) -> tuple[E2BFront, BodyLimit]:
+def _front_with(runtime: Runtime, storage: Storage | None = None) -> tuple[E2BFront, BodyLimit]:
     """The front (its rounds are called directly, no timing) and the app a client talks to."""
-    front = E2BFront(runtime, Credentials(KEYS, SECRET), storage=storage, max_pause_chain=max_pause_chain)
+    front = E2BFront(runtime, Credentials(KEYS, SECRET), storage=storage)
     return front, BodyLimit(front, is_upload=e2b_app.is_upload, is_stream=e2b_app.is_stream,
                             shape=e2b_app.refusal_shape)
 

@@ -1,7 +1,8 @@
-"""An E2B sandbox paused and resumed many times keeps a bounded chain of layers: a pause that leaves
-the chain deeper than ``max_pause_chain`` compacts it into one standalone snapshot, and the layers it
-replaced are collected once nothing needs them. On the real front, runtime and registry over the
-FakeVmm (the VM test, tests/vm/test_pause_chain_vm.py, checks that files and processes survive)."""
+"""An E2B sandbox paused and resumed many times keeps a bounded chain of layers: a pause past the
+daemon's ``max_chain_depth`` writes its layer standalone, and the layers below it are collected once
+nothing needs them. On the real front, runtime and registry over the FakeVmm (the VM test,
+tests/vm/test_pause_chain_vm.py, checks that files and processes survive; the other paths that add a
+layer: tests/unit/test_chain_bound.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from test_runtime_fake_vmm import _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
 from forkd.e2b.storage import GRACE_S
+from forkd.runtime.options import RuntimeOptions
 from forkd.vmm.fake import FakeVmm
 
 BOUND = 3
@@ -22,27 +24,27 @@ CYCLES = 10
 
 def test_many_pauses_keep_the_chain_within_the_bound_and_the_replaced_layers_are_collected(tmp_path: Path) -> None:
     async def scenario() -> None:
-        runtime = await _runtime(tmp_path, FakeVmm())
-        front, app = _front_with(runtime, max_pause_chain=BOUND)
+        runtime = await _runtime(tmp_path, FakeVmm(), options=RuntimeOptions(max_chain_depth=BOUND))
+        front, app = _front_with(runtime)
         try:
             async with _client(app) as client:
                 sa = (await _create(client, A))["sandboxID"]
                 depths, compacted = [], []
                 for cycle in range(CYCLES):
-                    if cycle == 4:  # a snapshot the user keeps, branched from a layer that compaction replaces
+                    if cycle == 4:  # a snapshot the user keeps, branched from a layer a standalone one replaces
                         kept = await client.post(f"/sandboxes/{sa}/snapshots", headers=_key(A), json={})
                         assert kept.status_code == 201, kept.text
                     assert (await client.post(f"/sandboxes/{sa}/pause", headers=_key(A))).status_code == 204
                     workspace = runtime.workspaces.get(sa)
                     info = runtime.describe_snapshot(workspace.snapshot_tag)
                     depths.append(info["depth"])
-                    if "compacted_from" in runtime.snapshot(workspace.snapshot_tag).meta:  # type: ignore[union-attr]
+                    if "compacted_chain" in runtime.snapshot(workspace.snapshot_tag).meta:  # type: ignore[union-attr]
                         compacted.append(workspace.snapshot_tag)
                     resumed = await client.post(f"/sandboxes/{sa}/resume", headers=_key(A), json={})
                     assert resumed.status_code == 201, resumed.text
                     assert front.sandboxes.resolve(sa).live is not None
                 assert max(depths) <= BOUND and compacted, depths  # without the bound: 1, 2, ..., 10 (11 with the snapshot)
-                # A compacted snapshot is standalone and starts the sandbox like any other layer.
+                # A standalone layer starts the sandbox like any other layer.
                 assert runtime.describe_snapshot(compacted[0])["depth"] == 0
                 suspends = runtime.workspaces.get(sa).meta["suspends"]
                 assert len(set(suspends)) == len(suspends)  # one series of tags, never reused
@@ -65,35 +67,23 @@ def test_many_pauses_keep_the_chain_within_the_bound_and_the_replaced_layers_are
     run(scenario)
 
 
-def test_a_compacted_workspace_is_removed_whole_and_a_bound_of_zero_never_compacts(tmp_path: Path) -> None:
+def test_a_workspace_suspended_past_the_bound_names_the_layers_it_no_longer_needs(tmp_path: Path) -> None:
     async def scenario() -> None:
-        runtime = await _runtime(tmp_path, FakeVmm())
+        runtime = await _runtime(tmp_path, FakeVmm(), options=RuntimeOptions(max_chain_depth=2))
         try:
             await runtime.workspaces.create("w", "base")
-            for _ in range(3):
+            depths = []
+            for _ in range(4):
                 await runtime.workspaces.suspend("w")
+                depths.append(runtime.workspaces.depth("w"))
                 await runtime.workspaces.resume("w")
+            assert depths == [1, 2, 0, 1], depths  # the third suspend is written standalone
+            assert runtime.workspaces.unneeded("w") == ["ws-w-1", "ws-w-2"]
             await runtime.workspaces.suspend("w")
-            assert runtime.workspaces.depth("w") == 4
-            replaced = await runtime.workspaces.compact("w", max_depth=2)
-            assert replaced == ["ws-w-1", "ws-w-2", "ws-w-3", "ws-w-4"] and runtime.workspaces.depth("w") == 0
-            assert runtime.workspaces.get("w").snapshot_tag == "ws-w-5"
-            assert await runtime.workspaces.compact("w", max_depth=2) == []  # within the bound now
-            await runtime.workspaces.resume("w")
-            await runtime.workspaces.suspend("w")  # the series goes on past the compacted tag
-            assert runtime.workspaces.get("w").snapshot_tag == "ws-w-6" and runtime.workspaces.depth("w") == 1
+            assert runtime.workspaces.get("w").snapshot_tag == "ws-w-5" and runtime.workspaces.depth("w") == 2
             removed = await runtime.workspaces.remove("w")
-            assert set(removed) == {f"ws-w-{n}" for n in range(1, 7)}
+            assert set(removed) == {f"ws-w-{n}" for n in range(1, 6)}
             assert {r.tag for r in runtime.snapshot_records()} == {"base"}
-
-            _, app = _front_with(runtime, max_pause_chain=0)
-            async with _client(app) as client:
-                sa = (await _create(client, A))["sandboxID"]
-                for _ in range(3):
-                    assert (await client.post(f"/sandboxes/{sa}/pause", headers=_key(A))).status_code == 204
-                    assert (await client.post(f"/sandboxes/{sa}/resume", headers=_key(A), json={})).status_code == 201
-                assert (await client.post(f"/sandboxes/{sa}/pause", headers=_key(A))).status_code == 204
-                assert runtime.workspaces.depth(sa) == 4
         finally:
             await runtime.stop()
 

@@ -29,6 +29,7 @@ packs_dir = "/var/lib/forkd/packs"      # pack files API clients may write and r
 max_sandboxes = 500              # live + starting children
 max_concurrent_forks = 16        # restores running at once; more queue (default: 2 per host CPU)
 max_branches = 2                 # branches written at once; more answer 503  [FORKD_MAX_BRANCHES]
+max_chain_depth = 8              # ancestors a snapshot may have; a BRANCH past it is written standalone
 
 [sandboxes]
 keep_on_stop = false             # true: stopping the daemon leaves VMMs for the next one to re-adopt
@@ -61,7 +62,6 @@ quickstart = 1
 listen = "127.0.0.1:3000"        # serve E2B's API and sandbox traffic here (docs/e2b.md)  [FORKD_E2B_LISTEN]
 keys_file = "/etc/forkd/e2b-keys"  # accepted E2B API keys; default HOME/e2b/api-keys, made on first start
 owner_quota_mib = 20480            # disk per E2B owner: snapshots, forks, paused sandboxes (default: none)
-max_pause_chain = 8                # a pause leaving a chain deeper than this compacts it (0: never)
 domain = "sandbox.example.com"     # get_host(port) = PORT-ID.DOMAIN (needs wildcard DNS); default localhost:PORT
 
 [transfers]
@@ -100,11 +100,10 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic.dataclasses import dataclass
 
 from forkd.config import Paths
-from forkd.e2b.sandboxes import MAX_PAUSE_CHAIN
 from forkd.hostpaths import HostRoots
 from forkd.host.netpolicy import DEFAULT_POOL, AddressPool
 from forkd.runtime.idle import DEFAULT_IDLE_STOP_S
-from forkd.runtime.options import DEFAULT_MAX_BRANCHES, OutputLimits, RuntimeOptions
+from forkd.runtime.options import DEFAULT_MAX_BRANCHES, DEFAULT_MAX_CHAIN_DEPTH, OutputLimits, RuntimeOptions
 from forkd.runtime.pool import MAX_POOL_SIZE
 from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
 from forkd.store.space import DEFAULT_FLOOR_BYTES
@@ -136,6 +135,7 @@ class Limits:
     max_sandboxes: int = Field(default=DEFAULT_MAX_SANDBOXES, ge=1, le=1 << 20)
     max_concurrent_forks: int | None = Field(default=None, ge=1, le=1 << 16)
     max_branches: int = Field(default=DEFAULT_MAX_BRANCHES, ge=1, le=1024)
+    max_chain_depth: int = Field(default=DEFAULT_MAX_CHAIN_DEPTH, ge=1, le=1000)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -183,7 +183,7 @@ class E2BSettings:
     listen: str | None = Field(default=None, pattern=r"^[^\s:]+:\d{1,5}$")  # host:port; None: no E2B front
     keys_file: Path | None = None  # None: HOME/e2b/api-keys
     owner_quota_mib: int | None = Field(default=None, ge=1, le=1 << 30)  # disk per owner (snapshots, forks, pauses)
-    max_pause_chain: int = Field(default=MAX_PAUSE_CHAIN, ge=0, le=1000)  # deeper after a pause: compacted; 0 never
+    max_pause_chain: int | None = Field(default=None, ge=0, le=1000)  # deprecated: [limits] max_chain_depth
     # what get_host(port) builds {port}-{sandboxID}.{domain} from; None: localhost:<listen port>
     domain: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.-]+(:\d{1,5})?$")
 
@@ -279,6 +279,7 @@ class DaemonConfig:
         return RuntimeOptions(max_sandboxes=self.limits.max_sandboxes,
                               max_concurrent_forks=self.limits.max_concurrent_forks,
                               max_concurrent_branches=self.limits.max_branches,
+                              max_chain_depth=self.max_chain_depth,
                               keep_sandboxes_on_stop=self.sandboxes.keep_on_stop,
                               idle_stop_s=self.sandboxes.idle_stop_s, idle_reclaim=self.sandboxes.idle_reclaim,
                               net_pool=self.network.pool, dns=str(self.network.dns) if self.network.dns else None,
@@ -292,6 +293,20 @@ class DaemonConfig:
                               allow_unpinned_pulls=self.transfers.allow_unpinned,
                               free_floor_bytes=self.disk.min_free_mib << 20,
                               spool_bytes=self.uploads.spool_mib << 20, spool_files=self.uploads.spool_files)
+
+    @property
+    def max_chain_depth(self) -> int:
+        """``[limits] max_chain_depth``, lowered by the deprecated ``[e2b] max_pause_chain`` when that is set
+        (its 0, once "never compact", counts for nothing: every chain is bounded now)."""
+        old = self.e2b.max_pause_chain
+        return min(self.limits.max_chain_depth, old) if old else self.limits.max_chain_depth
+
+    def deprecations(self) -> list[str]:
+        """Keys still read but replaced, each with what to write instead (the daemon logs them at start)."""
+        if self.e2b.max_pause_chain is None:
+            return []
+        return [f"[e2b] max_pause_chain is deprecated: every chain (pauses, snapshots, BRANCH) is bounded by "
+                f"[limits] max_chain_depth, now {self.max_chain_depth}; move the value there"]
 
     @property
     def host_roots(self) -> HostRoots:

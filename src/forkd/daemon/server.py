@@ -173,11 +173,13 @@ async def serve(config: DaemonConfig) -> None:
         paths.socket.unlink(missing_ok=True)
         home_lock.release()
         raise
+    for warning in config.deprecations():
+        log.warning("%s", warning)
     runtime = await Runtime.open(paths, vmm, config.runtime_options)
     audit = AuditLog(paths.audit_log, max_bytes=config.audit.max_bytes, backups=config.audit.backups)
     e2b_front = E2BFront(runtime, credentials, config.e2b.domain or f"localhost:{e2b_address[1]}", Storage(
-        runtime, None if config.e2b.owner_quota_mib is None else config.e2b.owner_quota_mib << 20),
-        config.e2b.max_pause_chain) if e2b_address is not None and credentials is not None else None
+        runtime, None if config.e2b.owner_quota_mib is None else config.e2b.owner_quota_mib << 20)) \
+        if e2b_address is not None and credentials is not None else None
     api = BodyLimit(create_app(runtime, [e2b_front.keeper] if e2b_front is not None else []))
     # The Unix listener runs the app's lifespan (start, and on shutdown kill every child).
     servers = [_server(ServerTiming(AuditMiddleware(api, audit, "unix")), "on", config.server)]

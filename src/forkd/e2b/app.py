@@ -25,7 +25,7 @@ from forkd.e2b.keys import Credentials
 from forkd.e2b.lifecycle import ROUND_S, Keeper
 from forkd.e2b.metrics import METRICS_S, Metrics
 from forkd.e2b.ports import Ports
-from forkd.e2b.sandboxes import MAX_PAUSE_CHAIN, E2BSandboxes
+from forkd.e2b.sandboxes import E2BSandboxes
 from forkd.e2b.snapshots import E2BSnapshots
 from forkd.e2b.storage import Storage
 from forkd.runtime.runtime import Runtime
@@ -76,10 +76,10 @@ COLLECT_S = 30.0  # how often unreferenced E2B layers are looked for
 
 class E2BFront:
     def __init__(self, runtime: Runtime, credentials: Credentials, domain: str | None = None,
-                 storage: Storage | None = None, max_pause_chain: int = MAX_PAUSE_CHAIN) -> None:
+                 storage: Storage | None = None) -> None:
         self.credentials = credentials
         self.storage = storage or Storage(runtime)
-        self.sandboxes = E2BSandboxes(runtime, credentials, self.storage, domain, max_pause_chain)
+        self.sandboxes = E2BSandboxes(runtime, credentials, self.storage, domain)
         self.snapshots = E2BSnapshots(self.sandboxes)
         self.metrics = Metrics(self.sandboxes)
         self.control = control_app(self.sandboxes, self.snapshots, self.metrics)

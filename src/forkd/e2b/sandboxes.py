@@ -2,9 +2,10 @@
 
 An E2B sandbox id names a forkd sandbox, or a workspace once it has been paused: pausing adopts
 the sandbox into a workspace named after it and suspends that (a diff BRANCH, then the VMM is
-killed, so its memory is freed); resuming forks the workspace's last layer. A pause that leaves a
-chain deeper than ``max_pause_chain`` compacts it (runtime/workspaces.py): the resume then forks one
-standalone snapshot, and the layers it replaced go to the collector (storage.py). The E2B id stays the
+killed, so its memory is freed); resuming forks the workspace's last layer. Every layer (pause,
+snapshot, fork) is held to the daemon's ``[limits] max_chain_depth`` by the BRANCH itself
+(runtime/branches.py): a pause past it writes a standalone layer, and the layers below it go to the
+collector (storage.py) once the resume no longer needs them. The E2B id stays the
 same across pause/resume while the forkd sandbox behind it changes, so every request resolves
 the id first. Fork is a BRANCH of the running sandbox plus N children of that snapshot.
 
@@ -47,8 +48,9 @@ MAX_TIMEOUT_S = 30 * 24 * 3600
 _WORKSPACE_LABEL = "workspace"  # the label a workspace's sandboxes carry (runtime/workspaces.py)
 NONCE_LABEL = "forkd.e2b-nonce"
 PUBLIC_LABEL = "forkd.e2b-public"  # "true": the sandbox's own ports answer without its token (allowPublicTraffic)
-_DERIVED_META = ("source_sandbox", "compacted_from")  # a snapshot holding some sandbox's state
-MAX_PAUSE_CHAIN = 8  # default: a pause leaving a deeper chain compacts it
+# A snapshot holding some sandbox's state: a BRANCH, or a flattened chain (compacted, or a BRANCH written
+# standalone at the chain's bound: no parent, yet a sandbox's memory).
+_DERIVED_META = ("source_sandbox", "compacted_chain")
 log = logging.getLogger("forkd.e2b")
 
 
@@ -90,11 +92,10 @@ class Resolved:
 
 class E2BSandboxes:
     def __init__(self, runtime: Runtime, credentials: Credentials, storage: Storage,
-                 domain: str | None = None, max_pause_chain: int = MAX_PAUSE_CHAIN) -> None:
+                 domain: str | None = None) -> None:
         self.runtime = runtime
         self.credentials = credentials
         self.storage = storage
-        self.max_pause_chain = max_pause_chain  # 0: pause chains grow without bound
         self.domain = domain  # what the SDKs' get_host(port) builds on: {port}-{sandboxID}.{domain}
         # One lifecycle change at a time per E2B id: a resume, a pause (asked for, or at the timeout)
         # and a kill never interleave, and two requests to a paused sandbox resume it once.
@@ -378,20 +379,9 @@ class E2BSandboxes:
             await self.runtime.workspaces.suspend(e2b_id)
         except (SnapshotConflict, SnapshotError) as exc:
             raise E2BError(409, f"sandbox {e2b_id} could not be paused: {exc}") from None
-        await self._bound_chain(e2b_id)
-
-    async def _bound_chain(self, e2b_id: str) -> None:
-        """Compact the paused sandbox's chain when it passed ``max_pause_chain``; the layers it replaced are
-        doomed (removed once no snapshot of the sandbox needs them). A failure keeps the deep chain, which
-        loses nothing: the next pause tries again."""
-        if not self.max_pause_chain:
-            return
-        try:
-            replaced = await self.runtime.workspaces.compact(e2b_id, self.max_pause_chain)
-        except Exception as exc:  # noqa: BLE001 - the pause itself succeeded
-            log.warning("sandbox %s is paused but its chain of layers could not be compacted (%s); the next "
-                        "pause tries again", e2b_id, exc)
-            return
+        # A pause past the chain's bound wrote a standalone layer: the ones below it are doomed (removed
+        # once no snapshot of the sandbox was branched from them).
+        replaced = [t for t in self.runtime.workspaces.unneeded(e2b_id) if t not in self.storage.doomed]
         if replaced:
             await self.storage.doom(replaced)
 

@@ -15,6 +15,12 @@ be written: each chains onto the one captured before it, and its layer is writte
 parent's is (it compares its pages against the parent's memory). That record, naming its source
 (``meta.source_sandbox``), is also how a restarted daemon knows a stopped source was stopped by
 this pause and resumes it instead of reaping it (``runtime/recovery.py``).
+
+Chains are bounded here, the one place a layer is added to one: a branch whose parent already has
+``max_chain_depth`` ancestors is written standalone (whole memory, disk flattened onto the root's
+base image, no parent: ``runtime/compact.py``), so a client that snapshots a sandbox, or a child of
+a child, in a loop never makes a chain deeper than the bound. It is one publish like any other
+branch (nothing existing is rewritten); the layers below it stay while anything else needs them.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from typing import Any
 
 from forkd.config import Paths
 from forkd.guest import protocol
+from forkd.runtime.compact import CompactService
 from forkd.runtime.metrics import Metrics
 from forkd.runtime.sandboxes import LiveSandbox, SandboxService
 from forkd.runtime.spawning import Spawner
 from forkd.runtime.timings import Timings
 from forkd.store import layers as memory_layers
-from forkd.store.chains import ChainMemory, chain_memory
+from forkd.store.chains import ChainMemory, chain_memory, registered_ancestors
 from forkd.store.errors import SnapshotConflict, SnapshotError
 from forkd.store.io import blocking, remove_tree
 from forkd.store.layout import (
@@ -42,6 +49,7 @@ from forkd.store.layout import (
     LAYER_FILE,
     MEMORY_FILE,
     STATE_FILE,
+    baked_files,
     branch_files,
 )
 from forkd.store.registry import Registry, SnapshotRecord
@@ -76,7 +84,8 @@ class _SourceState:
 
 class BranchService:
     def __init__(self, paths: Paths, store: SnapshotStore, vmm: Vmm, sandboxes: SandboxService, spawner: Spawner,
-                 max_concurrent: int, metrics: Metrics, space: SpaceFloor) -> None:
+                 max_concurrent: int, metrics: Metrics, space: SpaceFloor, compaction: CompactService,
+                 max_chain_depth: int) -> None:
         self.paths = paths
         self.space = space  # a branch writes its memory and disk layers under paths.snapshots
         self.metrics = metrics
@@ -86,6 +95,8 @@ class BranchService:
         self.sandboxes = sandboxes
         self.spawner = spawner  # diff_exec forks the child it runs its command in
         self.max_concurrent = max_concurrent
+        self.compaction = compaction  # writes a branch standalone when its chain would pass the bound
+        self.max_chain_depth = max_chain_depth  # ancestors a branch may have; one more: written standalone
         self._builds: dict[str, asyncio.Task[SnapshotRecord]] = {}  # builds under way, by tag (claimed in the store)
         self._sources: dict[str, _SourceState] = {}
 
@@ -174,6 +185,7 @@ class BranchService:
                 before = source.writing if record.parent_tag != live.record.head else None
                 await asyncio.to_thread(self.registry.update_snapshot, record.tag, status="writing",
                                         parent_tag=record.parent_tag)
+                standalone = await asyncio.to_thread(self.too_deep, record.parent_tag)
                 ready = self.registry.get_snapshot(live.record.head)  # the chain's memory size is its parent's
                 if ready is None or ready.status != "ready":
                     raise SnapshotError(f"the sandbox's parent snapshot {live.record.head!r} is not ready")
@@ -199,8 +211,10 @@ class BranchService:
             parent = self.registry.get_snapshot(record.parent_tag)
             if parent is None or parent.status != "ready":
                 raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} was not written")
-            memory = chain_memory(self.store.ancestry(parent))
-            meta = {**front_meta, **await self._assemble(build_dir, parent, memory, capture, mode, timings)}
+            chain = self.store.ancestry(parent)
+            meta = {**front_meta, **await self._assemble(build_dir, chain, capture, mode, timings, standalone)}
+            if standalone:
+                record.parent_tag = None  # published without a parent: the chain ends here
             meta["pause_ms"] = record.meta["pause_ms"]
             meta["timings"] = timings.as_ms()  # meta.json keeps them up to `sealed`
             record.meta = self.store.write_meta(build_dir, meta)
@@ -222,30 +236,46 @@ class BranchService:
                 await remove_tree(build_dir)
         return record
 
-    async def _assemble(self, build_dir: Path, parent: SnapshotRecord, memory: ChainMemory, capture: Capture,
-                        mode: str, timings: Timings) -> dict[str, Any]:
-        """Memory (a layer, or flattened whole) of the new snapshot next to its disk layer, then its meta.
+    def too_deep(self, parent_tag: str) -> bool:
+        """Whether a branch of ``parent_tag`` would pass ``max_chain_depth``: it is then written standalone."""
+        parent = self.registry.get_snapshot(parent_tag)
+        return parent is not None and len(registered_ancestors(self.registry, parent)) >= self.max_chain_depth
+
+    async def _assemble(self, build_dir: Path, chain: list[SnapshotRecord], capture: Capture,
+                        mode: str, timings: Timings, standalone: bool) -> dict[str, Any]:
+        """Memory (a layer, or flattened whole) of the new snapshot next to its disk layer, then its meta;
+        ``standalone``: whole memory and a flattened disk, with no parent (the chain's bound).
 
         All of it runs after the source was resumed: the capture holds what the pause took.
         """
+        parent = chain[0]
         for name in (KERNEL_FILE, INITRD_FILE):
             await blocking(self.store.digests.link, parent.path / name, build_dir / name)
         disk = self.vmm.disk.file_name
-        memory_kind = "diff" if mode == "diff" else "full"
-        changed, written = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
+        memory = chain_memory(chain)
+        if standalone:
+            flat = await self.compaction.flatten_into(build_dir, chain, await blocking(_read_chain, memory),
+                                                      capture.pages)
+            memory_kind, changed, written = "full", flat.changed_pages, {MEMORY_FILE: flat.sha256}
+        else:
+            memory_kind = "diff" if mode == "diff" else "full"
+            changed, written = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
         timings.mark("layer_written")
         meta = {
             **{k: parent.meta[k] for k in INHERITED_META if k in parent.meta},
             "mode": mode,
             "memory_kind": memory_kind,
             "state_format": capture.state_format,
-            "parent_sha256": self.store.parent_digests(parent),
             "private_pages": len(capture.pages.offsets),
             "changed_pages": changed,
         }
+        if standalone:
+            meta["compacted_chain"] = [link.tag for link in chain]  # what it was flattened over
+        else:
+            meta["parent_sha256"] = self.store.parent_digests(parent)
         if mode == "live":
             meta["precopied"] = capture.precopied
-        names = branch_files(disk, meta)
+        names = baked_files(disk) if standalone else branch_files(disk, meta)
         meta["sha256"] = await blocking(self.store.seal, build_dir, names, written)
         meta["sizes"] = {name: (build_dir / name).stat().st_size for name in names}
         timings.mark("sealed")
@@ -302,9 +332,14 @@ def _write_memory(build_dir: Path, memory: ChainMemory, captured: Pages, kind: s
     privately too: they were laid in at restore). ``full`` lays the captured pages over the parent's
     memory into one sparse file, hashed as it is written, so it needs no parent memory.
     """
-    parent = memory_layers.ChainMemory(memory.base, [memory_layers.read_layer(p) for p in memory.layers])
+    parent = _read_chain(memory)
     if kind == "full":
         flat = memory_layers.flatten(parent, build_dir / MEMORY_FILE, top=captured)
         return flat.changed_pages, {MEMORY_FILE: flat.sha256}
     layer = memory_layers.write_layer(build_dir / LAYER_FILE, captured, parent)
     return len(layer.offsets), {LAYER_FILE: layer.sha256}
+
+
+def _read_chain(memory: ChainMemory) -> memory_layers.ChainMemory:
+    """The chain's memory as its children see it (its layers read: blocking)."""
+    return memory_layers.ChainMemory(memory.base, [memory_layers.read_layer(p) for p in memory.layers])

@@ -16,6 +16,7 @@ from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
 from forkd.store.space import DEFAULT_FLOOR_BYTES
 
 DEFAULT_MAX_BRANCHES = 2
+DEFAULT_MAX_CHAIN_DEPTH = 8
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class RuntimeOptions:
     max_sandboxes: int | None = None  # live + starting children; a child over it fails, its batch does not
     max_concurrent_forks: int | None = None  # children restored at the same time; the rest queue
     max_concurrent_branches: int = DEFAULT_MAX_BRANCHES  # branches written at once; more answer 503
+    # Ancestors a snapshot may have: a branch that would pass it is written standalone (runtime/branches.py).
+    max_chain_depth: int = DEFAULT_MAX_CHAIN_DEPTH
     # On SIGTERM: False kills every sandbox (nothing outlives the daemon); True leaves VMMs running
     # for the next daemon to re-adopt (an upgrade or restart without losing sandboxes).
     keep_sandboxes_on_stop: bool = False

@@ -94,12 +94,13 @@ class Runtime:
         self.metrics.watch_idle(self.sandboxes.idle.stopped, self.sandboxes.idle.reclaim)
         self.compaction = CompactService(self.store, vmm.disk)
         self.branches = BranchService(paths, self.store, vmm, self.sandboxes, self.spawner,
-                                      self.options.max_concurrent_branches, self.metrics, space)
+                                      self.options.max_concurrent_branches, self.metrics, space, self.compaction,
+                                      self.options.max_chain_depth)
         self.sessions = Sessions(self.sandboxes, self.options.output, paths.uploads, space,
                                  SpoolBudget(self.options.spool_bytes, self.options.spool_files))
         self.tunnels = Tunnels(self.sandboxes)
         self.workspaces = WorkspaceService(self.registry, self.sandboxes, self.spawner, self.branches,
-                                           self.remove_snapshot, self.compaction)
+                                           self.remove_snapshot)
         self._image_lock = asyncio.Lock()
         self._keepers: list[asyncio.Task[None]] = []
 

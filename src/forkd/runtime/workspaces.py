@@ -4,9 +4,9 @@ Suspending is a diff BRANCH of the workspace's sandbox followed by killing it, s
 VMM are freed and only the pages it changed stay on disk; resuming forks a child of that snapshot,
 which finds its processes, files and interpreter state as they were. Each suspend adds a layer to
 the workspace's chain (``ws-NAME-1``, ``ws-NAME-2``, …); removing the workspace removes them.
-:meth:`WorkspaceService.compact` bounds that chain: a suspended workspace's layer is flattened into a
-standalone snapshot (the next tag of the same series) that its resume then forks, and the layers
-it replaces are handed back to the caller to remove once nothing else needs them.
+That chain is bounded like every other (``max_chain_depth``, runtime/branches.py): a suspend past
+the bound writes its layer standalone; :meth:`WorkspaceService.unneeded` then names the earlier
+layers the resume no longer needs, for the caller to remove once nothing else references them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 from forkd.host.netpolicy import NetRequest, net_request_of
 from forkd.runtime.agent_client import AgentUnavailable
 from forkd.runtime.branches import BranchService
-from forkd.runtime.compact import CompactService
 from forkd.runtime.isolation import SandboxOptions
 from forkd.runtime.sandboxes import SandboxEnded, SandboxNotFound, SandboxService
 from forkd.runtime.spawning import ForkOptions, Spawner
@@ -39,12 +38,11 @@ class WorkspaceNotFound(LookupError):
 
 class WorkspaceService:
     def __init__(self, registry: Registry, sandboxes: SandboxService, spawner: Spawner, branches: BranchService,
-                 remove_snapshot: Any, compaction: CompactService) -> None:
+                 remove_snapshot: Any) -> None:
         self.registry = registry
         self.sandboxes = sandboxes
         self.spawner = spawner
         self.branches = branches
-        self.compaction = compaction
         self._remove_snapshot = remove_snapshot  # await Runtime.remove_snapshot(tag, cascade=...)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # one change at a time
 
@@ -137,31 +135,14 @@ class WorkspaceService:
         snapshot = self.registry.get_snapshot(record.snapshot_tag)
         return len(registered_ancestors(self.registry, snapshot)) if snapshot is not None else 0
 
-    async def compact(self, name: str, max_depth: int = 0) -> list[str]:
-        """Flatten the suspended workspace's chain into a standalone snapshot when it is deeper than
-        ``max_depth``: the tags of its own layers the resume no longer needs (none when nothing was done),
-        left for the caller to remove once nothing else references them (snapshots branched from them).
-
-        The new tag is recorded in ``suspends`` before it is written, so a daemon that dies meanwhile
-        leaves it where the workspace's removal finds it; the switch itself is one registry write."""
-        async with self._locks[name]:
-            record = self.get(name)
-            if record.state != "suspended":
-                raise SnapshotConflict(f"workspace {name!r} is {record.state}; suspend it before compacting it")
-            if self.depth(name) <= max_depth:
-                return []
-            tag = _next_layer(record)
-            record.meta["suspends"].append(tag)
-            await asyncio.to_thread(self.registry.put_workspace, record)
-            try:
-                await self.compaction.compact(record.snapshot_tag, tag)
-            except BaseException:
-                record.meta["suspends"].remove(tag)
-                await asyncio.to_thread(self.registry.put_workspace, record)
-                raise
-            record.snapshot_tag = tag
-            await asyncio.to_thread(self.registry.put_workspace, record)
-            return [t for t in record.meta["suspends"] if t != tag]
+    def unneeded(self, name: str) -> list[str]:
+        """The workspace's own layers its current snapshot does not stand on (left below a standalone
+        layer): the caller removes them once nothing else (a snapshot branched from one) needs them."""
+        record = self.get(name)
+        snapshot = self.registry.get_snapshot(record.snapshot_tag)
+        needed = {record.snapshot_tag} | {a.tag for a in registered_ancestors(self.registry, snapshot)} \
+            if snapshot is not None else {record.snapshot_tag}
+        return [t for t in record.meta["suspends"] if t not in needed and self.registry.get_snapshot(t) is not None]
 
     async def resume(self, name: str) -> WorkspaceRecord:
         """Fork the workspace's last layer: its sandbox runs again where it was suspended."""
@@ -198,7 +179,7 @@ class WorkspaceService:
                 except SandboxNotFound:
                     pass  # it ended already
             removed: list[str] = []
-            for tag in [] if keep_layers else record.meta["suspends"]:  # a compacted one starts a chain of its own
+            for tag in [] if keep_layers else record.meta["suspends"]:  # a standalone one starts a chain of its own
                 if self.registry.get_snapshot(tag) is not None:
                     removed += await self._remove_snapshot(tag, cascade=True)
             await asyncio.to_thread(self.registry.remove_workspace, name)
@@ -215,5 +196,5 @@ class WorkspaceService:
 
 
 def _next_layer(record: WorkspaceRecord) -> str:
-    """The tag of the workspace's next layer: a suspend's, or a compaction's (one series, never reused)."""
+    """The tag of the workspace's next layer (one series, never reused)."""
     return f"ws-{record.name}-{len(record.meta['suspends']) + 1}"
