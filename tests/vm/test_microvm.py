@@ -14,9 +14,11 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import own_vm_daemon
-from forkd.sdk.controller import Controller, ForkdError
 from test_idle_stop_vm import wait_stopped
 from test_network import OPEN_PORT, OUTSIDE, outside, probe  # noqa: F401 (outside: a fixture)
+from test_pool_vm import fill
+
+from forkd.sdk.controller import Controller, ForkdError
 
 pytestmark = pytest.mark.vm
 
@@ -106,6 +108,18 @@ def test_an_idle_child_is_stopped_and_continues_with_its_clock_right(mvm: Contro
     guest = float(mvm.exec(child, "date +%s.%N")["stdout"])
     assert abs(guest - time.time()) < 5, "the guest clock is set on continue"
     assert mvm.run_code(child, "1 + 1")["value"] == "2"
+
+
+def test_a_warm_pool_member_of_a_microvm_snapshot_serves_a_fork(mvm: Controller, fork) -> None:
+    members = fill(mvm, SNAPSHOT, 1)["members"]
+    try:
+        result = mvm.fork(SNAPSHOT, 1)
+        [child] = result["sandboxes"]
+        assert child["id"] in members and "pool" in child["timings"], child
+        assert mvm.run_code(child["id"], "float(numpy.ones(4).sum())")["value"] == "4.0"
+        mvm.kill(child["id"])
+    finally:
+        mvm.set_pool_size(SNAPSHOT, 0)
 
 
 def test_a_q35_snapshot_of_the_same_daemon_still_restores(mvm: Controller, fork) -> None:
