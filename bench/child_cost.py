@@ -10,11 +10,16 @@ Variants: ``tb16``, ``tb8``, ``tb32`` (TCG ``tb-size`` MiB; ``--tb`` for the oth
 setting for QEMU's environment (``arena1``, ``arena2``: ``MALLOC_ARENA_MAX``; ``trim``: glibc
 tunables that return freed memory at once), ``thp`` (QEMU may use transparent huge pages; without it
 they are off, ``PR_SET_THP_DISABLE`` inherited, as the daemon runs its VMMs), ``nojail`` (QEMU as
-root without the VMM jail, ``[confinement] enabled = false``), or ``snapshot=TAG`` to compare another
-snapshot (e.g. one baked with other guest settings or another machine type); parts combine with
-``+`` (``tb16+thp``).
+root without the VMM jail, ``[confinement] enabled = false``), ``microvm`` (the snapshot
+``--microvm-tag``: the same settings baked with ``--machine microvm``), or ``snapshot=TAG`` to compare
+another snapshot (e.g. one baked with other guest settings); parts combine with ``+`` (``tb16+thp``).
+With ``--settle S`` the memory is read a second time S seconds later (``later_mib``): a reading that
+moves on its own shows work the idle guest still does.
 
     FORKD_HOME=... .venv/bin/python bench/child_cost.py --tag quickstart --rounds 5 tb16 tb8 tb32 arena1
+    # q35 against microvm, same load: bake both, then A/B them
+    forkd snapshot create --tag cq35 --memory-mib 1024 && forkd snapshot create --tag cq35-microvm --machine microvm
+    FORKD_HOME=... .venv/bin/python bench/child_cost.py --tag cq35 --rounds 5 --settle 3 tb32 microvm
 
 Writes bench/results/child_cost.json.
 """
@@ -83,9 +88,11 @@ async def info_jit(vm: VmHandle) -> dict[str, int]:
     return found
 
 
-async def one_child(variant: str, snapshots: SnapshotStore, default_tag: str, scratch: Path,
-                    index: int, tb_default: int) -> dict[str, Any]:
+async def one_child(variant: str, snapshots: SnapshotStore, args: argparse.Namespace, scratch: Path,
+                    index: int) -> dict[str, Any]:
     parts = variant.split("+")
+    tb_default = args.tb
+    default_tag = (args.microvm_tag or f"{args.tag}-microvm") if "microvm" in parts else args.tag
     tag = next((p.split("=", 1)[1] for p in parts if p.startswith("snapshot=")), default_tag)
     tb = next((int(p[2:]) for p in parts if p.startswith("tb")), tb_default)
     env = {k: v for p in parts for k, v in ENVIRONMENTS.get(p, {}).items()}
@@ -116,9 +123,14 @@ async def one_child(variant: str, snapshots: SnapshotStore, default_tag: str, sc
             await agent.call(protocol.OP_EXEC, {"shell": "true"}, timeout=120)
         finally:
             await agent.close()
-        return {"variant": variant, "answered_s": answered, "cpu_s": cpu_seconds(vm.pid),
-                "private_dirty_mib": private_dirty(vm.pid, str(saved.memory)), "jit": await info_jit(vm),
-                "detail_mib": detailed(vm.pid, str(saved.memory))}
+        found = {"variant": variant, "machine": spec.machine, "answered_s": answered, "cpu_s": cpu_seconds(vm.pid),
+                 "private_dirty_mib": private_dirty(vm.pid, str(saved.memory)), "jit": await info_jit(vm),
+                 "detail_mib": detailed(vm.pid, str(saved.memory))}
+        if args.settle:
+            await asyncio.sleep(args.settle)
+            found["later_mib"] = private_dirty(vm.pid, str(saved.memory))
+            found["later_cpu_s"] = cpu_seconds(vm.pid)
+        return found
     finally:
         await vmm.kill(vm)
 
@@ -138,6 +150,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "threads": mine[0]["detail_mib"]["threads"],
             "largest_other": mine[0]["detail_mib"]["largest_other"],
             "tb_flush_count_max": max(r["jit"].get("tb_flush_count", -1) for r in mine),
+            "machine": mine[0]["machine"],
+            **({"later_mib_p50": {k: med(r["later_mib"][k] for r in mine) for k in mine[0]["later_mib"]},
+                "later_cpu_s_p50": med(r["later_cpu_s"] for r in mine)} if "later_mib" in mine[0] else {}),
             "n": len(mine),
         }
     return out
@@ -153,7 +168,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         index = 0
         for round_ in range(args.rounds):
             for variant in args.variants:
-                runs.append(await one_child(variant, snapshots, args.tag, Path(scratch), index, args.tb))
+                runs.append(await one_child(variant, snapshots, args, Path(scratch), index))
                 index += 1
                 print(f"round {round_} {variant}: cpu {runs[-1]['cpu_s']:.2f} s, Private_Dirty "
                       f"{runs[-1]['private_dirty_mib']['total']:.1f} MiB, jit {runs[-1]['jit']}", flush=True)
@@ -166,6 +181,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="child_cost")
     parser.add_argument("--tb", type=int, default=32, help="tb-size (MiB) of the variants that do not set one")
+    parser.add_argument("--microvm-tag", help="the snapshot of the microvm variant (default: TAG-microvm)")
+    parser.add_argument("--settle", type=float, default=0.0, help="read memory again this many seconds later")
     parser.add_argument("variants", nargs="*", default=["tb16", "tb8", "tb32", "arena1"])
     args = parser.parse_args()
     load_before = os.getloadavg()[0]

@@ -274,6 +274,22 @@ def stop_daemon(process: subprocess.Popen[bytes], controller: Controller, home: 
     assert not leaked, f"the stopped daemon left VMM processes running: {leaked}"
 
 
+@contextlib.contextmanager
+def own_vm_daemon(prefix: str, idle_stop_s: float) -> Iterator[Controller]:
+    """A real daemon of a test module's own on a fresh home under /var/tmp, with the default image built or
+    reused and children idle-stopped after ``idle_stop_s``; stopped (its VMs with it) and removed after."""
+    home = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    env = vm_env_for(home)
+    env["FORKD_IDLE_STOP_S"] = str(idle_stop_s)
+    process, controller = start_daemon(home, env)
+    try:
+        controller.build_image(name="default")
+        yield controller
+    finally:
+        stop_daemon(process, controller, home)
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def _fake_image(cache: Path) -> None:
     """An image the fake backend boots: its files are never executed, only linked and hashed."""
     directory = Paths(home=cache, cache=cache, socket=cache / "s").images / "default"

@@ -43,7 +43,8 @@ def fake_module(name: str, depends: str = "") -> bytes:
 
 @pytest.fixture
 def modules_dir(tmp_path: Path) -> Path:
-    """virtio_blk standalone; virtio_net -> net_failover -> failover; vsock transport chain; virtio built in."""
+    """virtio_blk standalone; virtio_net -> net_failover -> failover; vsock transport chain; virtio_mmio (microvm's
+    transport); virtio built in."""
     root = tmp_path / "lib" / "modules" / VERSION
     layout = {
         "drivers/block/virtio_blk.ko.xz": ("virtio_blk", ""),
@@ -54,6 +55,7 @@ def modules_dir(tmp_path: Path) -> Path:
                                                            "vmw_vsock_virtio_transport_common,vsock"),
         "net/vmw_vsock/vmw_vsock_virtio_transport_common.ko.xz": ("vmw_vsock_virtio_transport_common", "vsock"),
         "net/vmw_vsock/vsock.ko.xz": ("vsock", ""),
+        "drivers/virtio/virtio_mmio.ko.xz": ("virtio_mmio", ""),
     }
     compress = {".xz": lzma.compress, ".gz": gzip.compress, ".ko": bytes}
     for rel, (name, depends) in layout.items():
@@ -150,7 +152,7 @@ def test_initramfs_contents(initrd: tuple[Path, list[Module]]) -> None:
     shipped = {name.removeprefix("lib/modules/").removesuffix(".ko"): body
                for name, (_, body, _) in entries.items() if name.startswith("lib/modules/") and name.endswith(".ko")}
     assert shipped == {m.name: m.data for m in modules}
-    assert {"virtio_blk", "virtio_net", "net_failover", "failover", "vsock"} <= shipped.keys()
+    assert {"virtio_blk", "virtio_net", "net_failover", "failover", "vsock", "virtio_mmio"} <= shipped.keys()
 
 
 def test_initramfs_is_reproducible(initrd: tuple[Path, list[Module]], modules_dir: Path, tmp_path: Path) -> None:

@@ -6,8 +6,6 @@ a child running a server of its own is never stopped; with swap, a stopped child
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +15,7 @@ import httpx
 import pytest
 
 import zram_swap
-from conftest import start_daemon, stop_daemon, vm_env_for
+from conftest import own_vm_daemon
 from forkd.sdk.controller import Controller, ForkdError
 
 pytestmark = pytest.mark.vm
@@ -29,17 +27,9 @@ SNAPSHOT = "idle"
 
 @pytest.fixture(scope="module")
 def idle_daemon() -> Iterator[Controller]:
-    home = Path(tempfile.mkdtemp(prefix="forkd-idle-", dir="/var/tmp"))
-    env = vm_env_for(home)
-    env["FORKD_IDLE_STOP_S"] = str(IDLE_S)
-    process, controller = start_daemon(home, env)
-    try:
-        controller.build_image(name="default")
+    with own_vm_daemon("forkd-idle-", IDLE_S) as controller:
         controller.create_snapshot(SNAPSHOT, memory_mib=512, warm_modules=[])
         yield controller
-    finally:
-        stop_daemon(process, controller, home)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture
@@ -64,7 +54,7 @@ def _woken_since(daemon: Controller, sandbox_id: str, since: float) -> bool:
     return item.get("vm_state") == "running" or item.get("stopped_at", 0) > since
 
 
-def _stopped(daemon: Controller, sandbox_id: str) -> None:
+def wait_stopped(daemon: Controller, sandbox_id: str) -> None:
     """Wait (bounded) until the child is idle-stopped; listing it is no request to its guest."""
     deadline = time.monotonic() + STOP_WAIT_S
     while _vm_state(daemon, sandbox_id) != "idle_stopped":
@@ -80,18 +70,18 @@ def _metric(socket: str, name: str) -> float:
 
 
 def test_a_stopped_child_answers_exec_run_code_files_branch_and_fork(idle_daemon: Controller, child: str) -> None:
-    _stopped(idle_daemon, child)
+    wait_stopped(idle_daemon, child)
     assert _metric(idle_daemon.url.removeprefix("unix://"), "forkd_sandboxes_idle_stopped") >= 1
     sent = time.time()
     assert idle_daemon.exec(child, "echo awake")["stdout"] == "awake\n"
     assert _woken_since(idle_daemon, child, sent)
-    _stopped(idle_daemon, child)
+    wait_stopped(idle_daemon, child)
     assert idle_daemon.run_code(child, "x = 6 * 7\nx")["value"] == "42"
-    _stopped(idle_daemon, child)
+    wait_stopped(idle_daemon, child)
     idle_daemon.write_file(child, "/root/kept.txt", b"written to a stopped child")
-    _stopped(idle_daemon, child)
+    wait_stopped(idle_daemon, child)
     assert idle_daemon.read_file(child, "/root/kept.txt") == b"written to a stopped child"
-    _stopped(idle_daemon, child)
+    wait_stopped(idle_daemon, child)
     sent = time.time()
     branch = idle_daemon.branch(child, "idle-branch", mode="diff")
     assert branch["status"] == "ready"
@@ -109,7 +99,7 @@ def test_a_stopped_child_answers_exec_run_code_files_branch_and_fork(idle_daemon
 
 
 def test_a_woken_childs_clock_is_right(idle_daemon: Controller, child: str) -> None:
-    _stopped(idle_daemon, child)
+    wait_stopped(idle_daemon, child)
     time.sleep(5)  # a stopped guest's clock stands still: 5 s behind unless set on waking
     guest = float(idle_daemon.exec(child, "date +%s.%N")["stdout"])
     assert abs(guest - time.time()) < 2.0
@@ -129,7 +119,7 @@ def test_a_child_running_a_server_is_never_stopped(idle_daemon: Controller, chil
         while not _serves(idle_daemon, child):  # its server is up (a loaded TCG guest starts it slowly)
             assert time.monotonic() < deadline, "the guest's server did not start"
             time.sleep(0.5)
-        _stopped(idle_daemon, other)  # the idle one is stopped meanwhile ...
+        wait_stopped(idle_daemon, other)  # the idle one is stopped meanwhile ...
         time.sleep(IDLE_S * 3)
         assert _vm_state(idle_daemon, child) == "running"  # ... the serving one never
         assert _serves(idle_daemon, child)

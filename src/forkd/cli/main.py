@@ -128,12 +128,17 @@ def snapshot() -> None:
 @click.option("--warm-code", help="Python run once in the warm interpreter after the imports (every context and "
               "warm command forks from what it leaves behind)")
 @click.option("--warmup-cmd", help='shell command run before saving; saving waits for it to print {"ready": true}')
+@click.option("--machine", type=click.Choice(["q35", "microvm"]), default=None,
+              help="machine type every child keeps: q35, or microvm (no PCI: less memory a child); "
+                   "default: the daemon's vmm_machine (q35)")
 @json_option
 @reports_errors
 def snapshot_create(tag: str, image_name: str, memory_mib: int, vcpus: int, warm_modules: tuple[str, ...],
-                    warm_code: str | None, warmup_cmd: str | None, as_json: bool) -> None:
+                    warm_code: str | None, warmup_cmd: str | None, machine: str | None, as_json: bool) -> None:
     """Boot a parent, warm it and save it as TAG."""
     options: dict[str, Any] = {"image": image_name, "memory_mib": memory_mib, "vcpus": vcpus}
+    if machine:
+        options["machine"] = machine
     if warm_modules:
         options["warm_modules"] = list(warm_modules)
     if warm_code:

@@ -21,6 +21,7 @@ vmm = "qemu"                     # VMM backend: qemu, or fake (no VMs: real proc
 accelerator = "auto"             # auto | kvm | tcg
 tcg_tb_size_mib = 32             # TCG translation buffer per VMM: 16 saves 17 MiB a child, costs ~1.8x its CPU
 vmm_huge_pages = false           # true: VMMs may use transparent huge pages (2-4 MiB more private memory a child)
+vmm_machine = "q35"              # machine type of a snapshot whose request names none: q35, or microvm (docs/operations.md)
 warm_pools = true                # pool members run a fork's first calls, then wait stopped (more memory each)
 imports_dir = "/var/lib/forkd/imports"  # image sources API clients may name (default HOME/imports)
 packs_dir = "/var/lib/forkd/packs"      # pack files API clients may write and read (default HOME/packs)
@@ -240,6 +241,7 @@ class DaemonConfig:
     accelerator: Literal["auto", "kvm", "tcg"] = "auto"
     tcg_tb_size_mib: int = Field(default=BackendOptions.tcg_tb_size_mib, ge=1, le=2048)
     vmm_huge_pages: bool = BackendOptions.vmm_huge_pages
+    vmm_machine: Literal["q35", "microvm"] = "q35"
     warm_pools: bool = True
     limits: Limits = field(default_factory=Limits)
     sandboxes: SandboxPolicy = field(default_factory=SandboxPolicy)
@@ -282,6 +284,7 @@ class DaemonConfig:
                               max_chain_depth=self.max_chain_depth,
                               keep_sandboxes_on_stop=self.sandboxes.keep_on_stop,
                               idle_stop_s=self.sandboxes.idle_stop_s, idle_reclaim=self.sandboxes.idle_reclaim,
+                              default_machine=self.vmm_machine,
                               net_pool=self.network.pool, dns=str(self.network.dns) if self.network.dns else None,
                               output=OutputLimits(result_bytes=self.output.result_bytes,
                                                   stream_bytes=self.output.stream_bytes,

@@ -66,6 +66,11 @@ class SnapshotCreate(Strict):
                     "what it leaves behind (names, caches, a tool's start-up done) every run_code context and "
                     "warm command inherits")
     warmup_cmd: str | None = Field(default=None, max_length=65536)
+    machine: Literal["q35", "microvm"] | None = Field(
+        default=None,
+        description="the VM's machine type, kept by every child: q35 (PCI, the default), or microvm (virtio-mmio, "
+                    "no PCI or firmware: less memory per child, a 10x smaller device state); unset: the daemon's "
+                    "`vmm_machine`")
 
 
 #: Below these a child's VMM cannot even resume (see docs/networking.md, "Resource limits").

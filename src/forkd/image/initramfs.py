@@ -21,8 +21,10 @@ from forkd.image.kernel import Module, modules_to_load
 
 #: Modules the guest cannot boot without: the root disk's driver.
 ROOT_MODULES = ("virtio_blk",)
-#: Loaded when present, for devices the VMM may add: networking and vsock.
-EXTRA_MODULES = ("virtio_net", "vmw_vsock_virtio_transport")
+#: Loaded when present, for devices the VMM may add: networking, vsock, and the virtio-mmio transport
+#: (QEMU's microvm machine has no PCI: its devices sit on virtio-mmio, found through its ACPI tables;
+#: on q35 the module finds no device and does nothing).
+EXTRA_MODULES = ("virtio_net", "vmw_vsock_virtio_transport", "virtio_mmio")
 ROOT_DEVICE = "/dev/vda"
 ROOT_WAIT_S = 10
 _DIRS = ("bin", "dev", "lib", "lib/modules", "newroot", "proc", "sys")

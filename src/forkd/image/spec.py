@@ -19,7 +19,7 @@ from forkd.store.files import sha256_file
 from forkd.validation import ValidationError, check_range, check_tag
 
 #: Bump when the builder's output for the same inputs changes (init script, layout, mkfs options...).
-BUILD_FORMAT = 1
+BUILD_FORMAT = 2  # 2: the initramfs loads virtio_mmio (microvm snapshots)
 MIN_DISK_MIB, MAX_DISK_MIB = 256, 1024 * 1024
 _PACKAGE_RE = re.compile(r"[a-z0-9][a-z0-9+.-]+")  # Debian policy 5.6.1
 _SUITE_RE = re.compile(r"[a-z0-9][a-z0-9.-]*")

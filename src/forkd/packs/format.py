@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, m
 
 from forkd.store.chains import layer_digest
 from forkd.validation import TAG_PATTERN
-from forkd.vmm.base import MachineIdentity
+from forkd.vmm.base import Q35, MachineIdentity, machine_of
 
 FORMAT = "forkd-pack"
 FORMAT_VERSION = 1
@@ -158,6 +158,9 @@ def check_meta(entry: PackSnapshot, raw: bytes, identity: MachineIdentity) -> di
     if boot["memory_mib"] != saved_identity.memory_mib:  # the RAM a restore maps is the size packs are checked against
         raise PackError(f"{where} boots {boot['memory_mib']} MiB of RAM but records {saved_identity.memory_mib} MiB "
                         "in its identity: the pack is inconsistent")
+    if boot.get("machine", Q35) != machine_of(saved_identity.machine):  # children start as boot says, load as identity
+        raise PackError(f"{where} boots machine {boot.get('machine', Q35)!r} but records {saved_identity.machine!r} in "
+                        "its identity: the pack is inconsistent")
     if recorded != {f.name: f.sha256 for f in entry.content_files}:
         raise PackError(f"{where} records other files or digests than the manifest lists")
     differences = saved_identity.differences(identity)

@@ -14,6 +14,7 @@ from forkd.hostpaths import HostRoots
 from forkd.runtime.idle import DEFAULT_IDLE_STOP_S
 from forkd.runtime.spool import DEFAULT_SPOOL_BYTES, DEFAULT_SPOOL_FILES
 from forkd.store.space import DEFAULT_FLOOR_BYTES
+from forkd.vmm.base import Q35
 
 DEFAULT_MAX_BRANCHES = 2
 DEFAULT_MAX_CHAIN_DEPTH = 8
@@ -71,6 +72,7 @@ class RuntimeOptions:
     idle_stop_s: float = DEFAULT_IDLE_STOP_S
     # An idle-stopped child's memory is paged out to swap, when the host has swap (runtime/reclaim.py).
     idle_reclaim: bool = True
+    default_machine: str = Q35  # a snapshot's machine type when its request names none (vmm/base.MACHINES)
 
     def restore_slots(self) -> int:
         """Children restored at once: the configured bound, else what this host's CPUs can serve."""

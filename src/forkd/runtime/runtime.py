@@ -74,7 +74,7 @@ class Runtime:
         self.store = SnapshotStore(paths.snapshots, registry, DigestCache(), vmm.identity, vmm.disk)
         roots = self.options.host_roots
         self.space = space = SpaceFloor(self.options.free_floor_bytes, roots.packs if roots else None)
-        self.snapshots = SnapshotService(paths, self.store, vmm, space)
+        self.snapshots = SnapshotService(paths, self.store, vmm, space, self.options.default_machine)
         self.metrics = Metrics()
         self.sandboxes = SandboxService(paths, registry, vmm, isolation, self.options.idle_stop_s,
                                         self.options.idle_reclaim)

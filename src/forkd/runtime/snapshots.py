@@ -14,7 +14,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from forkd.store.io import blocking, remove_tree
 from forkd.store.layout import BASE_DISK_FILE, INITRD_FILE, KERNEL_FILE, MEMORY_FILE, STATE_FILE, baked_files
 from forkd.store.registry import SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
-from forkd.vmm.base import BootSpec, Vmm, VmHandle
+from forkd.vmm.base import Q35, BootSpec, Vmm, VmHandle
 
 Progress = Callable[[str], None]
 
@@ -60,11 +60,14 @@ class SnapshotRequest:
     warm_modules: tuple[str, ...] = ("numpy",)
     warm_code: str | None = None  # Python run once in the warm template after the imports
     warmup_cmd: str | None = None
+    machine: str | None = None  # MACHINES; None: the daemon's default (`vmm_machine`)
 
 
 class SnapshotService:
-    def __init__(self, paths: Paths, store: SnapshotStore, vmm: Vmm, space: SpaceFloor) -> None:
+    def __init__(self, paths: Paths, store: SnapshotStore, vmm: Vmm, space: SpaceFloor,
+                 default_machine: str = Q35) -> None:
         self.paths = paths
+        self.default_machine = default_machine
         self.space = space
         self.store = store
         self.vmm = vmm
@@ -74,6 +77,16 @@ class SnapshotService:
         """The parents being baked now (their consoles are bounded like a sandbox's, runtime/keepers.py)."""
         return list(self._parents)
 
+    def resolve(self, request: SnapshotRequest) -> SnapshotRequest:
+        """``request`` with its machine type chosen, refused (before any tag is claimed or VM booted)
+        when the backend cannot run it: its children would fail at their first fork otherwise."""
+        machine = request.machine or self.default_machine
+        offered = self.vmm.capabilities().machines
+        if machine not in offered:
+            raise SnapshotError(f"the {self.vmm.capabilities().kind} backend cannot run machine type {machine!r} "
+                                f"(it runs {', '.join(offered)}): create the snapshot with `--machine {offered[0]}`")
+        return replace(request, machine=machine)
+
     def claim(self, tag: str) -> Claim:
         """Claim ``tag`` for one create (409 if taken or claimed); synchronous, so a handler answers 409 first."""
         return self.store.claim(tag, "created")
@@ -81,6 +94,12 @@ class SnapshotService:
     async def create(self, request: SnapshotRequest, image: Image, progress: Progress,
                      claim: Claim | None = None) -> SnapshotRecord:
         """Bake ``request.tag`` and publish it through the store; ``claim`` if the caller already holds the tag."""
+        try:
+            request = self.resolve(request)
+        except SnapshotError:
+            if claim is not None:
+                claim.release()
+            raise
         with claim or self.claim(request.tag) as held:
             tag = held.tags[0]
             build_dir = self.store.build_dir(tag)
@@ -110,13 +129,14 @@ class SnapshotService:
             kernel=build_dir / KERNEL_FILE, initrd=build_dir / INITRD_FILE,
             cmdline=f"{BASE_CMDLINE} forkd.hostname=forkd-{request.tag}",
             memory_mib=request.memory_mib, vcpus=request.vcpus,
-            kernel_sha256=image.kernel_sha256, agent_version=image.agent_version,
+            kernel_sha256=image.kernel_sha256, agent_version=image.agent_version, machine=request.machine or Q35,
         )
         if image.agent_version != AGENT_VERSION:
             raise SnapshotError(f"image {image.name!r} has agent {image.agent_version}, this forkd speaks "
                                 f"{AGENT_VERSION}: rebuild it with `forkd image build --force`")
         caps = self.vmm.capabilities()  # resolved off the loop when the runtime started
-        progress(f"booting parent VM ({caps.kind} {caps.version}, {caps.accelerator}: {caps.accelerator_reason})")
+        progress(f"booting parent VM ({caps.kind} {caps.version}, {spec.machine}, {caps.accelerator}: "
+                 f"{caps.accelerator_reason})")
         started = time.monotonic()
         vm = await self.vmm.boot(f"parent-{request.tag}", spec, build_dir, build_dir / BASE_DISK_FILE,
                                  build_dir / MEMORY_FILE)
@@ -158,7 +178,8 @@ class SnapshotService:
         meta = {
             "identity": asdict(self.vmm.identity(spec)),
             "boot": {"cmdline": spec.cmdline, "memory_mib": spec.memory_mib, "vcpus": spec.vcpus,
-                     "kernel_sha256": spec.kernel_sha256, "agent_version": spec.agent_version},
+                     "kernel_sha256": spec.kernel_sha256, "agent_version": spec.agent_version,
+                     "machine": spec.machine},
             "image_key": image.key,
             "warm_modules": list(request.warm_modules),
             "warm_code": request.warm_code,

@@ -115,10 +115,12 @@ class Operations:
         """Snapshot ``tag`` in full: status, depth, ancestors, dependents, sizes (``NotFoundException`` if none)."""
         return Call("GET", f"/v1/snapshots/{tag}")
 
-    def create_snapshot(self, tag: str, on_progress: Callable[[str], Any] | None = None, **options: Any) -> Any:
-        """Boot a VM, warm it (``warm_modules``, ``warm_code``, ``warmup_cmd``), save it as ``tag``; ``on_progress`` gets each line."""
-        return self._stream(Call("POST", "/v1/snapshots", json={"tag": tag, **options}, timeout=LONG_TIMEOUT_S),
-                            progress(on_progress))
+    def create_snapshot(self, tag: str, on_progress: Callable[[str], Any] | None = None, machine: str | None = None,
+                        **options: Any) -> Any:
+        """Boot a VM, warm it (``warm_modules``, ``warm_code``, ``warmup_cmd``), save it as ``tag``; ``on_progress``
+        gets each line. ``machine``: ``"q35"`` or ``"microvm"`` (every child of it runs on it; None: the daemon's default)."""
+        body = {"tag": tag, **options, **({} if machine is None else {"machine": machine})}
+        return self._stream(Call("POST", "/v1/snapshots", json=body, timeout=LONG_TIMEOUT_S), progress(on_progress))
 
     @request
     def remove_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> Call[list[str]]:

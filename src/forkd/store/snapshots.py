@@ -53,7 +53,7 @@ from forkd.store.layout import (
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.usage import directory_usage
 from forkd.validation import check_tag, is_tag
-from forkd.vmm.base import BootSpec, MachineIdentity, SavedVm, SnapshotMismatch
+from forkd.vmm.base import BootSpec, MachineIdentity, SavedVm, SnapshotMismatch, machine_of
 from forkd.vmm.disk import DiskFormat
 
 HostIdentity = Callable[[BootSpec], MachineIdentity]
@@ -313,7 +313,7 @@ class SnapshotStore:
         """Refuse a snapshot this host cannot restore, naming every field of the machine that differs."""
         host = self.host_identity(BootSpec(kernel=Path(), initrd=Path(), cmdline="", memory_mib=identity.memory_mib,
                                            vcpus=identity.vcpus, kernel_sha256=identity.kernel_sha256,
-                                           agent_version=AGENT_VERSION))
+                                           agent_version=AGENT_VERSION, machine=machine_of(identity.machine)))
         differences = identity.differences(host)
         if differences:
             raise SnapshotMismatch(f"{what} was saved on a different machine and cannot be restored here: "

@@ -51,6 +51,8 @@ class Capabilities:
     branching: bool  # BRANCH a running VM: the backend's ``branching`` attribute is a forkd.vmm.branching.Branching
     machine: str  # the pinned, versioned machine type (never an alias a point release may move)
     cpu_model: str  # the guest CPU model and flags
+    #: The machine types (``MACHINES``) a snapshot may ask for on this backend; the first is the default.
+    machines: tuple[str, ...] = ("q35",)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,20 @@ class MachineIdentity:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__})
 
 
+#: The machine types a snapshot can be made on, by forkd's name for them: ``q35`` (PCI Express, ACPI,
+#: firmware; every backend) and ``microvm`` (no PCI, virtio-mmio, no firmware: a smaller device state
+#: and VMM per child). A backend announces those it runs in :attr:`Capabilities.machines`.
+Q35 = "q35"
+MICROVM = "microvm"
+MACHINES = (Q35, MICROVM)
+
+
+def machine_of(identity_machine: str) -> str:
+    """forkd's name (``MACHINES``) for the machine a recorded identity pins: ``microvm-forkd1`` is
+    microvm; anything else (``pc-q35-7.2``, a fake backend's) is q35."""
+    return MICROVM if identity_machine.startswith(MICROVM) else Q35
+
+
 @dataclass(frozen=True)
 class BootSpec:
     """What a VM is made of; identical for a parent and the children restored from it."""
@@ -88,6 +104,9 @@ class BootSpec:
     vcpus: int
     kernel_sha256: str
     agent_version: str
+    #: The machine type (``MACHINES``); a snapshot records it in its meta, so its children are restored
+    #: on the machine it was made on. Snapshots from before it was recorded: q35.
+    machine: str = Q35
 
 
 class VmProcess(Protocol):

@@ -30,6 +30,7 @@ from forkd.guest import protocol
 from forkd.guest.protocol import AGENT_VERSION
 from forkd.vmm.base import (
     CONSOLE_LOG,
+    MACHINES,
     BootSpec,
     Capabilities,
     ChildSetup,
@@ -37,6 +38,7 @@ from forkd.vmm.base import (
     MemoryStats,
     PAGE_SIZE,
     PageLayer,
+    Q35,
     Pages,
     SavedVm,
     VmHandle,
@@ -106,8 +108,10 @@ class FakeVmm:
     program = PROGRAM
     run_leftovers: tuple[str, ...] = (AGENT_SOCKET,)
 
-    def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
+    def __init__(self, behaviour: FakeBehaviour | None = None, machines: tuple[str, ...] = MACHINES) -> None:
+        """``machines``: those it claims to run (all by default; fewer to try a refusal)."""
         self.behaviour = behaviour or FakeBehaviour()
+        self.machines = machines
         self.disk: DiskFormat = FakeDisk()
         self.branching = FakeBranching(self)
         self.reseeds: list[str] = []  # sandbox ids whose agent answered a reseed, in order
@@ -121,10 +125,11 @@ class FakeVmm:
     def capabilities(self) -> Capabilities:
         return Capabilities(kind=self.kind, version="1", accelerator="none", accelerator_reason="no VM at all",
                             shared_memory_snapshots=True, vmgenid=False, background_snapshot=False,
-                            branching=True, machine="fake-1", cpu_model="fake")
+                            branching=True, machine="fake-1", cpu_model="fake", machines=self.machines)
 
     def identity(self, spec: BootSpec) -> MachineIdentity:
-        return MachineIdentity(vmm=self.kind, vmm_version="1", machine="fake-1", accelerator="none",
+        machine = "fake-1" if spec.machine == Q35 else f"{spec.machine}-fake1"  # machine_of reads both back
+        return MachineIdentity(vmm=self.kind, vmm_version="1", machine=machine, accelerator="none",
                                cpu_model="fake", memory_mib=spec.memory_mib, vcpus=spec.vcpus,
                                kernel_sha256=spec.kernel_sha256, agent_version=spec.agent_version)
 

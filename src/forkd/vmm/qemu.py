@@ -99,13 +99,14 @@ class QemuVmm:
             branching=True,
             machine=self.machine.machine,
             cpu_model=self.cpu_model,
+            machines=self.machine.machines(),
         )
 
     def identity(self, spec: BootSpec) -> MachineIdentity:
         return MachineIdentity(
             vmm=self.kind,
             vmm_version=qemu_version(self.machine.binary),
-            machine=self.machine.machine,
+            machine=self.machine.identity_of(spec.machine),
             accelerator=self.accelerator,
             cpu_model=self.cpu_model,
             memory_mib=spec.memory_mib,

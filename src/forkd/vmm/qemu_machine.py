@@ -30,6 +30,7 @@ from forkd.safetext import visible
 from forkd.vmm.accel import KVM_DEVICE, accel_option
 from forkd.vmm.base import CONSOLE_LOG, BootSpec, VmHandle, VmmError, VmProcess, no_stage_marks
 from forkd.vmm.jail import HostFile, Jail
+from forkd.vmm.qemu_layout import MICROVM_LAYOUT, Q35_LAYOUT, layout_of, microvm_identity
 
 log = logging.getLogger("forkd.vmm")
 
@@ -142,6 +143,12 @@ def machine_type(binary: str, alias: str = MACHINE_ALIAS) -> str:
             match = re.search(r"\(alias of (\S+)\)", line)
             return match.group(1) if match else alias
     raise VmmError(f"{binary} has no machine {alias!r}; install qemu-system-x86 with `bash scripts/setup`")
+
+
+@functools.cache
+def has_machine(binary: str, name: str) -> bool:
+    """Whether this QEMU has the machine type ``name`` (an x86 build without microvm has not)."""
+    return any(line.split()[:1] == [name] for line in _run(binary, "-machine", "help").splitlines())
 
 
 def _run(binary: str, *args: str) -> str:
@@ -367,7 +374,17 @@ class QemuMachine:
 
     @property
     def machine(self) -> str:
+        """The pinned identity of the default machine (q35's versioned type)."""
         return machine_type(self.binary)
+
+    def identity_of(self, machine: str) -> str:
+        """What a snapshot's identity records for ``machine``: q35's versioned type (``pc-q35-7.2``);
+        microvm, which QEMU does not version, with forkd's version of its layout (``microvm-forkd1``)."""
+        return machine_type(self.binary) if layout_of(machine) is Q35_LAYOUT else microvm_identity()
+
+    def machines(self) -> tuple[str, ...]:
+        """The machine types this QEMU has, q35 first (``-machine help``, cached)."""
+        return (Q35_LAYOUT.name, *(name for name in (MICROVM_LAYOUT.name,) if has_machine(self.binary, name)))
 
     def argv(self, spec: BootSpec, run_dir: Path, disk: Path, memory: Path, share: bool,
              tap_fd: int | None = None, boot: bool | None = None, tb_size_mib: int | None = None) -> list[str]:
@@ -378,8 +395,10 @@ class QemuMachine:
         ``tb_size_mib`` raises TCG's translation buffer for this VMM above the configured size (the
         buffer is not part of the saved state, so it may differ between a parent and its children).
         """
-        kernel = ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline] \
-            if _with_kernel(share, boot) else []
+        layout = layout_of(spec.machine)
+        kernel = (["-kernel", str(spec.kernel), "-initrd", str(spec.initrd),
+                   "-append", " ".join([spec.cmdline, *layout.kernel_args()])] if _with_kernel(share, boot) else [])
+        machine = self.machine if layout is Q35_LAYOUT else layout.name
         tb_size = max(self.tb_size_mib, tb_size_mib or 0)
         accel = accel_option(self.accelerator, spec.vcpus, tb_size, qemu_version(self.binary))
         netdev = _INERT_NETDEV if tap_fd is None else f"tap,id=net0,fd={tap_fd},vhost=off"
@@ -389,7 +408,7 @@ class QemuMachine:
             "-no-reboot",  # a guest panic (panic=-1) ends the VMM, so it is noticed, not rebooted
             "-trace", SHUTDOWN_TRACE,
             "-sandbox", SECCOMP,
-            "-machine", f"{self.machine},memory-backend=ram",
+            "-machine", ",".join([machine, "memory-backend=ram", *layout.options]),
             "-accel", accel,
             "-cpu", self.cpu_model,
             "-smp", str(spec.vcpus),
@@ -401,10 +420,10 @@ class QemuMachine:
             # would pause the VM, and its agent would stop answering until recovery killed it.
             "-drive", f"file={disk},format=qcow2,if=none,id=root,cache=writeback,discard=unmap,"
                       "werror=report,rerror=report",
-            "-device", "virtio-blk-pci,drive=root,id=rootdisk",
+            "-device", f"{layout.virtio('blk')},drive=root,id=rootdisk",
             "-netdev", netdev,
-            "-device", f"virtio-net-pci,netdev=net0,mac={netconf.GUEST_MAC},id={NIC_ID}",
-            "-device", "virtio-serial-pci,id=vser",
+            "-device", f"{layout.virtio('net')},netdev=net0,mac={netconf.GUEST_MAC},id={NIC_ID}",
+            "-device", f"{layout.virtio('serial')},id=vser",
             "-chardev", f"socket,id=agent,path={run_dir / AGENT_SOCKET},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},id=agentport",
             # A new generation id on every restore tells the guest kernel to reseed its RNG.

@@ -23,7 +23,8 @@ async def snapshots(runtime: RuntimeDep) -> dict[str, Any]:
 async def create_snapshot(body: schemas.SnapshotCreate, runtime: RuntimeDep) -> NDJSONResponse:
     request = SnapshotRequest(tag=body.tag, image=body.image, memory_mib=body.memory_mib, vcpus=body.vcpus,
                               warm_modules=tuple(body.warm_modules), warm_code=body.warm_code,
-                              warmup_cmd=body.warmup_cmd)
+                              warmup_cmd=body.warmup_cmd, machine=body.machine)
+    request = runtime.snapshots.resolve(request)  # a machine the backend cannot run: 400 before anything starts
     claim = runtime.snapshots.claim(body.tag)  # a taken or claimed tag is a 409 before any streaming starts
 
     async def work(emit):  # type: ignore[no-untyped-def]
