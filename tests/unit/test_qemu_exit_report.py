@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from forkd.runtime.agent_client import AgentUnavailable, connect_when_answering
-from forkd.vmm.qemu_machine import (
-    CONSOLE_LOG,
+from forkd.vmm.base import CONSOLE_LOG
+from forkd.vmm.qemu_exit import (
     REPORT_LINE_CHARS,
     REPORT_LINES,
     VMM_LOG,

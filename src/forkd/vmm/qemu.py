@@ -40,6 +40,7 @@ from forkd.vmm.jail import Jail
 from forkd.vmm.process import read_memory_stats
 from forkd.vmm.qemu_branch import DEVICE_STATE, DEVICE_STATE_ARGS, QemuBranching
 from forkd.vmm.qemu_disk import QemuDisk, backing_chain
+from forkd.vmm.qemu_exit import QemuVm
 from forkd.vmm.qemu_machine import (
     AGENT_SOCKET,
     DISK_KEY,
@@ -50,7 +51,6 @@ from forkd.vmm.qemu_machine import (
     RUN_LEFTOVERS,
     TCG_TB_SIZE_MIB,
     QemuMachine,
-    QemuVm,
     cpu_model,
     kill,
     monitor,
