@@ -7,9 +7,11 @@ cannot jail VMMs is refused, saying how to fix it or opt out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -204,3 +206,39 @@ def test_the_hosts_network_namespaces_are_let_go_in_one_detach(home: Path, monke
             subprocess.run(["ip", "netns", "del", name], check=False)
     assert out.strip() == "0"  # none pinned ...
     assert len(detached) == 1  # ... by one detach, not five
+
+
+def test_a_start_its_caller_gave_up_on_is_killed_and_only_then_frees_its_uid(home: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork cancelled (or a daemon stopping) while the jail's thread starts its VMM: the process it starts
+    anyway is killed, not left running unknown to anyone, and its uid is not handed out while it runs."""
+    jail = Jail(JailSettings(uid_range=UIDS))
+    real_start = jail._start
+    monkeypatch.setattr(jail, "_start", lambda *args: (time.sleep(0.5), real_start(*args))[1])
+
+    def running_as_jailed_uid() -> list[int]:
+        found = []
+        for status in Path("/proc").glob("[0-9]*/status"):
+            with contextlib.suppress(OSError):
+                uid = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("Uid:"))
+                if uid in range(1900065000, 1900065002):
+                    found.append(int(status.parent.name))
+        return found
+
+    async def scenario() -> tuple[list[int], dict[int, tuple[int, int]]]:
+        with open(home / "out", "wb") as out:  # open throughout: the start can complete after the cancel
+            spawn = asyncio.ensure_future(jail.spawn(lambda uid: _drop(uid, "sleep", "30"), ("setuid", "setgid"),
+                                                     home / "sandboxes" / "sb-mine", out))
+            await asyncio.sleep(0.1)  # the thread is starting it
+            spawn.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await spawn
+            await asyncio.sleep(1.0)  # the thread has started it by now
+            for _ in range(100):  # killed and reaped, its uid given back
+                await asyncio.sleep(0.05)
+                if not jail.uids.held() and not running_as_jailed_uid():
+                    break
+            return running_as_jailed_uid(), jail.uids.held()
+
+    running, held = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert running == [] and held == {}

@@ -196,14 +196,29 @@ class Jail:
                    f"--fsize={limits.max_file_size_mib << 20}:{limits.max_file_size_mib << 20}", "--",
                    "setpriv", "--no-new-privs", "--bounding-set=-all" + "".join(f",+{c}" for c in keep_caps),
                    "--inh-caps=-all", "--ambient-caps=-all", "--", *argv_for(uid)]
+        started = asyncio.get_running_loop().run_in_executor(
+            self._thread, self._start, command, run_dir, log, pass_fds, files)
         try:
-            popen = await asyncio.get_running_loop().run_in_executor(
-                self._thread, self._start, command, run_dir, log, pass_fds, files)
+            popen = await asyncio.shield(started)  # a cancelled caller does not stop the start on its thread
+        except asyncio.CancelledError:
+            started.add_done_callback(lambda done: self._discard(done, uid))
+            raise
         except BaseException:
             self.uids.release(uid)
             raise
         self.uids.bind(uid, popen.pid)
         return JailedProcess(popen, lambda: self.uids.release(uid))
+
+    def _discard(self, started: asyncio.Future[subprocess.Popen[bytes]], uid: int) -> None:
+        """The caller gave up while its VMM was being started (a fork cancelled, the daemon stopping): the
+        process, if it started, is killed (nobody else knows it), and its uid is free again only once it
+        has exited, so no two live VMMs ever share one."""
+        if started.cancelled() or started.exception() is not None:
+            self.uids.release(uid)
+            return
+        popen = started.result()
+        self.uids.bind(uid, popen.pid)
+        JailedProcess(popen, lambda: self.uids.release(uid)).kill()  # its pidfd reader reaps it
 
     def _start(self, command: list[str], run_dir: Path, log: IO[bytes], pass_fds: tuple[int, ...],
                files: Sequence[HostFile]) -> subprocess.Popen[bytes]:
