@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,9 +46,27 @@ def zram_swap(size_bytes: int, algorithm: str = "lzo-rle") -> Iterator[str]:
         subprocess.run(["swapon", "-p", "32000", f"/dev/{device}"], check=True, capture_output=True, timeout=30)
         yield device
     finally:
-        # swapoff reads every page back in: bounded by the device's size, seconds at most here
-        subprocess.run(["swapoff", f"/dev/{device}"], capture_output=True, timeout=300)
-        with contextlib.suppress(OSError):
-            (block / "reset").write_text("1")
-        with contextlib.suppress(OSError):
+        _remove(device, number)
+
+
+def _remove(device: str, number: int) -> None:
+    """Swap off, reset and remove the device, retried a while (udev may still hold a new device open to
+    probe it); a device that stays is an error, never left behind in silence (the host would keep a swap)."""
+    problems: list[str] = []
+    for _ in range(50):
+        if f"/dev/{device} " in Path("/proc/swaps").read_text():
+            # swapoff reads every page back in: bounded by the device's size, seconds at most here
+            done = subprocess.run(["swapoff", f"/dev/{device}"], capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                problems.append(done.stderr.strip())
+                time.sleep(0.2)
+                continue
+        try:
+            (Path("/sys/block") / device / "reset").write_text("1")
             (CONTROL / "hot_remove").write_text(str(number))
+            return
+        except OSError as exc:
+            problems.append(str(exc))
+            time.sleep(0.2)
+    raise RuntimeError(f"the test's zram swap /dev/{device} could not be removed ({problems[-1]}); remove it "
+                       f"by hand: swapoff /dev/{device}; echo {number} > {CONTROL}/hot_remove")
