@@ -41,6 +41,10 @@ from forkd.store.registry import Registry
 from forkd.vmm.backends import create_vmm
 import zram_swap
 
+#: The VM suite's daemon bounds chains at this many ancestors, so pause, snapshot and BRANCH loops cross it
+#: (tests/vm/test_pause_chain_vm.py, test_chain_bound_vm.py, test_branch.py).
+SUITE_MAX_CHAIN_DEPTH = 3
+
 VM_SNAPSHOT = "vmtest"
 TESTS_ENV = "FORKD_TESTS"  # "unit": leave the VM tests out on purpose
 # Leaves a file in the guest's RAM-backed /tmp and a process running, then reports ready.
@@ -194,8 +198,8 @@ def vm_env_for(home: Path) -> dict[str, str]:
     env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{_free_port()}"  # the E2B front (tests/vm/test_e2b_clients.py)
     # Pulls and pushes reach the HTTP servers tests run on loopback (a private address needs naming).
     config = home / "forkd-test.toml"
-    # Chains are bounded at 3 ancestors (tests/vm/test_pause_chain_vm.py, test_chain_bound_vm.py; lifecycle checks cross it).
-    config.write_text('[transfers]\nallow_hosts = ["127.0.0.1"]\n\n[limits]\nmax_chain_depth = 3\n')
+    config.write_text('[transfers]\nallow_hosts = ["127.0.0.1"]\n\n'
+                      f'[limits]\nmax_chain_depth = {SUITE_MAX_CHAIN_DEPTH}\n')
     env["FORKD_CONFIG"] = str(config)
     return env
 

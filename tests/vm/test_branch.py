@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SUITE_MAX_CHAIN_DEPTH
 from forkd.sdk.controller import Controller, ForkdError
 
 pytestmark = pytest.mark.vm
@@ -205,31 +206,46 @@ def test_three_layer_chain_info_tamper_and_removal(daemon: Controller, snapshot_
     assert all(not (forkd_home / "snapshots" / t).exists() for t in tags)
 
 
+def _ancestors(daemon: Controller, tag: str) -> list[str]:
+    chain, parent = [], daemon.snapshot(tag)["parent_tag"]
+    while parent is not None:
+        chain.append(parent)
+        parent = daemon.snapshot(parent)["parent_tag"]
+    return chain
+
+
 def test_ten_consecutive_branches_and_forced_removal(daemon: Controller, source: str) -> None:
     tags = [f"series-{i}" for i in range(10)]
     sh(daemon, source, TICKER)
-    pauses = []
+    pauses, standalone = [], []
     for i, tag in enumerate(tags):
         sh(daemon, source, f"echo {i} > /tmp/step")
         info = daemon.branch(source, tag)
         assert info["status"] == "ready"
-        assert info["parent_tag"] == (tags[i - 1] if i else daemon.sandbox(source)["snapshot_tag"])
+        # A layer on the one before, or written whole where it would pass the suite's max_chain_depth.
+        assert info["parent_tag"] in (tags[i - 1] if i else daemon.sandbox(source)["snapshot_tag"], None)
+        assert len(_ancestors(daemon, tag)) <= SUITE_MAX_CHAIN_DEPTH
+        standalone += [tag] if info["parent_tag"] is None else []
         pauses.append(info["pause_ms"])
-    print(f"pause per branch (ms): {pauses}")
+    print(f"pause per branch (ms): {pauses}; written whole: {standalone}")
+    assert standalone  # ten layers in a row cross the bound
     assert sh(daemon, source, ALIVE) == "ticking\n"
     with child_of(daemon, tags[-1]) as last:
         assert sh(daemon, last, "cat /tmp/step") == "9\n"
         assert sh(daemon, last, ALIVE) == "ticking\n"
+    # A layer in the middle of a chain (one below it, one above): forced out, it orphans the one above.
+    middle = next(i for i in range(1, 9) if _ancestors(daemon, tags[i + 1])[:2] == [tags[i], tags[i - 1]])
     try:
-        assert daemon.remove_snapshot(tags[4], force=True) == [tags[4]]
+        assert daemon.remove_snapshot(tags[middle], force=True) == [tags[middle]]
         with pytest.raises(ForkdError) as orphaned:
-            daemon.fork(tags[5], 1)
-        assert orphaned.value.status == 409 and tags[4] in orphaned.value.message
-        with child_of(daemon, tags[3]) as below:  # links under the removed one still work
-            assert sh(daemon, below, "cat /tmp/step") == "3\n"
+            daemon.fork(tags[middle + 1], 1)
+        assert orphaned.value.status == 409 and tags[middle] in orphaned.value.message
+        with child_of(daemon, tags[middle - 1]) as below:  # links under the removed one still work
+            assert sh(daemon, below, "cat /tmp/step") == f"{middle - 1}\n"
     finally:
-        daemon.remove_snapshot(tags[5], cascade=True)
-        daemon.remove_snapshot(tags[0], cascade=True)
+        for tag in reversed(tags):
+            with contextlib.suppress(ForkdError):
+                daemon.remove_snapshot(tag, cascade=True)
     assert not [s for s in daemon.snapshots() if s["tag"].startswith("series-")]
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import SUITE_MAX_CHAIN_DEPTH
 from forkd.sdk.controller import Controller
 
 pytestmark = pytest.mark.vm
 
-BOUND = 3  # tests/conftest.py's [limits] max_chain_depth
 ROUNDS = 6
 
 
@@ -41,4 +41,4 @@ def test_snapshot_of_a_sandbox_made_from_a_snapshot_in_a_loop_keeps_the_chain_bo
         for tag in reversed(snapshots):
             Sandbox.delete_snapshot(tag)
     # Without the bound the depths are 1, 2, ..., 6; with it never past 3, a standalone layer every fourth.
-    assert max(depths) <= BOUND and 0 in depths, depths
+    assert max(depths) <= SUITE_MAX_CHAIN_DEPTH and 0 in depths, depths

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import SUITE_MAX_CHAIN_DEPTH
 from forkd.sdk.controller import Controller
 
 pytestmark = pytest.mark.vm
 
-BOUND = 3  # tests/conftest.py's [limits] max_chain_depth
 CYCLES = 12
 
 
@@ -38,6 +38,6 @@ def test_twelve_pauses_keep_the_chain_bounded_and_every_kind_of_state(
             assert sbx.files.read("/root/cycles").split() == [str(n) for n in range(cycle + 1)]
         # Without the bound the depths are 1, 2, ..., 12; with it never past 3, a standalone layer (depth 0,
         # written by the pause itself) every fourth pause.
-        assert max(depths) <= BOUND and depths.count(0) >= 2, depths
+        assert max(depths) <= SUITE_MAX_CHAIN_DEPTH and depths.count(0) >= 2, depths
     finally:
         sbx.kill()
