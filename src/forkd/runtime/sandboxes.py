@@ -245,7 +245,11 @@ class SandboxService:
             await live.watcher
 
     async def kill_all(self) -> None:
-        await asyncio.gather(*(self.kill(s.record.id) for s in self.live()), return_exceptions=True)
+        """Kill every child and wait until each is released (a child already dying when this began
+        included), so nothing is released after the registry has closed."""
+        lives = self.live()
+        await asyncio.gather(*(self.kill(s.record.id) for s in lives), return_exceptions=True)
+        await asyncio.gather(*(s.watcher for s in lives if s.watcher is not None), return_exceptions=True)
 
     async def detach_all(self) -> None:
         """Stop serving every child but leave its VMM running and its record in place, for the next daemon."""
