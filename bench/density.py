@@ -15,6 +15,15 @@ it is missing (the quickstart's settings: 1 GiB, numpy warm), then:
    same CPU window; then evals on a random sample again, each the first request after its stop
    (``cont``, the clock set, the eval).
 
+3. **the fork again, idle stops on**: phase 2's children killed, ``--n`` forked as in phase 1 by the
+   daemon that stops a child idle for ``--idle-stop`` s: side by side with phase 1, what the children
+   already alive cost the later requests.
+
+Each fork request records its children's median stage timings (``queued``, ``reseed``, …) and the
+host's CPU over it split into the daemon, the children alive before it, the children it made, and
+the rest (kernel threads, this bench), with the kernel's share of all of it (/proc/stat) and the
+processes the rest went to.
+
 The load average is recorded before and after every phase; take figures on an idle machine only.
 Everything the bench started is killed at the end (its daemon kills its children when it stops).
 
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -146,21 +156,90 @@ def write_report(report: dict[str, Any], out: str, plot: Callable[[dict[str, Any
     print(json.dumps({k: report[k] for k in ("load_start", "load_end", *shown)}, indent=2))
 
 
-def fork_all(controller: Controller, tag: str, n: int, batch: int) -> dict[str, Any]:
-    """Fork ``n`` in requests of ``batch``, one after another (the earlier children stay alive)."""
+def host_cpu_seconds() -> tuple[float, float]:
+    """(busy, of which in the kernel) CPU seconds of the whole host so far, all cores (/proc/stat)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / TICKS, (system + irq + softirq) / TICKS
+
+
+def process_cpu() -> dict[int, tuple[str, float]]:
+    """Every process's (name, CPU seconds so far), kernel threads included."""
+    seen = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            fields = text.rsplit(")", 1)[1].split()
+            seen[int(stat.parent.name)] = (text[text.index("(") + 1:text.rindex(")")],
+                                           (int(fields[11]) + int(fields[12])) / TICKS)
+    return seen
+
+
+def top_others(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], known: set[int],
+               top: int = 6) -> dict[str, float]:
+    """CPU seconds of the processes that are neither the daemon nor a child, by name (kernel threads'
+    per-CPU suffixes folded: ``kworker/1:2`` → ``kworker``), the ``top`` largest."""
+    spent: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        if pid in known:
+            continue
+        used = seconds - before.get(pid, (name, 0.0))[1]
+        if used > 0:
+            key = name.split("/")[0]
+            spent[key] = spent.get(key, 0.0) + used
+    return {name: round(used, 2) for name, used in sorted(spent.items(), key=lambda kv: -kv[1])[:top]}
+
+
+def request_cpu(daemon_pid: int, alive: list[int], fork: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """Run one fork request and split the host's CPU over it: the daemon, the children alive before it
+    (idle), the children it made (their whole life so far) and the rest (the kernel's threads, this bench);
+    with the kernel's share of all of it. Where the time of a request goes as children pile up."""
+    busy0, kernel0 = host_cpu_seconds()
+    daemon0 = cpu_seconds(daemon_pid) or 0.0
+    before = {pid: cpu_seconds(pid) for pid in alive}
+    processes = process_cpu()
+    t0 = time.monotonic()
+    result = fork()
+    elapsed = time.monotonic() - t0
+    new_pids = {child["pid"] for child in result["sandboxes"] if child.get("pid")}
+    others = top_others(processes, process_cpu(), {daemon_pid, *alive, *new_pids})
+    busy, kernel = (a - b for a, b in zip(host_cpu_seconds(), (busy0, kernel0)))
+    idle_children = sum((cpu_seconds(pid) or start) - start for pid, start in before.items() if start is not None)
+    new_children = sum(cpu_seconds(child["pid"]) or 0.0 for child in result["sandboxes"] if child.get("pid"))
+    daemon = (cpu_seconds(daemon_pid) or daemon0) - daemon0
+    split = {"wall_s": elapsed, "host_busy_s": busy, "host_kernel_s": kernel, "daemon_s": daemon,
+             "idle_children_s": idle_children, "new_children_s": new_children,
+             "rest_s": busy - daemon - idle_children - new_children}
+    return result, {**{k: round(v, 3) for k, v in split.items()}, "rest_by_process_s": others}
+
+
+def stage_medians(children: list[dict[str, Any]]) -> dict[str, float]:
+    """The median milliseconds of each spawn stage over one request's children."""
+    stages: dict[str, list[float]] = {}
+    for child in children:
+        for stage, ms in (child.get("timings") or {}).items():
+            stages.setdefault(stage, []).append(ms)
+    return {stage: round(sorted(values)[len(values) // 2], 1) for stage, values in stages.items()}
+
+
+def fork_all(controller: Controller, daemon_pid: int, tag: str, n: int, batch: int) -> dict[str, Any]:
+    """Fork ``n`` in requests of ``batch``, one after another (the earlier children stay alive); each
+    request with its children's median stage timings and the host's CPU split over it."""
     ids: list[str] = []
+    pids: list[int] = []
     errors: list[dict[str, Any]] = []
     requests = []
     started = time.monotonic()
     while len(ids) + len(errors) < n:
         count = min(batch, n - len(ids) - len(errors))
         t0 = time.monotonic()
-        result = controller.fork(tag, count)
-        requests.append({"n": count, "seconds": time.monotonic() - t0, "errors": len(result["errors"])})
+        result, cpu = request_cpu(daemon_pid, pids, functools.partial(controller.fork, tag, count))
+        requests.append({"n": count, "seconds": time.monotonic() - t0, "errors": len(result["errors"]),
+                         "stage_ms_p50": stage_medians(result["sandboxes"]), "cpu_s": cpu})
         ids += [child["id"] for child in result["sandboxes"]]
+        pids += [child["pid"] for child in result["sandboxes"] if child.get("pid")]
         errors += result["errors"]
-        print(f"forked {len(ids)}/{n} ({len(errors)} failed), last request {requests[-1]['seconds']:.1f} s",
-              flush=True)
+        print(f"forked {len(ids)}/{n} ({len(errors)} failed), last request {requests[-1]['seconds']:.1f} s; "
+              f"stages {requests[-1]['stage_ms_p50']}; cpu {cpu}", flush=True)
     return {"ids": ids, "errors": errors[:10], "failed": len(errors), "requests": requests,
             "total_s": time.monotonic() - started}
 
@@ -217,9 +296,9 @@ def eval_latency(controller: Controller, ids: list[str], sample: int, seed: int)
     return {**quantiles(first), "again": quantiles(again), "failed": failed}
 
 
-def phase_off(controller: Controller, args: argparse.Namespace, memory_file: str) -> dict[str, Any]:
+def phase_off(controller: Controller, daemon_pid: int, args: argparse.Namespace, memory_file: str) -> dict[str, Any]:
     load_before = load()
-    forked = fork_all(controller, args.tag, args.n, args.batch)
+    forked = fork_all(controller, daemon_pid, args.tag, args.n, args.batch)
     ids = forked.pop("ids")
     pids = {s["id"]: s["pid"] for s in controller.sandboxes()}
     answered = answering(controller, ids)
@@ -250,6 +329,18 @@ def phase_on(daemon: BenchDaemon, controller: Controller, ids: list[str], args: 
             "eval_after_stop_ms": evals, "load_before": load_before, "load_after": load()}
 
 
+def phase_fork_stopping(controller: Controller, daemon_pid: int, ids: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The fork of phase 1 again with idle stops on (the children of phase 2 killed first): side by side,
+    how much of the slowdown as children pile up is the CPU of the ones already alive."""
+    for sandbox_id in ids:
+        with contextlib.suppress(Exception):
+            controller.kill(sandbox_id)
+    load_before = load()
+    forked = fork_all(controller, daemon_pid, args.tag, args.n, args.batch)
+    forked.pop("ids")
+    return {"fork": forked, "load_before": load_before, "load_after": load()}
+
+
 def plot(report: dict[str, Any], out: Path) -> None:
     off, on = report["off"], report["on"]
     fig, (ax_cpu, ax_mem, ax_eval, ax_fork) = plt.subplots(1, 4, figsize=(19, 4.5))
@@ -272,13 +363,16 @@ def plot(report: dict[str, Any], out: Path) -> None:
     ax_eval.set_xticks([0.2, 1.2], labels)
     ax_eval.set_ylabel(f"eval round trip ms, {report['n']} alive")
     ax_eval.legend(fontsize=8)
-    done = 0
-    xs, ys = [], []
-    for request in off["fork"]["requests"]:
-        done += request["n"]
-        xs.append(done)
-        ys.append(request["seconds"])
-    ax_fork.plot(xs, ys, marker="o")
+    for label, requests in (("idle stops off", off["fork"]["requests"]),
+                            (f"idle stops after {report['idle_stop_s']:g} s", report["fork_stopping"]["fork"]["requests"])):
+        done = 0
+        xs, ys = [], []
+        for request in requests:
+            done += request["n"]
+            xs.append(done)
+            ys.append(request["seconds"])
+        ax_fork.plot(xs, ys, marker="o", label=label)
+    ax_fork.legend(fontsize=8)
     ax_fork.set_xlabel("children alive after the request")
     ax_fork.set_ylabel(f"seconds per request of {report['batch']}")
     save(fig, out, f"forkd density: {off['answered']}/{report['n']} answer ({load_span(report)})")
@@ -305,7 +399,8 @@ def main() -> None:
         controller = daemon.start(idle_stop_s=0, keep_on_stop=True)
         report["host"] = baked(controller, args.tag)
         memory_file = str(Path(controller.snapshot(args.tag)["path"]) / "memory")
-        off = phase_off(controller, args, memory_file)
+        assert daemon.process is not None
+        off = phase_off(controller, daemon.process.pid, args, memory_file)
         ids = off.pop("ids")
         report["off"] = off
         print(f"off: {off['answered']}/{args.n} answer, "
@@ -316,12 +411,14 @@ def main() -> None:
         report["on"] = phase_on(daemon, controller, ids, args)
         print(f"on: {report['on']['stopped']}/{report['on']['adopted']} stopped, "
               f"{100 * report['on']['idle_cpu']['core_share_per_child']['mean']:.3f} % of a core per child", flush=True)
+        assert daemon.process is not None
+        report["fork_stopping"] = phase_fork_stopping(controller, daemon.process.pid, ids, args)
         controller.close()
     finally:
         daemon.stop()  # its children die with it (killed first if this daemon would keep them)
         if args.home is None:
             shutil.rmtree(home, ignore_errors=True)
-    write_report(report, args.out, plot, ("off", "on"))
+    write_report(report, args.out, plot, ("off", "on", "fork_stopping"))
 
 
 if __name__ == "__main__":
