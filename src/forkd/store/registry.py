@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forkd.vmm.base import Q35
+
 # The unversioned shape (what forkd created before schema versions); MIGRATIONS bring it up to date.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
@@ -166,9 +168,16 @@ class SnapshotRecord:
     parent_tag: str | None = None  # the snapshot this one was branched from: the one record of its parent
     error: str | None = None  # why a ``failed`` snapshot failed
 
+    @property
+    def machine(self) -> str:
+        """The machine type its children run on (``q35``, ``microvm``): the one reader of it from a snapshot's
+        meta. A snapshot from before machine types were recorded (or a failed one without a boot) is q35."""
+        boot = self.meta.get("boot")
+        return str(boot.get("machine") or Q35) if isinstance(boot, dict) else Q35
+
     def to_dict(self) -> dict[str, Any]:
         described = {**self.meta, "tag": self.tag, "status": self.status, "image": self.image, "path": str(self.path),
-                     "created_at": self.created_at, "parent_tag": self.parent_tag}
+                     "created_at": self.created_at, "parent_tag": self.parent_tag, "machine": self.machine}
         if self.error is not None:
             described["error"] = self.error
         return described
