@@ -170,17 +170,13 @@ class SnapshotRecord:
 
     @property
     def machine(self) -> str:
-        """The machine type its children run on (``q35``, ``microvm``): the one reader of it from a snapshot's
-        meta. A snapshot from before machine types were recorded (or a failed one without a boot) is q35."""
-        boot = self.meta.get("boot")
-        return str(boot.get("machine") or Q35) if isinstance(boot, dict) else Q35
+        """Its children's machine type (q35, microvm), the one reader of it in a snapshot's meta; q35 if older."""
+        return str((self.meta.get("boot") or {}).get("machine") or Q35)
 
     def to_dict(self) -> dict[str, Any]:
         described = {**self.meta, "tag": self.tag, "status": self.status, "image": self.image, "path": str(self.path),
                      "created_at": self.created_at, "parent_tag": self.parent_tag, "machine": self.machine}
-        if self.error is not None:
-            described["error"] = self.error
-        return described
+        return described if self.error is None else {**described, "error": self.error}
 
 
 PRIVATE_SANDBOX_META = frozenset({"envs"})  # may hold secrets: used by the daemon, never returned
