@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import short_tmp_dir
+from test_runtime_fake_vmm import _runtime, run
+
 from forkd.runtime.options import RuntimeOptions
 from forkd.vmm.fake import PROGRAM, FakeBehaviour, FakeVmm
-from test_runtime_fake_vmm import _runtime, run
 
 CHILDREN = 6
 

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 from conftest import vmm_processes_under
-from test_faults import Daemon, bake, host_state, own_home, running_records, serving, wait_until
+from test_faults import (
+    Daemon,
+    bake,
+    host_state,
+    own_home,
+    running_records,
+    serving,
+    wait_until,
+)
 
 from forkd.sdk.controller import Controller, ForkdError
 
