@@ -52,7 +52,8 @@ def test_listings_off_a_terminal_are_whole_tab_separated_rows(forkd, controller:
     assert listed.exit_code == 0, listed.output
     rows = [line.split("\t") for line in listed.stdout.splitlines()]
     assert [row[0] for row in rows] == [LONG_TAG]  # no header, no box, nothing cut
-    assert rows[0][1:3] == ["-", "ready"] and len(rows[0]) == 9
+    assert rows[0][1:3] == ["-", "ready"] and len(rows[0]) == 10
+    assert rows[0][9] == "q35"  # the machine type, last: the columns before it keep their places
     assert not set("┃━│…") & set(listed.stdout)
     assert forkd("images").stdout == listed.stdout  # the other name lists the same
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from test_e2b_tenants import ADMIN, KEYS, SECRET, A, B, _client, _key, _to
-from test_runtime_fake_vmm import _runtime, run
+from test_runtime_fake_vmm import _image, _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
 
 from forkd.daemon.app import create_app
@@ -28,6 +28,7 @@ from forkd.e2b.metrics import cpu_times, disk, memory
 from forkd.e2b.storage import GRACE_S, Storage
 from forkd.runtime.recovery import recover
 from forkd.runtime.runtime import Runtime
+from forkd.runtime.snapshots import SnapshotRequest
 from forkd.store.space import SpaceFloor
 from forkd.vmm.fake import FakeVmm
 
@@ -125,6 +126,16 @@ def test_every_route_of_e2bs_document_is_served_or_answers_501_never_404(on_fron
                 assert "not supported by this server" in answer.json()["message"]
         # without a key: 401, as for every control-plane route
         assert (await client.get("/volumes")).status_code == 401
+
+    on_front(scenario)
+
+
+def test_templates_show_each_snapshots_machine_type(on_front: OnFront, tmp_path: Path) -> None:
+    async def scenario(runtime: Runtime, front: E2BFront, client: httpx.AsyncClient) -> None:
+        await runtime.snapshots.create(SnapshotRequest(tag="small", memory_mib=1, warm_modules=(), machine="microvm"),
+                                       _image(tmp_path), lambda _line: None)
+        listed = (await client.get("/templates", headers=_key(A))).json()
+        assert {t["templateID"]: t["machine"] for t in listed} == {"base": "q35", "small": "microvm"}
 
     on_front(scenario)
 

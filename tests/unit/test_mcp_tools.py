@@ -1,16 +1,21 @@
 """The MCP tool surface, through a real in-process MCP client session (no VM: tool listing and
-argument checks never reach the daemon, and the daemon is really absent for the error test)."""
+argument checks never reach the daemon, and the daemon is really absent for the error test; a listing
+is read from a whole daemon on the fake backend)."""
 
 from __future__ import annotations
 
 import base64
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import anyio
 import pytest
 from mcp import Client
 from mcp_types import CallToolResult, ImageContent, TextContent, Tool
 
+from conftest import fake_daemon_on
 from forkd.mcp.errors import readable
 from forkd.mcp.server import build_server
 from forkd.sdk.async_controller import AsyncController
@@ -159,3 +164,23 @@ def test_run_code_returns_rich_results_as_image_and_text_content() -> None:
     assert structured["stdout"] == "drawn\n"
     assert [r["formats"] for r in structured["results"]] == [["chart", "png", "text"], ["html", "json", "markdown", "text"]]
     assert structured["results"][0]["chart"]["type"] == "bar" and structured["results"][1]["is_main_result"]
+
+
+def test_list_snapshots_shows_each_snapshots_machine_type() -> None:
+    home = Path(tempfile.mkdtemp(prefix="fkm-", dir="/tmp"))  # short: agent sockets live under it
+    try:
+        with fake_daemon_on(home) as daemon:
+            daemon.create_snapshot("plain", memory_mib=256, warm_modules=[])
+            daemon.create_snapshot("small", memory_mib=256, warm_modules=[], machine="microvm")
+
+            async def call() -> CallToolResult:
+                async with AsyncController(url=daemon.url) as controller:
+                    async with Client(build_server(controller)) as client:
+                        return await client.call_tool("list_snapshots", {})
+
+            result = anyio.run(call)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    assert not result.is_error, _text(result)
+    listed = json.loads(_text(result)) if result.structured_content is None else result.structured_content["result"]
+    assert {s["tag"]: s["machine"] for s in listed} == {"plain": "q35", "small": "microvm"}

@@ -20,6 +20,8 @@ from forkd.store.snapshots import boot_spec
 from forkd.vmm import qemu_machine
 from forkd.vmm.base import BootSpec, MachineIdentity, SnapshotMismatch, machine_of
 from forkd.vmm.fake import FakeVmm
+from forkd.vmm.jail import Jail
+from forkd.vmm.qemu import QemuVmm
 from forkd.vmm.qemu_layout import MICROVM_LAYOUT, Q35_LAYOUT, host_tsc_khz, layout_of
 from test_runtime_fake_vmm import _image, _runtime, run
 
@@ -83,6 +85,35 @@ def test_a_qemu_without_microvm_offers_only_q35(tmp_path: Path) -> None:
     binary.write_text(binary.read_text().replace("END\n", "microvm  microvm (i386)\nEND\n"))
     qemu_machine.has_machine.cache_clear()
     assert qemu_machine.QemuMachine(str(binary), "tcg", "qemu64").machines() == ("q35", "microvm")
+
+
+def test_capabilities_does_the_backends_one_time_work_so_the_first_command_line_does_none(tmp_path: Path) -> None:
+    """The runtime calls capabilities off the event loop at start; the first microvm command line, built on
+    the loop, must then neither measure the TSC (~50 ms) nor run QEMU, and the first start must not check
+    the jail nor scan /proc for its uids."""
+    binary = tmp_path / "qemu"
+    binary.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'QEMU emulator version 7.2.22'; exit 0; }\n"
+                      "cat <<'END'\nq35  Standard PC (alias of pc-q35-7.2)\nmicrovm  microvm (i386)\nEND\n")
+    binary.chmod(0o755)
+    cached = (qemu_machine.qemu_version, qemu_machine.machine_type, qemu_machine.has_machine, host_tsc_khz)
+    for function in cached:
+        function.cache_clear()
+    jail, scans = Jail(), []
+    jail._find_problems = list  # type: ignore[method-assign]  # a host that can confine (no namespaces made here)
+    jail.uids._claims_path = None
+    jail.uids._scan = lambda ids: scans.append(ids) or []  # type: ignore[assignment]
+    vmm = QemuVmm(str(binary), accelerator="tcg", jail=jail)
+    assert vmm.capabilities().machines == ("q35", "microvm")
+    assert scans and jail._problems == [] and host_tsc_khz.cache_info().currsize == 1
+    done = [function.cache_info().misses for function in cached]
+    argv = vmm.machine.argv(_spec(tmp_path, "microvm"), tmp_path, tmp_path / "disk.qcow2", tmp_path / "ram", share=True)
+    assert f"tsc_early_khz={host_tsc_khz()}" in _after(argv, "-append")[0]
+    vmm.machine.argv(_spec(tmp_path, "q35"), tmp_path, tmp_path / "disk.qcow2", tmp_path / "ram", share=True)
+    assert [function.cache_info().misses for function in cached] == done
+    jail.uids.release(jail.uids.allocate())
+    assert len(scans) == 1
+    for function in cached:  # the next test measures this host's own QEMU and TSC
+        function.cache_clear()
 
 
 def test_the_host_tsc_rate_is_the_kernels_calibration() -> None:

@@ -48,9 +48,10 @@ def test_many_pauses_keep_the_chain_within_the_bound_and_the_replaced_layers_are
                 assert runtime.describe_snapshot(compacted[0])["depth"] == 0
                 suspends = runtime.workspaces.get(sa).meta["suspends"]
                 assert len(set(suspends)) == len(suspends)  # one series of tags, never reused
-                # The replaced layers go once nothing needs them; the user's snapshot keeps its own chain.
+                # The replaced layers go once nothing needs them (at the pause itself, or collected once a
+                # snapshot that stood on one is gone); the user's snapshot keeps its own chain.
                 removed = await front.storage.collect(now=time.time() + GRACE_S + 1)
-                assert removed and all(runtime.snapshot(t) is None for t in removed)
+                assert all(runtime.snapshot(t) is None for t in removed)
                 left = {r.tag for r in runtime.snapshot_records()}
                 assert kept.json()["snapshotID"] in left
                 live = front.sandboxes.resolve(sa).live
@@ -78,12 +79,48 @@ def test_a_workspace_suspended_past_the_bound_names_the_layers_it_no_longer_need
                 depths.append(runtime.workspaces.depth("w"))
                 await runtime.workspaces.resume("w")
             assert depths == [1, 2, 0, 1], depths  # the third suspend is written standalone
-            assert runtime.workspaces.unneeded("w") == ["ws-w-1", "ws-w-2"]
+            # The layers below it were not needed any more: that suspend removed them (nothing depended on them).
+            assert runtime.workspaces.unneeded("w") == [] and runtime.snapshot("ws-w-1") is None
             await runtime.workspaces.suspend("w")
             assert runtime.workspaces.get("w").snapshot_tag == "ws-w-5" and runtime.workspaces.depth("w") == 2
             removed = await runtime.workspaces.remove("w")
-            assert set(removed) == {f"ws-w-{n}" for n in range(1, 6)}
+            assert set(removed) == {f"ws-w-{n}" for n in range(3, 6)}
             assert {r.tag for r in runtime.snapshot_records()} == {"base"}
+        finally:
+            await runtime.stop()
+
+    run(scenario)
+
+
+def test_a_superseded_layer_goes_at_a_suspend_once_no_child_and_no_snapshot_depends_on_it(tmp_path: Path) -> None:
+    """A REST workspace suspended again and again keeps only the layers something still needs."""
+    async def scenario() -> None:
+        runtime = await _runtime(tmp_path, FakeVmm(), options=RuntimeOptions(max_chain_depth=2))
+        workspaces = runtime.workspaces
+
+        async def cycle() -> str:
+            await workspaces.resume("w")
+            return (await workspaces.suspend("w")).snapshot_tag
+
+        try:
+            await workspaces.create("w", "base")
+            assert (await workspaces.suspend("w")).snapshot_tag == "ws-w-1"
+            [child] = await runtime.spawner.fork("ws-w-1", 1)  # a sandbox forked from the first layer
+            assert child.sandbox is not None
+            assert await cycle() == "ws-w-2"
+            assert await cycle() == "ws-w-3" and workspaces.depth("w") == 0  # standalone: 1 and 2 superseded
+            assert runtime.snapshot("ws-w-2") is None  # nothing depended on it
+            assert runtime.snapshot("ws-w-1") is not None  # its child runs
+            mine = await runtime.branches.branch(child.sandbox["id"], "mine", mode="diff")
+            await runtime.sandboxes.kill(child.sandbox["id"])
+            assert mine.parent_tag == "ws-w-1"
+            assert await cycle() == "ws-w-4"
+            assert runtime.snapshot("ws-w-1") is not None  # a snapshot stands on it
+            await runtime.remove_snapshot("mine")
+            assert await cycle() == "ws-w-5"
+            assert runtime.snapshot("ws-w-1") is None  # a later suspend found it free
+            assert {r.tag for r in runtime.snapshot_records()} == {"base", "ws-w-3", "ws-w-4", "ws-w-5"}
+            assert set(await workspaces.remove("w")) == {"ws-w-3", "ws-w-4", "ws-w-5"}
         finally:
             await runtime.stop()
 

@@ -159,7 +159,8 @@ def _snapshot_row(item: dict[str, Any]) -> tuple[str, ...]:
     return (item["tag"], item.get("parent_tag") or "-", item["status"], item["image"],
             f"{item['boot']['memory_mib']} MiB", str(item["boot"]["vcpus"]),
             f"{disk.get('logical_bytes', 0) / 2**20:.0f} MiB", f"{disk.get('physical_bytes', 0) / 2**20:.0f} MiB",
-            time.strftime("%Y-%m-%d %H:%M", time.localtime(item["created_at"])))
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(item["created_at"])),
+            item.get("machine") or "-")  # last: the columns scripts read keep their places; "-": an older daemon
 
 
 def _list_snapshots(as_json: bool, quiet: bool) -> None:
@@ -169,7 +170,7 @@ def _list_snapshots(as_json: bool, quiet: bool) -> None:
     elif quiet:
         print_ids(item["tag"] for item in items)
     else:
-        print_rows(("tag", "parent", "status", "image", "memory", "vcpus", "size", "on disk", "created"),
+        print_rows(("tag", "parent", "status", "image", "memory", "vcpus", "size", "on disk", "created", "machine"),
                    map(_snapshot_row, items))
 
 

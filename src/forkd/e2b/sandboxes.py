@@ -439,6 +439,7 @@ class E2BSandboxes:
                         "names": [record.tag], "createdAt": when, "updatedAt": when, "createdBy": None,
                         "lastSpawnedAt": None, "spawnCount": self.runtime.spawner.count_of(record.tag),
                         "buildCount": 1, "envdVersion": ENVD_VERSION, "buildStatus": "ready",
+                        "machine": record.machine,  # forkd's own field: q35 or microvm
                         **self._resources(record.tag)})
         return out
 

@@ -116,7 +116,7 @@ def build_server(controller: AsyncController, holdings: Holdings | None = None) 
 
     @server.tool(annotations=read_only)
     async def list_snapshots() -> list[dict[str, Any]]:
-        """List the snapshots sandboxes can be spawned from (tag, image, memory, warm modules, ...)."""
+        """List the snapshots sandboxes can be spawned from (tag, image, machine type, memory, warm modules, ...)."""
         return await answered(controller.snapshots())
 
     @server.tool()

@@ -129,7 +129,8 @@ class Runtime:
         """Re-adopt the sandboxes a previous daemon left running, reap the rest, half-built snapshots and
         branches, then start enforcing sandbox timeouts (a re-adopted sandbox keeps its deadline) and
         console bounds."""
-        await asyncio.to_thread(self.vmm.capabilities)  # the backend may run its binary once (version, machine)
+        # The backend's one-time work (runs its binary, measures the host, checks its jail) off the loop.
+        await asyncio.to_thread(self.vmm.capabilities)
         recovery = await recover(self.sandboxes, self.store)
         for sandbox_id, tag in recovery.resumed.items():
             await self.branches.refuse(sandbox_id, f"the daemon stopped while branching it to {tag!r}, so its "
@@ -144,10 +145,11 @@ class Runtime:
         return recovery
 
     async def stop(self) -> None:
-        """Finish branches being written, then kill every sandbox (or leave them for the next daemon when
-        ``keep_sandboxes_on_stop``)."""
+        """End forks in flight (every VMM they started is killed), finish branches being written, then kill
+        every sandbox (or leave the live ones for the next daemon when ``keep_sandboxes_on_stop``)."""
         for keeper in self._keepers:
             keeper.cancel()
+        await self.spawner.stop()  # before the pools stop: a member a cancelled child took goes back to be killed
         await self.branches.wait_all()
         await self.pools.stop()  # idle members are never left for the next daemon
         leave = self.sandboxes.detach_all() if self.options.keep_sandboxes_on_stop else self.sandboxes.kill_all()

@@ -18,9 +18,9 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from forkd.config import Paths
 from forkd.errors import INTERNAL, Failure, kind_for
@@ -42,6 +42,7 @@ from forkd.vmm.process import start_time
 
 RESTORE_ANSWER_TIMEOUT_S = 60.0
 log = logging.getLogger("forkd.spawning")
+T = TypeVar("T")
 
 
 class SandboxLimitReached(RuntimeError):
@@ -60,6 +61,9 @@ class ReseedFailed(AgentError):
                          "image's agent runs as root (PID 1's child) and rebuild it with `forkd image build --force`")
 
 
+STOPPING = "the daemon is stopping"
+
+
 class Draining(RuntimeError):
     """This daemon is draining (``POST /v1/node/drain``): it starts no new children."""
 
@@ -74,6 +78,17 @@ class DeadlinePassed(RuntimeError):
     """The caller's own deadline for a fork passed before this child answered; it was not kept."""
 
     kind = "timeout"
+
+
+async def _settled(call: Callable[[], T]) -> T:
+    """``call`` on a thread; a caller cancelled meanwhile (the daemon stopping) still waits for it to finish,
+    so what it made (a network namespace, a record) exists when the caller's clean-up releases it."""
+    running = asyncio.ensure_future(asyncio.to_thread(call))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait([running])
+        raise
 
 
 def _remaining(deadline: float | None) -> float:
@@ -101,6 +116,7 @@ class Starting:
     sandbox_id: str | None = None  # once its restore began
     why: str | None = None  # why it was stopped: it must not become a live sandbox
     stopped: bool = False  # the stop refused or killed it
+    vm: VmHandle | None = None  # its VMM once started (or taken from a pool): what a stopping daemon kills
     done: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # wakes it while it waits for a restore slot
 
@@ -168,11 +184,15 @@ class Spawner:
         self._restoring = 0
         self._restore_slots = asyncio.Semaphore(self.options.restore_slots())
         self._batches: set[asyncio.Future[Any]] = set()
+        self._children: set[asyncio.Future[None]] = set()  # each child's task, from admission to its outcome
         self._starting: set[Starting] = set()  # children admitted and not yet answered or failed
         self.draining = False  # set by runtime/drain.py: no fork is admitted
+        self._stopped = False  # the daemon is stopping (stop()): no fork is admitted, none in flight is left
 
     def admit(self) -> None:
-        """Refuse new children while the daemon drains (checked before any work for a fork is done)."""
+        """Refuse new children while the daemon drains or stops (checked before any work for a fork is done)."""
+        if self._stopped:
+            raise Draining(f"{STOPPING}: it starts no new sandboxes")
         if self.draining:
             raise Draining("this node is draining: it starts no new sandboxes (its running ones carry on); "
                            "DELETE /v1/node/drain makes it take forks again")
@@ -189,6 +209,24 @@ class Spawner:
         for child in reaped:
             child.stop(f"its owner {owner!r} was reaped (DELETE /v1/sandboxes?owner={owner})")
         return reaped
+
+    async def stop(self) -> None:
+        """The daemon stops: no fork is admitted from now on, and every child still starting is cancelled,
+        its VMM killed and its run directory released whether or not the VMM was started yet; returns once
+        all have ended. A child has no record before it answers, so none is left for the next daemon
+        (``keep_sandboxes_on_stop`` keeps live sandboxes only); its fork's caller gets a ChildStopped for it."""
+        self._stopped = True
+        batches = list(self._batches)
+        for starting in self._starting:
+            starting.stop(STOPPING)  # one whose VMM starts from now on is refused as soon as it has it
+        for child in list(self._children):
+            child.cancel()  # its clean-up kills what it started; its batch ends once every child's has run
+        # Killed here too: a cancellation can be lost (Python 3.11's wait_for may return a result instead),
+        # and a child waiting for its guest's answer then fails at once instead of at its timeout.
+        await asyncio.gather(*(self.vmm.kill(c.vm) for c in self._starting if c.vm is not None),
+                             return_exceptions=True)
+        if batches:
+            await asyncio.wait(batches)
 
     def count_of(self, tag: str) -> int:
         """Children of ``tag`` running or being restored."""
@@ -221,6 +259,7 @@ class Spawner:
         self._forking[tag] += count
         try:
             record, saved, spec = await asyncio.to_thread(self._open, tag, count)
+            self.admit()  # the daemon may have begun stopping meanwhile: it waits for no batch made after
         except BaseException:
             self._forking[tag] -= count
             raise
@@ -237,6 +276,12 @@ class Spawner:
             try:
                 with self.pool.serving():  # the pool refills once no child is starting
                     sandbox = await self._spawn(record.tag, saved, spec, options, timings, member, deadline, child)
+            except asyncio.CancelledError:  # the daemon is stopping (stop()): what it started is gone
+                if child.why is None:
+                    child.stop(STOPPING)
+                stopped = child.refusal() or ChildStopped(STOPPING)
+                done.put_nowait(ForkOutcome(index=index, error=Failure.of(stopped), timings=timings.as_ms()))
+                raise
             except Exception as exc:  # one child's failure, a bug's included, never takes its siblings with it
                 self.metrics.spawn_failures.labels(kind_for(exc).code).inc()
                 if kind_for(exc) is INTERNAL:  # no kind: a bug, whose traceback the log keeps
@@ -256,7 +301,12 @@ class Spawner:
             done.put_nowait(ForkOutcome(index=index, sandbox=self.sandboxes.describe(sandbox),
                                         seconds_to_answer=timings.total, timings=timings.as_ms()))
 
-        batch = asyncio.gather(*(one(i, m) for i, m in enumerate(members)))
+        children = [asyncio.ensure_future(one(i, m)) for i, m in enumerate(members)]
+        self._children.update(children)
+        for task in children:
+            task.add_done_callback(self._children.discard)
+        # return_exceptions: a batch ends once every child has (a cancelled one, cleaned up, included).
+        batch = asyncio.gather(*children, return_exceptions=True)
         self._batches.add(batch)  # runs to the end even when nobody iterates any more
         batch.add_done_callback(lambda _: (self._batches.discard(batch), self.pool.refill(record.tag)))
 
@@ -274,33 +324,34 @@ class Spawner:
 
     async def _spawn(self, tag: str, saved: SavedVm, spec: BootSpec, options: ForkOptions, timings: Timings,
                      member: Member | None, deadline: float | None, child: Starting) -> LiveSandbox:
-        def refuse(error: Exception) -> Exception:
-            """``error`` for a child refused before its restore: the pool member it took waits again."""
-            if member is not None:
-                self.pool.give_back(tag, member)
-            return error
-
-        limit = self.options.max_sandboxes
-        if limit is not None and len(self.sandboxes.live()) + self._restoring >= limit:
-            raise refuse(SandboxLimitReached(f"the daemon runs its limit of {limit} sandboxes (max_sandboxes); kill "
-                                             "some with `forkd kill` or raise the limit in the daemon's config"))
-        if (stopped := child.refusal()) is not None:
-            raise refuse(stopped)
-        self._restoring += 1
+        restoring = False
         try:
-            if not await self._slot(child, deadline):
-                raise refuse(child.refusal() or DeadlinePassed(
-                    f"the request's deadline of {deadline - timings.start:.1f} s passed while this "  # type: ignore[operator]
-                    "child waited for a restore slot; fork fewer at once or give more time"))
+            limit = self.options.max_sandboxes
+            if limit is not None and len(self.sandboxes.live()) + self._restoring >= limit:
+                raise SandboxLimitReached(f"the daemon runs its limit of {limit} sandboxes (max_sandboxes); kill "
+                                          "some with `forkd kill` or raise the limit in the daemon's config")
+            if (stopped := child.refusal()) is not None:
+                raise stopped
+            self._restoring += 1
             try:
-                timings.mark("queued")
-                if (stopped := child.refusal()) is not None:  # stopped as its slot came
-                    raise refuse(stopped)
-                return await self._restore(tag, saved, spec, options, timings, member, deadline, child)
+                if not await self._slot(child, deadline):
+                    raise child.refusal() or DeadlinePassed(
+                        f"the request's deadline of {deadline - timings.start:.1f} s passed while this "  # type: ignore[operator]
+                        "child waited for a restore slot; fork fewer at once or give more time")
+                try:
+                    timings.mark("queued")
+                    if (stopped := child.refusal()) is not None:  # stopped as its slot came
+                        raise stopped
+                    restoring = True  # from here _restore owns the member: it kills it if the restore fails
+                    return await self._restore(tag, saved, spec, options, timings, member, deadline, child)
+                finally:
+                    self._restore_slots.release()
             finally:
-                self._restore_slots.release()
-        finally:
-            self._restoring -= 1
+                self._restoring -= 1
+        except BaseException:
+            if member is not None and not restoring:  # refused or cancelled before its restore: it waits again
+                self.pool.give_back(tag, member)
+            raise
 
     async def _slot(self, child: Starting, deadline: float | None) -> bool:
         """Take a restore slot (True), unless ``deadline`` passes or the child is stopped first (False;
@@ -336,13 +387,16 @@ class Spawner:
         child.sandbox_id = sandbox_id
         try:
             if vm is None:
-                prepared = await asyncio.to_thread(self.isolation.prepare, sandbox_id, options.isolation)
+                prepared = await _settled(lambda: self.isolation.prepare(sandbox_id, options.isolation))
                 timings.mark("isolation")
                 try:
                     vm = await self.vmm.prepare_restore(sandbox_id, saved, spec, run_dir,
                                                         dataclasses.replace(prepared.setup(), on_stage=timings.mark))
                 finally:
                     prepared.close_tap()
+            child.vm = vm
+            if (stopped := child.refusal()) is not None:  # stopped while its VMM started (the daemon stopping)
+                raise stopped
             answer_s = min(RESTORE_ANSWER_TIMEOUT_S, _remaining(deadline))
             if agent is None:
                 await self.vmm.complete_restore(vm, saved, timings.mark)
@@ -355,7 +409,7 @@ class Spawner:
             timings.mark("reseed")
             assert prepared is not None
             record = self._running_record(sandbox_id, tag, vm, options, prepared, timings)
-            await asyncio.to_thread(self.registry.add_sandbox, record)
+            await _settled(lambda: self.registry.add_sandbox(record))
             timings.mark("recorded")
             if (stopped := child.refusal()) is not None:  # killed and released below, never served
                 raise stopped

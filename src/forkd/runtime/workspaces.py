@@ -6,7 +6,9 @@ which finds its processes, files and interpreter state as they were. Each suspen
 the workspace's chain (``ws-NAME-1``, ``ws-NAME-2``, …); removing the workspace removes them.
 That chain is bounded like every other (``max_chain_depth``, runtime/branches.py): a suspend past
 the bound writes its layer standalone; :meth:`WorkspaceService.unneeded` then names the earlier
-layers the resume no longer needs, for the caller to remove once nothing else references them.
+layers the resume no longer needs, and the suspend removes each that nothing else depends on (a
+snapshot branched from it, a sandbox forked from it); one kept goes with a later suspend or the
+workspace (the E2B front also collects those it kept, e2b/storage.py).
 """
 
 from __future__ import annotations
@@ -127,7 +129,21 @@ class WorkspaceService:
             record.meta["last_pause_ms"] = snapshot.meta.get("pause_ms")
             record.state, record.sandbox_id, record.snapshot_tag = "suspended", None, tag
             await asyncio.to_thread(self.registry.put_workspace, record)
+            await self._drop_superseded(name)
             return record
+
+    async def _drop_superseded(self, name: str) -> list[str]:
+        """Remove the layers the workspace's snapshot no longer stands on (:meth:`unneeded`), newest first
+        (one may stand on an older one), each only if nothing depends on it: a snapshot branched from it or
+        a sandbox forked from (or branched onto) it keeps it. Returns the tags removed."""
+        in_use = {t for s in self.sandboxes.live() for t in (s.record.snapshot_tag, s.record.head)}
+        removed: list[str] = []
+        for tag in reversed(self.unneeded(name)):
+            if tag in in_use:
+                continue
+            with contextlib.suppress(SnapshotConflict, LookupError):  # dependents or children: kept for now
+                removed += await self._remove_snapshot(tag)
+        return removed
 
     def depth(self, name: str) -> int:
         """How many ancestors the workspace's current snapshot has (0: a standalone snapshot)."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forkd.vmm.base import Q35
+
 # The unversioned shape (what forkd created before schema versions); MIGRATIONS bring it up to date.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
@@ -166,12 +168,15 @@ class SnapshotRecord:
     parent_tag: str | None = None  # the snapshot this one was branched from: the one record of its parent
     error: str | None = None  # why a ``failed`` snapshot failed
 
+    @property
+    def machine(self) -> str:
+        """Its children's machine type (q35, microvm), the one reader of it in a snapshot's meta; q35 if older."""
+        return str((self.meta.get("boot") or {}).get("machine") or Q35)
+
     def to_dict(self) -> dict[str, Any]:
         described = {**self.meta, "tag": self.tag, "status": self.status, "image": self.image, "path": str(self.path),
-                     "created_at": self.created_at, "parent_tag": self.parent_tag}
-        if self.error is not None:
-            described["error"] = self.error
-        return described
+                     "created_at": self.created_at, "parent_tag": self.parent_tag, "machine": self.machine}
+        return described if self.error is None else {**described, "error": self.error}
 
 
 PRIVATE_SANDBOX_META = frozenset({"envs"})  # may hold secrets: used by the daemon, never returned

@@ -121,6 +121,7 @@ class FakeVmm:
         self._agents: dict[str, asyncio.AbstractServer] = {}  # by run dir
         self._files: dict[str, FakeFiles] = {}  # each guest's files, by run dir (in memory, not kept by a fork)
         self._running: dict[str, asyncio.Event] = {}  # by run dir: cleared while paused, so the agent waits
+        self._sessions: dict[str, set[asyncio.StreamWriter]] = {}  # by run dir: its agent's open connections
 
     def capabilities(self) -> Capabilities:
         return Capabilities(kind=self.kind, version="1", accelerator="none", accelerator_reason="no VM at all",
@@ -234,6 +235,7 @@ class FakeVmm:
 
     async def _serve_agent(self, vm: VmHandle) -> None:
         async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self._sessions.setdefault(str(vm.run_dir), set()).add(writer)
             with contextlib.suppress(ConnectionError, protocol.ProtocolError):
                 while line := await reader.readline():
                     request = protocol.decode_frame(line)
@@ -305,6 +307,8 @@ class FakeVmm:
         self._running.pop(str(vm.run_dir), None)
         self._files.pop(str(vm.run_dir), None)
         server = self._agents.pop(str(vm.run_dir), None)
+        for writer in self._sessions.pop(str(vm.run_dir), set()):  # as a VMM's end closes its agent channel
+            writer.close()
         if server is not None:
             server.close()
             with contextlib.suppress(Exception):

@@ -164,6 +164,15 @@ class Jail:
         if self._problems:
             raise JailUnavailable(how_to_fix(self._problems))
 
+    def warm_up(self) -> None:
+        """The jail's one-time work, off the caller's event loop: the host check (a problem is kept and
+        raised by the first :meth:`spawn`, as before) and who holds which VMM uid already."""
+        try:
+            self.check()
+        except JailUnavailable:
+            return  # no VMM starts here: the first spawn refuses, naming what is missing
+        self.uids.learn()
+
     def _find_problems(self) -> list[str]:
         problems = [f"`{tool}` is not installed (util-linux: `bash scripts/setup`)" for tool in TOOLS
                     if shutil.which(tool) is None]

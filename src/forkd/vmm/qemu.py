@@ -88,6 +88,10 @@ class QemuVmm:
         return self.machine.cpu_model
 
     def capabilities(self) -> Capabilities:
+        """What this backend offers. Its first call also does the backend's one-time work (cached for the
+        daemon's life: :meth:`QemuMachine.warm_up`); ``Runtime.start`` makes that call off the event loop,
+        so no command line or VMM start does it on the loop."""
+        self.machine.warm_up()
         return Capabilities(
             kind=self.kind,
             version=qemu_version(self.machine.binary),

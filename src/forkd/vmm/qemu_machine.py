@@ -29,7 +29,7 @@ from forkd.vmm.accel import KVM_DEVICE, accel_option
 from forkd.vmm.base import CONSOLE_LOG, BootSpec, VmHandle, VmmError, VmProcess, no_stage_marks
 from forkd.vmm.jail import HostFile, Jail
 from forkd.vmm.qemu_exit import SHUTDOWN_TRACE, VMM_LOG, QemuVm, tail
-from forkd.vmm.qemu_layout import MICROVM_LAYOUT, Q35_LAYOUT, layout_of, microvm_identity
+from forkd.vmm.qemu_layout import MICROVM_LAYOUT, Q35_LAYOUT, host_tsc_khz, layout_of, microvm_identity
 
 log = logging.getLogger("forkd.vmm")
 
@@ -284,6 +284,16 @@ class QemuMachine:
     def machines(self) -> tuple[str, ...]:
         """The machine types this QEMU has, q35 first (``-machine help``, cached)."""
         return (Q35_LAYOUT.name, *(name for name in (MICROVM_LAYOUT.name,) if has_machine(self.binary, name)))
+
+    def warm_up(self) -> None:
+        """Everything cached once per daemon that :meth:`argv` and :meth:`start` would otherwise do for the
+        first VMM, on the caller's thread: QEMU run for its version and machines, the host's TSC rate
+        measured (~50 ms) when microvm is offered, the jail checked and its uids learned."""
+        qemu_version(self.binary)
+        if MICROVM_LAYOUT.name in self.machines():
+            host_tsc_khz()
+        if self.jail is not None:
+            self.jail.warm_up()
 
     def argv(self, spec: BootSpec, run_dir: Path, disk: Path, memory: Path, share: bool,
              tap_fd: int | None = None, boot: bool | None = None, tb_size_mib: int | None = None) -> list[str]:

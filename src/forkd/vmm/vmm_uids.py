@@ -129,16 +129,26 @@ class UidAllocator:
         self._learned = False
         self._lock = threading.Lock()
 
+    def learn(self) -> None:
+        """Who holds which uid already (a scan of ``/proc``) and the host-wide claims file: once, before
+        the first allocation. The daemon calls it off its event loop at start (the backend's warm-up)."""
+        with self._lock:
+            self._learn()
+
+    def _learn(self) -> None:
+        if self._learned:
+            return
+        self._learned = True
+        for uid, pid, started in self._scan(self.ids):
+            self._held[uid] = (pid, started)
+        if self._claims_path is not None:
+            self._claims_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._claims = os.open(self._claims_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
     def allocate(self) -> int:
         """A uid no live process holds, reserved until :meth:`bind` or :meth:`release`."""
         with self._lock:
-            if not self._learned:  # the first allocation after a (re)start: who holds what already
-                self._learned = True
-                for uid, pid, started in self._scan(self.ids):
-                    self._held[uid] = (pid, started)
-                if self._claims_path is not None:
-                    self._claims_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                    self._claims = os.open(self._claims_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._learn()  # the first allocation after a (re)start, unless learned already
             for _ in range(len(self.ids)):
                 uid = self._next
                 self._next = uid + 1 if uid < self.ids.last else self.ids.first
