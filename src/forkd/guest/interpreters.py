@@ -45,6 +45,8 @@ EAGER_CELL_CHARS = 64 * 1024
 #: How long the reader thread waits for a cell's answer before a worker takes over. The wait ends at once
 #: when the host sends anything, so it delays no other request; a longer cell pays one hand-over.
 EAGER_WAIT_S = 0.1
+#: Added to it for a cell that brings its context's reseed, which runs first (cold under TCG: ~100 ms).
+EAGER_RESEED_WAIT_S = 0.4
 #: At most this many of a cell's frames are relayed on the reader thread; a cell printing on goes to a worker.
 EAGER_FRAMES = 8
 
@@ -220,14 +222,11 @@ class PythonRuntime:
     def reseed(self, entropy: bytes) -> dict[str, Any]:
         """Reseed every context and the template, each with its own stream derived from entropy.
 
-        A context in which no cell ran yet (the snapshot's default one) gets its seed with its next
-        cell, applied before the cell runs: nothing else runs in it until then, so no code sees the
-        copied generators, and the reseed need not wake it (under TCG a fresh child runs that wake-up
-        and the interpreter's reseed untranslated, on every fork). A context that ran cells may hold
-        the user's threads or signal handlers, which draw between cells: it is reseeded now, or, when
-        busy, right before its next cell. The template's forks seed themselves from the (already
-        reseeded) kernel pool as they start, and so does a template started later; only code run in
-        the template itself (``warm``) would see its copied generators
+        A context no cell ran in yet (the snapshot's default one) gets its seed with its next cell,
+        applied before the cell runs: nothing runs in it until then, so the reseed need not wake it.
+        One that ran cells may hold the user's threads or signal handlers, which draw between cells:
+        it is reseeded now (busy: before its next cell). The template's forks seed themselves from the
+        reseeded kernel pool as they start; only ``warm`` runs in the template itself
         (:meth:`TemplateProcess.reseed_before_warm`).
         """
         self.template.reseed_before_warm(_derive(entropy, "template"))
@@ -331,9 +330,10 @@ class PythonRuntime:
             return Deferred(self._serve, op, args)
         handed_over = False
         try:
+            wait_s = EAGER_WAIT_S + (EAGER_RESEED_WAIT_S if context.pending_entropy is not None else 0.0)
             deadline = self._send_cell(req, op, args, context)
             control = req.control()
-            wait_until = time.monotonic() + EAGER_WAIT_S if deadline is None else min(deadline, time.monotonic() + EAGER_WAIT_S)
+            wait_until = time.monotonic() + wait_s if deadline is None else min(deadline, time.monotonic() + wait_s)
             for _ in range(EAGER_FRAMES):
                 if not context.link.buffered() and not req.wait_readable(
                         [context.link.sock], max(0.0, wait_until - time.monotonic())):
