@@ -714,6 +714,31 @@ def test_reseed_python_and_numpy_rngs_follow_the_entropy(unprivileged_agent: Age
     assert different[0] != same[0] and different[1] != same[1]
 
 
+def test_a_context_no_cell_ran_in_gets_its_seed_with_its_first_cell(unprivileged_agent: AgentClient) -> None:
+    """The snapshot's default context is reseeded lazily: its first cell must already draw from the
+    reseed's stream, never from the state it was saved with (which every sibling shares)."""
+    unprivileged_agent.result(protocol.OP_WARM, {"modules": ["numpy"], "code": "import random, numpy"})
+
+    def first_draws(entropy: bytes) -> list[Any]:
+        """A fresh context (its generators seeded anew as it forked), reseeded, then its first cell."""
+        unprivileged_agent.result(protocol.OP_CONTEXTS_DELETE, {"id": "default"})
+        unprivileged_agent.result(protocol.OP_CONTEXTS_CREATE, {"id": "default"})  # as a snapshot holds it
+        result = reseed(unprivileged_agent, entropy)
+        assert (result["contexts_reseeded"], result["contexts_pending"]) == (0, 1)  # not woken by the reseed
+        return draws(unprivileged_agent)
+
+    draws(unprivileged_agent)  # the default context exists
+    entropy = os.urandom(32)
+    first = first_draws(entropy)
+    assert first_draws(entropy) == first  # the entropy decides, not the state the context had
+    assert draws(unprivileged_agent) != first  # seeded once, not before every cell
+    other = first_draws(os.urandom(32))
+    assert all(a != b for a, b in zip(first, other)), (first, other)
+    # Once a cell ran in it (the user's threads may draw between cells), a reseed reaches it at once.
+    assert reseed(unprivileged_agent, entropy)["contexts_reseeded"] == 1
+    assert draws(unprivileged_agent) == first
+
+
 def test_the_template_is_reseeded_before_its_next_warm_up(unprivileged_agent: AgentClient) -> None:
     """Its forks seed themselves; code run in the template itself sees the reseed's entropy."""
     unprivileged_agent.result(protocol.OP_WARM, {"modules": [], "code": "import random"})

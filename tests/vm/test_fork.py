@@ -94,6 +94,20 @@ def test_children_are_distinct(daemon: Controller, children: list[str]) -> None:
         assert len(set(column)) == len(children), f"identical values across children: {column}"
 
 
+def test_a_childs_first_cell_already_draws_from_its_own_seed(daemon: Controller, snapshot_tag: str) -> None:
+    """The snapshot's default context is reseeded with a child's first cell, not when the child answers:
+    that very cell must not see the generators the restore copied, which every sibling would share."""
+    siblings = [child["id"] for child in daemon.fork(snapshot_tag, 3)["sandboxes"]]
+    try:
+        first = [tuple(_value(daemon.eval(sandbox_id, "[__import__('random').random(), float(numpy.random.rand())]")))
+                 for sandbox_id in siblings]  # numpy: imported by the warm-up, its state saved
+    finally:
+        for sandbox_id in siblings:
+            daemon.kill(sandbox_id)
+    for column in zip(*first):
+        assert len(set(column)) == len(siblings), f"siblings' first cells drew the same values: {column}"
+
+
 def test_run_code_keeps_state_and_reports_errors(daemon: Controller, children: list[str]) -> None:
     sandbox_id = children[0]
     first = daemon.run_code(sandbox_id, "x = 20\nprint('set')\nx + 1")

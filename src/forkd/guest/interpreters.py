@@ -27,7 +27,7 @@ from .channel import log
 from .dispatch import AgentError, Control, Deferred, Handler, Request, eager, inline
 from .template_process import FrameSocket, TemplateProcess
 
-DEFAULT_CONTEXT = "default"
+DEFAULT_CONTEXT = protocol.DEFAULT_CONTEXT
 LANGUAGE = "python"
 
 #: After a cell's own deadline, how long it gets to stop before its context is killed and restored.
@@ -45,6 +45,8 @@ EAGER_CELL_CHARS = 64 * 1024
 #: How long the reader thread waits for a cell's answer before a worker takes over. The wait ends at once
 #: when the host sends anything, so it delays no other request; a longer cell pays one hand-over.
 EAGER_WAIT_S = 0.1
+#: Added to it for a cell that brings its context's reseed, which runs first (cold under TCG: ~100 ms).
+EAGER_RESEED_WAIT_S = 0.4
 #: At most this many of a cell's frames are relayed on the reader thread; a cell printing on goes to a worker.
 EAGER_FRAMES = 8
 
@@ -78,7 +80,10 @@ class Context:
     faults_fd: int  # read end of the pipe the context's faulthandler writes to
     created_at: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    pending_entropy: bytes | None = None
+    pending_entropy: bytes | None = None  # owed a reseed: sent with, and applied before, its next cell
+    #: Whether a cell ran in it. Until one has, nothing of the user's exists in it that could run between
+    #: cells (a thread, a signal handler) and draw from its generators, so a reseed can wait for its next cell.
+    ran_cells: bool = False
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def describe(self) -> dict[str, Any]:
@@ -89,7 +94,8 @@ class Context:
         """A request without events (reseed); None if the context died."""
         req_id = next(self.ids)
         self.link.send(protocol.request(req_id, op, args))
-        frame = self.link.read()
+        while (frame := self.link.read()) is not None and not protocol.is_terminal(frame):
+            pass  # an event (a print): not the answer
         return None if frame is None else frame.get("result")
 
     def close(self) -> None:
@@ -184,7 +190,14 @@ class PythonRuntime:
         with self._lock:
             if name in self._contexts:
                 raise req.bad(f"context {name!r} exists already")
-        return self._context(req, name, cwd).describe()
+        context = self._context(req, name, cwd)
+        if context.lock.acquire(blocking=False):  # (else a cell runs in it already: it started)
+            try:  # the agent's own first cell (not the user's: ran_cells stays false): answered once the
+                # context runs cells, so a snapshot saved next holds it idle, its cell path warmed.
+                context.call(protocol.OP_EVAL, {"expr": "None", "deadline": None})
+            finally:
+                context.lock.release()
+        return context.describe()
 
     @inline
     def list_contexts(self, req: Request) -> dict[str, Any]:
@@ -207,28 +220,39 @@ class PythonRuntime:
         return {}
 
     def reseed(self, entropy: bytes) -> dict[str, Any]:
-        """Reseed every context now and the template before its next warm-up, each with its own
-        stream derived from entropy.
+        """Reseed every context and the template, each with its own stream derived from entropy.
 
-        The template's forks seed themselves from the (already reseeded) kernel pool as they start,
-        and so does a template started later; only code run in the template itself (``warm``) would
-        see its copied generators (:meth:`TemplateProcess.reseed_before_warm`).
+        A context no cell ran in yet (the snapshot's default one) gets its seed with its next cell,
+        applied before the cell runs: nothing runs in it until then, so the reseed need not wake it.
+        One that ran cells may hold the user's threads or signal handlers, which draw between cells:
+        it is reseeded now (busy: before its next cell). The template's forks seed themselves from the
+        reseeded kernel pool as they start; only ``warm`` runs in the template itself
+        (:meth:`TemplateProcess.reseed_before_warm`).
         """
         self.template.reseed_before_warm(_derive(entropy, "template"))
         with self._lock:
             contexts = list(self._contexts.values())
+            for context in contexts:
+                context.pending_entropy = _derive(entropy, context.id)
         reseeded = 0
         for context in contexts:
-            derived = _derive(entropy, context.id)
-            if context.lock.acquire(blocking=False):
+            if context.ran_cells and context.lock.acquire(blocking=False):
                 try:
+                    derived = self._take_entropy(context)
+                    if derived is None:  # a cell took it meanwhile
+                        reseeded += 1
+                        continue
                     reseeded += context.call(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(derived)}) is not None
                 finally:
                     context.lock.release()
-            else:
-                context.pending_entropy = derived  # busy: applied before its next cell
         return {"python_rng": True, "template_rng": "before_next_warm", "contexts_reseeded": reseeded,
                 "contexts_pending": len(contexts) - reseeded}
+
+    def _take_entropy(self, context: Context) -> bytes | None:
+        """The seed a context is owed, now its own to apply (None: none owed)."""
+        with self._lock:
+            entropy, context.pending_entropy = context.pending_entropy, None
+            return entropy
 
     # ---- contexts ------------------------------------------------------------------------------
 
@@ -295,21 +319,21 @@ class PythonRuntime:
 
         The reader waits up to EAGER_WAIT_S for the answer, but never while the host has sent something
         else, so a short cell is answered without waking a worker. Whatever could wait longer goes to
-        a worker: a context to fork, a busy one or one owed a reseed, a big cell, a long one, a cell that
+        a worker: a context to fork, a busy one, a big cell, a long one, a cell that
         prints on, a steered one (its flow.* or cancel ends the wait), a crash (its exit report may take
         a while).
         """
         name = req.arg("context", str, DEFAULT_CONTEXT)
         with self._lock:
             context = self._contexts.get(name)
-        if (context is None or size > EAGER_CELL_CHARS or context.pending_entropy is not None
-                or not context.lock.acquire(blocking=False)):
+        if context is None or size > EAGER_CELL_CHARS or not context.lock.acquire(blocking=False):
             return Deferred(self._serve, op, args)
         handed_over = False
         try:
+            wait_s = EAGER_WAIT_S + (EAGER_RESEED_WAIT_S if context.pending_entropy is not None else 0.0)
             deadline = self._send_cell(req, op, args, context)
             control = req.control()
-            wait_until = time.monotonic() + EAGER_WAIT_S if deadline is None else min(deadline, time.monotonic() + EAGER_WAIT_S)
+            wait_until = time.monotonic() + wait_s if deadline is None else min(deadline, time.monotonic() + wait_s)
             for _ in range(EAGER_FRAMES):
                 if not context.link.buffered() and not req.wait_readable(
                         [context.link.sock], max(0.0, wait_until - time.monotonic())):
@@ -349,10 +373,6 @@ class PythonRuntime:
         if not context.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
             raise AgentError(protocol.ERR_TIMEOUT, f"context {name!r} stayed busy for {timeout_s} s")
         try:
-            if context.pending_entropy is not None:
-                entropy, context.pending_entropy = context.pending_entropy, None
-                if context.call(protocol.OP_RESEED, {"entropy_b64": protocol.b64encode(entropy)}) is None:
-                    return self._crashed(req, op, context)
             return self._exchange(req, op, context, self._send_cell(req, op, args, context))
         except OSError:  # the socket broke under us: the process is gone
             return self._crashed(req, op, context)
@@ -365,8 +385,12 @@ class PythonRuntime:
         control.on_cancel(lambda: _interrupt(context.pid))
         timeout_s = args.get("timeout_s")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        context.link.send(protocol.request(next(context.ids), op, {**args, "deadline": deadline},
-                                           trace=req.trace is not None))
+        cell = {**args, "deadline": deadline}
+        entropy = self._take_entropy(context)
+        if entropy is not None:  # the context applies it before it runs the cell
+            cell[protocol.CELL_RESEED] = protocol.b64encode(entropy)
+        context.ran_cells = True
+        context.link.send(protocol.request(next(context.ids), op, cell, trace=req.trace is not None))
         req.mark("ctx_sent")
         return deadline
 

@@ -52,6 +52,10 @@ READ_CHUNK_BYTES = 64 * 1024
 # docs/guest-protocol.md; the names are the contract.
 OP_PING = "ping"
 OP_RESEED = "reseed"
+#: In a cell the agent sends a context: the seed it is owed, applied before the cell runs (guest-internal).
+CELL_RESEED = "reseed_entropy_b64"
+#: The context a cell runs in when it names none.
+DEFAULT_CONTEXT = "default"
 OP_WARM = "warm"
 OP_EXEC = "exec"
 OP_PROC_KILL = "proc.kill"

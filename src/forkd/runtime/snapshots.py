@@ -159,8 +159,10 @@ class SnapshotService:
             if request.warm_modules or request.warm_code:
                 # The default context forked from the warm template now, so the snapshot holds it: a
                 # child's first cell runs at once instead of first forking a whole warm interpreter
-                # (200-400 ms under TCG). Each child's reseed reaches it like any other context.
-                await agent.call(protocol.OP_EVAL, {"expr": "None"}, timeout=WARMUP_TIMEOUT_S)
+                # (200-400 ms under TCG). Created without running a cell in it, so each child's reseed
+                # sends its seed with its first cell instead of waking it (guest/interpreters.py).
+                await agent.call(protocol.OP_CONTEXTS_CREATE, {"id": protocol.DEFAULT_CONTEXT},
+                                 timeout=WARMUP_TIMEOUT_S)
             progress("pausing and saving device state")
             save_started = time.monotonic()
             await self.vmm.save(vm, build_dir / STATE_FILE)
