@@ -52,6 +52,7 @@ from forkd.store.layout import (
     baked_files,
     branch_files,
 )
+from forkd.store.pending import pending_files
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.store.space import SpaceFloor
@@ -209,6 +210,9 @@ class BranchService:
                 await asyncio.wait((before,))
                 timings.mark("parent_written")
             parent = self.registry.get_snapshot(record.parent_tag)
+            if parent is not None and parent.status == "ready" and pending_files(parent.meta):
+                parent = await self.store.pending.settled(parent.tag)  # this one records its parent's digests
+                timings.mark("parent_digest")
             if parent is None or parent.status != "ready":
                 raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} was not written")
             chain = self.store.ancestry(parent)
@@ -260,6 +264,7 @@ class BranchService:
         else:
             memory_kind = "diff" if mode == "diff" else "full"
             changed, written = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
+        deferred = [MEMORY_FILE] if not standalone and memory_kind == "full" else []  # hashed after publishing
         timings.mark("layer_written")
         meta = {
             **{k: parent.meta[k] for k in INHERITED_META if k in parent.meta},
@@ -276,7 +281,7 @@ class BranchService:
         if mode == "live":
             meta["precopied"] = capture.precopied
         names = baked_files(disk) if standalone else branch_files(disk, meta)
-        meta["sha256"] = await blocking(self.store.seal, build_dir, names, written)
+        meta["sha256"] = await blocking(self.store.seal, build_dir, names, written, deferred)
         meta["sizes"] = {name: (build_dir / name).stat().st_size for name in names}
         timings.mark("sealed")
         return meta

@@ -1,0 +1,174 @@
+"""A full BRANCH publishes before its memory file is hashed (store/pending.py): the digest goes from
+``pending`` to set, every consumer that needs it waits, a restarted daemon computes it again, removal
+while it is pending is safe, and a file changed before it was hashed never gets a digest. Real SQLite,
+real files, the fake VMM; the hash is held back through the ``hash_file`` seam."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from conftest import run_bounded, short_tmp_dir
+from test_runtime_fake_vmm import _written_source
+
+from forkd.runtime.runtime import Runtime
+from forkd.store.chains import layer_digest, record_digest
+from forkd.store.errors import SnapshotCorrupt
+from forkd.store.files import DigestCache, sha256_file
+from forkd.store.layers import PAGE_SIZE
+from forkd.store.pending import PENDING, DigestPending, PendingDigests, pending_files
+from forkd.store.registry import SnapshotRecord
+
+T = TypeVar("T")
+
+
+def run(make: Callable[[], Awaitable[T]]) -> T:
+    return run_bounded(make, 120)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    with short_tmp_dir("fkp-") as directory:
+        yield directory
+
+
+class Gate:
+    """Holds every hash of the store's pending digests until opened."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.open = threading.Event()
+        self.started = threading.Event()
+        runtime.store.pending._hash = self._hash
+
+    def _hash(self, path: Path) -> str:
+        self.started.set()
+        assert self.open.wait(60), "the test never opened the gate"
+        return sha256_file(path)
+
+
+def _real_digest(record: SnapshotRecord) -> str:
+    """The layer digest ``record`` must end up with: every file hashed now, by this test."""
+    return layer_digest({name: sha256_file(record.path / name) for name in record.meta["sha256"]})
+
+
+async def _idle(runtime: Runtime) -> None:
+    for _ in range(600):
+        if not runtime.store.pending.busy():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"digests still pending: {runtime.store.pending.busy()}")
+
+
+def test_a_full_branch_answers_before_its_memory_is_hashed_and_digest_consumers_wait(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        runtime, source = await _written_source(tmp_path, 5 * PAGE_SIZE)
+        try:
+            gate = Gate(runtime)
+            record = await runtime.branches.branch(source.record.id, "f1", mode="full")  # the hash is held
+            assert record.meta["sha256"]["memory"] == PENDING and pending_files(record.meta) == ["memory"]
+            assert json.loads((record.path / "meta.json").read_text())["sha256"]["memory"] == PENDING
+            with pytest.raises(DigestPending):  # never a digest made of "pending"
+                record_digest(record)
+            runtime.store.open("f1")  # a fork does not wait: the file is as it was published
+            expected = _real_digest(record)
+            lookup = asyncio.ensure_future(asyncio.to_thread(runtime.store.by_digest, expected))
+            listing = asyncio.ensure_future(runtime.node.describe())
+            later = asyncio.ensure_future(runtime.branches.branch(source.record.id, "d2", mode="diff"))
+            await asyncio.sleep(0.5)
+            assert gate.started.is_set() and not lookup.done() and not listing.done() and not later.done()
+            gate.open.set()
+            found = await lookup
+            assert found is not None and found.tag == "f1" and record_digest(found) == expected
+            listed = {s["tag"]: s["digest"] for s in (await listing)["snapshots"]}
+            assert listed["f1"] == expected
+            child = await later  # a diff against it records its parent's real digests
+            assert child.meta["parent_sha256"]["memory"] == found.meta["sha256"]["memory"] != PENDING
+            on_disk = json.loads((record.path / "meta.json").read_text())
+            assert on_disk == found.meta  # meta.json and the record agree
+        finally:
+            await runtime.stop()
+
+    run(scenario)
+
+
+def test_a_digest_left_pending_by_a_stopped_daemon_is_computed_again_at_start(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        runtime, source = await _written_source(tmp_path, 5 * PAGE_SIZE)
+        try:
+            record = await runtime.branches.branch(source.record.id, "f1", mode="full")
+            await _idle(runtime)
+            expected = _real_digest(record)
+            # What a daemon stopped mid-hash leaves: the record pending, and nothing in memory about it.
+            runtime.registry._execute("UPDATE snapshots SET meta = ? WHERE tag = ?",
+                                      (json.dumps(record.meta), "f1"))
+            runtime.store.pending = PendingDigests(runtime.registry, DigestCache())
+            assert pending_files(runtime.store.get("f1").meta) == ["memory"]
+            await asyncio.to_thread(runtime.store.reap)  # at start
+            assert runtime.store.pending.busy() == ["f1"] or not pending_files(runtime.store.get("f1").meta)
+            settled = await runtime.store.pending.settled("f1")
+            assert settled is not None and record_digest(settled) == expected
+            # And a consumer asking before anything resumed it starts it itself.
+            runtime.registry._execute("UPDATE snapshots SET meta = ? WHERE tag = ?",
+                                      (json.dumps(record.meta), "f1"))
+            runtime.store.pending = PendingDigests(runtime.registry, DigestCache())
+            found = await asyncio.to_thread(runtime.store.by_digest, expected)
+            assert found is not None and found.tag == "f1"
+        finally:
+            await runtime.stop()
+
+    run(scenario)
+
+
+def test_removing_a_snapshot_while_its_digest_is_pending_is_safe(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        runtime, source = await _written_source(tmp_path, 5 * PAGE_SIZE)
+        try:
+            gate = Gate(runtime)
+            first = await runtime.branches.branch(source.record.id, "f1", mode="full")
+            assert await asyncio.to_thread(gate.started.wait, 10)
+            waiter = asyncio.ensure_future(runtime.store.pending.settled("f1"))
+            assert await runtime.store.remove("f1", lambda _tag: 0) == ["f1"]
+            # The same tag made again (of another child: this one's head was removed) while the first
+            # hash is still held: the first must not land on it.
+            [other] = await runtime.spawner.fork("base", 1)
+            second = await runtime.branches.branch(other.sandbox["id"], "f1", mode="full")
+            assert second.created_at != first.created_at
+            gate.open.set()
+            assert await waiter is None or (await waiter).created_at == second.created_at
+            await _idle(runtime)
+            now = runtime.store.get("f1")
+            assert now.status == "ready" and now.created_at == second.created_at
+            assert record_digest(now) == _real_digest(now)
+        finally:
+            await runtime.stop()
+
+    run(scenario)
+
+
+def test_a_file_changed_before_it_was_hashed_never_gets_a_digest(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        runtime, source = await _written_source(tmp_path, 5 * PAGE_SIZE)
+        try:
+            gate = Gate(runtime)
+            record = await runtime.branches.branch(source.record.id, "f1", mode="full")
+            memory = record.path / "memory"
+            os.chmod(memory, 0o600)
+            with open(memory, "r+b") as f:
+                f.write(b"tampered")
+            with pytest.raises(SnapshotCorrupt):  # a fork no longer trusts it, and the hash refuses it
+                await asyncio.gather(asyncio.to_thread(runtime.store.open, "f1"),
+                                     asyncio.to_thread(gate.open.set))
+            await _idle(runtime)
+            now = runtime.store.get("f1")
+            assert now.status == "failed" and "modified" in (now.error or "")
+            assert now.meta["sha256"]["memory"] == PENDING  # not the tampered file's digest
+        finally:
+            await runtime.stop()
+
+    run(scenario)
