@@ -22,7 +22,7 @@ from forkd.store.chains import layer_digest, record_digest
 from forkd.store.errors import SnapshotCorrupt
 from forkd.store.files import DigestCache, sha256_file
 from forkd.store.layers import PAGE_SIZE
-from forkd.store.pending import PENDING, DigestPending, PendingDigests, pending_files
+from forkd.store.pending import PENDING, DigestPending, PendingDigests, pending_files, sha256_sparse
 from forkd.store.registry import SnapshotRecord
 
 T = TypeVar("T")
@@ -172,3 +172,19 @@ def test_a_file_changed_before_it_was_hashed_never_gets_a_digest(tmp_path: Path)
             await runtime.stop()
 
     run(scenario)
+
+
+@pytest.mark.parametrize("layout", ["holes-around", "data-at-both-ends", "all-hole", "empty"])
+def test_the_background_hash_of_a_sparse_file_is_its_plain_sha256(tmp_path: Path, layout: str) -> None:
+    path = tmp_path / "memory"
+    with open(path, "wb") as f:
+        if layout != "empty":
+            f.truncate((9 << 20) + 4097)  # not a whole number of chunks or pages
+        if layout == "holes-around":
+            f.seek(5 << 20)
+            f.write(os.urandom(3 * 4096 + 17))
+        if layout == "data-at-both-ends":
+            f.write(os.urandom(4096))
+            f.seek((9 << 20) + 1)
+            f.write(os.urandom(4096))
+    assert sha256_sparse(path) == sha256_file(path)
