@@ -22,7 +22,13 @@ from forkd.store.chains import layer_digest, record_digest
 from forkd.store.errors import SnapshotCorrupt
 from forkd.store.files import DigestCache, sha256_file
 from forkd.store.layers import PAGE_SIZE
-from forkd.store.pending import PENDING, DigestPending, PendingDigests, pending_files, sha256_sparse
+from forkd.store.pending import (
+    PENDING,
+    DigestPending,
+    PendingDigests,
+    pending_files,
+    sha256_sparse,
+)
 from forkd.store.registry import SnapshotRecord
 
 T = TypeVar("T")
@@ -168,6 +174,10 @@ def test_a_file_changed_before_it_was_hashed_never_gets_a_digest(tmp_path: Path)
             now = runtime.store.get("f1")
             assert now.status == "failed" and "modified" in (now.error or "")
             assert now.meta["sha256"]["memory"] == PENDING  # not the tampered file's digest
+            # It never gets a digest, and does not break the consumers that list digests.
+            listed = [entry["tag"] for entry in (await runtime.node.describe())["snapshots"]]
+            assert "base" in listed and "f1" not in listed
+            assert await asyncio.to_thread(runtime.store.by_digest, "0" * 64) is None
         finally:
             await runtime.stop()
 

@@ -140,7 +140,8 @@ class PackService:
         chain = self.chain(tag)
         settled = self.store.settle(chain)
         if len(settled) != len(chain):
-            raise SnapshotError(f"a snapshot of the chain of {tag!r} was removed while its digest was computed")
+            raise SnapshotError(f"a snapshot of the chain of {tag!r} was removed, or failed, while its digest "
+                                "was computed")
         return settled
 
     async def pack(self, tag: str, output: Path, force: bool, progress: Progress) -> dict[str, Any]:

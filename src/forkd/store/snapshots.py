@@ -274,13 +274,17 @@ class SnapshotStore:
                      if r.status == "ready" and "sha256" in r.meta and record_digest(r) == digest), None)
 
     def settle(self, records: Sequence[SnapshotRecord]) -> list[SnapshotRecord]:
-        """``records`` as registered once none of their digests is pending (blocking; see pending.py);
-        one removed meanwhile is left out, one whose file changed before it was hashed raises."""
+        """``records`` as registered once none of their digests is pending (blocking; see pending.py).
+        Left out: one removed meanwhile, and one that will never have its digest (its file changed
+        before it was hashed: it is ``failed``), so no caller ever sees ``pending`` as a digest."""
         settled = []
         for record in records:
-            if record.status == "ready" and pending_files(record.meta):
-                now = self.pending.wait(record.tag)
-                if now is None:
+            if pending_files(record.meta):
+                try:
+                    now = self.pending.wait(record.tag) if record.status == "ready" else None
+                except SnapshotCorrupt:
+                    continue
+                if now is None or pending_files(now.meta):
                     continue
                 record = now
             settled.append(record)
@@ -347,10 +351,10 @@ class SnapshotStore:
         """Every file of one snapshot still has the digest recorded when it was saved."""
         tag = record.tag
         if any(not self.pending.trusted(record, name) for name in pending_files(record.meta)):
-            settled = self.settle([record])  # hashed once (it was not trusted as published), then checked
-            if not settled:
-                raise SnapshotCorrupt(f"snapshot {tag!r} was removed while it was being verified")
-            record = settled[0]
+            settled = self.pending.wait(tag)  # not as published: hashed first (which refuses a change), then checked
+            if settled is None or pending_files(settled.meta):
+                raise SnapshotCorrupt(f"snapshot {tag!r} was removed or failed while it was being verified")
+            record = settled
         for name, digest in record.meta["sha256"].items():
             if digest == PENDING:  # exactly as published (stat unchanged): what DigestCache trusts too
                 continue
