@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import threading
+from array import array
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -21,7 +23,13 @@ from forkd.runtime.runtime import Runtime
 from forkd.store.chains import layer_digest, record_digest
 from forkd.store.errors import SnapshotCorrupt
 from forkd.store.files import DigestCache, sha256_file
-from forkd.store.layers import PAGE_SIZE
+from forkd.store.layers import (
+    PAGE_SIZE,
+    ChainMemory,
+    data_extents,
+    flatten,
+    write_layer,
+)
 from forkd.store.pending import (
     PENDING,
     DigestPending,
@@ -30,6 +38,7 @@ from forkd.store.pending import (
     sha256_sparse,
 )
 from forkd.store.registry import SnapshotRecord
+from forkd.vmm.base import Pages
 
 T = TypeVar("T")
 
@@ -198,3 +207,29 @@ def test_the_background_hash_of_a_sparse_file_is_its_plain_sha256(tmp_path: Path
             f.seek((9 << 20) + 1)
             f.write(os.urandom(4096))
     assert sha256_sparse(path) == sha256_file(path)
+
+
+def test_a_memory_file_flattened_without_its_digest_is_the_same_file(tmp_path: Path) -> None:
+    """``flatten(digest=False)`` (a BRANCH's) skips zeroing and hashing: the same bytes, holes and count."""
+    rng = random.Random(7)
+    base = tmp_path / "base"
+    with open(base, "wb") as f:
+        f.truncate(24 << 20)
+        for at in (0, 3 << 20, (7 << 20) + 8192, 20 << 20):
+            f.seek(at)
+            f.write(rng.randbytes(rng.randrange(1, 600) * PAGE_SIZE))
+    layer_pages = Pages(offsets=array("Q", sorted(rng.sample(range(0, 24 << 20, PAGE_SIZE), 300))),
+                        data=memoryview(bytearray(rng.randbytes(300 * PAGE_SIZE))))
+    layer = write_layer(tmp_path / "layer", layer_pages)
+    chain = ChainMemory(base, [layer])
+    top_offsets = sorted(rng.sample(range(0, 24 << 20, PAGE_SIZE), 900))
+    data = bytearray(rng.randbytes(900 * PAGE_SIZE))
+    for i in range(0, 900, 7):  # some zero pages, some equal to what lies below
+        data[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] = bytes(PAGE_SIZE)
+    top = Pages(offsets=array("Q", top_offsets), data=memoryview(data))
+    hashed = flatten(chain, tmp_path / "hashed", top=top)
+    plain = flatten(chain, tmp_path / "plain", top=top, digest=False)
+    assert plain.sha256 == "" and plain.changed_pages == hashed.changed_pages
+    assert (tmp_path / "plain").read_bytes() == (tmp_path / "hashed").read_bytes()
+    assert sha256_file(tmp_path / "plain") == hashed.sha256
+    assert data_extents(tmp_path / "plain") == data_extents(tmp_path / "hashed")

@@ -255,6 +255,10 @@ def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None, digest: b
                 buf = hasher.buffer(min(_CHUNK, size - chunk))
                 view = memoryview(buf)
                 laid.sort(key=lambda piece: not piece.base)  # the base first, then layers and top in order
+                if not digest:  # the buffer was not zeroed (a MiB memset per chunk): only where top pages go
+                    for piece in laid:
+                        if piece.data is not None:
+                            view[piece.at - chunk:piece.at - chunk + piece.length] = _ZERO[:piece.length]
                 for piece in laid:
                     at, end = piece.at - chunk, piece.at - chunk + piece.length
                     if piece.base:
@@ -264,8 +268,10 @@ def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None, digest: b
                     else:
                         changed += len(_changed_pages(buf, at, piece.data))
                         view[at:end] = piece.data
-                if buf != _ZERO[:len(buf)]:
-                    for at, end in _merged((p.at - chunk, p.at - chunk + p.length) for p in laid):
+                ranges = list(_merged((p.at - chunk, p.at - chunk + p.length) for p in laid))
+                # Hashed, the buffer is zero outside the pieces; not hashed, only the pieces are known.
+                if (buf != _ZERO[:len(buf)]) if digest else any(buf[a:b] != _ZERO[:b - a] for a, b in ranges):
+                    for at, end in ranges:
                         os.pwrite(out.fileno(), view[at:end], chunk + at)
                     if chunk + _CHUNK - flushed >= _WRITEBACK:
                         _start_writeback(out.fileno(), flushed, chunk + _CHUNK - flushed)
@@ -379,7 +385,8 @@ class _Hasher:
 
 
 class _NoHash(_Hasher):
-    """A :class:`_Hasher` that hashes nothing: one buffer, filled again as soon as it was written."""
+    """A :class:`_Hasher` that hashes nothing: one buffer, filled again as soon as it was written, and
+    not zeroed (:func:`flatten` zeroes only where top pages are compared; it writes only the pieces)."""
 
     def __init__(self) -> None:
         self._buf = bytearray(_CHUNK)
@@ -388,10 +395,7 @@ class _NoHash(_Hasher):
         pass
 
     def buffer(self, length: int) -> bytearray:
-        if length != _CHUNK:
-            return bytearray(length)
-        self._buf[:] = _ZERO
-        return self._buf
+        return self._buf if length == _CHUNK else bytearray(length)
 
     def update(self, data: bytes | bytearray | memoryview, lent: bool = False) -> None:
         pass
