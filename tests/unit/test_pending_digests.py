@@ -13,13 +13,14 @@ import threading
 from array import array
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from conftest import run_bounded, short_tmp_dir
 from test_runtime_fake_vmm import _written_source
 
 from forkd.runtime.runtime import Runtime
+from forkd.store import layers as memory_layers
 from forkd.store.chains import layer_digest, record_digest
 from forkd.store.errors import SnapshotCorrupt
 from forkd.store.files import DigestCache, sha256_file
@@ -233,3 +234,27 @@ def test_a_memory_file_flattened_without_its_digest_is_the_same_file(tmp_path: P
     assert (tmp_path / "plain").read_bytes() == (tmp_path / "hashed").read_bytes()
     assert sha256_file(tmp_path / "plain") == hashed.sha256
     assert data_extents(tmp_path / "plain") == data_extents(tmp_path / "hashed")
+
+
+def test_a_full_branch_does_not_hash_its_memory_while_it_writes_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller waits for the write only: the digest is computed after publishing, never twice."""
+    asked: list[bool] = []
+    real = memory_layers.flatten
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("digest", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory_layers, "flatten", spy)
+
+    async def scenario() -> None:
+        runtime, source = await _written_source(tmp_path, 5 * PAGE_SIZE)
+        try:
+            await runtime.branches.branch(source.record.id, "f1", mode="full")
+            await _idle(runtime)
+        finally:
+            await runtime.stop()
+
+    run(scenario)
+    assert asked == [False]

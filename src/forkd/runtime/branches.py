@@ -335,12 +335,13 @@ def _write_memory(build_dir: Path, memory: ChainMemory, captured: Pages, kind: s
     pages it had then. So outside the captured pages both agree, and of the captured pages those
     equal to the parent's image are dropped (a child of a diff snapshot holds its chain's layers
     privately too: they were laid in at restore). ``full`` lays the captured pages over the parent's
-    memory into one sparse file, hashed as it is written, so it needs no parent memory.
+    memory into one sparse file, so it needs no parent memory; its digest is computed after
+    publishing (``forkd.store.pending``: ``pending`` until then).
     """
     parent = _read_chain(memory)
-    if kind == "full":
-        flat = memory_layers.flatten(parent, build_dir / MEMORY_FILE, top=captured)
-        return flat.changed_pages, {MEMORY_FILE: flat.sha256}
+    if kind == "full":  # not hashed here: SHA-256 of all guest RAM was most of a full BRANCH (store/pending.py)
+        flat = memory_layers.flatten(parent, build_dir / MEMORY_FILE, top=captured, digest=False)
+        return flat.changed_pages, {}
     layer = memory_layers.write_layer(build_dir / LAYER_FILE, captured, parent)
     return len(layer.offsets), {LAYER_FILE: layer.sha256}
 
