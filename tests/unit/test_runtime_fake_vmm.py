@@ -355,12 +355,14 @@ def test_a_failing_diff_command_keeps_only_the_tail_of_its_stderr(tmp_path: Path
 
 
 def test_a_full_branch_is_the_source_memory_hashed_once_and_a_changed_file_is_still_refused(tmp_path: Path) -> None:
-    async def scenario() -> tuple[SnapshotRecord, bytes, str, str]:
+    async def scenario() -> tuple[SnapshotRecord, SnapshotRecord, bytes, str, str]:
         runtime, source = await _written_source(tmp_path, 5 * PAGE_SIZE)
         try:
             record = await runtime.branches.branch(source.record.id, "f1", mode="full")
             ram = Path(source.vm.state["ram"]).read_bytes()
             memory = record.path / "memory"
+            settled = await runtime.store.pending.settled("f1")  # hashed after publishing (store/pending.py)
+            assert settled is not None
             opened = runtime.store.open("f1")[0].meta["sha256"]["memory"]
             os.chmod(memory, 0o600)
             with open(memory, "r+b") as f:
@@ -368,13 +370,14 @@ def test_a_full_branch_is_the_source_memory_hashed_once_and_a_changed_file_is_st
                 f.write(b"tampered")
             with pytest.raises(Exception, match="memory was modified"):
                 runtime.store.open("f1")
-            return record, ram, sha256_file(memory), opened
+            return record, settled, ram, sha256_file(memory), opened
         finally:
             await runtime.stop()
 
-    record, ram, tampered, opened = run(scenario)
+    record, settled, ram, tampered, opened = run(scenario)
     assert record.meta["memory_kind"] == "full" and record.meta["changed_pages"] == 1
-    assert record.meta["sha256"]["memory"] == hashlib.sha256(ram).hexdigest() == opened != tampered
+    assert record.meta["sha256"]["memory"] == "pending"  # the caller did not wait for it
+    assert settled.meta["sha256"]["memory"] == hashlib.sha256(ram).hexdigest() == opened != tampered
 
 
 def test_a_workspace_suspends_to_a_layer_and_resumes_with_its_memory(tmp_path: Path) -> None:

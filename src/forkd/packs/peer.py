@@ -288,7 +288,7 @@ class PeerPuller:
         parent by tag, so only those can be built on)."""
         held = []
         for layer in chain[:-1]:
-            record = self.store.registry.get_snapshot(layer.tag)
+            record = self.store.settle_one(self.store.registry.get_snapshot(layer.tag))  # a pending digest: waited
             if record is None or record.status != "ready" or record_digest(record) != layer.digest:
                 break
             held.append(layer)

@@ -135,12 +135,21 @@ class PackService:
                                 f"compact it first with `forkd snapshot-compact {tag} NEW`")
         return records
 
+    def settled_chain(self, tag: str) -> list[SnapshotRecord]:
+        """:meth:`chain` once no link's digest is pending (blocking): a pack names its layers by digest."""
+        chain = self.chain(tag)
+        settled = self.store.settle(chain)
+        if len(settled) != len(chain):
+            raise SnapshotError(f"a snapshot of the chain of {tag!r} was removed, or failed, while its digest "
+                                "was computed")
+        return settled
+
     async def pack(self, tag: str, output: Path, force: bool, progress: Progress) -> dict[str, Any]:
         return await self._pack(tag, self.pack_output(output), force, progress)
 
     async def _pack(self, tag: str, output: Path, force: bool, progress: Progress) -> dict[str, Any]:
         archive.check_output(output, force)
-        chain = self.chain(tag)
+        chain = await asyncio.to_thread(self.settled_chain, tag)
         progress(f"packing {' → '.join(r.tag for r in chain)}")
         started = time.monotonic()
         needed = await asyncio.to_thread(_allocated_bytes, chain)
@@ -180,6 +189,7 @@ class PackService:
         root = manifest.snapshots[0]
         if root.parent_tag is not None:
             parent = self.registry.get_snapshot(root.parent_tag)
+            parent = self.store.settle_one(parent)
             if parent is None:
                 raise PackError(f"snapshot {root.tag!r} needs parent {root.parent_tag!r}, which is neither in the pack "
                                 "nor in the store: pull or unpack the parent first")
@@ -188,6 +198,7 @@ class PackService:
                                 "(parent digest differs)")
         for ancestor in ancestors:
             existing = self.registry.get_snapshot(ancestor.tag)
+            existing = self.store.settle_one(existing)
             if existing is None:
                 continue
             if layer_digest(existing.meta["sha256"]) != ancestor.digest:

@@ -52,6 +52,7 @@ from forkd.store.layout import (
     baked_files,
     branch_files,
 )
+from forkd.store.pending import pending_files
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.snapshots import Claim, SnapshotStore
 from forkd.store.space import SpaceFloor
@@ -209,6 +210,9 @@ class BranchService:
                 await asyncio.wait((before,))
                 timings.mark("parent_written")
             parent = self.registry.get_snapshot(record.parent_tag)
+            if parent is not None and parent.status == "ready" and pending_files(parent.meta):
+                parent = await self.store.pending.settled(parent.tag)  # this one records its parent's digests
+                timings.mark("parent_digest")
             if parent is None or parent.status != "ready":
                 raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} was not written")
             chain = self.store.ancestry(parent)
@@ -260,6 +264,7 @@ class BranchService:
         else:
             memory_kind = "diff" if mode == "diff" else "full"
             changed, written = await blocking(_write_memory, build_dir, memory, capture.pages, memory_kind)
+        deferred = [MEMORY_FILE] if not standalone and memory_kind == "full" else []  # hashed after publishing
         timings.mark("layer_written")
         meta = {
             **{k: parent.meta[k] for k in INHERITED_META if k in parent.meta},
@@ -276,7 +281,7 @@ class BranchService:
         if mode == "live":
             meta["precopied"] = capture.precopied
         names = baked_files(disk) if standalone else branch_files(disk, meta)
-        meta["sha256"] = await blocking(self.store.seal, build_dir, names, written)
+        meta["sha256"] = await blocking(self.store.seal, build_dir, names, written, deferred)
         meta["sizes"] = {name: (build_dir / name).stat().st_size for name in names}
         timings.mark("sealed")
         return meta
@@ -330,12 +335,13 @@ def _write_memory(build_dir: Path, memory: ChainMemory, captured: Pages, kind: s
     pages it had then. So outside the captured pages both agree, and of the captured pages those
     equal to the parent's image are dropped (a child of a diff snapshot holds its chain's layers
     privately too: they were laid in at restore). ``full`` lays the captured pages over the parent's
-    memory into one sparse file, hashed as it is written, so it needs no parent memory.
+    memory into one sparse file, so it needs no parent memory; its digest is computed after
+    publishing (``forkd.store.pending``: ``pending`` until then).
     """
     parent = _read_chain(memory)
-    if kind == "full":
-        flat = memory_layers.flatten(parent, build_dir / MEMORY_FILE, top=captured)
-        return flat.changed_pages, {MEMORY_FILE: flat.sha256}
+    if kind == "full":  # not hashed here: SHA-256 of all guest RAM was most of a full BRANCH (store/pending.py)
+        flat = memory_layers.flatten(parent, build_dir / MEMORY_FILE, top=captured, digest=False)
+        return flat.changed_pages, {}
     layer = memory_layers.write_layer(build_dir / LAYER_FILE, captured, parent)
     return len(layer.offsets), {LAYER_FILE: layer.sha256}
 

@@ -74,7 +74,8 @@ class NodeService:
                 "snapshots": self._snapshots()}
 
     def _snapshots(self) -> list[dict[str, Any]]:
-        records = [r for r in self.store.registry.list_snapshots() if "sha256" in r.meta]
+        # Peers and the cluster place by digest: one still being computed (a full BRANCH's) is waited for.
+        records = [r for r in self.store.settle(self.store.registry.list_snapshots()) if "sha256" in r.meta]
         by_tag = {r.tag: r for r in records}
         listed = []
         for record in records:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.store.layout import LAYER_FILE, MEMORY_FILE, memory_layer_name
+from forkd.store.pending import PENDING, DigestPending
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.usage import directory_usage
 
@@ -40,6 +41,9 @@ def layer_digest(file_digests: dict[str, str]) -> str:
     it. A child layer records its parent's digest, so a parent replaced by other content is noticed
     whether it comes from the pack or from the store.
     """
+    if PENDING in file_digests.values():
+        raise DigestPending(f"the digests of {', '.join(n for n, d in sorted(file_digests.items()) if d == PENDING)} "
+                            "are still being computed; wait for them (PendingDigests) before naming the snapshot")
     lines = "".join(f"{name}={digest}\n" for name, digest in sorted(file_digests.items()))
     return hashlib.sha256(lines.encode()).hexdigest()
 
@@ -53,6 +57,8 @@ def parent_digests(parent: SnapshotRecord, disk_file: str) -> dict[str, str]:
     """What a branch records of its parent (its memory and disk layers) so that a replaced parent is refused."""
     digests = parent.meta["sha256"]
     names = (memory_layer_name(parent.meta), disk_file)
+    if any(digests.get(name) == PENDING for name in names):
+        raise DigestPending(f"snapshot {parent.tag!r}'s digests are still being computed; wait for them first")
     missing = [name for name in names if name not in digests]
     if missing:
         raise ChainBroken(f"snapshot {parent.tag!r} has no {' or '.join(missing)}: it was saved by another VMM "

@@ -13,6 +13,13 @@ from pathlib import Path
 from typing import Any
 
 _CHUNK = 4 * 1024 * 1024
+Version = tuple[int, int, int, int, int]  # (device, inode, size, mtime, ctime): see DigestCache
+
+
+def file_version(path: Path) -> Version:
+    """What identifies one version of a file's bytes (see :class:`DigestCache`)."""
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class DigestCache:
@@ -29,9 +36,8 @@ class DigestCache:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _version(path: Path) -> tuple[int, int, int, int, int]:
-        st = path.stat()
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    def _version(path: Path) -> Version:
+        return file_version(path)
 
     def remember(self, path: Path, digest: str) -> None:
         """Record ``digest``, computed by the caller over the bytes it just wrote, for the file as it is now."""

@@ -212,7 +212,7 @@ class Flattened:
     changed_pages: int
 
 
-def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None) -> Flattened:
+def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None, digest: bool = True) -> Flattened:
     """Write what ``memory``'s children see, with ``top`` (pages copied out of a VMM) laid over it, into
     one sparse file, and hash it in the same pass.
 
@@ -223,7 +223,8 @@ def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None) -> Flatte
     back to hash it: the digest is the plain SHA-256 of its bytes, the same a later
     :func:`forkd.store.files.sha256_file` finds. Hashing runs in a second thread, behind the writing
     (hashlib releases the GIL); writeback starts every 16 MiB written, and the file is fsynced
-    before it returns.
+    before it returns. ``digest=False``: not hashed at all (``sha256`` is empty): a BRANCH publishes
+    first and hashes after (``forkd.store.pending``), since SHA-256 of a GiB is most of the work here.
     """
     size = os.path.getsize(memory.base)
     pieces: dict[int, list[_Piece]] = {}  # chunk index → what is laid over it, in order
@@ -242,7 +243,7 @@ def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None) -> Flatte
         extents = data_extents(memory.base)
         for start, end in extents:
             _split(pieces, start, min(end, size) - start, lambda at, n: _Piece(at, n, base=True))
-        with open(memory.base, "rb") as src, open(dest, "wb") as out, _Hasher() as hasher:
+        with open(memory.base, "rb") as src, open(dest, "wb") as out, (_Hasher() if digest else _NoHash()) as hasher:
             out.truncate(size)
             changed = 0
             flushed = 0  # written data before this offset is on its way to disk
@@ -254,6 +255,10 @@ def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None) -> Flatte
                 buf = hasher.buffer(min(_CHUNK, size - chunk))
                 view = memoryview(buf)
                 laid.sort(key=lambda piece: not piece.base)  # the base first, then layers and top in order
+                if not digest:  # the buffer was not zeroed (a MiB memset per chunk): only where top pages go
+                    for piece in laid:
+                        if piece.data is not None:
+                            view[piece.at - chunk:piece.at - chunk + piece.length] = _ZERO[:piece.length]
                 for piece in laid:
                     at, end = piece.at - chunk, piece.at - chunk + piece.length
                     if piece.base:
@@ -263,20 +268,22 @@ def flatten(memory: ChainMemory, dest: Path, top: Pages | None = None) -> Flatte
                     else:
                         changed += len(_changed_pages(buf, at, piece.data))
                         view[at:end] = piece.data
-                if buf != _ZERO[:len(buf)]:
-                    for at, end in _merged((p.at - chunk, p.at - chunk + p.length) for p in laid):
+                ranges = list(_merged((p.at - chunk, p.at - chunk + p.length) for p in laid))
+                # Hashed, the buffer is zero outside the pieces; not hashed, only the pieces are known.
+                if (buf != _ZERO[:len(buf)]) if digest else any(buf[a:b] != _ZERO[:b - a] for a, b in ranges):
+                    for at, end in ranges:
                         os.pwrite(out.fileno(), view[at:end], chunk + at)
                     if chunk + _CHUNK - flushed >= _WRITEBACK:
                         _start_writeback(out.fileno(), flushed, chunk + _CHUNK - flushed)
                         flushed = chunk + _CHUNK
                 hasher.update(buf, lent=True)
-            digest = hasher.hexdigest()
+            hexdigest = hasher.hexdigest()
             out.flush()
             os.fsync(out.fileno())
     finally:
         for fd in fds:
             os.close(fd)
-    return Flattened(sha256=digest, changed_pages=changed)
+    return Flattened(sha256=hexdigest, changed_pages=changed)
 
 
 @dataclass(frozen=True)
@@ -375,6 +382,29 @@ class _Hasher:
         done.result()
         if lent is not None:
             self._free.append(lent)
+
+
+class _NoHash(_Hasher):
+    """A :class:`_Hasher` that hashes nothing: one buffer, filled again as soon as it was written, and
+    not zeroed (:func:`flatten` zeroes only where top pages are compared; it writes only the pieces)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray(_CHUNK)
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def buffer(self, length: int) -> bytearray:
+        return self._buf if length == _CHUNK else bytearray(length)
+
+    def update(self, data: bytes | bytearray | memoryview, lent: bool = False) -> None:
+        pass
+
+    def zero(self, length: int) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return ""
 
 
 _WRITEBACK = 16 << 20  # a flattened file's data is sent to disk every 16 MiB written, so the fsync at the end is short

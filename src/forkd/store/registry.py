@@ -323,6 +323,11 @@ class Registry:
             params.append(parent_tag)
         self._execute(f"UPDATE snapshots SET {', '.join(sets)} WHERE tag = ?", (*params, tag))
 
+    def replace_snapshot_meta(self, tag: str, created_at: float, old: dict[str, Any], new: dict[str, Any]) -> bool:
+        """Compare and set a ready snapshot's meta: a digest computed after publishing lands only on that snapshot."""
+        return self._db.execute("UPDATE snapshots SET meta = ? WHERE tag = ? AND created_at = ? AND status = 'ready' "
+                                "AND meta = ?", (json.dumps(new), tag, created_at, json.dumps(old))).rowcount == 1
+
     def snapshot_children(self, tag: str) -> list[str]:
         return [r[0] for r in self._execute("SELECT tag FROM snapshots WHERE parent_tag = ? ORDER BY created_at",
                                             (tag,))]

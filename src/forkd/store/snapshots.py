@@ -35,9 +35,28 @@ from pathlib import Path
 from typing import Any
 
 from forkd.guest.protocol import AGENT_VERSION
-from forkd.store.chains import ChainBroken, ancestry, chain_memory, descendants, parent_digests, record_digest
-from forkd.store.errors import DigestNotFound, SnapshotConflict, SnapshotCorrupt, SnapshotError
-from forkd.store.files import RENAME_NOREPLACE, DigestCache, fsync_dir, fsync_tree, renameat2, write_json_atomic
+from forkd.store.chains import (
+    ChainBroken,
+    ancestry,
+    chain_memory,
+    descendants,
+    parent_digests,
+    record_digest,
+)
+from forkd.store.errors import (
+    DigestNotFound,
+    SnapshotConflict,
+    SnapshotCorrupt,
+    SnapshotError,
+)
+from forkd.store.files import (
+    RENAME_NOREPLACE,
+    DigestCache,
+    fsync_dir,
+    fsync_tree,
+    renameat2,
+    write_json_atomic,
+)
 from forkd.store.io import blocking, remove_tree
 from forkd.store.layers import LayerError, read_layer
 from forkd.store.layout import (
@@ -50,10 +69,17 @@ from forkd.store.layout import (
     STATE_FILE,
     snapshot_format,
 )
+from forkd.store.pending import PENDING, PendingDigests, pending_files
 from forkd.store.registry import Registry, SnapshotRecord
 from forkd.store.usage import directory_usage
 from forkd.validation import check_tag, is_tag
-from forkd.vmm.base import BootSpec, MachineIdentity, SavedVm, SnapshotMismatch, machine_of
+from forkd.vmm.base import (
+    BootSpec,
+    MachineIdentity,
+    SavedVm,
+    SnapshotMismatch,
+    machine_of,
+)
 from forkd.vmm.disk import DiskFormat
 
 HostIdentity = Callable[[BootSpec], MachineIdentity]
@@ -92,6 +118,7 @@ class SnapshotStore:
         self.disk = disk
         self._claims: dict[str, Claim] = {}
         self._lock = threading.Lock()  # claims are taken on the loop and released from worker threads
+        self.pending = PendingDigests(registry, digests)  # digests computed after publishing (pending.py)
 
     # tags ------------------------------------------------------------------------------------------
 
@@ -141,16 +168,22 @@ class SnapshotStore:
         path.mkdir()
         return path
 
-    def seal(self, directory: Path, names: Sequence[str], written: Mapping[str, str] | None = None) -> dict[str, str]:
+    def seal(self, directory: Path, names: Sequence[str], written: Mapping[str, str] | None = None,
+             deferred: Sequence[str] = ()) -> dict[str, str]:
         """Make a new snapshot's files read-only and hash them as they now are on disk.
 
         ``written``: digests the builder computed over the bytes it just wrote (:func:`forkd.store.layers.flatten`
         returns one), so those files are not read again. The digests stay known for the read-only
-        files, so a fork of the new snapshot does not hash them either.
+        files, so a fork of the new snapshot does not hash them either. ``deferred``: files recorded
+        as :data:`~forkd.store.pending.PENDING`, hashed after publishing (:meth:`publish` starts it).
         """
         digests = {}
         for name in names:
             path = directory / name
+            if name in deferred:
+                os.chmod(path, 0o400)
+                digests[name] = PENDING
+                continue
             if written and name in written:
                 self.digests.remember(path, written[name])
             digests[name] = self.digests.sha256(path)
@@ -205,6 +238,8 @@ class SnapshotStore:
             for origin, now in reversed(moved):
                 os.rename(now, origin)
             raise
+        for record in records:
+            self.pending.start(record)  # digests sealed as pending: computed from now on, on their own thread
 
     @staticmethod
     def _rename_into_place(build_dir: Path, final: Path) -> None:
@@ -231,9 +266,29 @@ class SnapshotStore:
         return record
 
     def by_digest(self, digest: str) -> SnapshotRecord | None:
-        """A ready snapshot whose layer digest is ``digest`` (tags are local names; digests travel)."""
-        return next((r for r in self.registry.list_snapshots()
+        """A ready snapshot whose layer digest is ``digest`` (tags are local names; digests travel).
+
+        Blocking: snapshots whose digests are pending are waited for, so one just branched is found.
+        """
+        return next((r for r in self.settle(self.registry.list_snapshots())
                      if r.status == "ready" and "sha256" in r.meta and record_digest(r) == digest), None)
+
+    def settle(self, records: Sequence[SnapshotRecord]) -> list[SnapshotRecord]:
+        """``records`` as registered once none of their digests is pending (blocking; see pending.py).
+        Left out: one removed meanwhile, and one that will never have its digest (its file changed
+        before it was hashed: it is ``failed``), so no caller ever sees ``pending`` as a digest."""
+        settled = []
+        for record in records:
+            if pending_files(record.meta):
+                try:
+                    now = self.pending.wait(record.tag) if record.status == "ready" else None
+                except SnapshotCorrupt:
+                    continue
+                if now is None or pending_files(now.meta):
+                    continue
+                record = now
+            settled.append(record)
+        return settled
 
     def get_digest(self, digest: str) -> SnapshotRecord:
         record = self.by_digest(digest)
@@ -242,8 +297,12 @@ class SnapshotStore:
                                  "GET /v1/node, or pull it from a node that holds it (POST /v1/node/pull)")
         return record
 
+    def settle_one(self, record: SnapshotRecord | None) -> SnapshotRecord | None:
+        """:meth:`settle` of one record (``None``: none, or removed meanwhile)."""
+        return next(iter(self.settle([record])), None) if record is not None else None
+
     def chain(self, tag: str) -> list[SnapshotRecord]:
-        """The ready snapshot ``tag`` and its ancestors, top first (see :func:`ancestry`)."""
+        """The ready snapshot ``tag`` and its ancestors, top first (see :func:`ancestry`); digests may be pending."""
         record = self.get(tag)
         if record.status != "ready":
             raise SnapshotConflict(f"snapshot {tag!r} is {record.status}, not ready")
@@ -291,7 +350,14 @@ class SnapshotStore:
     def verify(self, record: SnapshotRecord) -> None:
         """Every file of one snapshot still has the digest recorded when it was saved."""
         tag = record.tag
+        if any(not self.pending.trusted(record, name) for name in pending_files(record.meta)):
+            settled = self.pending.wait(tag)  # not as published: hashed first (which refuses a change), then checked
+            if settled is None or pending_files(settled.meta):
+                raise SnapshotCorrupt(f"snapshot {tag!r} was removed or failed while it was being verified")
+            record = settled
         for name, digest in record.meta["sha256"].items():
+            if digest == PENDING:  # exactly as published (stat unchanged): what DigestCache trusts too
+                continue
             try:
                 actual = self.digests.sha256(record.path / name)
             except OSError as exc:
@@ -368,7 +434,8 @@ class SnapshotStore:
 
     def reap(self) -> list[str]:
         """What a dead daemon left: ``writing`` records become ``failed``; build directories and
-        directories no record names are removed (nothing can use them). Returns the names removed.
+        directories no record names are removed (nothing can use them); digests left pending are
+        computed again, in the background (pending.py). Returns the names removed.
 
         Blocking; run at start, before anything claims a tag.
         """
@@ -384,4 +451,5 @@ class SnapshotStore:
             if ours and entry.is_dir() and not entry.is_symlink() and not self.held_for(entry.name):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
+        self.pending.resume()
         return removed
