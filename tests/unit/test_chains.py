@@ -68,3 +68,20 @@ def test_descendants_deepest_first_and_description(chain: Registry) -> None:
     assert info["dependents"] == [] and 0 < info["own_bytes"] < info["chain_bytes"]
     assert info["disk"] == directory_usage(chain.get_snapshot("c").path)  # the listing's meaning, not another
     assert sorted(describe_chain(chain, chain.get_snapshot("a"))["dependents"]) == ["b", "side"]
+
+
+def test_a_layer_that_names_itself_as_parent_ends_every_walk(tmp_path: Path) -> None:
+    """Branching a sandbox whose head snapshot was removed, to that same tag, registered a layer whose
+    parent is itself: listing it then walked its ancestors (and removing it its dependents) forever."""
+    registry = Registry(tmp_path / "state.db")
+    add(registry, tmp_path, "root", None, kind="full")
+    (tmp_path / "loop").mkdir()
+    registry.add_snapshot(SnapshotRecord("loop", "ready", "default", tmp_path / "loop", 1.0,
+                                         {"memory_kind": "diff", "sha256": {"memory.layer": "m", DISK: "d"}},
+                                         parent_tag="loop"))
+    add(registry, tmp_path, "above", "loop")
+    info = describe_chain(registry, registry.get_snapshot("above"))
+    assert (info["depth"], info["ancestors"]) == (1, ["loop"])
+    assert descendants(registry, "loop") == ["above"]
+    with pytest.raises(ChainBroken, match="loops"):
+        ancestry(registry, registry.get_snapshot("above"), DISK)

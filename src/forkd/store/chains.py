@@ -101,20 +101,26 @@ def chain_memory(chain: list[SnapshotRecord]) -> ChainMemory:
 def descendants(registry: Registry, tag: str) -> list[str]:
     """Every snapshot branched (directly or not) from ``tag``, deepest first: a safe removal order."""
     found: list[str] = []
+    seen = {tag}
     frontier = [tag]
     while frontier:
-        children = [c for t in frontier for c in registry.snapshot_children(t)]
+        children = [c for t in frontier for c in registry.snapshot_children(t) if c not in seen]
+        seen.update(children)
         found.extend(children)
         frontier = children
     return list(reversed(found))
 
 
 def registered_ancestors(registry: Registry, record: SnapshotRecord) -> list[SnapshotRecord]:
-    """``record``'s ancestors as registered, parent first, up to the first missing link (no checks, no file I/O)."""
+    """``record``'s ancestors as registered, parent first, up to the first missing link or the first one
+    seen twice (a layer branched to the tag of its own removed parent names itself as parent; no
+    checks, no file I/O)."""
     ancestors: list[SnapshotRecord] = []
+    seen = {record.tag}
     link = record
-    while link.parent_tag is not None and (parent := registry.get_snapshot(link.parent_tag)) is not None:
+    while (tag := link.parent_tag) is not None and tag not in seen and (parent := registry.get_snapshot(tag)) is not None:
         ancestors.append(parent)
+        seen.add(parent.tag)
         link = parent
     return ancestors
 
