@@ -4,16 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from forkd.store.registry import (
-    MIGRATIONS,
-    SCHEMA_VERSION,
-    Registry,
-    SandboxRecord,
-    SchemaTooNew,
-    SnapshotRecord,
-    migrate,
-    schema_version,
-)
+from forkd.store.registry import Registry, SandboxRecord, SnapshotRecord
+from forkd.store.schema import MIGRATIONS, SCHEMA_VERSION, SchemaTooNew, migrate, schema_version
 
 
 def test_snapshots_persist_across_reopen(tmp_path: Path) -> None:
