@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import short_tmp_dir
+from conftest import short_tmp_dir, vmm_processes_under
 from test_runtime_fake_vmm import _runtime, run
 
 from forkd.runtime.options import RuntimeOptions
-from forkd.vmm.fake import PROGRAM, FakeBehaviour, FakeVmm
+from forkd.vmm.fake import FakeBehaviour, FakeVmm
 
 CHILDREN = 6
 
@@ -22,23 +22,6 @@ CHILDREN = 6
 def tmp_path() -> Iterator[Path]:
     with short_tmp_dir("fks-") as directory:
         yield directory
-
-
-def _vmms_under(root: Path) -> list[int]:
-    """Fake VMM processes (``tail -f RUN_DIR/console.log``) whose run directory lies under ``root``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and Path(argv[0].decode()).name == PROGRAM and \
-                any(arg.decode(errors="replace").startswith(f"{root}/") for arg in argv[1:]):
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.mark.parametrize("keep_on_stop", [False, True])
@@ -53,11 +36,11 @@ def test_stopping_mid_fork_kills_every_vmm_it_started(tmp_path: Path, keep_on_st
         options = RuntimeOptions(max_concurrent_forks=3, keep_sandboxes_on_stop=keep_on_stop)
         runtime = await _runtime(tmp_path, vmm, options=options)
         outcomes = await runtime.spawner.start_fork("base", CHILDREN)
-        while len(_vmms_under(sandboxes)) < 3:  # three restoring, three waiting for a slot
+        while len(vmm_processes_under(sandboxes)) < 3:  # three restoring, three waiting for a slot
             await asyncio.sleep(0.02)
         assert runtime.sandboxes.live() == [] and runtime.spawner.starting() == CHILDREN
         await runtime.stop()
-        assert _vmms_under(sandboxes) == []
+        assert vmm_processes_under(sandboxes) == []
         assert list(sandboxes.iterdir()) == []  # every run directory released
         heard = [outcome async for outcome in outcomes]
         assert len(heard) == CHILDREN and all(o.error is not None and "daemon is stopping" in o.error.message
