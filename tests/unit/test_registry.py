@@ -208,3 +208,35 @@ def test_connections_of_ended_threads_are_closed(tmp_path: Path) -> None:
     assert open_files() <= baseline + 2  # each new connection closed those of the threads before
     registry.close()
     assert open_files() == 0
+
+
+def test_closing_never_closes_a_connection_under_a_running_query(tmp_path: Path) -> None:
+    """The daemon closes its registry while a worker thread may still be inside a query (a sandbox's
+    release): that connection is closed by its own thread once the query ends, never under it (which
+    crashed the sqlite3 module in CI); a query begun after the close is refused."""
+    registry = Registry(tmp_path / "state.db")
+    inside, closed, done = threading.Event(), threading.Event(), threading.Event()
+    outcome: list[object] = []
+
+    def worker() -> None:
+        try:
+            with registry._transaction() as db:
+                inside.set()
+                closed.wait(10)
+                db.execute("SELECT count(*) FROM snapshots").fetchall()
+            outcome.append("done")
+        except Exception as exc:  # recorded for the assertion below
+            outcome.append(exc)
+        done.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert inside.wait(10)
+    registry.close()
+    closed.set()
+    assert done.wait(10)
+    thread.join(10)
+    assert outcome == ["done"]
+    assert registry._connections == {}  # the worker closed its own once its query ended
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        registry.list_snapshots()

@@ -7,6 +7,7 @@ snapshot always has its files.
 
 from __future__ import annotations
 
+import collections
 import json
 import sqlite3
 import threading
@@ -114,6 +115,7 @@ class Registry:
         self._local = threading.local()
         self._connections: dict[threading.Thread, sqlite3.Connection] = {}
         self._guard = threading.Lock()  # only around the table of connections, never around a query
+        self._busy: collections.Counter[threading.Thread] = collections.Counter()  # threads inside a query
         self._closed = False
         db = self._db
         try:
@@ -140,11 +142,30 @@ class Registry:
         return db
 
     def close(self) -> None:
+        """No query starts from now on; every connection is closed, a busy one by its own thread once its
+        query ends (closing a connection under another thread's running query crashes the sqlite3 module)."""
         with self._guard:
             self._closed = True
-            for db in self._connections.values():
-                db.close()
-            self._connections.clear()
+            for thread in [thread for thread in self._connections if thread not in self._busy]:
+                self._connections.pop(thread).close()
+
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection, marked busy for as long as the caller uses it."""
+        me = threading.current_thread()
+        with self._guard:
+            if self._closed:
+                raise sqlite3.ProgrammingError("the registry is closed")
+            self._busy[me] += 1
+        try:
+            yield self._db
+        finally:
+            with self._guard:
+                self._busy[me] -= 1
+                if not self._busy[me]:
+                    del self._busy[me]
+                    if self._closed and me in self._connections:
+                        self._connections.pop(me).close()
 
     def _close_connections_of_ended_threads(self) -> None:
         """A thread that ended cannot use its connection again: close it, so short-lived threads
@@ -153,19 +174,20 @@ class Registry:
             self._connections.pop(thread).close()
 
     def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        return self._db.execute(sql, params).fetchall()
+        with self._connection() as db:
+            return db.execute(sql, params).fetchall()
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """``BEGIN IMMEDIATE`` … ``COMMIT`` on this thread's connection: all of it or none of it."""
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+        with self._connection() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
 
     # snapshots
 
@@ -196,8 +218,9 @@ class Registry:
 
     def replace_snapshot_meta(self, tag: str, created_at: float, old: dict[str, Any], new: dict[str, Any]) -> bool:
         """Compare and set a ready snapshot's meta: a digest computed after publishing lands only on that snapshot."""
-        return self._db.execute("UPDATE snapshots SET meta = ? WHERE tag = ? AND created_at = ? AND status = 'ready' "
-                                "AND meta = ?", (json.dumps(new), tag, created_at, json.dumps(old))).rowcount == 1
+        with self._connection() as db:
+            return db.execute("UPDATE snapshots SET meta = ? WHERE tag = ? AND created_at = ? AND status = 'ready' "
+                              "AND meta = ?", (json.dumps(new), tag, created_at, json.dumps(old))).rowcount == 1
 
     def snapshot_children(self, tag: str) -> list[str]:
         return [r[0] for r in self._execute("SELECT tag FROM snapshots WHERE parent_tag = ? ORDER BY created_at",
