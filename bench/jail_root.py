@@ -140,7 +140,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "jail_root.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(report)
-    for mode in modes:
+    for mode in report["start_ms"]:
         print(f"{mode}: p50 {report['start_ms'][mode]['p50']:.1f} ms, p90 {report['start_ms'][mode]['p90']:.1f} ms")
     for mode, values in report["spawn_ms"].items():
         print(f"jail only ({mode}): p50 {values['p50']:.2f} ms, p90 {values['p90']:.2f} ms")

@@ -96,7 +96,8 @@ def arm(daemon: BenchDaemon, args: argparse.Namespace, reclaimed: bool, device: 
     load_before = load()
     controller = daemon.start(idle_stop_s=args.idle_stop, keep_on_stop=False, idle_reclaim=reclaimed)
     try:
-        forked = fork_all(controller, args.tag, args.n, args.n)
+        assert daemon.process is not None
+        forked = fork_all(controller, daemon.process.pid, args.tag, args.n, args.n)
         ids = forked.pop("ids")
         warm = timed_evals(controller, ids)
         pids = [int(s["pid"]) for s in controller.sandboxes() if s["id"] in ids]
