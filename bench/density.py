@@ -120,12 +120,29 @@ class BenchDaemon:
             self.process.kill()
             self.process.wait()
         self.process = None
+        if not leave_children and (left := kill_left_behind(self.home / "sandboxes")):
+            print(f"killed {left} VMMs the daemon left running under {self.home}", flush=True)
 
     def idle_stopped(self) -> int:
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), timeout=60) as client:
             text = client.get("http://forkd/metrics").text
         return int(float(next(line.split()[1] for line in text.splitlines()
                               if line.startswith("forkd_sandboxes_idle_stopped "))))
+
+
+def kill_left_behind(sandboxes: Path) -> int:
+    """Kill the VMMs a stopped daemon left running under ``sandboxes``: one that exits without killing
+    its children (a second SIGTERM, the kill after START_BOUND_S) leaves them for re-adoption, and a
+    bench that then removes its home would leave them orphaned."""
+    needle = f"{sandboxes}/".encode()
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if needle in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    killed += 1
+    return killed
 
 
 def bench_home(args: argparse.Namespace, name: str) -> Path:
