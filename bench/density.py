@@ -56,6 +56,8 @@ from figures import load_span, plt, save  # bench/figures.py, next to this scrip
 from spawn import load, quantiles, smaps_breakdown  # bench/spawn.py
 
 from forkd.sdk.controller import Controller, DaemonUnreachable
+from forkd.vmm.process import processes_under
+from forkd.vmm.qemu_machine import QEMU_BINARY
 
 RESULTS = Path(__file__).with_name("results")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -133,16 +135,13 @@ class BenchDaemon:
 def kill_left_behind(sandboxes: Path) -> int:
     """Kill the VMMs a stopped daemon left running under ``sandboxes``: one that exits without killing
     its children (a second SIGTERM, the kill after START_BOUND_S) leaves them for re-adoption, and a
-    bench that then removes its home would leave them orphaned."""
-    needle = f"{sandboxes}/".encode()
-    killed = 0
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if needle in (entry / "cmdline").read_bytes():
-                    os.kill(int(entry.name), signal.SIGKILL)
-                    killed += 1
-    return killed
+    bench that then removes its home would leave them orphaned. Found as the daemon's recovery finds
+    them (the QEMU binary naming a directory under ``sandboxes``)."""
+    left = {ref.pid for ref in processes_under(sandboxes, Path(QEMU_BINARY).name)}
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return len(left)
 
 
 def bench_home(args: argparse.Namespace, name: str) -> Path:
