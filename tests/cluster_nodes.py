@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forkd.sdk.controller import Controller, DaemonUnreachable
 from conftest import _fake_image, vmm_processes_under
+from free_ports import free_port
+
+from forkd.sdk.controller import Controller, DaemonUnreachable
 
 HERE = Path(__file__).resolve().parent
 SNAPSHOT_MIB = 128  # the baked snapshot's RAM: the least the API takes (sparse), its pulls are quick
@@ -29,12 +30,6 @@ START_BOUND_S = 60.0
 # machine's slow raylet is not declared dead by mistake.
 HEALTH_CHECKS = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
                  "health_check_timeout_ms": 1000, "health_check_failure_threshold": 4}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -17,7 +17,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from typing import Any
 
 import pytest
 import uvicorn
+import zram_swap
+from free_ports import free_port
 
 from forkd.config import Paths, paths_from_env
 from forkd.guest.protocol import AGENT_VERSION
@@ -39,7 +40,6 @@ from forkd.runtime.sandboxes import SandboxService
 from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
 from forkd.store.registry import Registry
 from forkd.vmm.backends import create_vmm
-import zram_swap
 
 #: The VM suite's daemon bounds chains at this many ancestors, so pause, snapshot and BRANCH loops cross it
 #: (tests/vm/test_pause_chain_vm.py, test_chain_bound_vm.py, test_branch.py).
@@ -179,23 +179,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.write_line(f"VM tests run: {ran}{note} — {detail}")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def vm_env_for(home: Path) -> dict[str, str]:
     env = os.environ.copy()
     env["FORKD_HOME"] = str(home)
     env["FORKD_SOCKET"] = str(home / "forkd.sock")
     env.pop("FORKD_URL", None)
     # Also a loopback TCP listener with a token of its own, as a networked daemon runs (tests/vm/test_fuzz_live.py).
-    env["FORKD_LISTEN"] = f"127.0.0.1:{_free_port()}"
+    env["FORKD_LISTEN"] = f"127.0.0.1:{free_port()}"
     env["FORKD_TOKEN"] = secrets.token_hex(32)
     # nat guests' DNS relay goes to the "outside" namespace tests/vm/test_network.py makes, never off the host.
     env["FORKD_DNS"] = "192.168.250.2"
-    env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{_free_port()}"  # the E2B front (tests/vm/test_e2b_clients.py)
+    env["FORKD_E2B_LISTEN"] = f"127.0.0.1:{free_port()}"  # the E2B front (tests/vm/test_e2b_clients.py)
     # Pulls and pushes reach the HTTP servers tests run on loopback (a private address needs naming).
     config = home / "forkd-test.toml"
     config.write_text('[transfers]\nallow_hosts = ["127.0.0.1"]\n\n'

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from free_ports import free_port
 
 TOKEN = "9d8c7b6a5f4e3d2c1b0a99887766554433221100ffeeddccbbaa998877665544"
 AUDIT_MAX_BYTES = 16384
@@ -21,17 +22,11 @@ AUDIT_BACKUPS = 2
 MAX_CONNECTIONS = 50
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     home = tmp_path_factory.mktemp("home")
     (home / "token").write_text(TOKEN)
-    port = _free_port()
+    port = free_port()
     (home / "forkd.toml").write_text(
         f'listen = "127.0.0.1:{port}"\ntoken_file = "{home / "token"}"\n'
         f'[audit]\nmax_bytes = {AUDIT_MAX_BYTES}\nbackups = {AUDIT_BACKUPS}\n'

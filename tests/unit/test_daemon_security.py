@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from free_ports import free_port
 
 from forkd.listeners import TokenRejected, check_token
 from forkd.sdk.controller import Controller
@@ -38,12 +38,6 @@ def _trusting(cert: str | Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(cert))
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _daemon_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORKD_")}
     env.update(FORKD_HOME=str(home), FORKD_SOCKET=str(home / "forkd.sock"), FORKD_CACHE=str(home / "cache"))
@@ -60,7 +54,7 @@ def _run_daemon(home: Path, *args: str, token: str | None = None) -> subprocess.
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "0.0.0.0"])
 def test_tcp_without_a_token_refuses_to_start(tmp_path: Path, address: str) -> None:
-    ran = subprocess.run([sys.executable, "-m", "forkd", "daemon", "--listen", f"{address}:{_free_port()}"],
+    ran = subprocess.run([sys.executable, "-m", "forkd", "daemon", "--listen", f"{address}:{free_port()}"],
                          env=_daemon_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert ran.returncode != 0
     assert "needs a bearer token" in ran.stderr
@@ -82,7 +76,7 @@ def tls_daemon(tmp_path_factory: pytest.TempPathFactory, tls_files: tuple[Path, 
     home = tmp_path_factory.mktemp("home")
     token_file = home / "token"
     token_file.write_text(TOKEN + "\n")
-    port = _free_port()
+    port = free_port()
     cert, key = tls_files
     process = _run_daemon(home, "--listen", f"127.0.0.1:{port}", "--token-file", str(token_file),
                           "--tls-cert", str(cert), "--tls-key", str(key))

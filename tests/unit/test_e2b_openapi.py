@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from conftest import _free_port, e2b_front, fake_daemon_on, vm_env_for
+from conftest import e2b_front, fake_daemon_on, vm_env_for
+from free_ports import free_port
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +31,7 @@ TEMPLATE = "base"
 def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
     """The front's URL and an API key's header, on a fake daemon holding the template ``base``."""
     home = Path(tmp_path_factory.mktemp("fe", numbered=True))
-    listen = f"127.0.0.1:{_free_port()}"
+    listen = f"127.0.0.1:{free_port()}"
     with fake_daemon_on(home, f'[e2b]\nlisten = "{listen}"\n') as daemon:
         daemon.create_snapshot(TEMPLATE, memory_mib=256, warm_modules=[])
         url, key = e2b_front(home, {**vm_env_for(home), "FORKD_E2B_LISTEN": listen})

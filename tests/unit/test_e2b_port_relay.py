@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from free_ports import free_port
 from test_e2b_tenants import A, KEYS, SECRET, _client, _key, _to
 from test_runtime_fake_vmm import _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
@@ -104,7 +104,7 @@ def test_a_guest_port_answers_through_the_front_with_its_token_or_when_public(tm
                 for given in (None, "0" * 64):
                     refused = await client.get("/", headers=_to(sandbox, port, given))
                     assert refused.status_code == 401, refused.text
-                closed = await client.get("/", headers=_to(sandbox, _free_port(), token))
+                closed = await client.get("/", headers=_to(sandbox, free_port(), token))
                 assert closed.status_code == 502 and "is not open" in closed.json()["message"]
                 assert front.ports.tunnels.count(sandbox) == 0  # every answered request closed its tunnel
 
@@ -120,12 +120,6 @@ def test_a_guest_port_answers_through_the_front_with_its_token_or_when_public(tm
             server.close()
 
     run(scenario)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_tunnels_are_bounded_per_sandbox_and_a_flood_is_paused_in_the_guest(tmp_path: Path) -> None:

@@ -18,9 +18,10 @@ import anyio
 import httpx
 import httpx2
 import pytest
+from free_ports import free_port
 from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
 from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult, ImageContent
 
 from forkd.sdk.controller import Controller, ForkdError
@@ -180,16 +181,10 @@ def test_create_snapshot_reports_progress(daemon: Controller, snapshot_tag: str,
     assert [value for value, _ in progress] == sorted(value for value, _ in progress), "progress must grow"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def http_server(server_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[str, str]]:
     """forkd-mcp over HTTP, and the bearer token it made on first start in its 0600 token file."""
-    port = _free_port()
+    port = free_port()
     token_file = tmp_path / "mcp-token"
     process = subprocess.Popen([*SERVER, "--transport", "http", "--host", "127.0.0.1", "--port", str(port)],
                                env={**os.environ, **server_env, "FORKD_MCP_TOKEN_FILE": str(token_file)},
