@@ -77,6 +77,14 @@ class Daemon:
         return (self.home / "daemon.log").read_text(errors="replace")[-3000:]
 
 
+def _sockets_under(home: Path) -> list[str]:
+    """The sockets under ``home`` but the daemon's own; a directory removed while it is walked (a sandbox
+    the daemon is cleaning up) is skipped, as os.walk skips what it cannot list."""
+    return sorted(os.path.relpath(os.path.join(parent, name), home)
+                  for parent, _, names in os.walk(home) for name in names
+                  if name.endswith(".sock") and name != "forkd.sock")
+
+
 def host_state(home: Path) -> dict[str, object]:
     """What a leak would show: VMM processes, run directories, sockets, sandbox records."""
     with contextlib.closing(sqlite3.connect(f"file:{home / 'state.db'}?mode=ro", uri=True)) as db:
@@ -85,7 +93,7 @@ def host_state(home: Path) -> dict[str, object]:
     return {
         "vmms": len(vmm_processes_under(home)),
         "run_dirs": sorted(p.name for p in sandboxes.iterdir()) if sandboxes.exists() else [],
-        "sockets": sorted(str(p.relative_to(home)) for p in home.rglob("*.sock") if p.name != "forkd.sock"),
+        "sockets": _sockets_under(home),
         "records": records,
     }
 

@@ -48,10 +48,11 @@ def _vm_state(daemon: Controller, sandbox_id: str) -> str:
 
 
 def _woken_since(daemon: Controller, sandbox_id: str, since: float) -> bool:
-    """The child ran after ``since`` (wall clock): it is running, or was stopped again after it (with a 1 s
-    idle time a loaded host may stop it again before the listing)."""
+    """The child ran after ``since`` (wall clock): it is running, or being stopped or stopped again after it
+    (with a 1 s idle time a loaded host may stop it again before the listing; a child stopped before
+    ``since`` and not woken stays ``idle_stopped`` with its old ``stopped_at``)."""
     [item] = [s for s in daemon.sandboxes() if s["id"] == sandbox_id]
-    return item.get("vm_state") == "running" or item.get("stopped_at", 0) > since
+    return item.get("vm_state") in ("running", "stopping") or (item.get("stopped_at") or 0) > since
 
 
 def wait_stopped(daemon: Controller, sandbox_id: str) -> None:
