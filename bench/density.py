@@ -19,6 +19,10 @@ it is missing (the quickstart's settings: 1 GiB, numpy warm), then:
    daemon that stops a child idle for ``--idle-stop`` s: side by side with phase 1, what the children
    already alive cost the later requests.
 
+``--stops-on-only`` runs phase 1 alone on a daemon stopping a child idle for ``--idle-stop`` s (as a
+daemon does by default): the density a user gets where idle children without stops saturate the host
+before ``--n`` are alive. Its report holds that phase as ``stopping``.
+
 Each fork request records its children's median stage timings (``queued``, ``reseed``, …) and the
 host's CPU over it split into the daemon, the children alive before it, the children it made, and
 the rest (kernel threads, this bench), with the kernel's share of all of it (/proc/stat) and the
@@ -312,7 +316,9 @@ def eval_latency(controller: Controller, ids: list[str], sample: int, seed: int)
     return {**quantiles(first), "again": quantiles(again), "failed": failed}
 
 
-def phase_off(controller: Controller, daemon_pid: int, args: argparse.Namespace, memory_file: str) -> dict[str, Any]:
+def phase_alive(controller: Controller, daemon_pid: int, args: argparse.Namespace, memory_file: str) -> dict[str, Any]:
+    """Fork ``--n``, ping each, then the idle-CPU window, memory and evals while all are alive (phase 1,
+    and ``--stops-on-only``'s one phase)."""
     load_before = load()
     forked = fork_all(controller, daemon_pid, args.tag, args.n, args.batch)
     ids = forked.pop("ids")
@@ -394,6 +400,37 @@ def plot(report: dict[str, Any], out: Path) -> None:
     save(fig, out, f"forkd density: {off['answered']}/{report['n']} answer ({load_span(report)})")
 
 
+def plot_stopping(report: dict[str, Any], out: Path) -> None:
+    """``--stops-on-only``: each request's time as children pile up, and the eval round trips among them."""
+    phase = report["stopping"]
+    fig, (ax_fork, ax_eval) = plt.subplots(1, 2, figsize=(11, 4.5))
+    alive, seconds = [], []
+    for request in phase["fork"]["requests"]:
+        alive.append((alive[-1] if alive else 0) + request["n"])
+        seconds.append(request["seconds"])
+    ax_fork.plot(alive, seconds, marker="o")
+    ax_fork.set_xlabel("children alive after the request")
+    ax_fork.set_ylabel(f"seconds per request of {report['batch']}")
+    evals = phase["eval_ms"]
+    ax_eval.bar(["first p50", "first p90", "again p50", "again p90"],
+                [evals.get("p50", 0), evals.get("p90", 0), evals["again"].get("p50", 0), evals["again"].get("p90", 0)])
+    ax_eval.set_ylabel(f"eval round trip ms, {phase['answered']} alive")
+    save(fig, out, f"forkd density, idle stops after {report['idle_stop_s']:g} s: "
+                   f"{phase['answered']}/{report['n']} answer ({load_span(report)})")
+
+
+def run_stopping_only(daemon: BenchDaemon, args: argparse.Namespace, report: dict[str, Any]) -> None:
+    controller = daemon.start(idle_stop_s=args.idle_stop, keep_on_stop=False)
+    report["host"] = baked(controller, args.tag)
+    memory_file = str(Path(controller.snapshot(args.tag)["path"]) / "memory")
+    assert daemon.process is not None
+    phase = phase_alive(controller, daemon.process.pid, args, memory_file)
+    phase.pop("ids")
+    phase["stopped_at_end"] = daemon.idle_stopped()
+    report["stopping"] = phase
+    controller.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=500, help="children alive at once")
@@ -404,6 +441,8 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=50, help="children whose eval round trip is timed")
     parser.add_argument("--idle-stop", type=float, default=5.0, help="idle_stop_s of the 'on' phase")
     parser.add_argument("--home", type=Path, help="the bench daemon's FORKD_HOME (default: a new one, removed)")
+    parser.add_argument("--stops-on-only", action="store_true",
+                        help="only fork --n with idle stops on (as a daemon runs by default) and measure them")
     parser.add_argument("--out", default="density")
     args = parser.parse_args()
 
@@ -411,12 +450,21 @@ def main() -> None:
     daemon = BenchDaemon(home, args.n)
     report: dict[str, Any] = {"n": args.n, "batch": args.batch, "window_s": args.window, "idle_stop_s": args.idle_stop,
                               "cpus": os.cpu_count(), "load_start": load()}
+    if args.stops_on_only:
+        try:
+            run_stopping_only(daemon, args, report)
+        finally:
+            daemon.stop()
+            if args.home is None:
+                shutil.rmtree(home, ignore_errors=True)
+        write_report(report, args.out, plot_stopping, ("stopping",))
+        return
     try:
         controller = daemon.start(idle_stop_s=0, keep_on_stop=True)
         report["host"] = baked(controller, args.tag)
         memory_file = str(Path(controller.snapshot(args.tag)["path"]) / "memory")
         assert daemon.process is not None
-        off = phase_off(controller, daemon.process.pid, args, memory_file)
+        off = phase_alive(controller, daemon.process.pid, args, memory_file)
         ids = off.pop("ids")
         report["off"] = off
         print(f"off: {off['answered']}/{args.n} answer, "
