@@ -90,6 +90,9 @@ def test_metrics_have_build_info_process_latency_zero_gauges_and_failure_reasons
         reason = forked["errors"][0]["code"]
         after = _metrics(fake_home)
         assert _sample(after, "forkd_spawn_failures_total", reason=reason) == 1.0
+        # The operator reads why in the daemon's log, not only the caller in its answer.
+        logged = (fake_home / "daemon.log").read_text()
+        assert f"a child of base failed to start ({reason}): {forked['errors'][0]['message']}" in logged, logged[-2000:]
         assert _sample(after, "forkd_sandboxes", state="running") == 1.0
         assert _sample(after, "forkd_http_request_duration_seconds_count", route="/v1/sandboxes",
                        method="POST") == 1.0

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from forkd.config import Paths
-from forkd.errors import INTERNAL, Failure, kind_for
+from forkd.errors import INTERNAL, Failure, kind_for, message_for
 from forkd.guest import protocol
 from forkd.runtime.agent_client import AgentClient, AgentError, connect_when_answering
 from forkd.runtime.isolation import Isolation, Prepared, SandboxOptions, sandbox_meta
@@ -283,9 +283,12 @@ class Spawner:
                 done.put_nowait(ForkOutcome(index=index, error=Failure.of(stopped), timings=timings.as_ms()))
                 raise
             except Exception as exc:  # one child's failure, a bug's included, never takes its siblings with it
-                self.metrics.spawn_failures.labels(kind_for(exc).code).inc()
-                if kind_for(exc) is INTERNAL:  # no kind: a bug, whose traceback the log keeps
+                kind = kind_for(exc)
+                self.metrics.spawn_failures.labels(kind.code).inc()
+                if kind is INTERNAL:  # no kind: a bug, whose traceback the log keeps
                     log.exception("spawning a child of %s failed", tag)
+                else:  # the answer carries it too, but only to the caller: the operator reads it here
+                    log.warning("a child of %s failed to start (%s): %s", tag, kind.code, message_for(exc))
                 done.put_nowait(ForkOutcome(index=index, error=Failure.of(exc), timings=timings.as_ms()))
                 return
             finally:
