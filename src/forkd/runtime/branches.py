@@ -144,8 +144,8 @@ class BranchService:
             claim.release()
             raise
         tag = claim.tags[0]
-        parent_tag = source.head or live.record.head
-        parent = self.registry.get_snapshot(parent_tag)
+        parent_tag = self._chains_onto(live, source, tag)
+        parent = self.registry.get_snapshot(parent_tag or live.record.snapshot_tag)
         record = SnapshotRecord(tag=tag, status="writing", image=parent.image if parent else "",
                                 path=self.paths.snapshots / tag, created_at=time.time(),
                                 meta={**(meta or {}), "mode": mode, "source_sandbox": sandbox_id}, parent_tag=parent_tag)
@@ -181,15 +181,16 @@ class BranchService:
             async with source.lock:  # one capture of a sandbox at a time, in order
                 if source.broken:
                     raise SnapshotConflict(f"sandbox {live.record.id} cannot be branched again: {source.broken}")
-                # The head may have moved while this branch waited for the one before it.
-                record.parent_tag = source.head or live.record.head
-                before = source.writing if record.parent_tag != live.record.head else None
+                # The head may have moved (or been removed) while this branch waited for the one before it.
+                record.parent_tag = self._chains_onto(live, source, record.tag)
+                before = source.writing if record.parent_tag not in (None, live.record.head) else None
                 await asyncio.to_thread(self.registry.update_snapshot, record.tag, status="writing",
                                         parent_tag=record.parent_tag)
-                standalone = await asyncio.to_thread(self.too_deep, record.parent_tag)
-                ready = self.registry.get_snapshot(live.record.head)  # the chain's memory size is its parent's
+                standalone = record.parent_tag is None or await asyncio.to_thread(self.too_deep, record.parent_tag)
+                # Every layer of its chain has the memory size of the snapshot it was forked from.
+                ready = self.registry.get_snapshot(live.record.snapshot_tag)
                 if ready is None or ready.status != "ready":
-                    raise SnapshotError(f"the sandbox's parent snapshot {live.record.head!r} is not ready")
+                    raise SnapshotError(f"the sandbox's snapshot {live.record.snapshot_tag!r} is not ready")
                 timings = Timings()
                 backend_state = dict(live.vm.state)
                 async with self.sandboxes.idle.awake(live.record.id):  # continued if idle-stopped
@@ -202,21 +203,25 @@ class BranchService:
             # The frozen disk lies in the source's run directory: taken before the answer, so a source
             # killed right after it does not take its disk layer along.
             disk = self.vmm.disk.file_name
-            await self.vmm.disk.export_layer(capture.frozen_disk, build_dir / disk, f"../{record.parent_tag}/{disk}")
+            # Without a parent the layer takes in the source's earlier layers, to be flattened below.
+            backing = None if record.parent_tag is None else f"../{record.parent_tag}/{disk}"
+            await self.vmm.disk.export_layer(capture.frozen_disk, build_dir / disk, backing)
             timings.mark("disk_layer_written")
             record.meta = {**record.meta, "pause_ms": round(capture.pause_s * 1000, 2)}
             captured.set_result(None)
             if before is not None:  # its parent was captured before it and is still being written
                 await asyncio.wait((before,))
                 timings.mark("parent_written")
-            parent = self.registry.get_snapshot(record.parent_tag)
+            below = record.parent_tag or live.record.snapshot_tag  # a branch without a parent flattens over this
+            parent = self.registry.get_snapshot(below)
             if parent is not None and parent.status == "ready" and pending_files(parent.meta):
                 parent = await self.store.pending.settled(parent.tag)  # this one records its parent's digests
                 timings.mark("parent_digest")
             if parent is None or parent.status != "ready":
-                raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} was not written")
+                raise SnapshotError(f"the sandbox's parent snapshot {below!r} was not written")
             chain = self.store.ancestry(parent)
-            meta = {**front_meta, **await self._assemble(build_dir, chain, capture, mode, timings, standalone)}
+            meta = {**front_meta, "source_sandbox": live.record.id,  # whose chain a next branch of it goes on
+                    **await self._assemble(build_dir, chain, capture, mode, timings, standalone)}
             if standalone:
                 record.parent_tag = None  # published without a parent: the chain ends here
             meta["pause_ms"] = record.meta["pause_ms"]
@@ -239,6 +244,19 @@ class BranchService:
             if build_dir is not None:
                 await remove_tree(build_dir)
         return record
+
+    def _chains_onto(self, live: LiveSandbox, source: _SourceState, tag: str) -> str | None:
+        """The snapshot a branch ``tag`` of ``live`` chains onto: the one captured last (maybe still being
+        written), or None once that was removed (``rmi``), its tag maybe taken since by another snapshot
+        or by this branch: the branch is then written standalone over the snapshot the sandbox was forked
+        from, whose memory its private pages are laid over."""
+        head = source.head or live.record.head
+        if head == live.record.snapshot_tag:
+            return head  # kept while the sandbox lives
+        record = self.registry.get_snapshot(head)
+        # A layer published before branches recorded their source counts as this sandbox's.
+        ours = record is not None and record.meta.get("source_sandbox", live.record.id) == live.record.id
+        return head if ours and head != tag else None
 
     def too_deep(self, parent_tag: str) -> bool:
         """Whether a branch of ``parent_tag`` would pass ``max_chain_depth``: it is then written standalone."""

@@ -36,9 +36,10 @@ class DiskFormat(Protocol):
         """A child's writable disk over a snapshot's ``layer``, which stays untouched."""
         ...
 
-    async def export_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
+    async def export_layer(self, frozen: Path, dest: Path, backing_name: str | None) -> None:
         """Copy a VM's frozen disk layer (a BRANCH's) into a snapshot as ``dest``, lying over
-        ``backing_name`` (relative to ``dest``: ``../<parent tag>/<file_name>``)."""
+        ``backing_name`` (relative to ``dest``: ``../<parent tag>/<file_name>``); ``None`` keeps the
+        layer's own backing (the VM's earlier layers, in its run directory) for a copy flattened next."""
         ...
 
     async def flatten(self, disk: Path, base_name: str) -> None:

@@ -79,8 +79,9 @@ class FakeDisk:
     async def new_child(self, layer: Path, disk: Path) -> None:
         _write_disk(disk, str(layer), b"")
 
-    async def export_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
-        _write_disk(dest, backing_name, _read_disk(frozen)[1])
+    async def export_layer(self, frozen: Path, dest: Path, backing_name: str | None) -> None:
+        backing, data = _read_disk(frozen)
+        _write_disk(dest, backing if backing_name is None else backing_name, data)
 
     async def flatten(self, disk: Path, base_name: str) -> None:
         _write_disk(disk, base_name, b"flattened " + _read_disk(disk)[1])

@@ -13,10 +13,12 @@ arriving in a pack is read here before QEMU ever opens it (:meth:`QemuDisk.check
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import struct
 import subprocess
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -59,12 +61,15 @@ class QemuDisk:
                 os.replace(partial, template)
         await asyncio.to_thread(shutil.copyfile, template, disk)
 
-    async def export_layer(self, frozen: Path, dest: Path, backing_name: str) -> None:
+    async def export_layer(self, frozen: Path, dest: Path, backing_name: str | None) -> None:
         """The source still reads ``frozen`` as a backing file (QEMU holds a lock on it): the snapshot
         gets its own copy, which holds only what the source wrote since its last branch, pointed at
-        its parent's disk by relative name."""
+        its parent's disk by relative name; without one it takes in the source's earlier layers instead."""
         await asyncio.to_thread(shutil.copyfile, frozen, dest)
-        await rebase(dest, backing_name, "qcow2", unsafe=True)
+        if backing_name is not None:
+            await rebase(dest, backing_name, "qcow2", unsafe=True)
+        else:
+            await _merge_own_layers(frozen, dest)
 
     async def flatten(self, disk: Path, base_name: str) -> None:
         await rebase(disk, base_name, "raw", unsafe=False)
@@ -116,6 +121,29 @@ async def rebase(disk: Path, backing_name: str, backing_format: str, unsafe: boo
     """Point ``disk`` at another backing file; ``unsafe=False`` first copies in what the two differ in."""
     await qemu_img("rebase", *(["-u"] if unsafe else []), "-f", "qcow2", "-b", backing_name,
                    "-F", backing_format, str(disk))
+
+
+async def _merge_own_layers(frozen: Path, dest: Path) -> None:
+    """``dest`` (a copy of ``frozen``) takes in the layers below ``frozen`` in the VM's run directory (the
+    tops of its earlier BRANCHes, which no snapshot may hold any more) and then lies over the first layer
+    outside it: the disk of the snapshot the VM was started from. qemu-img cannot open those layers beside
+    the QEMU that keeps them locked for writing, so it reads copies of them."""
+    chain = await asyncio.to_thread(backing_chain, frozen)
+    run_dir = frozen.parent.resolve()
+    own = list(itertools.takewhile(lambda layer: layer.parent.resolve() == run_dir, chain))
+    if len(own) == len(chain):
+        raise VmmError(f"{frozen} lies over no disk outside its run directory; nothing to lay its layers over")
+    below = chain[len(own)]
+    _, below_format = await asyncio.to_thread(backing_reference, own[-1] if own else frozen)
+    with tempfile.TemporaryDirectory(prefix=".own-layers-", dir=dest.parent) as scratch:
+        copies = [Path(scratch) / f"{n}.qcow2" for n in range(len(own))]
+        for layer, copy in zip(own, copies):
+            await asyncio.to_thread(shutil.copyfile, layer, copy)
+        for upper, lower in zip([dest, *copies], copies):
+            await rebase(upper, str(lower), "qcow2", unsafe=True)
+        if copies:
+            await rebase(copies[-1], str(below), below_format or "qcow2", unsafe=True)
+        await rebase(dest, str(below), below_format or "qcow2", unsafe=not copies)
 
 
 def backing_chain(disk: Path) -> list[Path]:
