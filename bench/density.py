@@ -21,7 +21,8 @@ it is missing (the quickstart's settings: 1 GiB, numpy warm), then:
 
 ``--stops-on-only`` runs phase 1 alone on a daemon stopping a child idle for ``--idle-stop`` s (as a
 daemon does by default): the density a user gets where idle children without stops saturate the host
-before ``--n`` are alive. Its report holds that phase as ``stopping``.
+before ``--n`` are alive. The window starts once every child the pings woke is stopped again. Its
+report holds that phase as ``stopping``.
 
 Each fork request records its children's median stage timings (``queued``, ``reseed``, …) and the
 host's CPU over it split into the daemon, the children alive before it, the children it made, and
@@ -316,38 +317,43 @@ def eval_latency(controller: Controller, ids: list[str], sample: int, seed: int)
     return {**quantiles(first), "again": quantiles(again), "failed": failed}
 
 
-def phase_alive(controller: Controller, daemon_pid: int, args: argparse.Namespace, memory_file: str) -> dict[str, Any]:
+def phase_alive(controller: Controller, daemon_pid: int, args: argparse.Namespace, memory_file: str,
+                settle: Callable[[int], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Fork ``--n``, ping each, then the idle-CPU window, memory and evals while all are alive (phase 1,
-    and ``--stops-on-only``'s one phase)."""
+    and ``--stops-on-only``'s one phase). ``settle`` (given how many answered) waits before the window
+    instead of ``--settle`` s; what it returns is recorded as ``settled``."""
     load_before = load()
     forked = fork_all(controller, daemon_pid, args.tag, args.n, args.batch)
     ids = forked.pop("ids")
     pids = {s["id"]: s["pid"] for s in controller.sandboxes()}
     answered = answering(controller, ids)
-    time.sleep(args.settle)
+    settled = settle(answered) if settle else time.sleep(args.settle)
     cpu = idle_cpu([pids[i] for i in ids if i in pids], args.window)
     mem = memory([pids[i] for i in ids if i in pids], memory_file)
     evals = eval_latency(controller, ids, args.sample, seed=1)
-    return {"ids": ids, "fork": forked, "answered": answered, "idle_cpu": cpu, "memory": mem,
+    return {"ids": ids, "fork": forked, "answered": answered, "settled": settled, "idle_cpu": cpu, "memory": mem,
             "eval_ms": evals, "load_before": load_before, "load_after": load()}
+
+
+def wait_all_stopped(daemon: BenchDaemon, count: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Until ``count`` children are idle-stopped, bounded (an agent without `activity` is never stopped:
+    a snapshot baked by an older forkd): the window then holds idle children, not their stops."""
+    t0 = time.monotonic()
+    deadline = t0 + 120 + 10 * args.idle_stop + 0.5 * count
+    while (stopped := daemon.idle_stopped()) < count and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return {"stopped": stopped, "after_s": time.monotonic() - t0}
 
 
 def phase_on(daemon: BenchDaemon, controller: Controller, ids: list[str], args: argparse.Namespace) -> dict[str, Any]:
     load_before = load()
     alive = {s["id"]: s["pid"] for s in controller.sandboxes()}
     adopted = [i for i in ids if i in alive]
-    t0 = time.monotonic()
-    # Every child stopped within this, or the window is taken with those that are (an agent without
-    # `activity` is never stopped: a snapshot baked by an older forkd).
-    deadline = t0 + 120 + 10 * args.idle_stop + 0.5 * len(adopted)
-    while (stopped := daemon.idle_stopped()) < len(adopted):
-        if time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
-    stopped_after = time.monotonic() - t0
+    settled = wait_all_stopped(daemon, len(adopted), args)
     cpu = idle_cpu([alive[i] for i in adopted], args.window)
     evals = eval_latency(controller, adopted, args.sample, seed=2)  # each the first request after its stop
-    return {"adopted": len(adopted), "stopped": stopped, "all_stopped_after_s": stopped_after, "idle_cpu": cpu,
+    return {"adopted": len(adopted), "stopped": settled["stopped"], "all_stopped_after_s": settled["after_s"],
+            "idle_cpu": cpu,
             "eval_after_stop_ms": evals, "load_before": load_before, "load_after": load()}
 
 
@@ -409,6 +415,7 @@ def plot_stopping(report: dict[str, Any], out: Path) -> None:
         alive.append((alive[-1] if alive else 0) + request["n"])
         seconds.append(request["seconds"])
     ax_fork.plot(alive, seconds, marker="o")
+    ax_fork.set_ylim(bottom=0)
     ax_fork.set_xlabel("children alive after the request")
     ax_fork.set_ylabel(f"seconds per request of {report['batch']}")
     evals = phase["eval_ms"]
@@ -424,9 +431,9 @@ def run_stopping_only(daemon: BenchDaemon, args: argparse.Namespace, report: dic
     report["host"] = baked(controller, args.tag)
     memory_file = str(Path(controller.snapshot(args.tag)["path"]) / "memory")
     assert daemon.process is not None
-    phase = phase_alive(controller, daemon.process.pid, args, memory_file)
+    phase = phase_alive(controller, daemon.process.pid, args, memory_file,
+                        settle=lambda answered: wait_all_stopped(daemon, answered, args))
     phase.pop("ids")
-    phase["stopped_at_end"] = daemon.idle_stopped()
     report["stopping"] = phase
     controller.close()
 
