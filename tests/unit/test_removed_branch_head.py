@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from test_chain_bound import _sees_every_round, _write
 from test_runtime_fake_vmm import _runtime, run
 from test_runtime_fake_vmm import tmp_path  # noqa: F401  (a short directory: agent socket paths are bounded)
@@ -44,7 +46,11 @@ def test_a_sandbox_whose_last_branch_was_removed_branches_again_standalone(tmp_p
     run(scenario)
 
 
-def test_a_removed_heads_tag_taken_by_another_sandboxs_branch_is_not_chained_onto(tmp_path: Path) -> None:
+@pytest.mark.parametrize("taken_by", ["another sandbox's branch", "a compaction of another sandbox's branch",
+                                      "nobody: the head failed"])
+def test_a_head_that_is_not_this_sandboxs_usable_layer_is_not_chained_onto(tmp_path: Path, taken_by: str) -> None:
+    """Chaining onto another sandbox's layer would lay this sandbox's pages over that one's memory and its
+    disk layer over that one's disk (and hand one tenant's data to another)."""
     async def scenario() -> None:
         runtime: Runtime = await _runtime(tmp_path, FakeVmm())
         try:
@@ -53,8 +59,15 @@ def test_a_removed_heads_tag_taken_by_another_sandboxs_branch_is_not_chained_ont
             _write(runtime, source, 0)
             await runtime.branches.branch(source, "x", mode="diff")
             assert runtime.snapshot("x").meta["source_sandbox"] == source  # type: ignore[union-attr]
-            assert await runtime.remove_snapshot("x") == ["x"]
-            await runtime.branches.branch(other.sandbox["id"], "x", mode="diff")  # the tag, now another's
+            if taken_by == "nobody: the head failed":
+                runtime.store.mark_failed("x", "a file of it changed on disk")
+            else:
+                assert await runtime.remove_snapshot("x") == ["x"]
+                if taken_by == "another sandbox's branch":
+                    await runtime.branches.branch(other.sandbox["id"], "x", mode="diff")
+                else:
+                    await runtime.branches.branch(other.sandbox["id"], "o", mode="diff")
+                    await runtime.compaction.compact("o", "x")
             _write(runtime, source, 1)
             record = await runtime.branches.branch(source, "y", mode="diff")
             assert record.parent_tag is None and record.meta["compacted_chain"] == ["base"], record

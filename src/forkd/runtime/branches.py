@@ -144,8 +144,10 @@ class BranchService:
             claim.release()
             raise
         tag = claim.tags[0]
-        parent_tag = self._chains_onto(live, source, tag)
-        parent = self.registry.get_snapshot(parent_tag or live.record.snapshot_tag)
+        # Without a layer to chain onto, the snapshot the sandbox was forked from, flattened over: its
+        # parent while it is written (so it cannot be removed meanwhile), none once published.
+        parent_tag = self._chains_onto(live, source, tag) or live.record.snapshot_tag
+        parent = self.registry.get_snapshot(parent_tag)
         record = SnapshotRecord(tag=tag, status="writing", image=parent.image if parent else "",
                                 path=self.paths.snapshots / tag, created_at=time.time(),
                                 meta={**(meta or {}), "mode": mode, "source_sandbox": sandbox_id}, parent_tag=parent_tag)
@@ -182,11 +184,12 @@ class BranchService:
                 if source.broken:
                     raise SnapshotConflict(f"sandbox {live.record.id} cannot be branched again: {source.broken}")
                 # The head may have moved (or been removed) while this branch waited for the one before it.
-                record.parent_tag = self._chains_onto(live, source, record.tag)
-                before = source.writing if record.parent_tag not in (None, live.record.head) else None
+                onto = self._chains_onto(live, source, record.tag)
+                record.parent_tag = onto or live.record.snapshot_tag
+                before = source.writing if onto not in (None, live.record.head) else None
                 await asyncio.to_thread(self.registry.update_snapshot, record.tag, status="writing",
                                         parent_tag=record.parent_tag)
-                standalone = record.parent_tag is None or await asyncio.to_thread(self.too_deep, record.parent_tag)
+                standalone = onto is None or await asyncio.to_thread(self.too_deep, onto)
                 # Every layer of its chain has the memory size of the snapshot it was forked from.
                 ready = self.registry.get_snapshot(live.record.snapshot_tag)
                 if ready is None or ready.status != "ready":
@@ -203,8 +206,8 @@ class BranchService:
             # The frozen disk lies in the source's run directory: taken before the answer, so a source
             # killed right after it does not take its disk layer along.
             disk = self.vmm.disk.file_name
-            # Without a parent the layer takes in the source's earlier layers, to be flattened below.
-            backing = None if record.parent_tag is None else f"../{record.parent_tag}/{disk}"
+            # Without a layer to chain onto it takes in the source's earlier layers, to be flattened below.
+            backing = None if onto is None else f"../{record.parent_tag}/{disk}"
             await self.vmm.disk.export_layer(capture.frozen_disk, build_dir / disk, backing)
             timings.mark("disk_layer_written")
             record.meta = {**record.meta, "pause_ms": round(capture.pause_s * 1000, 2)}
@@ -212,13 +215,12 @@ class BranchService:
             if before is not None:  # its parent was captured before it and is still being written
                 await asyncio.wait((before,))
                 timings.mark("parent_written")
-            below = record.parent_tag or live.record.snapshot_tag  # a branch without a parent flattens over this
-            parent = self.registry.get_snapshot(below)
+            parent = self.registry.get_snapshot(record.parent_tag)
             if parent is not None and parent.status == "ready" and pending_files(parent.meta):
                 parent = await self.store.pending.settled(parent.tag)  # this one records its parent's digests
                 timings.mark("parent_digest")
             if parent is None or parent.status != "ready":
-                raise SnapshotError(f"the sandbox's parent snapshot {below!r} was not written")
+                raise SnapshotError(f"the sandbox's parent snapshot {record.parent_tag!r} was not written")
             chain = self.store.ancestry(parent)
             meta = {**front_meta, "source_sandbox": live.record.id,  # whose chain a next branch of it goes on
                     **await self._assemble(build_dir, chain, capture, mode, timings, standalone)}
@@ -247,16 +249,18 @@ class BranchService:
 
     def _chains_onto(self, live: LiveSandbox, source: _SourceState, tag: str) -> str | None:
         """The snapshot a branch ``tag`` of ``live`` chains onto: the one captured last (maybe still being
-        written), or None once that was removed (``rmi``), its tag maybe taken since by another snapshot
-        or by this branch: the branch is then written standalone over the snapshot the sandbox was forked
-        from, whose memory its private pages are laid over."""
+        written), or None once that was removed (``rmi``; its tag maybe taken since by another snapshot or
+        by this branch) or failed: the branch is then written standalone over the snapshot the sandbox
+        was forked from, whose memory its private pages are laid over."""
         head = source.head or live.record.head
         if head == live.record.snapshot_tag:
             return head  # kept while the sandbox lives
         record = self.registry.get_snapshot(head)
-        # A layer published before branches recorded their source counts as this sandbox's.
-        ours = record is not None and record.meta.get("source_sandbox", live.record.id) == live.record.id
-        return head if ours and head != tag else None
+        # Only a layer this sandbox wrote, written or being written (a layer published before branches
+        # recorded their source is not told apart from another one of that tag: it costs one standalone).
+        usable = (record is not None and record.meta.get("source_sandbox") == live.record.id
+                  and record.status in ("ready", "writing"))
+        return head if usable and head != tag else None
 
     def too_deep(self, parent_tag: str) -> bool:
         """Whether a branch of ``parent_tag`` would pass ``max_chain_depth``: it is then written standalone."""

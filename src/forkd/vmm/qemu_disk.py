@@ -135,8 +135,9 @@ async def _merge_own_layers(frozen: Path, dest: Path) -> None:
         raise VmmError(f"{frozen} lies over no disk outside its run directory; nothing to lay its layers over")
     below = chain[len(own)]
     _, below_format = await asyncio.to_thread(backing_reference, own[-1] if own else frozen)
-    with tempfile.TemporaryDirectory(prefix=".own-layers-", dir=dest.parent) as scratch:
-        copies = [Path(scratch) / f"{n}.qcow2" for n in range(len(own))]
+    scratch = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=".own-layers-", dir=dest.parent))
+    try:  # the copies may hold gigabytes: copied and removed off the event loop
+        copies = [scratch / f"{n}.qcow2" for n in range(len(own))]
         for layer, copy in zip(own, copies):
             await asyncio.to_thread(shutil.copyfile, layer, copy)
         for upper, lower in zip([dest, *copies], copies):
@@ -144,6 +145,8 @@ async def _merge_own_layers(frozen: Path, dest: Path) -> None:
         if copies:
             await rebase(copies[-1], str(below), below_format or "qcow2", unsafe=True)
         await rebase(dest, str(below), below_format or "qcow2", unsafe=not copies)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, scratch, ignore_errors=True)
 
 
 def backing_chain(disk: Path) -> list[Path]:
