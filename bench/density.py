@@ -327,7 +327,11 @@ def phase_alive(controller: Controller, daemon_pid: int, args: argparse.Namespac
     ids = forked.pop("ids")
     pids = {s["id"]: s["pid"] for s in controller.sandboxes()}
     answered = answering(controller, ids)
-    settled = settle(answered) if settle else time.sleep(args.settle)
+    settled = None
+    if settle is None:
+        time.sleep(args.settle)
+    else:
+        settled = settle(answered)
     cpu = idle_cpu([pids[i] for i in ids if i in pids], args.window)
     mem = memory([pids[i] for i in ids if i in pids], memory_file)
     evals = eval_latency(controller, ids, args.sample, seed=1)

@@ -38,8 +38,8 @@ class DiskFormat(Protocol):
 
     async def export_layer(self, frozen: Path, dest: Path, backing_name: str | None) -> None:
         """Copy a VM's frozen disk layer (a BRANCH's) into a snapshot as ``dest``, lying over
-        ``backing_name`` (relative to ``dest``: ``../<parent tag>/<file_name>``); ``None`` keeps the
-        layer's own backing (the VM's earlier layers, in its run directory) for a copy flattened next."""
+        ``backing_name`` (relative to ``dest``: ``../<parent tag>/<file_name>``); ``None``: a layer with no
+        parent snapshot to lie over, which takes in what the VM's earlier layers hold and is flattened next."""
         ...
 
     async def flatten(self, disk: Path, base_name: str) -> None:
