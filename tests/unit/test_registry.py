@@ -33,7 +33,8 @@ def test_what_changes_while_a_sandbox_runs_lives_outside_its_meta(tmp_path: Path
     registry.add_sandbox(SandboxRecord("sb-aaaaaaaaaaaa", "base", "running", 42, tmp_path, 2.0, {"hostname": "h"},
                                        end_at=10.0))
     registry.set_end_at("sb-aaaaaaaaaaaa", 20.0)
-    registry.set_branch_head("sb-aaaaaaaaaaaa", "base-b1")
+    registry.publish_snapshots([SnapshotRecord("base-b1", "ready", "default", tmp_path, 3.0)],
+                               head_of=("sb-aaaaaaaaaaaa", "base-b1"))  # the head moves with the publish
     registry.set_readopted("sb-aaaaaaaaaaaa", 30.0)
     record = registry.get_sandbox("sb-aaaaaaaaaaaa")
     assert record is not None and record.meta == {"hostname": "h"}
@@ -42,6 +43,17 @@ def test_what_changes_while_a_sandbox_runs_lives_outside_its_meta(tmp_path: Path
     registry.set_end_at("sb-missing00000", 1.0)  # a vanished record is not an error
     registry.remove_sandbox("sb-aaaaaaaaaaaa")
     assert registry.list_sandboxes() == []
+
+
+def test_a_publish_that_fails_leaves_the_sandbox_head_where_it_was(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state.db")
+    registry.add_sandbox(SandboxRecord("sb-aaaaaaaaaaaa", "base", "running", 42, tmp_path, 2.0, {}))
+    registry.add_snapshot(SnapshotRecord("b1", "ready", "default", tmp_path, 1.0))  # taken otherwise
+    with pytest.raises(sqlite3.IntegrityError):
+        registry.publish_snapshots([SnapshotRecord("b1", "ready", "default", tmp_path, 3.0)],
+                                   head_of=("sb-aaaaaaaaaaaa", "b1"))
+    record = registry.get_sandbox("sb-aaaaaaaaaaaa")
+    assert record is not None and record.branch_head is None and record.head == "base"
 
 
 def test_running_state_moves_out_of_sandbox_meta(tmp_path: Path) -> None:

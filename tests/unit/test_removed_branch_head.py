@@ -1,11 +1,13 @@
 """A sandbox whose last BRANCH was removed (``rmi``, E2B's ``delete_snapshot``) while it runs on: its next
 BRANCH has no layer to chain onto, so it is written standalone (whole memory, its disk flattened from the
-sandbox's own layers) and the chain goes on from it; the removed tag may be taken again. On the real
-runtime and registry over the FakeVmm; real guests: tests/vm/test_branch_head_removed_vm.py."""
+sandbox's own layers) and the chain goes on from it; the removed tag may be taken again. And the head a
+restarted daemon reads is never behind the layers published. On the real runtime and registry over the
+FakeVmm; real guests: tests/vm/test_branch_head_removed_vm.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,6 +42,33 @@ def test_a_sandbox_whose_last_branch_was_removed_branches_again_standalone(tmp_p
                 [child] = await runtime.spawner.fork(tag, 1)
                 assert child.error is None, child.error
                 assert _sees_every_round(runtime, child.sandbox["id"], rounds)
+        finally:
+            await runtime.stop()
+
+    run(scenario)
+
+
+def test_the_head_a_restarted_daemon_reads_moves_with_the_publish(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon dying right after publishing a BRANCH must not leave the sandbox's recorded head behind:
+    the next branch would chain onto the older layer and its disk would lack what this one froze."""
+    async def scenario() -> None:
+        runtime: Runtime = await _runtime(tmp_path, FakeVmm())
+        try:
+            [outcome] = await runtime.spawner.fork("base", 1)
+            source = outcome.sandbox["id"]
+            recorded: list[str | None] = []
+            publish = runtime.store.publish
+
+            def publish_then_die(*args: Any, **kwargs: Any) -> None:
+                publish(*args, **kwargs)
+                record = runtime.registry.get_sandbox(source)  # what a daemon restarted now would read
+                recorded.append(record.branch_head if record else None)
+
+            monkeypatch.setattr(runtime.store, "publish", publish_then_die)
+            for tag in ("b1", "b2"):
+                await runtime.branches.branch(source, tag, mode="diff")
+            assert recorded == ["b1", "b2"]
         finally:
             await runtime.stop()
 

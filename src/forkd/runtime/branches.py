@@ -229,13 +229,13 @@ class BranchService:
             meta["pause_ms"] = record.meta["pause_ms"]
             meta["timings"] = timings.as_ms()  # meta.json keeps them up to `sealed`
             record.meta = self.store.write_meta(build_dir, meta)
-            await blocking(self.store.publish, claim, [(build_dir, record)])
+            # The sandbox's head moves in the same transaction: its disk now derives from this layer.
+            await blocking(self.store.publish, claim, [(build_dir, record)], head_of=live.record.id)
+            live.record.branch_head = record.tag
             timings.mark("published")
             # The answer (not meta.json, written before) also says what publishing took.
             record.meta = {**record.meta, "timings": timings.as_ms(), "total_seconds": round(timings.total, 3)}
             timings.observe(self.metrics.branch_stage_seconds, mode)
-            live.record.branch_head = record.tag
-            await asyncio.to_thread(self.registry.set_branch_head, live.record.id, record.tag)
         except BaseException as exc:
             if backend_state is not None and live.vm.state != backend_state:  # the source writes a new disk top: its old one is in no snapshot
                 await self._refuse(live, f"its branch to {record.tag!r} failed after its disk was switched ({exc})")

@@ -194,15 +194,19 @@ class Registry:
     def add_snapshot(self, record: SnapshotRecord) -> None:
         self._execute(_INSERT_SNAPSHOT, _snapshot_row(record))
 
-    def publish_snapshots(self, records: list[SnapshotRecord], remove: tuple[str, ...] = ()) -> None:
-        """In one transaction: remove the ``remove`` tags, then register ``records`` (each new, or
-        replacing its own ``writing`` record). A tag registered otherwise fails it all."""
+    def publish_snapshots(self, records: list[SnapshotRecord], remove: tuple[str, ...] = (),
+                          head_of: tuple[str, str] | None = None) -> None:
+        """In one transaction: remove the ``remove`` tags, register ``records`` (each new, or replacing
+        its own ``writing`` record), and point a sandbox's branch head at a tag (``head_of``: id, tag).
+        A tag registered otherwise fails it all."""
         with self._transaction() as db:
             for tag in remove:
                 db.execute("DELETE FROM snapshots WHERE tag = ?", (tag,))
             for record in records:
                 db.execute("DELETE FROM snapshots WHERE tag = ? AND status = 'writing'", (record.tag,))
                 db.execute(_INSERT_SNAPSHOT, _snapshot_row(record))
+            if head_of is not None:
+                db.execute("UPDATE sandboxes SET branch_head = ? WHERE id = ?", (head_of[1], head_of[0]))
 
     def update_snapshot(self, tag: str, *, status: str, error: str | None = None,
                         parent_tag: str | None = None) -> None:
@@ -256,9 +260,6 @@ class Registry:
         """Record the VMM of a sandbox, everything a restarted daemon needs to find and reconnect it."""
         self._execute("UPDATE sandboxes SET pid = ?, vmm_started = ?, vmm_state = ? WHERE id = ?",
                       (pid, started, json.dumps(vmm_state), sandbox_id))
-
-    def set_branch_head(self, sandbox_id: str, tag: str) -> None:
-        self._execute("UPDATE sandboxes SET branch_head = ? WHERE id = ?", (tag, sandbox_id))
 
     def set_readopted(self, sandbox_id: str, at: float) -> None:
         self._execute("UPDATE sandboxes SET readopted_at = ? WHERE id = ?", (at, sandbox_id))

@@ -209,9 +209,11 @@ class SnapshotStore:
     # publishing ------------------------------------------------------------------------------------
 
     def publish(self, claim: Claim, entries: Sequence[tuple[Path, SnapshotRecord]],
-                replacing: tuple[SnapshotRecord, Path] | None = None) -> None:
+                replacing: tuple[SnapshotRecord, Path] | None = None, head_of: str | None = None) -> None:
         """Put built directories in place as their records' tags and register them, root first, in one
         transaction; ``replacing`` (a record and where to move it) is set aside and unregistered.
+        ``head_of``: the sandbox a branch was taken of, whose head moves to the last entry in that same
+        transaction (a daemon dying in between would leave it chaining past this layer's disk).
 
         Blocking (fsync, renames): run it with :func:`forkd.store.io.blocking`. On any failure every
         directory is moved back where it was and nothing is registered.
@@ -233,7 +235,8 @@ class SnapshotStore:
             fsync_dir(self.directory)
             for record in records:
                 record.status = "ready"
-            self.registry.publish_snapshots(records, remove=(replacing[0].tag,) if replacing else ())
+            self.registry.publish_snapshots(records, remove=(replacing[0].tag,) if replacing else (),
+                                            head_of=(head_of, records[-1].tag) if head_of else None)
         except BaseException:
             for origin, now in reversed(moved):
                 os.rename(now, origin)
