@@ -124,6 +124,35 @@ def test_a_torn_first_line_is_skipped_and_the_answer_still_arrives(tmp_path: Pat
     asyncio.run(_with_guest(tmp_path, body))
 
 
+def test_a_connect_cancelled_as_its_channel_opens_ends_cancelled(tmp_path: Path) -> None:
+    """A cancel that reaches ``connect`` while it is pending is never lost: on Python 3.11, wait_for handed
+    the just-opened connection back to a caller that had been cancelled (the spawner, a stopping daemon)."""
+    async def scenario() -> None:
+        path = str(tmp_path / "agent.sock")
+        server = await asyncio.start_unix_server(lambda reader, writer: None, path=path)
+        opened = asyncio.Event()
+
+        class Vm:
+            name = "sb-cancelled"
+
+            async def open_agent(self, limit: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                streams = await asyncio.open_unix_connection(path, limit=limit)
+                opened.set()
+                return streams
+
+        connecting = asyncio.create_task(AgentClient.connect(Vm()))  # type: ignore[arg-type]
+        while not opened.is_set():
+            await asyncio.sleep(0)
+        accepted = connecting.cancel()  # False only when connect had already returned
+        [outcome] = await asyncio.gather(connecting, return_exceptions=True)
+        if isinstance(outcome, AgentClient):
+            await outcome.close()
+        server.close()
+        assert connecting.cancelled() == accepted, f"a cancel was accepted, yet connect returned {outcome!r}"
+
+    asyncio.run(scenario())
+
+
 def test_a_traced_call_has_the_hosts_and_the_guests_stages(tmp_path: Path) -> None:
     """The guest's marks come in any order (several guest threads and processes took them): they are
     put in time order, each ends a stage, and transport is the host's wait beyond the guest's span."""

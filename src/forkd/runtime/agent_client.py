@@ -133,10 +133,12 @@ class AgentClient:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                reader, writer = await asyncio.wait_for(vm.open_agent(limit=protocol.MAX_FRAME_BYTES + 1),
-                                                        timeout=max(0.1, deadline - time.monotonic()))
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that arrives as
+                # the connection opens, and hand a cancelled caller a connection it then never closes.
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    reader, writer = await vm.open_agent(limit=protocol.MAX_FRAME_BYTES + 1)
                 return cls(reader, writer)
-            except (FileNotFoundError, ConnectionRefusedError, asyncio.TimeoutError) as exc:
+            except (FileNotFoundError, ConnectionRefusedError, TimeoutError) as exc:
                 if time.monotonic() > deadline:
                     raise AgentUnavailable(f"cannot connect to the agent of {vm.name}: {exc!r}") from None
                 await asyncio.sleep(0.005)

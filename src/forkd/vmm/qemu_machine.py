@@ -158,8 +158,9 @@ class Monitor:
                       timeout_s: float | None = None) -> Any:
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return await asyncio.wait_for(self._client.execute(command, arguments), timeout=limit)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(limit):  # not wait_for: on 3.11 it can swallow the caller's cancellation
+                return await self._client.execute(command, arguments)
+        except TimeoutError:
             await kill(self.vm)
             raise MonitorStalled(f"the QEMU monitor of {self.vm.name} did not answer {command!r} within "
                                  f"{limit:.0f} s; the VMM was stalled and has been killed") from None
@@ -234,10 +235,10 @@ async def monitor(vm: VmHandle, wait_s: float = 10.0, timeout_s: float = QMP_TIM
     while True:
         client = QMPClient(vm.name)
         try:
-            await asyncio.wait_for(client.connect(vm.state[MONITOR_KEY]),
-                                   timeout=max(0.1, deadline - time.monotonic()))
+            async with asyncio.timeout(max(0.1, deadline - time.monotonic())):  # not wait_for: see execute
+                await client.connect(vm.state[MONITOR_KEY])
             break
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await _abandon(client)
             await kill(vm)
             raise MonitorStalled(f"the QEMU monitor of {vm.name} accepted but did not answer within {wait_s:.0f} s; "
