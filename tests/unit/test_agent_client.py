@@ -153,6 +153,22 @@ def test_a_connect_cancelled_as_its_channel_opens_ends_cancelled(tmp_path: Path)
     asyncio.run(scenario())
 
 
+def test_a_call_cancelled_as_its_answer_arrives_ends_cancelled(tmp_path: Path) -> None:
+    """What a daemon stopping mid-fork relies on: a child cancelled while its reseed is answered (or its VMM
+    killed) ends cancelled, so it is reported as stopped, not as an agent that went away."""
+    async def body(client: AgentClient, guest: Guest) -> None:
+        call = asyncio.create_task(client.call("ping", {}, timeout=BOUND_S))
+        request = await asyncio.wait_for(guest.requests.get(), BOUND_S)
+        await asyncio.sleep(0.05)  # the call waits for its answer
+        # The answer lands as the read loop hands it over (set directly: a socket cannot time it to the step).
+        client._pending[request["id"]].done.set_result(protocol.ok(request["id"], {"pong": True}))
+        assert call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    asyncio.run(_with_guest(tmp_path, body))
+
+
 def test_a_traced_call_has_the_hosts_and_the_guests_stages(tmp_path: Path) -> None:
     """The guest's marks come in any order (several guest threads and processes took them): they are
     put in time order, each ends a stage, and transport is the host's wait beyond the guest's span."""

@@ -319,6 +319,7 @@ def test_the_pause_policy_and_deleted_snapshots_outlive_a_daemon_restart_and_the
             sb = (await _create(client, A))["sandboxID"]
             snap = (await client.post(f"/sandboxes/{sb}/snapshots", headers=_key(A), json={})).json()["snapshotID"]
             assert (await client.delete(f"/templates/{snap}", headers=_key(A))).status_code == 204
+        await runtime.sandboxes.detach_all()  # the daemon goes, its VMMs stay (its watchers must not outlive it)
         runtime.registry.close()
         restarted = await Runtime.open(runtime.paths, vmm)
         await recover(restarted.sandboxes, restarted.store)

@@ -133,8 +133,8 @@ class AgentClient:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that arrives as
-                # the connection opens, and hand a cancelled caller a connection it then never closes.
+                # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that arrives as what
+                # it waits for completes, handing a cancelled caller a connection (or an answer) instead.
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
                     reader, writer = await vm.open_agent(limit=protocol.MAX_FRAME_BYTES + 1)
                 return cls(reader, writer)
@@ -200,8 +200,9 @@ class AgentClient:
         if pending is None:
             raise AgentError(protocol.ERR_INTERNAL, f"request {req_id} is not in flight")
         try:
-            frame = await asyncio.wait_for(asyncio.shield(pending.done), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # not wait_for: see connect (a stopping daemon's cancel)
+                frame = await asyncio.shield(pending.done)
+        except TimeoutError:
             raise AgentError(protocol.ERR_TIMEOUT, f"agent did not answer {pending.op} within {timeout} s") from None
         finally:
             self._pending.pop(req_id, None)
