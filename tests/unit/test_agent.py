@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -493,11 +493,11 @@ def test_run_code_values(agent: AgentClient, code: str, value: str | None, value
 
 
 def test_run_code_streams_output_as_it_prints(agent: AgentClient) -> None:
-    code = "import sys, time\nprint('a')\ntime.sleep(0.5)\nprint('b', file=sys.stderr)\nprint('c', end='')"
+    code = "import sys, time\nprint('a')\ntime.sleep(1.5)\nprint('b', file=sys.stderr)\nprint('c', end='')"
     frames = agent.collect(agent.start(protocol.OP_RUN_CODE, {"code": code, "context": "stream"}))
     events = [f for _, f in frames[:-1]]
     assert [(e["event"], e["data"]["text"]) for e in events] == [("stdout", "a\n"), ("stderr", "b\n"), ("stdout", "c")]
-    assert frames[-1][0] - frames[0][0] > 0.3
+    assert frames[-1][0] - frames[0][0] > 0.75
 
 
 def test_run_code_output_of_concurrent_cells_stays_separate(agent: AgentClient) -> None:
@@ -603,17 +603,30 @@ def _traced_stages(agent: AgentClient, op: str, args: dict[str, Any]) -> tuple[l
     return [stage for stage, _ in marks], terminal["result"]
 
 
+def _fast_path_taken(agent: AgentClient, op: str, args: dict[str, Any], answered: Callable[[dict[str, Any]], bool],
+                     tries: int = 5) -> list[str]:
+    """The stages of the first of ``tries`` calls answered on the reader thread (no worker "resumed")."""
+    for _ in range(tries):
+        stages, result = _traced_stages(agent, op, args)
+        assert answered(result), result
+        if "resumed" not in stages:
+            return stages
+    raise AssertionError(f"{op} went to a worker in all {tries} tries: {stages}")
+
+
 def test_a_short_cell_is_answered_without_a_worker_and_a_long_one_with(agent: AgentClient) -> None:
     """A cell whose context exists and is idle is sent and answered on the reader thread (no "resumed":
     no worker took over); a context still to be forked, or an answer not there within the reader's
     wait, goes to a worker, and the answers are the same."""
     first, result = _traced_stages(agent, protocol.OP_EVAL, {"expr": "6 * 7", "context": "eager"})
     assert "resumed" in first and result["value"] == "42"  # the context was forked on a worker
-    again, result = _traced_stages(agent, protocol.OP_EVAL, {"expr": "6 * 7", "context": "eager"})
-    assert "resumed" not in again and result["value"] == "42"
+    # The reader's wait is short (EAGER_WAIT_S): a machine busy for that long sends one cell to a worker,
+    # so the fast path must be taken in one of a few tries, and the answers are the same either way.
+    again = _fast_path_taken(agent, protocol.OP_EVAL, {"expr": "6 * 7", "context": "eager"},
+                             lambda result: result["value"] == "42")
     assert again.index("ctx_ran") < again.index("ctx_answered") < again.index("handled")
-    cell, result = _traced_stages(agent, protocol.OP_RUN_CODE, {"code": "print('hi')\n1 + 1", "context": "eager"})
-    assert "resumed" not in cell and result["results"][0]["text"] == "2"
+    _fast_path_taken(agent, protocol.OP_RUN_CODE, {"code": "print('hi')\n1 + 1", "context": "eager"},
+                     lambda result: result["results"][0]["text"] == "2")
     slow, result = _traced_stages(agent, protocol.OP_EVAL, {"expr": f"__import__('time').sleep({interpreters.EAGER_WAIT_S * 3}) or 5",
                                                              "context": "eager"})
     assert "resumed" in slow and result["value"] == "5"
@@ -621,13 +634,18 @@ def test_a_short_cell_is_answered_without_a_worker_and_a_long_one_with(agent: Ag
 
 def test_a_request_sent_while_the_reader_waits_for_a_cell_is_answered_first(agent: AgentClient) -> None:
     agent.result(protocol.OP_EVAL, {"expr": "0", "context": "eager-wait"})
-    cell = agent.start(protocol.OP_EVAL, {"expr": f"__import__('time').sleep({interpreters.EAGER_WAIT_S / 2}) or 1",
-                                          "context": "eager-wait"})
-    ping = agent.start(protocol.OP_PING)
-    ping_at, pong = agent.next_frame(ping)
-    cell_at, answer = agent.next_frame(cell)
-    assert pong["ok"] and answer["result"]["value"] == "1"
-    assert ping_at < cell_at
+    order = []
+    for _ in range(3):  # the ping must reach the agent within the cell's sleep: a busy machine may miss it once
+        cell = agent.start(protocol.OP_EVAL, {"expr": f"__import__('time').sleep({interpreters.EAGER_WAIT_S / 2}) or 1",
+                                              "context": "eager-wait"})
+        ping = agent.start(protocol.OP_PING)
+        ping_at, pong = agent.next_frame(ping)
+        cell_at, answer = agent.next_frame(cell)
+        assert pong["ok"] and answer["result"]["value"] == "1"
+        order.append(ping_at < cell_at)
+        if order[-1]:
+            break
+    assert any(order), "the cell was answered before the ping every time"
 
 
 @pytest.mark.parametrize(

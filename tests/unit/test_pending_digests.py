@@ -96,8 +96,9 @@ def test_a_full_branch_answers_before_its_memory_is_hashed_and_digest_consumers_
             lookup = asyncio.ensure_future(asyncio.to_thread(runtime.store.by_digest, expected))
             listing = asyncio.ensure_future(runtime.node.describe())
             later = asyncio.ensure_future(runtime.branches.branch(source.record.id, "d2", mode="diff"))
-            await asyncio.sleep(0.5)
-            assert gate.started.is_set() and not lookup.done() and not listing.done() and not later.done()
+            assert await asyncio.to_thread(gate.started.wait, 30)
+            await asyncio.sleep(0.5)  # the consumers had time to finish, were they not waiting for the digest
+            assert not lookup.done() and not listing.done() and not later.done()
             gate.open.set()
             found = await lookup
             assert found is not None and found.tag == "f1" and record_digest(found) == expected

@@ -210,13 +210,14 @@ def test_forks_take_the_pool_first_and_a_crashed_daemon_leaves_nothing(tmp_path:
         await settle(pool)
         assert pool.describe("base")["ready"] == 2  # refilled once the batch was done
         leftovers = set(pool.describe("base")["members"])
-        # The daemon dies (nothing stopped): a new one reaps the members (run directories without a record).
+        # The daemon dies (nothing stopped, its children's VMMs run on): a new one adopts the children and
+        # reaps the members (run directories without a record).
+        await runtime.sandboxes.detach_all()
         restarted = await Runtime.open(runtime.paths, FakeVmm())
         recovered = await recover(restarted.sandboxes, restarted.store)
         assert leftovers <= set(recovered.reaped)
         assert not any((runtime.paths.sandboxes / m).exists() for m in leftovers)
-        await runtime.sandboxes.kill_all()
-        restarted.registry.close()
+        await restarted.stop()  # kills what it adopted, each released once, before its registry closes
         runtime.registry.close()
 
     run(scenario)

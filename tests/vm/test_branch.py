@@ -283,7 +283,7 @@ def test_no_wait_branch_conflicts_and_cap(daemon: Controller, snapshot_tag: str,
         with child_of(daemon, "async-2") as child:
             assert sh(daemon, child, "cat /tmp/queued") == "later\n"
     finally:
-        for tag in ("async-2", "async-1"):
+        for tag in ("async-3", "async-2", "async-1"):  # async-3 too, should the cap not have held
             with contextlib.suppress(ForkdError):
                 daemon.wait_snapshot(tag, timeout_s=300)
                 daemon.remove_snapshot(tag)

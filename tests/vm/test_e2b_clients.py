@@ -129,6 +129,14 @@ finally:
 """
 
 
+def _cmdline(pid: int) -> bytes:
+    """A process's command line; empty once it exited (another sandbox's VMM may end meanwhile)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_python_sdk_upload_outlasts_a_starved_guest(e2b_env: dict[str, str], forkd_home: Path) -> None:
     """The Python SDK's transport gives up on a connection whose TCP window stays shut for 30 s; the
     guest being stopped for longer than that in the middle of an upload makes it slower, not failed."""
@@ -137,8 +145,7 @@ def test_python_sdk_upload_outlasts_a_starved_guest(e2b_env: dict[str, str], for
     try:
         sandbox_id = client.stdout.readline().strip()  # type: ignore[union-attr]
         assert sandbox_id.startswith("sb-"), client.communicate(timeout=60)
-        (vmm,) = [pid for pid in vmm_processes_under(forkd_home)
-                  if sandbox_id.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        (vmm,) = [pid for pid in vmm_processes_under(forkd_home) if sandbox_id.encode() in _cmdline(pid)]
         os.kill(vmm, signal.SIGSTOP)
         try:
             client.stdin.write("go\n")  # type: ignore[union-attr]

@@ -30,7 +30,7 @@ from forkd.sdk.controller import Controller, DaemonUnreachable, ForkdError
 pytestmark = pytest.mark.vm
 TAG = "faults"
 START_TIMEOUT_S = 60.0
-RELEASE_BOUND_S = 10.0  # a bounded wait for release; the measured time is printed, not asserted
+RELEASE_BOUND_S = 60.0  # a bounded wait for release; the measured time is printed, not asserted
 
 
 class Daemon:
@@ -85,10 +85,14 @@ def _sockets_under(home: Path) -> list[str]:
                   if name.endswith(".sock") and name != "forkd.sock")
 
 
+def record_ids(home: Path) -> list[str]:
+    with contextlib.closing(sqlite3.connect(f"file:{home / 'state.db'}?mode=ro", uri=True)) as db:
+        return sorted(row[0] for row in db.execute("SELECT id FROM sandboxes"))
+
+
 def host_state(home: Path) -> dict[str, object]:
     """What a leak would show: VMM processes, run directories, sockets, sandbox records."""
-    with contextlib.closing(sqlite3.connect(f"file:{home / 'state.db'}?mode=ro", uri=True)) as db:
-        records = sorted(row[0] for row in db.execute("SELECT id FROM sandboxes"))
+    records = record_ids(home)
     sandboxes = home / "sandboxes"
     return {
         "vmms": len(vmm_processes_under(home)),
@@ -306,7 +310,8 @@ def test_vmm_sigkill_is_released_promptly(daemon: Daemon, fault_home: Path) -> N
     for child in client.fork(TAG, 3)["sandboxes"]:
         os.kill(child["pid"], signal.SIGKILL)
         # The record goes last, after the run directory: wait for it, or the check below races the release.
-        timings.append(wait_until(lambda: child["id"] not in host_state(fault_home)["records"], step_s=0.002))
+        # Polled by the record alone: scanning every process each step would take a core from the daemon.
+        timings.append(wait_until(lambda: child["id"] not in record_ids(fault_home), step_s=0.005))
     print(f"\nVMM SIGKILL → sandbox released after {', '.join(f'{t * 1000:.0f}' for t in timings)} ms")
     assert host_state(fault_home) == before
 

@@ -57,12 +57,12 @@ def test_a_client_that_asks_gets_every_hop_of_its_call(vm_env: dict[str, str], c
 
 def test_streamed_exec_delivers_output_before_exit(daemon: Controller, children: list[str]) -> None:
     arrivals: list[tuple[float, dict]] = []
-    result = daemon.exec(children[0], "echo first; sleep 2; echo second", timeout_s=30,
+    result = daemon.exec(children[0], "echo first; sleep 4; echo second", timeout_s=30,
                          on_event=lambda event: arrivals.append((time.monotonic(), event)))
     done = time.monotonic()
     stdout = [(t, e["data"]) for t, e in arrivals if e.get("event") == "stdout"]
     assert "".join(d for _, d in stdout) == "first\nsecond\n"
-    assert done - stdout[0][0] > 1.5, "the first line must arrive while the command still runs"
+    assert done - stdout[0][0] > 2.0, "the first line must arrive while the command still runs"
     assert result["exit_code"] == 0
 
 
@@ -162,7 +162,7 @@ def test_vmms_run_without_transparent_huge_pages(daemon: Controller, children: l
 def test_vmm_killed_from_outside_is_released(daemon: Controller, snapshot_tag: str, forkd_home: Path) -> None:
     child = daemon.fork(snapshot_tag, 1)["sandboxes"][0]
     os.kill(child["pid"], 9)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # released at once on a quiet machine; bounded for a loaded one
     while child["id"] in [s["id"] for s in daemon.sandboxes()] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert child["id"] not in [s["id"] for s in daemon.sandboxes()]

@@ -102,8 +102,15 @@ def test_a_stopped_child_answers_exec_run_code_files_branch_and_fork(idle_daemon
 def test_a_woken_childs_clock_is_right(idle_daemon: Controller, child: str) -> None:
     wait_stopped(idle_daemon, child)
     time.sleep(5)  # a stopped guest's clock stands still: 5 s behind unless set on waking
-    guest = float(idle_daemon.exec(child, "date +%s.%N")["stdout"])
-    assert abs(guest - time.time()) < 2.0
+    _assert_clock_right(idle_daemon, child)
+
+
+def _assert_clock_right(daemon: Controller, sandbox_id: str) -> None:
+    """The guest's clock, read while the request ran, within a second of the host's over that time."""
+    before = time.time()
+    guest = float(daemon.exec(sandbox_id, "date +%s.%N")["stdout"])
+    after = time.time()
+    assert before - 1.0 <= guest <= after + 1.0, (before, guest, after)
 
 
 def _serves(daemon: Controller, sandbox_id: str) -> bool:
@@ -164,8 +171,7 @@ def test_with_swap_a_stopped_childs_memory_is_paged_out_and_it_answers_right_aft
     assert zram_swap.mm_stat(zram)["orig_data_size"] > 10 << 20
     time.sleep(3)  # stopped a while: its clock stands still unless set on waking
 
-    guest = float(idle_daemon.exec(child, "date +%s.%N")["stdout"])
-    assert abs(guest - time.time()) < 2.0
+    _assert_clock_right(idle_daemon, child)
     assert idle_daemon.exec(child, "echo awake")["stdout"] == "awake\n"
     assert idle_daemon.run_code(child, "y + 1")["value"] == "43"  # the interpreter's state came back
     assert idle_daemon.read_file(child, "/root/kept.txt") == b"kept across a page-out"

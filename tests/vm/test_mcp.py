@@ -124,7 +124,7 @@ def test_stdio_session_drives_a_sandbox(daemon: Controller, snapshot_tag: str, s
                     daemon.remove_snapshot(branched["tag"])
 
                 await _ok(client, "exec", sandbox_id=sandbox_id,
-                          command="sh -c 'sleep 1; echo done > /tmp/m' > /dev/null 2>&1 &")
+                          command="sh -c 'sleep 5; echo done > /tmp/m' > /dev/null 2>&1 &")  # well past the first poll
                 waited = await _ok(client, "wait_for_text", sandbox_id=sandbox_id, path="/tmp/m", text="done",
                                    timeout_s=60, interval_s=0.2)
                 assert waited["found"] and waited["polls"] > 1, waited

@@ -240,7 +240,16 @@ def test_everything_is_removed_after_kill(daemon: Controller, snapshot_tag: str)
         assert f"fkd{sandbox_id[3:]}" in during["links"]
     for sandbox_id in ids:
         daemon.kill(sandbox_id)
+
+    def left() -> dict[str, set[str]]:
+        """What these two left, and any nft table added since (the daemon's other sandboxes may come and go)."""
+        names = {f"forkd-{i}" for i in ids} | {f"fkd{i[3:]}" for i in ids} | set(ids)
+        now = _host_objects()
+        found = {kind: {o for o in objects if any(name in o for name in names)} for kind, objects in now.items()}
+        found["nft"] |= now["nft"] - before["nft"]
+        return {kind: objects for kind, objects in found.items() if objects}
+
     deadline = time.monotonic() + 30
-    while _host_objects() != before and time.monotonic() < deadline:
+    while left() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _host_objects() == before
+    assert left() == {}
