@@ -221,8 +221,8 @@ class Spawner:
             starting.stop(STOPPING)  # one whose VMM starts from now on is refused as soon as it has it
         for child in list(self._children):
             child.cancel()  # its clean-up kills what it started; its batch ends once every child's has run
-        # Killed here too: a cancellation can be lost (Python 3.11's wait_for may return a result instead),
-        # and a child waiting for its guest's answer then fails at once instead of at its timeout.
+        # Killed here too, not only by each child's clean-up: a child busy in a step that does not end on
+        # cancellation (a thread, a library's own wait) fails at once instead of at its timeout.
         await asyncio.gather(*(self.vmm.kill(c.vm) for c in self._starting if c.vm is not None),
                              return_exceptions=True)
         if batches:
