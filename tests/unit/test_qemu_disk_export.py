@@ -32,20 +32,30 @@ def _write(disk: Path, offset_mib: int, pattern: int) -> None:
                    capture_output=True, timeout=60)
 
 
+def _holder(disk: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["qemu-io", "-c", "sleep 600000", str(disk)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 @contextmanager
 def _held_for_writing(*disks: Path) -> Iterator[None]:
-    """Each disk open read-write by a process of its own, as QEMU holds the tops it wrote before."""
-    holders = [subprocess.Popen(["qemu-io", "-c", "sleep 600000", str(disk)], stdout=subprocess.DEVNULL)
-               for disk in disks]
+    """Each disk open read-write by a process of its own, as QEMU holds the tops it wrote before.
+
+    Held once qemu-img can no longer open it beside its holder. That probe can itself make the holder's
+    open fail (the two lock each other out), so a holder that exited is started again."""
+    holders = {disk: _holder(disk) for disk in disks}
     try:
-        for disk in disks:  # held once qemu-img can no longer open it beside its holder
-            deadline = time.monotonic() + 30
-            while subprocess.run(["qemu-img", "info", str(disk)], capture_output=True, timeout=60).returncode == 0:
+        for disk in disks:
+            deadline = time.monotonic() + 60
+            while subprocess.run(["qemu-img", "info", str(disk)], capture_output=True, timeout=60).returncode == 0 \
+                    or holders[disk].poll() is not None:
                 assert time.monotonic() < deadline, f"qemu-io did not lock {disk}"
+                if holders[disk].poll() is not None:
+                    holders[disk] = _holder(disk)
                 time.sleep(0.05)
         yield
     finally:
-        for holder in holders:
+        for holder in holders.values():
             holder.kill()
             holder.wait()
 
