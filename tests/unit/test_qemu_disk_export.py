@@ -47,11 +47,12 @@ def _held_for_writing(*disks: Path) -> Iterator[None]:
     try:
         for disk in disks:
             deadline = time.monotonic() + 60
-            while subprocess.run(["qemu-img", "info", str(disk)], capture_output=True, timeout=60).returncode == 0 \
-                    or holders[disk].poll() is not None:
-                assert time.monotonic() < deadline, f"qemu-io did not lock {disk}"
-                if holders[disk].poll() is not None:
+            while True:
+                if holders[disk].poll() is not None:  # its open lost to the probe: open it again
                     holders[disk] = _holder(disk)
+                elif subprocess.run(["qemu-img", "info", str(disk)], capture_output=True, timeout=60).returncode:
+                    break  # refused beside its live holder: held
+                assert time.monotonic() < deadline, f"qemu-io did not lock {disk}"
                 time.sleep(0.05)
         yield
     finally:

@@ -106,11 +106,12 @@ def test_a_woken_childs_clock_is_right(idle_daemon: Controller, child: str) -> N
 
 
 def _assert_clock_right(daemon: Controller, sandbox_id: str) -> None:
-    """The guest's clock, read while the request ran, within a second of the host's over that time."""
+    """The guest's clock, read while the request ran, within half a second of the host's over that time (a
+    clock left standing while stopped for 5 s fails it unless the request itself took over 4.5 s)."""
     before = time.time()
     guest = float(daemon.exec(sandbox_id, "date +%s.%N")["stdout"])
     after = time.time()
-    assert before - 1.0 <= guest <= after + 1.0, (before, guest, after)
+    assert before - 0.5 <= guest <= after + 0.5, (before, guest, after)
 
 
 def _serves(daemon: Controller, sandbox_id: str) -> bool:
@@ -169,7 +170,7 @@ def test_with_swap_a_stopped_childs_memory_is_paged_out_and_it_answers_right_aft
     assert running["Private_Dirty"] - paged["Private_Dirty"] > 10 << 10, (running, paged)
     assert paged["Swap"] > 10 << 10, paged
     assert zram_swap.mm_stat(zram)["orig_data_size"] > 10 << 20
-    time.sleep(3)  # stopped a while: its clock stands still unless set on waking
+    time.sleep(5)  # stopped a while: its clock stands still unless set on waking
 
     _assert_clock_right(idle_daemon, child)
     assert idle_daemon.exec(child, "echo awake")["stdout"] == "awake\n"
